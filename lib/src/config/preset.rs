@@ -1,0 +1,240 @@
+//! The built-in presets and how they name devices.
+
+use pci_ids::FromId;
+
+use super::{ClassPrefix, DeviceIds, Entry, EntrySource, ResourceName, Selector, DEFAULT_DRIVER};
+
+/// The names `preset` accepts.
+pub const PRESETS: &[&str] = &["rebellions", "nvidia", "nvidia-nvswitch"];
+
+const REBELLIONS_VENDOR: u16 = 0x1eff;
+const NVIDIA_VENDOR: u16 = 0x10de;
+
+/// Rebellions devices with fixed names: device id and resource name.
+const REBELLIONS_NAMES: &[(u16, &str)] = &[
+    (0x1120, "rebellions.ai/ATOM_CA12_PT"),
+    (0x1121, "rebellions.ai/ATOM_CA12_VF_PT"),
+    (0x1220, "rebellions.ai/ATOM_CA22_PT"),
+    (0x1221, "rebellions.ai/ATOM_CA22_VF_PT"),
+    (0x1250, "rebellions.ai/ATOM_CA25_PT"),
+    (0x1251, "rebellions.ai/ATOM_CA25_VF_PT"),
+    (0x2030, "rebellions.ai/REBEL_CR03_PT"),
+    (0x2031, "rebellions.ai/REBEL_CR03_VF_PT"),
+];
+
+/// How an entry names the devices it selects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Naming {
+    /// One name for every device (explicit entries).
+    Fixed(ResourceName),
+    /// The Rebellions table, else `rebellions.ai/RBLN_<device>_PT`.
+    Rebellions,
+    /// The PCI ID database name, else `nvidia.com/<device>`.
+    Nvidia,
+}
+
+impl Naming {
+    pub(super) fn name_for(&self, ids: &DeviceIds) -> ResourceName {
+        match self {
+            Self::Fixed(name) => name.clone(),
+            Self::Rebellions => rebellions_name(ids.device),
+            Self::Nvidia => nvidia_name(ids.vendor, ids.device),
+        }
+    }
+
+    /// Whether some device this rule names could get `name`.
+    pub(super) fn can_give(&self, name: &ResourceName) -> bool {
+        match self {
+            Self::Fixed(fixed) => fixed == name,
+            Self::Rebellions => {
+                REBELLIONS_NAMES.iter().any(|(_, n)| *n == name.as_str())
+                    || name
+                        .as_str()
+                        .strip_prefix("rebellions.ai/RBLN_")
+                        .and_then(|rest| rest.strip_suffix("_PT"))
+                        .is_some_and(is_lower_hex_id)
+            }
+            Self::Nvidia => {
+                name.as_str()
+                    .strip_prefix("nvidia.com/")
+                    .is_some_and(is_lower_hex_id)
+                    || pci_ids::Vendor::from_id(NVIDIA_VENDOR).is_some_and(|vendor| {
+                        vendor
+                            .devices()
+                            .any(|d| nvidia_name_from_db(d.id(), Some(d.name())) == *name)
+                    })
+            }
+        }
+    }
+
+    pub(super) fn describe(&self) -> String {
+        match self {
+            Self::Fixed(name) => name.to_string(),
+            Self::Rebellions => {
+                let table: Vec<String> = REBELLIONS_NAMES
+                    .iter()
+                    .map(|(id, name)| format!("{id:04x} {name}"))
+                    .collect();
+                format!(
+                    "{}, any other rebellions.ai/RBLN_<device>_PT",
+                    table.join(", ")
+                )
+            }
+            Self::Nvidia => {
+                "nvidia.com/<PCI ID database name>, else nvidia.com/<device>".to_owned()
+            }
+        }
+    }
+}
+
+/// The entries of a preset, `None` for an unknown name.
+pub(super) fn entries(name: &str) -> Option<Vec<Entry>> {
+    let class = |value, digits| ClassPrefix { value, digits };
+    let (source, vendor, classes, naming) = match name {
+        "rebellions" => (
+            "rebellions",
+            REBELLIONS_VENDOR,
+            vec![class(0x12, 2)],
+            Naming::Rebellions,
+        ),
+        "nvidia" => (
+            "nvidia",
+            NVIDIA_VENDOR,
+            vec![class(0x0300, 4), class(0x0302, 4)],
+            Naming::Nvidia,
+        ),
+        "nvidia-nvswitch" => (
+            "nvidia-nvswitch",
+            NVIDIA_VENDOR,
+            vec![class(0x0680, 4)],
+            Naming::Nvidia,
+        ),
+        _ => return None,
+    };
+    Some(vec![Entry {
+        source: EntrySource::Preset(source),
+        selector: Selector {
+            vendor,
+            devices: None,
+            classes: Some(classes),
+        },
+        naming,
+        driver: DEFAULT_DRIVER.to_owned(),
+    }])
+}
+
+fn is_lower_hex_id(text: &str) -> bool {
+    text.len() == 4
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+fn rebellions_name(device: u16) -> ResourceName {
+    let name = REBELLIONS_NAMES
+        .iter()
+        .find(|(id, _)| *id == device)
+        .map_or_else(
+            || format!("rebellions.ai/RBLN_{device:04x}_PT"),
+            |(_, name)| (*name).to_owned(),
+        );
+    ResourceName::from_trusted(name)
+}
+
+/// NVIDIA's KubeVirt naming: the PCI ID database name, trimmed, upper-cased, '/' and
+/// '.' turned into '_', each run of whitespace into one '_', anything else outside
+/// `[A-Za-z0-9_]` dropped. Falls back to the device id when the database has no name
+/// or the result is not a valid resource name.
+fn nvidia_name(vendor: u16, device: u16) -> ResourceName {
+    nvidia_name_from_db(
+        device,
+        pci_ids::Device::from_vid_pid(vendor, device).map(|d| d.name()),
+    )
+}
+
+fn nvidia_name_from_db(device: u16, db_name: Option<&str>) -> ResourceName {
+    db_name
+        .and_then(|name| {
+            format!("nvidia.com/{}", kubevirt_device_name(name))
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| ResourceName::from_trusted(format!("nvidia.com/{device:04x}")))
+}
+
+pub(super) fn kubevirt_device_name(db_name: &str) -> String {
+    let mut out = String::with_capacity(db_name.len());
+    let mut in_space = false;
+    for c in db_name.trim().chars() {
+        // ASCII whitespace is what Go's `\s` matches.
+        if c.is_ascii_whitespace() {
+            if !in_space {
+                out.push('_');
+            }
+            in_space = true;
+            continue;
+        }
+        in_space = false;
+        match c {
+            '/' | '.' => out.push('_'),
+            c if c.is_ascii_alphanumeric() || c == '_' => out.push(c.to_ascii_uppercase()),
+            _ => {}
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kubevirt_device_names() {
+        assert_eq!(
+            kubevirt_device_name("GH100 [H100 SXM5 80GB]"),
+            "GH100_H100_SXM5_80GB"
+        );
+        assert_eq!(
+            kubevirt_device_name("  TU104GL [Tesla T4]\t"),
+            "TU104GL_TESLA_T4"
+        );
+        assert_eq!(
+            kubevirt_device_name("GH100 [GH200 120GB / 480GB]"),
+            "GH100_GH200_120GB___480GB"
+        );
+        assert_eq!(
+            kubevirt_device_name("GA102GL [A10 v2.0]"),
+            "GA102GL_A10_V2_0"
+        );
+        assert_eq!(kubevirt_device_name("a \t\n b"), "A_B");
+        assert_eq!(kubevirt_device_name("(x)-[y]+"), "XY");
+        assert_eq!(kubevirt_device_name(""), "");
+    }
+
+    #[test]
+    fn table_names_are_valid() {
+        for (_, name) in REBELLIONS_NAMES {
+            name.parse::<ResourceName>().unwrap();
+        }
+        assert_eq!(
+            rebellions_name(0xabcd).as_str(),
+            "rebellions.ai/RBLN_abcd_PT"
+        );
+        assert_eq!(nvidia_name(0x10de, 0x0000).as_str(), "nvidia.com/0000");
+    }
+
+    #[test]
+    fn can_give() {
+        let name = |s: &str| s.parse::<ResourceName>().unwrap();
+        assert!(Naming::Rebellions.can_give(&name("rebellions.ai/ATOM_CA25_VF_PT")));
+        assert!(Naming::Rebellions.can_give(&name("rebellions.ai/RBLN_1020_PT")));
+        assert!(!Naming::Rebellions.can_give(&name("rebellions.ai/RBLN_1020_VF_PT")));
+        assert!(!Naming::Rebellions.can_give(&name("rebellions.ai/RBLN_10200_PT")));
+        assert!(!Naming::Rebellions.can_give(&name("rebellions.ai/RBLN_ABCD_PT")));
+        assert!(!Naming::Rebellions.can_give(&name("rebellions.ai/ATOM_CA11_PT")));
+        assert!(Naming::Nvidia.can_give(&name("nvidia.com/GH100_H100_SXM5_80GB")));
+        assert!(Naming::Nvidia.can_give(&name("nvidia.com/ffff")));
+        assert!(!Naming::Nvidia.can_give(&name("nvidia.com/MY_GPU")));
+        assert!(!Naming::Nvidia.can_give(&name("example.com/GH100_H100_SXM5_80GB")));
+    }
+}

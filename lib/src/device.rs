@@ -1,0 +1,331 @@
+//! One PCI function as sysfs shows it, read into a snapshot.
+//!
+//! Parsers take the text of a sysfs attribute and are tested on captured contents;
+//! [`PciDevice::read`] adds the paths.
+//!
+//! ```no_run
+//! use vfio_sandbox::{Host, PciDevice};
+//! let host = Host::default();
+//! let dev = PciDevice::read(&host, &"0000:3b:00.0".parse().unwrap()).unwrap();
+//! println!("{} {:04x}:{:04x} on {:?}", dev.address, dev.vendor, dev.device, dev.driver);
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use crate::config::DeviceIds;
+use crate::io::{read_optional, read_trimmed, Action, IoError, WrapIo};
+use crate::{Host, PciAddress};
+
+/// A malformed sysfs attribute.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// The device directory does not exist.
+    #[error("no PCI device {address} ({path} does not exist)")]
+    NotFound {
+        /// The address asked for.
+        address: PciAddress,
+        /// The directory looked for.
+        path: PathBuf,
+    },
+    /// A file could not be read.
+    #[error(transparent)]
+    Io(#[from] IoError),
+    /// A file held something we cannot parse.
+    #[error("unexpected contents {contents:?} in {path}: {expected}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What it held.
+        contents: String,
+        /// What was expected.
+        expected: &'static str,
+    },
+}
+
+/// SR-IOV capability of a physical function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Sriov {
+    /// `sriov_totalvfs`: how many VFs the PF supports.
+    pub total_vfs: u32,
+    /// `sriov_numvfs`: how many VFs are enabled now.
+    pub num_vfs: u32,
+}
+
+/// A snapshot of one PCI function.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PciDevice {
+    /// The function's address.
+    pub address: PciAddress,
+    /// `vendor`.
+    pub vendor: u16,
+    /// `device`.
+    pub device: u16,
+    /// `class`, 24 bits (base, sub, prog-if).
+    pub class: u32,
+    /// `subsystem_vendor`, when present.
+    pub subsystem_vendor: Option<u16>,
+    /// `subsystem_device`, when present.
+    pub subsystem_device: Option<u16>,
+    /// The bound driver's name (`driver` link), if any.
+    pub driver: Option<String>,
+    /// `driver_override`, `None` when unset (`(null)`) or absent.
+    pub driver_override: Option<String>,
+    /// The IOMMU group (`iommu_group` link); `None` when the IOMMU is off.
+    pub iommu_group: Option<u32>,
+    /// `numa_node`; `None` for `-1` or absent.
+    pub numa_node: Option<u32>,
+    /// SR-IOV state when this is a PF.
+    pub sriov: Option<Sriov>,
+    /// The PF of this VF (`physfn` link).
+    pub physfn: Option<PciAddress>,
+    /// Header type (low 7 bits of config byte 0x0e), when config space is readable.
+    pub header_type: Option<u8>,
+    /// PCI functions above this one, nearest first (from the canonical sysfs path).
+    pub upstream: Vec<PciAddress>,
+}
+
+impl PciDevice {
+    /// Reads the device at `address` under `host`.
+    pub fn read(host: &Host, address: &PciAddress) -> Result<Self, DeviceError> {
+        let dir = host.device_dir(address);
+        if !Host::exists(&dir) {
+            return Err(DeviceError::NotFound {
+                address: *address,
+                path: dir,
+            });
+        }
+        let hex16 = |name: &str| -> Result<u16, DeviceError> {
+            let path = dir.join(name);
+            let text = read_trimmed(&path)?;
+            parse_hex(&text)
+                .and_then(|v| u16::try_from(v).ok())
+                .ok_or_else(|| parse_error(&path, &text, "a 16-bit hex id like 0x1eff"))
+        };
+        let opt_hex16 = |name: &str| -> Result<Option<u16>, DeviceError> {
+            match dir.join(name).exists() {
+                true => hex16(name).map(Some),
+                false => Ok(None),
+            }
+        };
+        let class_path = dir.join("class");
+        let class_text = read_trimmed(&class_path)?;
+        let class = parse_hex(&class_text)
+            .filter(|c| *c <= 0xff_ffff)
+            .ok_or_else(|| parse_error(&class_path, &class_text, "a 24-bit hex class"))?;
+        Ok(Self {
+            address: *address,
+            vendor: hex16("vendor")?,
+            device: hex16("device")?,
+            class,
+            subsystem_vendor: opt_hex16("subsystem_vendor")?,
+            subsystem_device: opt_hex16("subsystem_device")?,
+            driver: link_name(&dir.join("driver"))?,
+            driver_override: read_optional(&dir.join("driver_override"))?
+                .and_then(|s| parse_driver_override(&s)),
+            iommu_group: read_group(&dir)?,
+            numa_node: read_numa(&dir)?,
+            sriov: read_sriov(&dir)?,
+            physfn: read_link_address(&dir.join("physfn"))?,
+            header_type: read_header_type(&dir),
+            upstream: upstream_chain(&dir)?,
+        })
+    }
+
+    /// The ids the resource list selects on.
+    pub fn ids(&self) -> DeviceIds {
+        DeviceIds {
+            vendor: self.vendor,
+            device: self.device,
+            class: self.class,
+        }
+    }
+
+    /// True for PCI-to-PCI bridges (class 0604 or header type 1): never rebound.
+    pub fn is_bridge(&self) -> bool {
+        self.class >> 8 == 0x0604 || self.header_type == Some(1)
+    }
+
+    /// True when this PF has VFs enabled (it cannot be bound to vfio-pci then).
+    pub fn has_vfs_enabled(&self) -> bool {
+        self.sriov.is_some_and(|s| s.num_vfs > 0)
+    }
+
+    /// The nearest upstream PCI function (a bridge or root port), if any.
+    pub fn parent_bridge(&self) -> Option<PciAddress> {
+        self.upstream.first().copied()
+    }
+}
+
+/// Lists every PCI function under `host`, sorted by address.
+pub fn list_addresses(host: &Host) -> Result<Vec<PciAddress>, IoError> {
+    let dir = host.pci_devices_dir();
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(&dir).wrap(Action::List, &dir)? {
+        let entry = entry.wrap(Action::List, &dir)?;
+        if let Some(addr) = entry.file_name().to_str().and_then(|s| s.parse().ok()) {
+            out.push(addr);
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn parse_error(path: &Path, text: &str, expected: &'static str) -> DeviceError {
+    DeviceError::Parse {
+        path: path.to_owned(),
+        contents: text.to_owned(),
+        expected,
+    }
+}
+
+/// Parses a sysfs hex value such as `0x1eff` (prefix optional).
+pub fn parse_hex(text: &str) -> Option<u32> {
+    let t = text.trim();
+    let digits = t
+        .strip_prefix("0x")
+        .or_else(|| t.strip_prefix("0X"))
+        .unwrap_or(t);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u32::from_str_radix(digits, 16).ok()
+}
+
+/// Parses `driver_override`: `(null)` or empty means unset.
+pub fn parse_driver_override(text: &str) -> Option<String> {
+    let t = text.trim();
+    (!t.is_empty() && t != "(null)").then(|| t.to_owned())
+}
+
+/// Parses `numa_node`: `-1` means no NUMA affinity.
+pub fn parse_numa_node(text: &str) -> Option<Option<u32>> {
+    let v: i64 = text.trim().parse().ok()?;
+    match v {
+        -1 => Some(None),
+        v => u32::try_from(v).ok().map(Some),
+    }
+}
+
+/// The file name a symlink points at (`driver` → `e1000e`), `None` when absent.
+pub fn link_name(path: &Path) -> Result<Option<String>, IoError> {
+    match std::fs::read_link(path) {
+        Ok(target) => Ok(target.file_name().map(|n| n.to_string_lossy().into_owned())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(IoError::new(Action::ReadLink, path, e)),
+    }
+}
+
+fn read_link_address(path: &Path) -> Result<Option<PciAddress>, DeviceError> {
+    Ok(link_name(path)?.and_then(|n| n.parse().ok()))
+}
+
+fn read_group(dir: &Path) -> Result<Option<u32>, DeviceError> {
+    let path = dir.join("iommu_group");
+    match link_name(&path)? {
+        None => Ok(None),
+        Some(name) => name
+            .parse()
+            .map(Some)
+            .map_err(|_| parse_error(&path, &name, "a link to an IOMMU group number")),
+    }
+}
+
+fn read_numa(dir: &Path) -> Result<Option<u32>, DeviceError> {
+    let path = dir.join("numa_node");
+    match read_optional(&path)? {
+        None => Ok(None),
+        Some(text) => parse_numa_node(&text)
+            .ok_or_else(|| parse_error(&path, &text, "-1 or a NUMA node number")),
+    }
+}
+
+fn read_count(path: &Path) -> Result<Option<u32>, DeviceError> {
+    match read_optional(path)? {
+        None => Ok(None),
+        Some(text) => text
+            .parse()
+            .map(Some)
+            .map_err(|_| parse_error(path, &text, "a decimal count")),
+    }
+}
+
+fn read_sriov(dir: &Path) -> Result<Option<Sriov>, DeviceError> {
+    let total = read_count(&dir.join("sriov_totalvfs"))?;
+    let num = read_count(&dir.join("sriov_numvfs"))?;
+    Ok(match (total, num) {
+        (None, None) => None,
+        (total, num) => Some(Sriov {
+            total_vfs: total.unwrap_or(0),
+            num_vfs: num.unwrap_or(0),
+        }),
+    })
+}
+
+/// Header type from config space byte 0x0e; `None` when config is absent or short.
+fn read_header_type(dir: &Path) -> Option<u8> {
+    use std::io::Read;
+    let mut buf = [0u8; 0x0f];
+    let mut f = std::fs::File::open(dir.join("config")).ok()?;
+    f.read_exact(&mut buf).ok()?;
+    Some(buf[0x0e] & 0x7f)
+}
+
+/// Parses the PCI functions above a device from its canonical sysfs path
+/// (`/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0` → `[0000:00:01.0]`).
+pub fn parse_upstream(canonical: &Path) -> Vec<PciAddress> {
+    let mut chain: Vec<PciAddress> = canonical
+        .components()
+        .filter_map(|c| c.as_os_str().to_str()?.parse().ok())
+        .collect();
+    chain.pop(); // the device itself
+    chain.reverse();
+    chain
+}
+
+fn upstream_chain(dir: &Path) -> Result<Vec<PciAddress>, DeviceError> {
+    let canonical = std::fs::canonicalize(dir).wrap(Action::ReadLink, dir)?;
+    Ok(parse_upstream(&canonical))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_values_as_sysfs_prints_them() {
+        assert_eq!(parse_hex("0x1eff\n"), Some(0x1eff));
+        assert_eq!(parse_hex("0x120000"), Some(0x12_0000));
+        assert_eq!(parse_hex("10DE"), Some(0x10de));
+        assert_eq!(parse_hex("0x"), None);
+        assert_eq!(parse_hex("0xzz"), None);
+        assert_eq!(parse_hex(""), None);
+    }
+
+    #[test]
+    fn driver_override_null_means_unset() {
+        assert_eq!(parse_driver_override("(null)\n"), None);
+        assert_eq!(parse_driver_override("\n"), None);
+        assert_eq!(
+            parse_driver_override("vfio-pci\n").as_deref(),
+            Some("vfio-pci")
+        );
+    }
+
+    #[test]
+    fn numa_node_minus_one_is_none() {
+        assert_eq!(parse_numa_node("-1\n"), Some(None));
+        assert_eq!(parse_numa_node("1"), Some(Some(1)));
+        assert_eq!(parse_numa_node("-2"), None);
+        assert_eq!(parse_numa_node("x"), None);
+    }
+
+    #[test]
+    fn upstream_chain_nearest_first() {
+        let p = Path::new(
+            "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:03.0/0000:03:00.1",
+        );
+        let chain: Vec<String> = parse_upstream(p).iter().map(|a| a.to_string()).collect();
+        assert_eq!(chain, ["0000:02:03.0", "0000:01:00.0", "0000:00:01.0"]);
+        assert!(parse_upstream(Path::new("/sys/devices/pci0000:00/0000:00:02.0")).is_empty());
+    }
+}

@@ -1,0 +1,432 @@
+//! A fake node for tests: a sysfs/dev/modules tree in a directory, and a
+//! [`FakeKernel`] that applies writes the way the kernel's PCI core does.
+//!
+//! This is for unit tests of edge cases; the decisive tests run on a real kernel.
+//!
+//! ```
+//! use vfio_sandbox::fake::{FakeDevice, FakeNode};
+//! let dir = std::env::temp_dir().join(format!("fake-doc-{}", std::process::id()));
+//! let node = FakeNode::new(&dir);
+//! node.add_device(&FakeDevice::new("0000:01:00.0", 0x1eff, 0x1220, 0x120000).driver("rebellions").group(3));
+//! let dev = vfio_sandbox::PciDevice::read(&node.host, &"0000:01:00.0".parse().unwrap()).unwrap();
+//! assert_eq!(dev.driver.as_deref(), Some("rebellions"));
+//! # std::fs::remove_dir_all(&dir).unwrap();
+//! ```
+
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::cell::RefCell;
+use std::collections::{BTreeSet, HashMap};
+use std::fs;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+
+use crate::group::is_vfio_driver;
+use crate::io::{Action, IoError};
+use crate::kernel::{Kernel, SyscallError, Write};
+use crate::{Host, PciAddress};
+
+/// A device to create in the fake tree.
+#[derive(Debug, Clone)]
+pub struct FakeDevice {
+    pub address: PciAddress,
+    pub vendor: u16,
+    pub device: u16,
+    pub class: u32,
+    pub driver: Option<String>,
+    pub group: Option<u32>,
+    pub numa_node: i32,
+    pub parent: Option<PciAddress>,
+    pub sriov: Option<(u32, u32)>,
+    pub physfn: Option<PciAddress>,
+}
+
+impl FakeDevice {
+    pub fn new(address: &str, vendor: u16, device: u16, class: u32) -> Self {
+        Self {
+            address: address.parse().expect("test address"),
+            vendor,
+            device,
+            class,
+            driver: None,
+            group: None,
+            numa_node: -1,
+            parent: None,
+            sriov: None,
+            physfn: None,
+        }
+    }
+    pub fn driver(mut self, d: &str) -> Self {
+        self.driver = Some(d.into());
+        self
+    }
+    pub fn group(mut self, g: u32) -> Self {
+        self.group = Some(g);
+        self
+    }
+    pub fn numa(mut self, n: i32) -> Self {
+        self.numa_node = n;
+        self
+    }
+    pub fn parent(mut self, p: &str) -> Self {
+        self.parent = Some(p.parse().expect("test address"));
+        self
+    }
+    pub fn sriov(mut self, total: u32, num: u32) -> Self {
+        self.sriov = Some((total, num));
+        self
+    }
+    pub fn physfn(mut self, pf: &str) -> Self {
+        self.physfn = Some(pf.parse().expect("test address"));
+        self
+    }
+}
+
+/// A fake node rooted in a directory.
+#[derive(Debug, Clone)]
+pub struct FakeNode {
+    pub root: PathBuf,
+    pub host: Host,
+}
+
+impl FakeNode {
+    /// Creates the skeleton under `root` (`sys/`, `dev/`, `lib/modules/`).
+    pub fn new(root: &Path) -> Self {
+        let host = Host::new(root.join("sys"), root.join("dev"), root.join("lib/modules"));
+        for d in [
+            host.pci_devices_dir(),
+            host.drivers_dir(),
+            host.iommu_groups_dir(),
+            host.sysfs.join("module"),
+            host.sysfs.join("devices"),
+            host.vfio_dir(),
+            host.modules.clone(),
+        ] {
+            fs::create_dir_all(d).unwrap();
+        }
+        fs::write(host.drivers_probe(), "").unwrap();
+        Self {
+            root: root.to_owned(),
+            host,
+        }
+    }
+
+    /// Registers a PCI driver (and its module) in the fake tree.
+    pub fn add_driver(&self, name: &str) {
+        let dir = self.host.driver_dir(name);
+        fs::create_dir_all(&dir).unwrap();
+        for f in ["bind", "unbind", "new_id"] {
+            fs::write(dir.join(f), "").unwrap();
+        }
+        fs::create_dir_all(self.host.module_dir(name)).unwrap();
+    }
+
+    /// Marks a module as loaded without registering a driver.
+    pub fn add_module(&self, name: &str) {
+        fs::create_dir_all(self.host.module_dir(name)).unwrap();
+    }
+
+    /// The canonical directory of a device.
+    pub fn canonical_dir(&self, addr: &PciAddress) -> PathBuf {
+        let link = self.host.device_dir(addr);
+        fs::canonicalize(link).unwrap()
+    }
+
+    /// Creates a device with its attributes, links, group and driver.
+    pub fn add_device(&self, d: &FakeDevice) {
+        let parent_dir = match d.parent {
+            Some(p) => self.canonical_dir(&p),
+            None => self.host.sysfs.join(format!(
+                "devices/pci{:04x}:{:02x}",
+                d.address.domain(),
+                d.address.bus()
+            )),
+        };
+        let dir = parent_dir.join(d.address.to_string());
+        fs::create_dir_all(&dir).unwrap();
+        let w = |name: &str, v: String| fs::write(dir.join(name), v + "\n").unwrap();
+        w("vendor", format!("0x{:04x}", d.vendor));
+        w("device", format!("0x{:04x}", d.device));
+        w("class", format!("0x{:06x}", d.class));
+        w("subsystem_vendor", format!("0x{:04x}", d.vendor));
+        w("subsystem_device", "0x0000".into());
+        w("numa_node", d.numa_node.to_string());
+        w("driver_override", "(null)".into());
+        if let Some((total, num)) = d.sriov {
+            w("sriov_totalvfs", total.to_string());
+            w("sriov_numvfs", num.to_string());
+        }
+        symlink(&dir, self.host.device_dir(&d.address)).unwrap();
+        if let Some(pf) = d.physfn {
+            symlink(self.canonical_dir(&pf), dir.join("physfn")).unwrap();
+        }
+        if let Some(g) = d.group {
+            let gdir = self.host.iommu_group_devices_dir(g);
+            fs::create_dir_all(&gdir).unwrap();
+            symlink(&dir, gdir.join(d.address.to_string())).unwrap();
+            symlink(gdir.parent().unwrap(), dir.join("iommu_group")).unwrap();
+        }
+        if let Some(drv) = &d.driver {
+            self.add_driver(drv);
+            self.attach(&d.address, drv);
+        }
+        self.sync_group_nodes();
+    }
+
+    /// Removes a device (hot-unplug).
+    pub fn remove_device(&self, addr: &PciAddress) {
+        let dir = self.canonical_dir(addr);
+        fs::remove_file(self.host.device_dir(addr)).unwrap();
+        if let Ok(g) = fs::read_link(dir.join("iommu_group")) {
+            let _ = fs::remove_file(g.join("devices").join(addr.to_string()));
+        }
+        fs::remove_dir_all(dir).unwrap();
+        self.sync_group_nodes();
+    }
+
+    /// Binds `addr` to `driver` directly, as if the kernel probed it.
+    pub fn attach(&self, addr: &PciAddress, driver: &str) {
+        let dir = self.canonical_dir(addr);
+        let _ = fs::remove_file(dir.join("driver"));
+        symlink(self.host.driver_dir(driver), dir.join("driver")).unwrap();
+        self.sync_group_nodes();
+    }
+
+    /// Unbinds `addr` directly.
+    pub fn detach(&self, addr: &PciAddress) {
+        let _ = fs::remove_file(self.canonical_dir(addr).join("driver"));
+        self.sync_group_nodes();
+    }
+
+    /// Current driver of `addr`.
+    pub fn driver_of(&self, addr: &PciAddress) -> Option<String> {
+        crate::device::link_name(&self.canonical_dir(addr).join("driver")).unwrap()
+    }
+
+    /// Creates `/dev/vfio/<g>` for every group with a vfio-bound member, removes the rest;
+    /// `/dev/vfio/vfio` exists once any vfio driver is registered.
+    pub fn sync_group_nodes(&self) {
+        let mut wanted = BTreeSet::new();
+        for addr in crate::device::list_addresses(&self.host).unwrap() {
+            let dir = self.host.device_dir(&addr);
+            let drv = crate::device::link_name(&dir.join("driver")).unwrap();
+            let grp = crate::device::link_name(&dir.join("iommu_group")).unwrap();
+            if let (Some(d), Some(g)) = (drv, grp) {
+                if is_vfio_driver(&d) {
+                    wanted.insert(g);
+                }
+            }
+        }
+        for entry in fs::read_dir(self.host.vfio_dir()).unwrap() {
+            let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+            if name != "vfio" && !wanted.contains(&name) {
+                fs::remove_file(self.host.vfio_dir().join(name)).unwrap();
+            }
+        }
+        for g in wanted {
+            fs::write(self.host.vfio_dir().join(g), "").unwrap();
+        }
+    }
+
+    /// Writes a `modules.dep` for `release` and creates the module files it names.
+    pub fn add_modules_dep(&self, release: &str, text: &str) {
+        let dir = self.host.modules_release_dir(release);
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("modules.dep"), text).unwrap();
+    }
+}
+
+/// Emulates the PCI core's handling of sysfs writes on a [`FakeNode`].
+#[derive(Debug)]
+pub struct FakeKernel {
+    pub node: FakeNode,
+    /// Every write, in order.
+    pub writes: RefCell<Vec<Write>>,
+    /// Native driver each device re-probes to when it has no override.
+    pub native: RefCell<HashMap<PciAddress, String>>,
+    /// Writes whose path ends with this suffix fail with the errno (once).
+    pub fail_on: RefCell<Option<(String, i32)>>,
+    /// Group nodes reported in use.
+    pub busy_groups: RefCell<BTreeSet<PathBuf>>,
+    /// Modules loaded through `load_module`, in order.
+    pub loaded: RefCell<Vec<String>>,
+    /// Driver registered when a module loads (module name → driver name).
+    pub module_drivers: RefCell<HashMap<String, String>>,
+}
+
+impl FakeKernel {
+    pub fn new(node: &FakeNode) -> Self {
+        Self {
+            node: node.clone(),
+            writes: RefCell::default(),
+            native: RefCell::default(),
+            fail_on: RefCell::default(),
+            busy_groups: RefCell::default(),
+            loaded: RefCell::default(),
+            module_drivers: RefCell::default(),
+        }
+    }
+
+    /// Remembers each current driver as the device's native one.
+    pub fn learn_native_drivers(&self) {
+        for addr in crate::device::list_addresses(&self.node.host).unwrap() {
+            if let Some(d) = self.node.driver_of(&addr) {
+                self.native.borrow_mut().insert(addr, d);
+            }
+        }
+    }
+
+    /// The writes made so far, as `path <- data` lines relative to the fake root.
+    pub fn write_log(&self) -> Vec<String> {
+        self.writes
+            .borrow()
+            .iter()
+            .map(|w| {
+                let p = w.path.strip_prefix(&self.node.root).unwrap_or(&w.path);
+                format!("{} <- {}", p.display(), w.data.trim_end())
+            })
+            .collect()
+    }
+
+    fn err(path: &Path, data: &str, errno: i32) -> IoError {
+        IoError::new(
+            Action::Write(data.into()),
+            path,
+            std::io::Error::from_raw_os_error(errno),
+        )
+    }
+
+    fn override_of(&self, addr: &PciAddress) -> Option<String> {
+        let p = self.node.host.device_dir(addr).join("driver_override");
+        crate::device::parse_driver_override(&fs::read_to_string(p).unwrap())
+    }
+
+    fn probe(&self, addr: &PciAddress) {
+        if self.node.driver_of(addr).is_some() {
+            return;
+        }
+        let want = self
+            .override_of(addr)
+            .or_else(|| self.native.borrow().get(addr).cloned());
+        if let Some(d) = want {
+            if self.node.host.driver_dir(&d).exists() {
+                self.node.attach(addr, &d);
+            }
+        }
+    }
+}
+
+impl Kernel for FakeKernel {
+    fn write(&self, path: &Path, data: &str) -> Result<(), IoError> {
+        self.writes.borrow_mut().push(Write {
+            path: path.to_owned(),
+            data: data.to_owned(),
+        });
+        let failing = self.fail_on.borrow().clone();
+        if let Some((suffix, errno)) = failing {
+            if path.to_string_lossy().ends_with(&suffix) {
+                *self.fail_on.borrow_mut() = None;
+                return Err(Self::err(path, data, errno));
+            }
+        }
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let parent = path.parent().unwrap();
+        let bdf = || {
+            data.trim()
+                .parse::<PciAddress>()
+                .map_err(|_| Self::err(path, data, 22))
+        };
+        match name {
+            "driver_override" => {
+                let v = data.trim();
+                fs::write(
+                    path,
+                    if v.is_empty() {
+                        "(null)\n".into()
+                    } else {
+                        format!("{v}\n")
+                    },
+                )
+                .unwrap();
+            }
+            "unbind" => {
+                let addr = bdf()?;
+                // Either <device>/driver/unbind or drivers/<name>/unbind.
+                let drv = if parent.file_name().is_some_and(|n| n == "driver") {
+                    crate::device::link_name(parent).unwrap()
+                } else {
+                    parent.file_name().map(|n| n.to_string_lossy().into_owned())
+                };
+                match (drv, self.node.driver_of(&addr)) {
+                    (Some(d), Some(cur)) if d == cur => self.node.detach(&addr),
+                    _ => return Err(Self::err(path, data, 19)),
+                }
+            }
+            "drivers_probe" => self.probe(&bdf()?),
+            "bind" => {
+                let addr = bdf()?;
+                let drv = parent.file_name().unwrap().to_string_lossy().into_owned();
+                if self.node.driver_of(&addr).is_some() {
+                    return Err(Self::err(path, data, 16));
+                }
+                match self.override_of(&addr) {
+                    Some(o) if o != drv => return Err(Self::err(path, data, 19)),
+                    _ => self.node.attach(&addr, &drv),
+                }
+            }
+            _ => fs::write(path, data)
+                .map_err(|e| IoError::new(Action::Write(data.into()), path, e))?,
+        }
+        Ok(())
+    }
+
+    fn load_module(&self, name: &str, file: &Path) -> Result<(), SyscallError> {
+        if !file.exists() {
+            return Err(SyscallError::Open(IoError::new(
+                Action::Open,
+                file,
+                std::io::Error::from_raw_os_error(2),
+            )));
+        }
+        self.node.add_module(name);
+        if let Some(drv) = self.module_drivers.borrow().get(name) {
+            self.node.add_driver(drv);
+        }
+        self.loaded.borrow_mut().push(name.to_owned());
+        // Loading a driver probes every unbound device it matches.
+        for addr in crate::device::list_addresses(&self.node.host).unwrap() {
+            if self.override_of(&addr).is_none() {
+                self.probe(&addr);
+            }
+        }
+        Ok(())
+    }
+
+    fn unload_module(&self, name: &str) -> Result<(), SyscallError> {
+        let drivers: Vec<String> = self
+            .module_drivers
+            .borrow()
+            .iter()
+            .filter(|(m, _)| m.as_str() == name)
+            .map(|(_, d)| d.clone())
+            .collect();
+        for addr in crate::device::list_addresses(&self.node.host).unwrap() {
+            if self
+                .node
+                .driver_of(&addr)
+                .is_some_and(|d| drivers.contains(&d))
+            {
+                self.node.detach(&addr);
+            }
+        }
+        for d in drivers {
+            let _ = fs::remove_dir_all(self.node.host.driver_dir(&d));
+        }
+        let _ = fs::remove_dir_all(self.node.host.module_dir(name));
+        Ok(())
+    }
+
+    fn group_in_use(&self, node: &Path) -> Result<bool, IoError> {
+        Ok(self.busy_groups.borrow().contains(node))
+    }
+}

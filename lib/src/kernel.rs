@@ -1,0 +1,195 @@
+//! The only door through which node state changes: sysfs writes, module syscalls and
+//! the in-use probe of a VFIO group node.
+//!
+//! [`SysKernel`] talks to the real kernel, [`DryRun`] prints what it would do and
+//! changes nothing, and `fake::FakeKernel` emulates the kernel's sysfs rules on a fake
+//! tree for unit tests.
+
+use std::cell::RefCell;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+
+use crate::io::{Action, IoError, WrapIo};
+
+/// Why a module syscall failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SyscallError {
+    /// The file could not be opened.
+    #[error(transparent)]
+    Open(#[from] IoError),
+    /// The kernel refused.
+    #[error("{call} {target}: {errno}")]
+    Kernel {
+        /// `finit_module` or `delete_module`.
+        call: &'static str,
+        /// The module name or file.
+        target: String,
+        /// The kernel's answer.
+        errno: nix::errno::Errno,
+    },
+}
+
+impl SyscallError {
+    /// The errno the kernel gave, if this came from the kernel.
+    pub fn errno(&self) -> Option<nix::errno::Errno> {
+        match self {
+            SyscallError::Kernel { errno, .. } => Some(*errno),
+            SyscallError::Open(_) => None,
+        }
+    }
+}
+
+/// Every state-changing operation on the node.
+pub trait Kernel {
+    /// Writes `data` to a sysfs attribute in one `write(2)`.
+    fn write(&self, path: &Path, data: &str) -> Result<(), IoError>;
+    /// Loads the module in `file` (`finit_module`).
+    fn load_module(&self, name: &str, file: &Path) -> Result<(), SyscallError>;
+    /// Unloads a module without waiting (`delete_module` with `O_NONBLOCK`).
+    fn unload_module(&self, name: &str) -> Result<(), SyscallError>;
+    /// True when the VFIO group node is held open by someone (a VM): opening it gives
+    /// `EBUSY`. `false` when the node does not exist.
+    fn group_in_use(&self, node: &Path) -> Result<bool, IoError>;
+    /// True when this kernel only prints what it would do.
+    fn is_dry_run(&self) -> bool {
+        false
+    }
+}
+
+/// The real kernel.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SysKernel;
+
+impl Kernel for SysKernel {
+    fn write(&self, path: &Path, data: &str) -> Result<(), IoError> {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .wrap_write(path, data)?;
+        // sysfs takes one write per store; write_all would retry a short write as a
+        // second store, so insist on a single call.
+        let n = f.write(data.as_bytes()).wrap_write(path, data)?;
+        if n != data.len() {
+            return Err(IoError::new(
+                Action::Write(data.to_owned()),
+                path,
+                std::io::Error::other(format!("short write: {n} of {} bytes", data.len())),
+            ));
+        }
+        Ok(())
+    }
+
+    fn load_module(&self, name: &str, file: &Path) -> Result<(), SyscallError> {
+        let f = std::fs::File::open(file).wrap(Action::Open, file)?;
+        let flags = if is_compressed(file) {
+            // MODULE_INIT_COMPRESSED_FILE: the kernel decompresses (5.17+).
+            nix::kmod::ModuleInitFlags::from_bits_retain(4)
+        } else {
+            nix::kmod::ModuleInitFlags::empty()
+        };
+        nix::kmod::finit_module(f.as_fd(), c"", flags).map_err(|errno| SyscallError::Kernel {
+            call: "finit_module",
+            target: format!("{name} ({})", file.display()),
+            errno,
+        })
+    }
+
+    fn unload_module(&self, name: &str) -> Result<(), SyscallError> {
+        let cname = std::ffi::CString::new(name).map_err(|_| SyscallError::Kernel {
+            call: "delete_module",
+            target: name.to_owned(),
+            errno: nix::errno::Errno::EINVAL,
+        })?;
+        nix::kmod::delete_module(&cname, nix::kmod::DeleteModuleFlags::O_NONBLOCK).map_err(
+            |errno| SyscallError::Kernel {
+                call: "delete_module",
+                target: name.to_owned(),
+                errno,
+            },
+        )
+    }
+
+    fn group_in_use(&self, node: &Path) -> Result<bool, IoError> {
+        match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(node)
+        {
+            Ok(_file) => Ok(false), // closed again on drop
+            Err(e) if e.raw_os_error() == Some(nix::libc::EBUSY) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(IoError::new(Action::Open, node, e)),
+        }
+    }
+}
+
+/// True for `.ko.xz`, `.ko.zst`, `.ko.gz`.
+pub fn is_compressed(file: &Path) -> bool {
+    matches!(
+        file.extension().and_then(|e| e.to_str()),
+        Some("xz" | "zst" | "gz")
+    )
+}
+
+/// Prints every change it would make and makes none.
+#[derive(Debug, Default)]
+pub struct DryRun {
+    log: RefCell<Vec<String>>,
+}
+
+impl DryRun {
+    /// A dry run that prints each planned change to stdout as it is planned.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Everything planned so far, one line each.
+    pub fn planned(&self) -> Vec<String> {
+        self.log.borrow().clone()
+    }
+
+    fn plan(&self, line: String) {
+        println!("{line}");
+        self.log.borrow_mut().push(line);
+    }
+}
+
+impl Kernel for DryRun {
+    fn write(&self, path: &Path, data: &str) -> Result<(), IoError> {
+        let shown = if data.trim().is_empty() {
+            "\\n"
+        } else {
+            data.trim_end()
+        };
+        self.plan(format!("would write {shown} to {}", path.display()));
+        Ok(())
+    }
+
+    fn load_module(&self, name: &str, file: &Path) -> Result<(), SyscallError> {
+        self.plan(format!("would load module {name} from {}", file.display()));
+        Ok(())
+    }
+
+    fn unload_module(&self, name: &str) -> Result<(), SyscallError> {
+        self.plan(format!("would unload module {name}"));
+        Ok(())
+    }
+
+    fn group_in_use(&self, node: &Path) -> Result<bool, IoError> {
+        SysKernel.group_in_use(node)
+    }
+
+    fn is_dry_run(&self) -> bool {
+        true
+    }
+}
+
+/// A recorded change, for tests and reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Write {
+    /// The attribute written.
+    pub path: PathBuf,
+    /// What was written.
+    pub data: String,
+}

@@ -1,0 +1,27 @@
+//! The sysfs PCI model shared by `vfio-manager`, `sandbox-validator` and
+//! `sandbox-device-plugin`.
+//!
+//! Every function that touches the node takes its roots from a [`Host`]: the real
+//! `/sys`, `/dev` and `/lib/modules` are only defaults, so the same code runs on fake
+//! trees in tests and on a real kernel. Every change to the node goes through a
+//! [`kernel::Kernel`], so a dry run prints exactly the writes a real run makes.
+
+pub mod address;
+#[cfg(feature = "cli")]
+pub mod cli;
+pub mod config;
+pub mod device;
+pub mod driver;
+pub mod fake;
+pub mod group;
+pub mod host;
+pub mod inventory;
+pub mod io;
+pub mod kernel;
+pub mod module;
+pub mod passthrough;
+pub mod state;
+
+pub use address::PciAddress;
+pub use device::PciDevice;
+pub use host::Host;

@@ -1,0 +1,343 @@
+//! Whole-group bind and restore on a fake node whose kernel emulation follows the PCI
+//! core's sysfs rules. The real-kernel scenarios in tests/vm cover the same paths on
+//! Linux itself.
+
+#![allow(clippy::unwrap_used)]
+
+use vfio_sandbox::config::ResourceList;
+use vfio_sandbox::fake::{FakeDevice, FakeKernel, FakeNode};
+use vfio_sandbox::inventory::Inventory;
+use vfio_sandbox::passthrough::{error_chain, Passthrough};
+use vfio_sandbox::state::StateFile;
+use vfio_sandbox::PciAddress;
+
+const LIST: &str =
+    r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
+
+struct Bed {
+    _dir: tempfile::TempDir,
+    node: FakeNode,
+    kernel: FakeKernel,
+    state: StateFile,
+    list: ResourceList,
+}
+
+fn a(s: &str) -> PciAddress {
+    s.parse().unwrap()
+}
+
+/// A two-function card in group 4 (fn0 selected, fn1 an audio-like companion of
+/// another id), a bridge in the same group, and a lone NIC in group 5.
+fn bed() -> Bed {
+    let dir = tempfile::tempdir().unwrap();
+    let node = FakeNode::new(dir.path());
+    node.add_driver("vfio-pci");
+    node.add_device(
+        &FakeDevice::new("0000:00:1c.0", 0x8086, 0x2922, 0x06_0400)
+            .driver("pcieport")
+            .group(4),
+    );
+    node.add_device(
+        &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
+            .driver("e1000e")
+            .group(4)
+            .parent("0000:00:1c.0")
+            .numa(0),
+    );
+    node.add_device(
+        &FakeDevice::new("0000:01:00.1", 0x8086, 0x1234, 0x04_0300)
+            .driver("snd_hda_intel")
+            .group(4)
+            .parent("0000:00:1c.0"),
+    );
+    node.add_device(
+        &FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000)
+            .driver("e1000e")
+            .group(5),
+    );
+    let kernel = FakeKernel::new(&node);
+    kernel.learn_native_drivers();
+    let state = StateFile::load(&dir.path().join("run/state.json"), true).unwrap();
+    Bed {
+        list: ResourceList::parse(LIST).unwrap(),
+        _dir: dir,
+        node,
+        kernel,
+        state,
+    }
+}
+
+impl Bed {
+    fn pt(&mut self) -> Passthrough<'_> {
+        Passthrough {
+            host: &self.node.host,
+            kernel: &self.kernel,
+            state: &mut self.state,
+            release: "6.1.0-test".into(),
+        }
+    }
+    fn inv(&self) -> Inventory {
+        Inventory::scan(&self.node.host, &self.list).unwrap()
+    }
+    fn driver(&self, s: &str) -> Option<String> {
+        self.node.driver_of(&a(s))
+    }
+}
+
+#[test]
+fn inventory_finds_selected_companions_and_bridges() {
+    let b = bed();
+    let inv = b.inv();
+    let roles: Vec<String> = inv
+        .entries
+        .iter()
+        .map(|e| {
+            format!(
+                "{} {}",
+                e.device.address,
+                serde_json::to_value(&e.role).unwrap()["kind"]
+            )
+        })
+        .collect();
+    assert_eq!(
+        roles,
+        [
+            "0000:00:1c.0 \"bridge\"",
+            "0000:01:00.0 \"selected\"",
+            "0000:01:00.1 \"companion\"",
+            "0000:02:00.0 \"selected\"",
+        ]
+    );
+    assert!(!inv.groups[&4].is_viable());
+    assert_eq!(
+        inv.get(&a("0000:01:00.0")).unwrap().device.upstream,
+        [a("0000:00:1c.0")]
+    );
+}
+
+#[test]
+fn bind_moves_the_whole_group_but_not_the_bridge() {
+    let mut b = bed();
+    let inv = b.inv();
+    let report = b.pt().bind(&inv, &[]);
+    assert!(report.failed.is_empty(), "{:?}", report.failed);
+    assert_eq!(b.driver("0000:01:00.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(b.driver("0000:01:00.1").as_deref(), Some("vfio-pci"));
+    assert_eq!(b.driver("0000:02:00.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(b.driver("0000:00:1c.0").as_deref(), Some("pcieport"));
+    assert!(b.inv().groups.values().all(|v| v.is_viable()));
+    let rec = &b.state.state().devices;
+    assert_eq!(rec.len(), 3);
+    assert_eq!(
+        rec[&a("0000:01:00.1")].original_driver.as_deref(),
+        Some("snd_hda_intel")
+    );
+    // Idempotent: a second bind writes nothing.
+    b.kernel.writes.borrow_mut().clear();
+    let inv = b.inv();
+    let again = b.pt().bind(&inv, &[]);
+    assert!(again.bound.is_empty() && again.failed.is_empty());
+    assert_eq!(again.already.len(), 3);
+    assert!(
+        b.kernel.write_log().is_empty(),
+        "{:?}",
+        b.kernel.write_log()
+    );
+}
+
+#[test]
+fn failure_in_a_group_puts_every_member_back() {
+    let mut b = bed();
+    // The companion's unbind fails after the selected function already moved.
+    *b.kernel.fail_on.borrow_mut() = Some(("0000:01:00.1/driver/unbind".into(), 16));
+    let inv = b.inv();
+    let report = b.pt().bind(&inv, &[]);
+    assert_eq!(report.failed.len(), 1);
+    let msg = error_chain(&report.failed[0]);
+    assert!(
+        msg.contains("IOMMU group 4") && msg.contains("0000:01:00.1"),
+        "{msg}"
+    );
+    assert!(msg.contains("Device or resource busy"), "{msg}");
+    assert_eq!(
+        b.driver("0000:01:00.0").as_deref(),
+        Some("e1000e"),
+        "rolled back"
+    );
+    assert_eq!(
+        b.driver("0000:01:00.1").as_deref(),
+        Some("snd_hda_intel"),
+        "rolled back"
+    );
+    // The other group is unaffected and bound.
+    assert_eq!(b.driver("0000:02:00.0").as_deref(), Some("vfio-pci"));
+    let recorded: Vec<_> = b
+        .state
+        .state()
+        .devices
+        .keys()
+        .map(|k| k.to_string())
+        .collect();
+    assert_eq!(recorded, ["0000:02:00.0"]);
+}
+
+#[test]
+fn a_pf_with_vfs_enabled_is_refused_before_any_write() {
+    let mut b = bed();
+    b.node.add_device(
+        &FakeDevice::new("0000:03:00.0", 0x8086, 0x10d3, 0x02_0000)
+            .driver("e1000e")
+            .group(6)
+            .sriov(4, 2),
+    );
+    let inv = b.inv();
+    let report = b.pt().bind(&inv, &[6]);
+    let msg = error_chain(&report.failed[0]);
+    assert!(
+        msg.contains("0000:03:00.0") && msg.contains("2 VFs enabled"),
+        "{msg}"
+    );
+    assert!(b.kernel.write_log().is_empty());
+    assert!(b.state.state().devices.is_empty());
+}
+
+#[test]
+fn restore_puts_back_original_drivers_and_empties_the_record() {
+    let mut b = bed();
+    let inv = b.inv();
+    b.pt().bind(&inv, &[]);
+    let report = b.pt().restore(&[]);
+    assert!(
+        report.failed.is_empty() && report.in_use.is_empty(),
+        "{report:?}"
+    );
+    assert_eq!(report.restored.len(), 3);
+    assert_eq!(b.driver("0000:01:00.0").as_deref(), Some("e1000e"));
+    assert_eq!(b.driver("0000:01:00.1").as_deref(), Some("snd_hda_intel"));
+    assert!(b.state.state().devices.is_empty());
+    let on_disk = StateFile::load(b.state.path(), true).unwrap();
+    assert!(on_disk.state().devices.is_empty());
+}
+
+#[test]
+fn restore_skips_a_group_a_vm_holds_and_keeps_its_records() {
+    let mut b = bed();
+    let inv = b.inv();
+    b.pt().bind(&inv, &[]);
+    let node4 = b.node.host.vfio_group_node(4);
+    b.kernel.busy_groups.borrow_mut().insert(node4);
+    b.kernel.writes.borrow_mut().clear();
+    let report = b.pt().restore(&[]);
+    let skipped: Vec<_> = report
+        .in_use
+        .iter()
+        .map(|(a, g)| format!("{a}@{g}"))
+        .collect();
+    assert_eq!(skipped, ["0000:01:00.0@4", "0000:01:00.1@4"]);
+    assert_eq!(
+        b.driver("0000:01:00.0").as_deref(),
+        Some("vfio-pci"),
+        "not touched"
+    );
+    assert!(
+        b.kernel
+            .write_log()
+            .iter()
+            .all(|w| !w.contains("0000:01:00.")),
+        "{:?}",
+        b.kernel.write_log()
+    );
+    assert_eq!(b.driver("0000:02:00.0").as_deref(), Some("e1000e"));
+    assert_eq!(b.state.state().devices.len(), 2);
+    // Once the VM lets go, a second restore finishes the job.
+    b.kernel.busy_groups.borrow_mut().clear();
+    let report = b.pt().restore(&[]);
+    assert_eq!(report.restored.len(), 2);
+    assert!(b.state.state().devices.is_empty());
+}
+
+#[test]
+fn a_crash_after_recording_still_restores() {
+    let mut b = bed();
+    // The record is written before the first write; fail that write to stop half-way.
+    *b.kernel.fail_on.borrow_mut() = Some(("0000:02:00.0/driver_override".into(), 5));
+    let inv = b.inv();
+    b.pt().bind(&inv, &[5]);
+    // A fresh process reads the file and binds again; unbind restores the original.
+    let mut again = StateFile::load(b.state.path(), true).unwrap();
+    let inv = b.inv();
+    let mut pt = Passthrough {
+        host: &b.node.host,
+        kernel: &b.kernel,
+        state: &mut again,
+        release: "x".into(),
+    };
+    assert!(pt.bind(&inv, &[5]).failed.is_empty());
+    assert!(pt.restore(&[]).failed.is_empty());
+    assert_eq!(
+        b.node.driver_of(&a("0000:02:00.0")).as_deref(),
+        Some("e1000e")
+    );
+}
+
+#[test]
+fn unloaded_native_module_is_reloaded_on_restore() {
+    let mut b = bed();
+    b.node.add_modules_dep("6.1.0-test", "kernel/e1000e.ko:\n");
+    let kdir = b.node.host.modules_release_dir("6.1.0-test").join("kernel");
+    std::fs::create_dir_all(&kdir).unwrap();
+    std::fs::write(kdir.join("e1000e.ko"), "").unwrap();
+    b.kernel
+        .module_drivers
+        .borrow_mut()
+        .insert("e1000e".into(), "e1000e".into());
+    let inv = b.inv();
+    b.pt().pin_overrides(&inv, &[5]).unwrap();
+    let unloaded = b.pt().unload_modules(&["e1000e".into()]).unwrap();
+    assert_eq!(unloaded, ["e1000e"]);
+    assert_eq!(
+        b.driver("0000:02:00.0"),
+        None,
+        "override kept it from re-probing"
+    );
+    let report = b.pt().bind(&inv, &[5]);
+    assert!(report.failed.is_empty(), "{:?}", report.failed);
+    assert_eq!(b.driver("0000:02:00.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(b.state.state().unloaded_modules, ["e1000e"]);
+    let report = b.pt().restore(&[]);
+    assert_eq!(report.reloaded, ["e1000e"]);
+    assert_eq!(b.driver("0000:02:00.0").as_deref(), Some("e1000e"));
+    assert!(b.state.state().unloaded_modules.is_empty());
+}
+
+#[test]
+fn vfio_modules_load_dependencies_first() {
+    let mut b = bed();
+    std::fs::remove_dir_all(b.node.host.driver_dir("vfio-pci")).unwrap();
+    std::fs::remove_dir_all(b.node.host.module_dir("vfio_pci")).unwrap();
+    b.node.add_modules_dep(
+        "6.1.0-test",
+        "kernel/vfio-pci.ko: kernel/vfio-pci-core.ko kernel/vfio.ko\nkernel/vfio-pci-core.ko: kernel/vfio.ko\nkernel/vfio.ko:\nkernel/vfio_iommu_type1.ko: kernel/vfio.ko\n",
+    );
+    let kdir = b.node.host.modules_release_dir("6.1.0-test").join("kernel");
+    std::fs::create_dir_all(&kdir).unwrap();
+    for m in ["vfio-pci", "vfio-pci-core", "vfio", "vfio_iommu_type1"] {
+        std::fs::write(kdir.join(format!("{m}.ko")), "").unwrap();
+    }
+    b.kernel
+        .module_drivers
+        .borrow_mut()
+        .insert("vfio_pci".into(), "vfio-pci".into());
+    let loaded = b.pt().load_modules(&["vfio-pci".into()]).unwrap();
+    assert_eq!(
+        loaded,
+        ["vfio", "vfio_iommu_type1", "vfio_pci_core", "vfio_pci"]
+    );
+    assert!(
+        b.pt()
+            .load_modules(&["vfio-pci".into()])
+            .unwrap()
+            .is_empty(),
+        "idempotent"
+    );
+}
