@@ -1,0 +1,63 @@
+//! One module per subcommand.
+
+pub mod bind;
+pub mod run;
+pub mod status;
+pub mod unbind;
+
+use vfio_sandbox::inventory::{Inventory, Role};
+use vfio_sandbox::{PciAddress, PciDevice};
+
+use crate::{Context, UsageError};
+
+/// Device selection shared by `bind` and `unbind`.
+#[derive(Debug, Clone, clap::Args)]
+#[group(required = true, multiple = false)]
+pub struct Which {
+    /// Every selected device.
+    #[arg(long)]
+    pub all: bool,
+    /// Only these devices (repeatable; dddd:bb:ss.f).
+    #[arg(long = "device", value_name = "BDF")]
+    pub devices: Vec<PciAddress>,
+}
+
+/// The IOMMU groups holding the asked devices; empty means all. Unknown or unselected
+/// addresses are usage errors naming the device.
+pub fn groups_for(ctx: &Context, inv: &Inventory, which: &Which) -> anyhow::Result<Vec<u32>> {
+    let mut groups = Vec::new();
+    for addr in &which.devices {
+        let Some(entry) = inv.get(addr) else {
+            let dev = PciDevice::read(&ctx.host, addr)
+                .map_err(|e| UsageError(format!("--device {addr}: {e}")))?;
+            return Err(UsageError(format!(
+                "--device {addr} ({:04x}:{:04x}) is not selected by the resource list ({}); \
+                 `vfio-manager status` lists what is",
+                dev.vendor,
+                dev.device,
+                config_source(ctx)
+            ))
+            .into());
+        };
+        if matches!(entry.role, Role::Bridge) {
+            return Err(UsageError(format!(
+                "--device {addr} is a PCI bridge; bridges are never rebound"
+            ))
+            .into());
+        }
+        // A device without a group: the IOMMU is off; say so (exit 1, nothing touched).
+        vfio_sandbox::driver::check_bindable(&ctx.host, &entry.device)?;
+        groups.extend(entry.device.iommu_group);
+    }
+    groups.sort_unstable();
+    groups.dedup();
+    Ok(groups)
+}
+
+/// Where the resource list came from, for messages.
+pub fn config_source(ctx: &Context) -> String {
+    match &ctx.common.config {
+        Some(p) => p.display().to_string(),
+        None => "built-in rebellions preset".into(),
+    }
+}

@@ -1,0 +1,253 @@
+//! `vfio-manager run`: the DaemonSet main.
+//!
+//! Load the vfio modules, optionally unload native driver modules, bind everything
+//! selected, write the ready file, then keep the node converged — a device that
+//! appears later (hot-plug, PCI rescan, VFs enabled) is bound too — until SIGTERM or
+//! SIGINT, then restore like `unbind --all` unless `--keep-bound-on-exit`.
+//!
+//! The loop sleeps in `poll(2)` on a signalfd and a kernel uevent socket, so an idle
+//! node costs nothing; a periodic resync covers a uevent socket we could not open.
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::socket::{
+    bind, recv, socket, AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType,
+};
+use vfio_sandbox::cli::parse_duration;
+use vfio_sandbox::inventory::Inventory;
+use vfio_sandbox::io::write_atomic;
+use vfio_sandbox::kernel::SysKernel;
+use vfio_sandbox::module::kernel_release;
+use vfio_sandbox::passthrough::{error_chain, Passthrough};
+
+use crate::{report, Context};
+
+/// Flags of `run`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Native driver module to unload after the devices' overrides are set (repeatable,
+    /// e.g. rebellions); reloaded on restore. A module in use is reported, not forced.
+    #[arg(long = "unload-module", value_name = "NAME")]
+    unload_modules: Vec<String>,
+    /// On SIGTERM/SIGINT leave the devices on vfio (default: restore like `unbind --all`).
+    #[arg(long, env = "VFIO_MANAGER_KEEP_BOUND_ON_EXIT")]
+    keep_bound_on_exit: bool,
+    /// Written (JSON) once every selected device is bound; removed on exit.
+    #[arg(
+        long,
+        env = "VFIO_MANAGER_READY_FILE",
+        default_value = "/run/vfio-manager/ready",
+        value_name = "FILE"
+    )]
+    ready_file: PathBuf,
+    /// Full rescan period, besides reacting to kernel uevents (90s, 5m, 500ms, seconds).
+    #[arg(long, env = "VFIO_MANAGER_RESYNC_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    resync_interval: Duration,
+}
+
+/// Delay between the first uevent of a burst and the resync it triggers.
+const SETTLE: Duration = Duration::from_millis(200);
+
+/// Runs the daemon until a signal.
+pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
+    let list = ctx.common.resource_list()?;
+    let signals = block_signals()?;
+    let uevents = match uevent_socket() {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "no kernel uevents; relying on the periodic resync");
+            None
+        }
+    };
+    let mut state = ctx.state(true)?;
+    let mut pt = Passthrough {
+        host: &ctx.host,
+        kernel: &SysKernel,
+        state: &mut state,
+        release: kernel_release(),
+    };
+    let inv = Inventory::scan(&ctx.host, &list)?;
+    pt.load_modules(&super::bind::target_drivers(&inv, &[]))?;
+    if !args.unload_modules.is_empty() {
+        pt.pin_overrides(&inv, &[])?;
+        if let Err(e) = pt.unload_modules(&args.unload_modules) {
+            tracing::warn!(error = %error_chain(&e), "native module not unloaded; unbinding its devices one by one");
+        }
+    }
+    let mut converged = converge(&mut pt, &list, args)?;
+    let mut next_resync = Instant::now() + args.resync_interval;
+    let mut pending: Option<Instant> = None;
+    loop {
+        let deadline = pending.unwrap_or(next_resync).min(next_resync);
+        let timeout = deadline.saturating_duration_since(Instant::now());
+        let (signal, uevent) = wait(&signals, uevents.as_ref(), timeout)?;
+        if let Some(sig) = signal {
+            tracing::info!(signal = ?sig, "stopping");
+            break;
+        }
+        if uevent && pending.is_none() {
+            pending = Some(Instant::now() + SETTLE);
+        }
+        let now = Instant::now();
+        if pending.is_some_and(|p| now >= p) || now >= next_resync {
+            pending = None;
+            next_resync = now + args.resync_interval;
+            let was = converged;
+            converged = converge(&mut pt, &list, args)?;
+            if converged != was {
+                tracing::info!(converged, "convergence changed");
+            }
+        }
+    }
+    let _ = std::fs::remove_file(&args.ready_file);
+    if args.keep_bound_on_exit {
+        tracing::info!("leaving devices bound (--keep-bound-on-exit)");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let ok = report::print_restore(&pt.restore(&[]));
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// One pass: rescan, bind what is not bound, keep the ready file true. Returns whether
+/// every selected device and companion is on its driver.
+fn converge(
+    pt: &mut Passthrough<'_>,
+    list: &vfio_sandbox::config::ResourceList,
+    args: &Args,
+) -> anyhow::Result<bool> {
+    let inv = Inventory::scan(pt.host, list)?;
+    let needs_work = inv.entries.iter().any(|e| !e.is_bound());
+    if needs_work {
+        pt.load_modules(&super::bind::target_drivers(&inv, &[]))?;
+        let bind = pt.bind(&inv, &[]);
+        for (addr, previous) in &bind.bound {
+            tracing::info!(bdf = %addr, previous = previous.as_deref().unwrap_or("none"), "bound");
+        }
+        for e in &bind.failed {
+            tracing::error!(error = %error_chain(e), "bind failed; will retry");
+        }
+    }
+    let inv = if needs_work {
+        Inventory::scan(pt.host, list)?
+    } else {
+        inv
+    };
+    let converged = inv.entries.iter().all(|e| e.is_bound());
+    if converged {
+        let devices: Vec<String> = inv
+            .entries
+            .iter()
+            .map(|e| e.device.address.to_string())
+            .collect();
+        let doc = serde_json::json!({
+            "devices": devices,
+            "groups": inv.groups.keys().collect::<Vec<_>>(),
+            "time": unix_now(),
+        });
+        write_atomic(&args.ready_file, format!("{doc}\n").as_bytes())?;
+    } else {
+        let _ = std::fs::remove_file(&args.ready_file);
+    }
+    Ok(converged)
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn block_signals() -> anyhow::Result<SignalFd> {
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGTERM);
+    set.add(Signal::SIGINT);
+    set.thread_block()?;
+    Ok(SignalFd::with_flags(
+        &set,
+        SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK,
+    )?)
+}
+
+/// A socket receiving the kernel's uevents (needs the host network namespace).
+fn uevent_socket() -> nix::Result<OwnedFd> {
+    let fd = socket(
+        AddressFamily::Netlink,
+        SockType::Datagram,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        SockProtocol::NetlinkKObjectUEvent,
+    )?;
+    bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 1))?;
+    Ok(fd)
+}
+
+/// True when a uevent message concerns the PCI bus.
+fn is_pci_uevent(msg: &[u8]) -> bool {
+    msg.split(|b| *b == 0)
+        .any(|field| field == b"SUBSYSTEM=pci")
+}
+
+/// Waits for a signal, a PCI uevent, or the timeout.
+fn wait(
+    signals: &SignalFd,
+    uevents: Option<&OwnedFd>,
+    timeout: Duration,
+) -> anyhow::Result<(Option<Signal>, bool)> {
+    let mut fds = vec![PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
+    if let Some(u) = uevents {
+        fds.push(PollFd::new(u.as_fd(), PollFlags::POLLIN));
+    }
+    let ms = i32::try_from(timeout.as_millis())
+        .unwrap_or(i32::MAX)
+        .max(1);
+    match poll(
+        &mut fds,
+        PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX),
+    ) {
+        Ok(_) => {}
+        Err(nix::errno::Errno::EINTR) => return Ok((None, false)),
+        Err(e) => return Err(e.into()),
+    }
+    let signal = match signals.read_signal() {
+        Ok(Some(info)) => Signal::try_from(info.ssi_signo as i32).ok(),
+        _ => None,
+    };
+    let uevent = uevents.is_some_and(|u| drain_uevents(u.as_fd()));
+    Ok((signal, uevent))
+}
+
+/// Reads every queued uevent; true when one was about PCI.
+fn drain_uevents(fd: BorrowedFd<'_>) -> bool {
+    let mut buf = vec![0u8; 8192];
+    let mut pci = false;
+    while let Ok(n) = recv(fd.as_raw_fd(), &mut buf, MsgFlags::MSG_DONTWAIT) {
+        if n == 0 {
+            break;
+        }
+        pci |= is_pci_uevent(&buf[..n]);
+    }
+    pci
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recognises_pci_uevents() {
+        let msg = b"add@/devices/pci0000:00/0000:00:02.0/0000:01:00.0\0ACTION=add\0SUBSYSTEM=pci\0PCI_ID=8086:10D3\0";
+        assert!(is_pci_uevent(msg));
+        let other = b"add@/devices/virtual/net/lo\0ACTION=add\0SUBSYSTEM=net\0";
+        assert!(!is_pci_uevent(other));
+    }
+}

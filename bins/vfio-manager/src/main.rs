@@ -1,0 +1,111 @@
+//! `vfio-manager`: moves the selected PCI devices (and their IOMMU-group companions)
+//! from their native driver to vfio-pci, keeps them there, and puts them back.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use vfio_sandbox::cli::{CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
+use vfio_sandbox::host::DEFAULT_MODULES_ROOT;
+use vfio_sandbox::state::{StateFile, DEFAULT_STATE_FILE};
+use vfio_sandbox::Host;
+
+mod commands;
+mod report;
+
+const LONG_ABOUT: &str = "\
+Moves the PCI devices selected by the resource list (and every other member of their
+IOMMU groups) from their native driver to vfio-pci, so whole devices can be handed to
+virtual machines, and puts them back when the node leaves VM mode.
+
+Every change is recorded in the state file before it is made, so `unbind` restores the
+original drivers even after a crash. Devices a running VM holds are never unbound.
+
+Exit codes: 0 the node is in the asked state, 1 it is not (see the messages),
+2 bad usage or bad configuration (nothing was touched).";
+
+/// Command line.
+#[derive(Debug, Parser)]
+#[command(name = "vfio-manager", version, about = "Bind selected PCI devices to vfio-pci for VM passthrough, and restore them", long_about = LONG_ABOUT)]
+struct Cli {
+    #[command(flatten)]
+    common: CommonArgs,
+    #[command(flatten)]
+    manager: ManagerArgs,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Flags of vfio-manager itself.
+#[derive(Debug, Clone, clap::Args)]
+struct ManagerArgs {
+    /// Kernel modules tree holding <release>/modules.dep (modules are loaded without modprobe).
+    #[arg(long, env = "VFIO_MANAGER_MODULES_ROOT", global = true, default_value = DEFAULT_MODULES_ROOT, value_name = "DIR")]
+    modules_root: PathBuf,
+    /// Where vfio-manager records what it changed (keep it on /run: it must vanish on reboot).
+    #[arg(long, env = "VFIO_MANAGER_STATE_FILE", global = true, default_value = DEFAULT_STATE_FILE, value_name = "FILE")]
+    state_file: PathBuf,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Show selected devices and their group companions: ids, resource, driver, group viability.
+    Status(commands::status::Args),
+    /// Bind selected devices and their group companions to their vfio driver.
+    Bind(commands::bind::Args),
+    /// Restore what the state file records: original drivers back, overrides cleared.
+    Unbind(commands::unbind::Args),
+    /// DaemonSet main: load modules, bind all, keep the node converged, restore on SIGTERM.
+    Run(commands::run::Args),
+}
+
+/// What the commands share.
+pub struct Context {
+    /// The node's roots.
+    pub host: Host,
+    /// Common flags.
+    pub common: CommonArgs,
+    /// The state file path.
+    pub state_file: PathBuf,
+}
+
+impl Context {
+    /// Opens the state file; a dry run keeps changes in memory.
+    pub fn state(&self, persist: bool) -> anyhow::Result<StateFile> {
+        Ok(StateFile::load(&self.state_file, persist)?)
+    }
+}
+
+/// Bad usage or bad configuration: exit 2, nothing touched.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    cli.common.init_logging();
+    let mut host = cli.common.host();
+    host.modules = cli.manager.modules_root.clone();
+    let ctx = Context {
+        host,
+        common: cli.common,
+        state_file: cli.manager.state_file,
+    };
+    let result = match cli.command {
+        Command::Status(args) => commands::status::run(&ctx, &args),
+        Command::Bind(args) => commands::bind::run(&ctx, &args),
+        Command::Unbind(args) => commands::unbind::run(&ctx, &args),
+        Command::Run(args) => commands::run::run(&ctx, &args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("vfio-manager: error: {}", report::chain(err.as_ref()));
+            let usage = err.downcast_ref::<UsageError>().is_some()
+                || err
+                    .downcast_ref::<vfio_sandbox::config::ConfigError>()
+                    .is_some();
+            ExitCode::from(if usage { EXIT_USAGE } else { EXIT_NOT_READY })
+        }
+    }
+}
