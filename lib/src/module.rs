@@ -23,7 +23,7 @@ use crate::Host;
 #[derive(Debug, thiserror::Error)]
 pub enum ModuleError {
     /// `modules.dep` could not be read.
-    #[error("cannot resolve module {module}: {source} (is the host's {root} mounted into the container?)")]
+    #[error("cannot resolve module {module} (is the host's {root} mounted into the container?)")]
     ReadDep {
         /// The module asked for.
         module: String,

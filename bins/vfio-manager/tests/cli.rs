@@ -1,0 +1,257 @@
+//! The real `vfio-manager` binary on fake sysfs trees: exit codes, messages, dry run.
+//! (Binding itself needs a kernel; tests/vm runs it on one.)
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use vfio_sandbox::fake::{FakeDevice, FakeNode};
+
+const LIST: &str =
+    r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
+
+fn node(dir: &Path) -> FakeNode {
+    let node = FakeNode::new(dir);
+    node.add_driver("vfio-pci");
+    node.add_module("vfio");
+    node.add_module("vfio_iommu_type1");
+    node.add_device(
+        &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
+            .driver("e1000e")
+            .group(4),
+    );
+    node.add_device(
+        &FakeDevice::new("0000:01:00.1", 0x8086, 0x10d3, 0x02_0000)
+            .driver("e1000e")
+            .group(4),
+    );
+    node.add_device(
+        &FakeDevice::new("0000:02:00.0", 0x8086, 0x2922, 0x01_0601)
+            .driver("ahci")
+            .group(5),
+    );
+    std::fs::write(dir.join("list.json"), LIST).unwrap();
+    node
+}
+
+fn run(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vfio-manager"))
+        .args(["--sysfs-root", &dir.join("sys").to_string_lossy()])
+        .args(["--dev-root", &dir.join("dev").to_string_lossy()])
+        .args(["--modules-root", &dir.join("lib/modules").to_string_lossy()])
+        .args([
+            "--state-file",
+            &dir.join("run/state.json").to_string_lossy(),
+        ])
+        .args(["--config", &dir.join("list.json").to_string_lossy()])
+        .args(args)
+        .env_remove("VFIO_SANDBOX_CONFIG")
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Every file under the fake tree with its contents, to prove nothing changed.
+fn snapshot(dir: &Path) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = walk(dir);
+    out.sort();
+    out
+}
+
+fn walk(dir: &Path) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        let meta = std::fs::symlink_metadata(&p).unwrap();
+        if meta.file_type().is_symlink() {
+            out.push((
+                p.display().to_string(),
+                format!("-> {}", std::fs::read_link(&p).unwrap().display()),
+            ));
+        } else if meta.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push((
+                p.display().to_string(),
+                std::fs::read_to_string(&p).unwrap_or_default(),
+            ));
+        }
+    }
+    out
+}
+
+#[test]
+fn status_shows_selected_and_companion_with_group_viability() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    let out = run(dir.path(), &["status"]);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(
+        t.contains("0000:01:00.0  8086:10d3  example.com/NIC_PT"),
+        "{t}"
+    );
+    assert!(t.contains("e1000e (want vfio-pci)"), "{t}");
+    assert!(!t.contains("0000:02:00.0"), "unselected device listed: {t}");
+    let out = run(dir.path(), &["status", "--output", "json"]);
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["devices"][1]["bdf"], "0000:01:00.1");
+    assert_eq!(doc["devices"][0]["resource"], "example.com/NIC_PT");
+    assert_eq!(doc["devices"][0]["group_viable"], false);
+    assert_eq!(doc["groups"][0]["blockers"][0]["driver"], "e1000e");
+}
+
+#[test]
+fn dry_run_prints_every_write_and_touches_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = node(dir.path());
+    // vfio_iommu_type1 is not loaded: the dry run must say it would load it.
+    std::fs::remove_dir(node.host.module_dir("vfio_iommu_type1")).unwrap();
+    let release = vfio_sandbox::module::kernel_release();
+    node.add_modules_dep(
+        &release,
+        "kernel/vfio_iommu_type1.ko: kernel/vfio.ko\nkernel/vfio.ko:\n",
+    );
+    let before = snapshot(dir.path());
+    let out = run(dir.path(), &["bind", "--all", "--dry-run"]);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    let sys = dir.path().join("sys").display().to_string();
+    let modules = dir
+        .path()
+        .join("lib/modules")
+        .join(&release)
+        .display()
+        .to_string();
+    let expect = [
+        format!("would load module vfio_iommu_type1 from {modules}/kernel/vfio_iommu_type1.ko"),
+        format!("would write vfio-pci to {sys}/bus/pci/devices/0000:01:00.0/driver_override"),
+        format!("would write 0000:01:00.0 to {sys}/bus/pci/devices/0000:01:00.0/driver/unbind"),
+        format!("would write 0000:01:00.0 to {sys}/bus/pci/drivers_probe"),
+        format!("would write vfio-pci to {sys}/bus/pci/devices/0000:01:00.1/driver_override"),
+    ];
+    for line in &expect {
+        assert!(t.contains(line.as_str()), "missing {line:?} in\n{t}");
+    }
+    assert_eq!(before, snapshot(dir.path()), "dry run changed the tree");
+    assert!(!dir.path().join("run/state.json").exists());
+}
+
+#[test]
+fn bad_config_exits_2_naming_the_entry_and_touches_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    std::fs::write(
+        dir.path().join("list.json"),
+        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"80z6"}]}"#,
+    )
+    .unwrap();
+    let before = snapshot(dir.path());
+    let out = run(dir.path(), &["bind", "--all"]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{t}");
+    assert!(
+        t.contains("list.json") && t.contains("resources[0]") && t.contains("80z6"),
+        "{t}"
+    );
+    assert_eq!(before, snapshot(dir.path()));
+}
+
+#[test]
+fn unknown_and_unselected_devices_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    let out = run(dir.path(), &["bind", "--device", "0000:09:00.0"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out).contains("no PCI device 0000:09:00.0"),
+        "{}",
+        text(&out)
+    );
+    let out = run(dir.path(), &["bind", "--device", "0000:02:00.0"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out).contains("0000:02:00.0 (8086:2922) is not selected"),
+        "{}",
+        text(&out)
+    );
+    let out = run(dir.path(), &["bind", "--device", "0000:01:00.0x"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = run(dir.path(), &["bind"]);
+    assert_eq!(out.status.code(), Some(2), "--all or --device is required");
+}
+
+#[test]
+fn iommu_off_exits_1_with_a_hint() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = FakeNode::new(dir.path());
+    node.add_driver("vfio-pci");
+    node.add_device(&FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000).driver("e1000e"));
+    std::fs::write(dir.path().join("list.json"), LIST).unwrap();
+    let out = run(dir.path(), &["bind", "--device", "0000:01:00.0"]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains("IOMMU is off") && t.contains("intel_iommu=on"),
+        "{t}"
+    );
+    let out = run(dir.path(), &["bind", "--all"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+}
+
+#[test]
+fn unbind_with_nothing_recorded_is_a_no_op() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    std::fs::write(dir.path().join("list.json"), "not json").unwrap();
+    let out = run(dir.path(), &["unbind", "--all"]);
+    let t = text(&out);
+    assert!(
+        out.status.success(),
+        "unbind must not need a valid config: {t}"
+    );
+    assert!(t.contains("nothing recorded"), "{t}");
+}
+
+#[test]
+fn help_explains_the_interface() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vfio-manager"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let t = text(&out);
+    for word in [
+        "status",
+        "bind",
+        "unbind",
+        "run",
+        "--config",
+        "--sysfs-root",
+        "--state-file",
+        "Exit codes",
+    ] {
+        assert!(t.contains(word), "--help lacks {word}: {t}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_vfio-manager"))
+        .args(["run", "--help"])
+        .output()
+        .unwrap();
+    let t = text(&out);
+    for word in [
+        "--unload-module",
+        "--keep-bound-on-exit",
+        "--ready-file",
+        "--resync-interval",
+        "VFIO_MANAGER_READY_FILE",
+    ] {
+        assert!(t.contains(word), "run --help lacks {word}: {t}");
+    }
+}
