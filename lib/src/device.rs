@@ -84,6 +84,17 @@ pub struct PciDevice {
     pub upstream: Vec<PciAddress>,
 }
 
+impl DeviceError {
+    /// True when the device vanished (hot-unplug, `remove`) while being read.
+    pub fn is_gone(&self) -> bool {
+        match self {
+            DeviceError::NotFound { .. } => true,
+            DeviceError::Io(e) => e.is_gone(),
+            DeviceError::Parse { .. } => false,
+        }
+    }
+}
+
 impl PciDevice {
     /// Reads the device at `address` under `host`.
     pub fn read(host: &Host, address: &PciAddress) -> Result<Self, DeviceError> {

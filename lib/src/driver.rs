@@ -187,7 +187,9 @@ pub fn bind(
             }
         }
     }
-    tracing::info!(bdf = %address, driver, previous = ?dev.driver, "bound");
+    if !kernel.is_dry_run() {
+        tracing::info!(bdf = %address, driver, previous = dev.driver.as_deref().unwrap_or("none"), "bound");
+    }
     Ok(BindOutcome::Bound {
         previous: dev.driver.clone(),
     })
@@ -229,7 +231,9 @@ pub fn restore(
     if !kernel.is_dry_run() {
         confirm_driver(host, &address, original_driver, "restore")?;
     }
-    tracing::info!(bdf = %address, driver = ?original_driver, "restored");
+    if !kernel.is_dry_run() {
+        tracing::info!(bdf = %address, driver = original_driver.unwrap_or("none"), "restored");
+    }
     Ok(())
 }
 
@@ -420,7 +424,7 @@ mod tests {
         *kernel.fail_on.borrow_mut() = Some(("driver/unbind".into(), 16));
         let dev = PciDevice::read(&node.host, &addr("0000:01:00.0")).unwrap();
         let err = bind(&node.host, &kernel, &dev, "vfio-pci").unwrap_err();
-        let chain = format!("{err}: {}", std::error::Error::source(&err).unwrap());
+        let chain = crate::error_chain(&err);
         assert!(
             chain.starts_with("cannot bind 0000:01:00.0: failed to write 0000:01:00.0 to "),
             "{chain}"

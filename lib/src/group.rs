@@ -3,7 +3,7 @@
 //! A group can be handed to a VM only when every member that is not a bridge is on a
 //! vfio driver, on `pci-stub`, or has no driver ("viable").
 
-use crate::device::{list_addresses, DeviceError, PciDevice};
+use crate::device::{DeviceError, PciDevice};
 use crate::io::{Action, IoError, WrapIo};
 use crate::{Host, PciAddress};
 
@@ -15,11 +15,17 @@ pub fn is_vfio_driver(name: &str) -> bool {
     name.replace('-', "_").contains("vfio")
 }
 
-/// The members of IOMMU group `group`, sorted.
+/// The members of IOMMU group `group`, sorted; empty when the group is gone (its last
+/// device was removed).
 pub fn members(host: &Host, group: u32) -> Result<Vec<PciAddress>, IoError> {
     let dir = host.iommu_group_devices_dir(group);
     let mut out = Vec::new();
-    for entry in std::fs::read_dir(&dir).wrap(Action::List, &dir)? {
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(IoError::new(Action::List, &dir, e)),
+    };
+    for entry in entries {
         let entry = entry.wrap(Action::List, &dir)?;
         if let Some(addr) = entry.file_name().to_str().and_then(|s| s.parse().ok()) {
             out.push(addr);
@@ -81,18 +87,15 @@ pub fn viability(host: &Host, group: u32) -> Result<Viability, DeviceError> {
     Ok(judge(group, &devices))
 }
 
-/// Reads every member of `group`.
+/// Reads every member of `group`, leaving out members that vanish meanwhile.
 pub fn read_members(host: &Host, group: u32) -> Result<Vec<PciDevice>, DeviceError> {
-    members(host, group)?
-        .iter()
-        .map(|a| PciDevice::read(host, a))
-        .collect()
-}
-
-/// Every PCI function on the host, read (used for status of unselected devices).
-pub fn read_all(host: &Host) -> Result<Vec<PciDevice>, DeviceError> {
-    list_addresses(host)?
-        .iter()
-        .map(|a| PciDevice::read(host, a))
-        .collect()
+    let mut out = Vec::new();
+    for address in members(host, group)? {
+        match PciDevice::read(host, &address) {
+            Ok(d) => out.push(d),
+            Err(e) if e.is_gone() => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
 }

@@ -87,7 +87,7 @@ impl Inventory {
             let vendor = match read_trimmed(&vendor_path) {
                 Ok(text) => parse_hex(&text),
                 // Removed while we were listing.
-                Err(e) if e.is_not_found() => continue,
+                Err(e) if e.is_gone() => continue,
                 Err(e) => return Err(e.into()),
             };
             if !vendor.is_some_and(|v| vendors.iter().any(|x| u32::from(*x) == v)) {
@@ -95,7 +95,7 @@ impl Inventory {
             }
             let device = match PciDevice::read(host, &address) {
                 Ok(d) => d,
-                Err(DeviceError::NotFound { .. }) => continue,
+                Err(e) if e.is_gone() => continue,
                 Err(e) => return Err(e),
             };
             if let Some(sel) = list.select(&device.ids()) {

@@ -7,7 +7,10 @@
 //! use vfio_sandbox::io::WrapIo;
 //! let path = Path::new("/nonexistent/driver_override");
 //! let err = std::fs::write(path, "vfio-pci").wrap_write(path, "vfio-pci").unwrap_err();
-//! assert!(err.to_string().starts_with("failed to write vfio-pci to /nonexistent/driver_override"));
+//! assert_eq!(
+//!     vfio_sandbox::error_chain(&err),
+//!     "failed to write vfio-pci to /nonexistent/driver_override: No such file or directory (os error 2)"
+//! );
 //! ```
 
 use std::fmt;
@@ -65,13 +68,18 @@ impl IoError {
     pub fn is_not_found(&self) -> bool {
         self.source.kind() == std::io::ErrorKind::NotFound
     }
+
+    /// True when the object behind the path is going away: the file is gone, or sysfs
+    /// answers `ENODEV` because the device is being removed.
+    pub fn is_gone(&self) -> bool {
+        self.is_not_found() || self.errno() == Some(nix::libc::ENODEV)
+    }
 }
 
 impl fmt::Display for IoError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let path = self.path.display();
-        // The OS error is part of the message: sysfs errors only make sense next to
-        // the write that caused them ("Device or resource busy").
+        // The OS error is the source, printed after this by `error_chain`.
         match &self.action {
             Action::Read => write!(f, "failed to read {path}"),
             Action::Write(data) => write!(f, "failed to write {} to {path}", data.trim_end()),
@@ -81,8 +89,7 @@ impl fmt::Display for IoError {
             Action::Create => write!(f, "failed to create {path}"),
             Action::Rename => write!(f, "failed to rename into {path}"),
             Action::Remove => write!(f, "failed to remove {path}"),
-        }?;
-        write!(f, ": {}", self.source)
+        }
     }
 }
 
@@ -162,7 +169,7 @@ mod tests {
             std::io::Error::from_raw_os_error(16),
         );
         assert_eq!(
-            err.to_string(),
+            crate::error_chain(&err),
             "failed to write vfio-pci to /sys/bus/pci/devices/0000:3b:00.0/driver_override: \
              Device or resource busy (os error 16)"
         );

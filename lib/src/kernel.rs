@@ -136,6 +136,7 @@ pub fn is_compressed(file: &Path) -> bool {
 #[derive(Debug, Default)]
 pub struct DryRun {
     log: RefCell<Vec<String>>,
+    modules: RefCell<Vec<String>>,
 }
 
 impl DryRun {
@@ -167,6 +168,15 @@ impl Kernel for DryRun {
     }
 
     fn load_module(&self, name: &str, file: &Path) -> Result<(), SyscallError> {
+        // Answer a second load of the same module as the kernel would: EEXIST.
+        if self.modules.borrow().iter().any(|m| m == name) {
+            return Err(SyscallError::Kernel {
+                call: "finit_module",
+                target: name.to_owned(),
+                errno: nix::errno::Errno::EEXIST,
+            });
+        }
+        self.modules.borrow_mut().push(name.to_owned());
         self.plan(format!("would load module {name} from {}", file.display()));
         Ok(())
     }

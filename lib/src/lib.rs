@@ -23,5 +23,18 @@ pub mod passthrough;
 pub mod state;
 
 pub use address::PciAddress;
+
+/// An error and all its sources on one line, `: `-separated. Messages never repeat
+/// their source, so this is how every error reaches a person.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
 pub use device::PciDevice;
 pub use host::Host;

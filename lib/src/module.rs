@@ -174,7 +174,9 @@ pub fn load(
         let path = host.modules_release_dir(release).join(&file.path);
         match kernel.load_module(&file.name, &path) {
             Ok(()) => {
-                tracing::info!(module = %file.name, file = %path.display(), "loaded module");
+                if !kernel.is_dry_run() {
+                    tracing::info!(module = %file.name, file = %path.display(), "loaded module");
+                }
                 loaded.push(file.name);
             }
             // Loaded meanwhile (or built in): fine.
@@ -199,7 +201,9 @@ pub fn unload(host: &Host, kernel: &dyn Kernel, name: &str) -> Result<bool, Modu
     }
     match kernel.unload_module(&module) {
         Ok(()) => {
-            tracing::info!(module = %module, "unloaded module");
+            if !kernel.is_dry_run() {
+                tracing::info!(module = %module, "unloaded module");
+            }
             Ok(true)
         }
         Err(e)

@@ -14,7 +14,7 @@ use crate::inventory::{Entry, Inventory, Role, COMPANION_DRIVER};
 use crate::kernel::Kernel;
 use crate::module::{self, ModuleError};
 use crate::state::{self, Record, StateError, StateFile};
-use crate::{Host, PciAddress, PciDevice};
+use crate::{error_chain, Host, PciAddress, PciDevice};
 
 /// The modules a node needs for passthrough besides the drivers' own.
 pub const VFIO_MODULES: [&str; 3] = ["vfio", "vfio_iommu_type1", "vfio_pci"];
@@ -268,7 +268,7 @@ impl Passthrough<'_> {
         done: &[&Move<'_>],
         source: DriverError,
     ) -> PassthroughError {
-        tracing::warn!(group, error = %source, "bind failed; putting the group back");
+        tracing::warn!(group, error = %error_chain(&source), "bind failed; putting the group back");
         for mv in done.iter().rev() {
             let d = &mv.entry.device;
             let result = PciDevice::read(self.host, &d.address)
@@ -328,7 +328,7 @@ impl Passthrough<'_> {
                 }
                 Ok(false) => {}
                 Err(e) => {
-                    tracing::warn!(group, error = %e, "cannot probe group use; restoring anyway")
+                    tracing::warn!(group, error = %error_chain(&e), "cannot probe group use; restoring anyway")
                 }
             }
             for (address, record) in members {
@@ -431,16 +431,4 @@ fn plan<'e>(inv: &'e Inventory, only: &[u32]) -> Vec<(u32, Vec<Move<'e>>)> {
         }
     }
     out
-}
-
-/// An error and its sources on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }

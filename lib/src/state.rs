@@ -20,8 +20,14 @@ pub enum StateError {
     /// Reading or writing failed.
     #[error(transparent)]
     Io(#[from] IoError),
+    /// Another vfio-manager holds the lock.
+    #[error("{lock} is locked by another vfio-manager (is `vfio-manager run` active on this node? it restores on SIGTERM); not touching the node")]
+    Locked {
+        /// The lock file.
+        lock: PathBuf,
+    },
     /// The file is not a state file we understand.
-    #[error("state file {path} is corrupt: {source}; move it aside only after checking which devices are on vfio-pci")]
+    #[error("state file {path} is corrupt (move it aside only after checking which devices are on vfio-pci)")]
     Corrupt {
         /// The file.
         path: PathBuf,
@@ -75,17 +81,43 @@ pub struct State {
 }
 
 /// The state file and its current contents.
+///
+/// A persisting `StateFile` holds an exclusive `flock` on `<state file>.lock` for its
+/// lifetime, so two vfio-manager processes (the DaemonSet's `run` and a hand-typed
+/// `unbind`) can never interleave changes to the node.
 #[derive(Debug)]
 pub struct StateFile {
     path: PathBuf,
     state: State,
     persist: bool,
+    _lock: Option<nix::fcntl::Flock<std::fs::File>>,
+}
+
+/// Takes the exclusive lock beside `path` without waiting.
+fn lock(path: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, StateError> {
+    use crate::io::{Action, WrapIo};
+    let mut name = path.as_os_str().to_owned();
+    name.push(".lock");
+    let lock_path = PathBuf::from(name);
+    if let Some(dir) = lock_path.parent() {
+        std::fs::create_dir_all(dir).wrap(Action::Create, dir)?;
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .wrap(Action::Open, &lock_path)?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|_| StateError::Locked { lock: lock_path })
 }
 
 impl StateFile {
-    /// Loads `path` (an absent file is an empty state). With `persist` false (dry run),
-    /// changes stay in memory.
+    /// Loads `path` (an absent file is an empty state). With `persist` false (dry run,
+    /// status), changes stay in memory and no lock is taken; otherwise the lock is
+    /// taken first, and held until this value is dropped.
     pub fn load(path: &Path, persist: bool) -> Result<Self, StateError> {
+        let lock = if persist { Some(lock(path)?) } else { None };
         let state = match read_optional(path)? {
             None => State {
                 version: 1,
@@ -104,6 +136,7 @@ impl StateFile {
             path: path.to_owned(),
             state,
             persist,
+            _lock: lock,
         })
     }
 
@@ -188,7 +221,7 @@ mod tests {
         let mut later = rec();
         later.original_driver = Some("vfio-pci".into());
         f.record(a, later).unwrap();
-        let back = StateFile::load(&path, true).unwrap();
+        let back = StateFile::load(&path, false).unwrap();
         assert_eq!(back.state().devices[&a], rec());
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(text.contains("\"0000:01:00.0\""), "{text}");
@@ -202,7 +235,7 @@ mod tests {
         let mut f = StateFile::load(&path, true).unwrap();
         f.record(a, rec()).unwrap();
         f.forget(&a).unwrap();
-        assert!(StateFile::load(&path, true)
+        assert!(StateFile::load(&path, false)
             .unwrap()
             .state()
             .devices
@@ -216,6 +249,24 @@ mod tests {
         let mut f = StateFile::load(&path, false).unwrap();
         f.record("0000:01:00.0".parse().unwrap(), rec()).unwrap();
         assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_second_writer_is_refused_while_the_first_holds_the_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        let first = StateFile::load(&path, true).unwrap();
+        let msg = StateFile::load(&path, true).unwrap_err().to_string();
+        assert!(
+            msg.contains("state.json.lock is locked by another vfio-manager"),
+            "{msg}"
+        );
+        assert!(
+            StateFile::load(&path, false).is_ok(),
+            "readers need no lock"
+        );
+        drop(first);
+        assert!(StateFile::load(&path, true).is_ok());
     }
 
     #[test]

@@ -5,9 +5,10 @@
 #![allow(clippy::unwrap_used)]
 
 use vfio_sandbox::config::ResourceList;
+use vfio_sandbox::error_chain;
 use vfio_sandbox::fake::{FakeDevice, FakeKernel, FakeNode};
 use vfio_sandbox::inventory::Inventory;
-use vfio_sandbox::passthrough::{error_chain, Passthrough};
+use vfio_sandbox::passthrough::Passthrough;
 use vfio_sandbox::state::StateFile;
 use vfio_sandbox::PciAddress;
 
@@ -215,7 +216,7 @@ fn restore_puts_back_original_drivers_and_empties_the_record() {
     assert_eq!(b.driver("0000:01:00.0").as_deref(), Some("e1000e"));
     assert_eq!(b.driver("0000:01:00.1").as_deref(), Some("snd_hda_intel"));
     assert!(b.state.state().devices.is_empty());
-    let on_disk = StateFile::load(b.state.path(), true).unwrap();
+    let on_disk = StateFile::load(b.state.path(), false).unwrap();
     assert!(on_disk.state().devices.is_empty());
 }
 
@@ -257,27 +258,44 @@ fn restore_skips_a_group_a_vm_holds_and_keeps_its_records() {
 }
 
 #[test]
-fn a_crash_after_recording_still_restores() {
+fn a_crash_between_unbind_and_probe_still_converges_and_restores() {
     let mut b = bed();
-    // The record is written before the first write; fail that write to stop half-way.
-    *b.kernel.fail_on.borrow_mut() = Some(("0000:02:00.0/driver_override".into(), 5));
+    let nic = a("0000:02:00.0");
+    let path = b.state.path().to_owned();
+    // What a kill -9 right after `driver/unbind` leaves: the record (written first),
+    // the override, and a device on no driver.
+    b.state
+        .record(
+            nic,
+            vfio_sandbox::state::Record {
+                original_driver: Some("e1000e".into()),
+                original_override: None,
+                driver: "vfio-pci".into(),
+                role: vfio_sandbox::state::Role::Selected,
+                resource: Some("example.com/NIC_PT".into()),
+                group: 5,
+            },
+        )
+        .unwrap();
+    let dir = b.node.host.device_dir(&nic);
+    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    b.node.detach(&nic);
+    // The dead process's lock is gone with it; a new one loads the file.
+    b.state = StateFile::load(&path, false).unwrap();
+    b.state = StateFile::load(&path, true).unwrap();
     let inv = b.inv();
-    b.pt().bind(&inv, &[5]);
-    // A fresh process reads the file and binds again; unbind restores the original.
-    let mut again = StateFile::load(b.state.path(), true).unwrap();
-    let inv = b.inv();
-    let mut pt = Passthrough {
-        host: &b.node.host,
-        kernel: &b.kernel,
-        state: &mut again,
-        release: "x".into(),
-    };
-    assert!(pt.bind(&inv, &[5]).failed.is_empty());
-    assert!(pt.restore(&[]).failed.is_empty());
+    let report = b.pt().bind(&inv, &[5]);
+    assert!(report.failed.is_empty(), "{:?}", report.failed);
+    assert_eq!(b.driver("0000:02:00.0").as_deref(), Some("vfio-pci"));
+    let rec = &b.state.state().devices[&nic];
     assert_eq!(
-        b.node.driver_of(&a("0000:02:00.0")).as_deref(),
-        Some("e1000e")
+        rec.original_driver.as_deref(),
+        Some("e1000e"),
+        "first record kept"
     );
+    let report = b.pt().restore(&[]);
+    assert!(report.failed.is_empty(), "{:?}", report.failed);
+    assert_eq!(b.driver("0000:02:00.0").as_deref(), Some("e1000e"));
 }
 
 #[test]

@@ -100,7 +100,10 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("vfio-manager: error: {}", report::chain(err.as_ref()));
+            eprintln!(
+                "vfio-manager: error: {}",
+                vfio_sandbox::error_chain(err.as_ref())
+            );
             let usage = err.downcast_ref::<UsageError>().is_some()
                 || err
                     .downcast_ref::<vfio_sandbox::config::ConfigError>()

@@ -1,17 +1,16 @@
 //! Turning library reports into lines for people.
 
-use vfio_sandbox::passthrough::{error_chain, BindReport, RestoreReport};
+use vfio_sandbox::error_chain as chain;
+use vfio_sandbox::passthrough::{BindReport, RestoreReport};
 
-/// An error with all its sources on one line.
-pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    error_chain(e)
-}
-
-/// Prints a bind report; true when nothing failed.
-pub fn print_bind(report: &BindReport) -> bool {
+/// Prints a bind report (of a dry run when `dry`); true when nothing failed.
+pub fn print_bind(report: &BindReport, dry: bool) -> bool {
     for (addr, previous) in &report.bound {
         let from = previous.as_deref().unwrap_or("no driver");
-        println!("bound {addr} (was on {from})");
+        match dry {
+            true => println!("would bind {addr} (now on {from})"),
+            false => println!("bound {addr} (was on {from})"),
+        }
     }
     for addr in &report.already {
         println!("already bound {addr}");
@@ -22,14 +21,19 @@ pub fn print_bind(report: &BindReport) -> bool {
     report.failed.is_empty()
 }
 
-/// Prints a restore report; true when everything recorded was put back.
-pub fn print_restore(report: &RestoreReport) -> bool {
+/// Prints a restore report (of a dry run when `dry`); true when everything recorded
+/// was put back.
+pub fn print_restore(report: &RestoreReport, dry: bool) -> bool {
+    let verb = if dry { "would restore" } else { "restored" };
     for m in &report.reloaded {
-        println!("reloaded module {m}");
+        println!(
+            "{} module {m}",
+            if dry { "would reload" } else { "reloaded" }
+        );
     }
     for (addr, driver) in &report.restored {
         println!(
-            "restored {addr} to {}",
+            "{verb} {addr} to {}",
             driver.as_deref().unwrap_or("no driver")
         );
     }

@@ -141,6 +141,13 @@ fn dry_run_prints_every_write_and_touches_nothing() {
     for line in &expect {
         assert!(t.contains(line.as_str()), "missing {line:?} in\n{t}");
     }
+    assert_eq!(
+        t.matches("would load module vfio_iommu_type1").count(),
+        1,
+        "{t}"
+    );
+    assert!(t.contains("would bind 0000:01:00.1 (now on e1000e)"), "{t}");
+    assert!(!t.contains("INFO"), "a dry run logs nothing as done: {t}");
     assert_eq!(before, snapshot(dir.path()), "dry run changed the tree");
     assert!(!dir.path().join("run/state.json").exists());
 }

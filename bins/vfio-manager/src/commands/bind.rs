@@ -40,7 +40,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     };
     let drivers = target_drivers(&inv, &groups);
     pt.load_modules(&drivers)?;
-    let ok = report::print_bind(&pt.bind(&inv, &groups));
+    let ok = report::print_bind(&pt.bind(&inv, &groups), args.dry_run);
     Ok(if ok {
         ExitCode::SUCCESS
     } else {

@@ -28,8 +28,12 @@ pub fn groups_for(ctx: &Context, inv: &Inventory, which: &Which) -> anyhow::Resu
     let mut groups = Vec::new();
     for addr in &which.devices {
         let Some(entry) = inv.get(addr) else {
-            let dev = PciDevice::read(&ctx.host, addr)
-                .map_err(|e| UsageError(format!("--device {addr}: {e}")))?;
+            let dev = PciDevice::read(&ctx.host, addr).map_err(|e| {
+                UsageError(format!(
+                    "--device {addr}: {}",
+                    vfio_sandbox::error_chain(&e)
+                ))
+            })?;
             return Err(UsageError(format!(
                 "--device {addr} ({:04x}:{:04x}) is not selected by the resource list ({}); \
                  `vfio-manager status` lists what is",

@@ -20,11 +20,12 @@ use nix::sys::socket::{
     bind, recv, socket, AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType,
 };
 use vfio_sandbox::cli::parse_duration;
+use vfio_sandbox::error_chain;
 use vfio_sandbox::inventory::Inventory;
 use vfio_sandbox::io::write_atomic;
 use vfio_sandbox::kernel::SysKernel;
 use vfio_sandbox::module::kernel_release;
-use vfio_sandbox::passthrough::{error_chain, Passthrough};
+use vfio_sandbox::passthrough::Passthrough;
 
 use crate::{report, Context};
 
@@ -53,11 +54,15 @@ pub struct Args {
 
 /// Delay between the first uevent of a burst and the resync it triggers.
 const SETTLE: Duration = Duration::from_millis(200);
+/// Delay before retrying a resync that failed.
+const RETRY: Duration = Duration::from_secs(1);
 
 /// Runs the daemon until a signal.
 pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
-    let list = ctx.common.resource_list()?;
     let signals = block_signals()?;
+    let list = ctx.common.resource_list()?;
+    // A ready file left by a killed predecessor must not vouch for this process.
+    remove_ready_file(&args.ready_file)?;
     let uevents = match uevent_socket() {
         Ok(s) => Some(s),
         Err(e) => {
@@ -80,7 +85,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
             tracing::warn!(error = %error_chain(&e), "native module not unloaded; unbinding its devices one by one");
         }
     }
-    let mut converged = converge(&mut pt, &list, args)?;
+    let mut converged = converge(&mut pt, &list, args, false)?;
     let mut next_resync = Instant::now() + args.resync_interval;
     let mut pending: Option<Instant> = None;
     loop {
@@ -98,19 +103,23 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         if pending.is_some_and(|p| now >= p) || now >= next_resync {
             pending = None;
             next_resync = now + args.resync_interval;
-            let was = converged;
-            converged = converge(&mut pt, &list, args)?;
-            if converged != was {
-                tracing::info!(converged, "convergence changed");
+            match converge(&mut pt, &list, args, converged) {
+                Ok(c) => converged = c,
+                // A device vanishing mid-scan, a module that fails to load: log it and
+                // try again soon. The daemon only stops on a signal.
+                Err(e) => {
+                    tracing::error!(error = %error_chain(e.as_ref()), "resync failed; retrying");
+                    pending = Some(now + RETRY);
+                }
             }
         }
     }
-    let _ = std::fs::remove_file(&args.ready_file);
+    remove_ready_file(&args.ready_file)?;
     if args.keep_bound_on_exit {
         tracing::info!("leaving devices bound (--keep-bound-on-exit)");
         return Ok(ExitCode::SUCCESS);
     }
-    let ok = report::print_restore(&pt.restore(&[]));
+    let ok = report::print_restore(&pt.restore(&[]), false);
     Ok(if ok {
         ExitCode::SUCCESS
     } else {
@@ -118,21 +127,30 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     })
 }
 
+fn remove_ready_file(path: &std::path::Path) -> anyhow::Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(anyhow::anyhow!(
+            "failed to remove ready file {}: {e}",
+            path.display()
+        )),
+    }
+}
+
 /// One pass: rescan, bind what is not bound, keep the ready file true. Returns whether
-/// every selected device and companion is on its driver.
+/// every selected device and companion is on its driver; `was` is the previous answer.
 fn converge(
     pt: &mut Passthrough<'_>,
     list: &vfio_sandbox::config::ResourceList,
     args: &Args,
+    was: bool,
 ) -> anyhow::Result<bool> {
     let inv = Inventory::scan(pt.host, list)?;
     let needs_work = inv.entries.iter().any(|e| !e.is_bound());
     if needs_work {
         pt.load_modules(&super::bind::target_drivers(&inv, &[]))?;
         let bind = pt.bind(&inv, &[]);
-        for (addr, previous) in &bind.bound {
-            tracing::info!(bdf = %addr, previous = previous.as_deref().unwrap_or("none"), "bound");
-        }
         for e in &bind.failed {
             tracing::error!(error = %error_chain(e), "bind failed; will retry");
         }
@@ -155,8 +173,14 @@ fn converge(
             "time": unix_now(),
         });
         write_atomic(&args.ready_file, format!("{doc}\n").as_bytes())?;
+        if !was {
+            tracing::info!(file = %args.ready_file.display(), devices = devices.len(), "every selected device is bound; wrote ready file");
+        }
     } else {
-        let _ = std::fs::remove_file(&args.ready_file);
+        remove_ready_file(&args.ready_file)?;
+        if was {
+            tracing::warn!(file = %args.ready_file.display(), "a selected device is not bound; removed ready file");
+        }
     }
     Ok(converged)
 }

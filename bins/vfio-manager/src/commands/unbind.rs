@@ -47,7 +47,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         state: &mut state,
         release: kernel_release(),
     };
-    let ok = report::print_restore(&pt.restore(&args.which.devices));
+    let ok = report::print_restore(&pt.restore(&args.which.devices), args.dry_run);
     Ok(if ok {
         ExitCode::SUCCESS
     } else {
