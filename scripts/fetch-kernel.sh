@@ -1,0 +1,252 @@
+#!/usr/bin/env bash
+# Fetch the distribution kernel used by the VM test bed.
+#
+# Resolves the versioned package that `linux-image-amd64` currently depends on
+# (e.g. linux-image-6.1.0-56-amd64 at a pinned package version), downloads it
+# once into .cache/kernel/, unpacks it with `dpkg -x` and runs depmod on the
+# unpacked tree (the package ships no modules.dep; its postinst normally makes
+# one). A second call with the same resolved package is a no-op.
+#
+# Usage:  eval "$(scripts/fetch-kernel.sh)"
+#
+# Prints shell assignments on stdout (progress goes to stderr):
+#   KERNEL_PKG          package name, e.g. linux-image-6.1.0-56-amd64
+#   KERNEL_PKG_VERSION  package version, e.g. 6.1.192-2
+#   KERNEL_VERSION      uname -r of the kernel, e.g. 6.1.0-56-amd64
+#   KERNEL_IMAGE        path of the vmlinuz
+#   KERNEL_VMLINUX      path of the uncompressed ELF vmlinux extracted from the
+#                       vmlinuz, or empty when that was not possible
+#   KERNEL_PVH          1 when the kernel has CONFIG_PVH=y, so QEMU can boot
+#                       KERNEL_VMLINUX directly (PVH entry): under TCG this
+#                       skips the slow in-guest decompression of the
+#                       vmlinuz (XZ on Debian), several seconds per boot
+#   KERNEL_MODULES      path of lib/modules/<KERNEL_VERSION> (with modules.dep)
+#   KERNEL_CONFIG       path of the kernel's config file
+# The same lines are written to .cache/kernel/kernel.env.
+#
+# Environment:
+#   KERNEL_CACHE_DIR    cache dir (default: <repo>/.cache/kernel)
+#   KERNEL_META_PKG     meta package to resolve (default: linux-image-amd64)
+#   KERNEL_PKG, KERNEL_PKG_VERSION   pin an exact package instead of resolving
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cache_dir="${KERNEL_CACHE_DIR:-$repo_root/.cache/kernel}"
+meta_pkg="${KERNEL_META_PKG:-linux-image-amd64}"
+
+log() { printf 'fetch-kernel: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+export DEBIAN_FRONTEND=noninteractive
+
+# Install missing host tools (dpkg-deb is part of dpkg; depmod is in kmod;
+# xz/zstd only matter for compressed modules or packages).
+ensure_tools() {
+    local missing=()
+    command -v apt-get >/dev/null || die "apt-get not found (Debian-based host required)"
+    command -v dpkg >/dev/null || die "dpkg not found"
+    command -v depmod >/dev/null || [[ -x /sbin/depmod ]] || missing+=(kmod)
+    command -v xz >/dev/null || missing+=(xz-utils)
+    if ((${#missing[@]})); then
+        log "installing ${missing[*]}"
+        apt-get update -qq >&2
+        apt-get install -y -qq "${missing[@]}" >&2
+    fi
+}
+
+apt_updated=0
+apt_update_once() {
+    if ((apt_updated == 0)); then
+        log "running apt-get update"
+        apt-get update -qq >&2 || log "warning: apt-get update failed"
+        apt_updated=1
+    fi
+}
+
+# Print "<package> <version>" for the versioned kernel package that the meta
+# package depends on. One apt-cache call: the meta package pins the exact
+# version ("Depends: linux-image-6.1.0-56-amd64 (= 6.1.192-2)"); when it does
+# not, the version is left empty and resolved with apt-cache policy.
+resolve_pkg() {
+    apt-cache show --no-all-versions "$meta_pkg" 2>/dev/null |
+        awk -F': ' '$1 == "Depends" {
+            n = split($2, deps, /, */)
+            for (i = 1; i <= n; i++) {
+                if (deps[i] ~ /^linux-image-[0-9]/) {
+                    split(deps[i], w, /[ ()=]+/)
+                    print w[1], w[2]
+                    exit
+                }
+            }
+        }'
+}
+
+# Print the candidate version apt would install for a package.
+resolve_version() {
+    apt-cache policy "$1" 2>/dev/null | awk '$1 == "Candidate:" && $2 != "(none)" { print $2; exit }'
+}
+
+# extract_vmlinux BZIMAGE OUT -- decompress the ELF kernel inside a bzImage
+# (xz, zstd or gzip payload). Fails when none of them yields an ELF file.
+extract_vmlinux() {
+    local img="$1" out="$2" magic tool off
+    for spec in 'xz|\xfd7zXZ\x00' 'zstd|\x28\xb5\x2f\xfd' 'gzip|\x1f\x8b\x08'; do
+        tool="${spec%%|*}"
+        magic="${spec#*|}"
+        command -v "$tool" >/dev/null || continue
+        while read -r off; do
+            [[ -n "$off" ]] || continue
+            case "$tool" in
+                xz) tail -c +"$((off + 1))" "$img" | xz -dc --single-stream >"$out.tmp" 2>/dev/null || true ;;
+                zstd) tail -c +"$((off + 1))" "$img" | zstd -dcq >"$out.tmp" 2>/dev/null || true ;;
+                gzip) tail -c +"$((off + 1))" "$img" | gzip -dc >"$out.tmp" 2>/dev/null || true ;;
+            esac
+            if [[ "$(head -c 4 "$out.tmp" | od -An -tx1 | tr -d ' \n')" == 7f454c46 ]]; then
+                mv "$out.tmp" "$out"
+                return 0
+            fi
+        done < <(LC_ALL=C grep -obUaP "$magic" "$img" 2>/dev/null | head -n 3 | cut -d: -f1)
+    done
+    rm -f "$out.tmp"
+    return 1
+}
+
+depmod_bin() { command -v depmod || echo /sbin/depmod; }
+
+# The newest complete extraction already in the cache, if any.
+newest_cached() {
+    local d best=""
+    for d in "$cache_dir"/linux-image-*; do
+        [[ -f "$d/.complete" ]] && best="$d"
+    done
+    [[ -n "$best" ]] && printf '%s\n' "$best"
+}
+
+ensure_tools
+mkdir -p "$cache_dir"
+
+pkg="${KERNEL_PKG:-}"
+ver="${KERNEL_PKG_VERSION:-}"
+if [[ -z "$pkg" ]]; then
+    read -r pkg ver < <(resolve_pkg || true) || true
+    if [[ -z "${pkg:-}" ]]; then
+        apt_update_once
+        read -r pkg ver < <(resolve_pkg || true) || true
+    fi
+    pkg="${pkg:-}"
+    ver="${ver:-}"
+fi
+if [[ -n "$pkg" && -z "$ver" ]]; then
+    ver="$(resolve_version "$pkg" || true)"
+    if [[ -z "$ver" ]]; then
+        apt_update_once
+        ver="$(resolve_version "$pkg" || true)"
+    fi
+fi
+
+if [[ -z "$pkg" || -z "$ver" ]]; then
+    # No package information at all: fall back to what is cached.
+    if cached="$(newest_cached)"; then
+        log "warning: cannot resolve $meta_pkg with apt; using cached $(basename "$cached")"
+        dest="$cached"
+    else
+        die "cannot resolve the kernel package behind $meta_pkg (is apt configured?)"
+    fi
+else
+    # ':' and '+' in Debian versions are fine in file names; '~' too.
+    dest="$cache_dir/${pkg}_${ver}"
+    if [[ ! -f "$dest/.complete" ]]; then
+        debdir="$cache_dir/debs"
+        mkdir -p "$debdir"
+        deb="$(find "$debdir" -maxdepth 1 -name "${pkg}_*.deb" -print 2>/dev/null |
+            while read -r f; do
+                if [[ "$(dpkg-deb -f "$f" Version 2>/dev/null)" == "$ver" ]]; then
+                    echo "$f"
+                    break
+                fi
+            done)"
+        if [[ -z "$deb" ]]; then
+            log "downloading $pkg=$ver"
+            tmp="$(mktemp -d "$debdir/.dl.XXXXXX")"
+            # apt drops privileges to _apt for downloads; let it write here so
+            # it does not warn about an unsandboxed download.
+            if id _apt >/dev/null 2>&1; then chown _apt "$tmp" 2>/dev/null || true; fi
+            if ! (cd "$tmp" && apt-get download -q "$pkg=$ver" >&2); then
+                apt_update_once
+                (cd "$tmp" && apt-get download -q "$pkg=$ver" >&2) ||
+                    { rm -rf "$tmp"; die "apt-get download $pkg=$ver failed"; }
+            fi
+            f="$(find "$tmp" -maxdepth 1 -name '*.deb' -print -quit)"
+            [[ -n "$f" ]] || { rm -rf "$tmp"; die "download produced no .deb"; }
+            deb="$debdir/$(basename "$f")"
+            mv "$f" "$deb"
+            rm -rf "$tmp"
+        fi
+        log "unpacking $(basename "$deb")"
+        rm -rf "$dest" "$dest.tmp"
+        mkdir -p "$dest.tmp"
+        dpkg -x "$deb" "$dest.tmp"
+        mv "$dest.tmp" "$dest"
+        # Keep the cache bounded: drop other kernels once this one is complete.
+        newdeb="$deb"
+    fi
+fi
+
+# Locate the kernel version, image and modules in the unpacked tree.
+moddir=""
+for d in "$dest"/lib/modules/* "$dest"/usr/lib/modules/*; do
+    [[ -d "$d/kernel" ]] && { moddir="$d"; break; }
+done
+[[ -n "$moddir" ]] || die "no lib/modules/<version>/kernel in $dest"
+kver="$(basename "$moddir")"
+image="$dest/boot/vmlinuz-$kver"
+[[ -f "$image" ]] || die "no kernel image $image"
+config="$dest/boot/config-$kver"
+
+if [[ ! -f "$dest/.complete" ]]; then
+    # depmod -b wants <base>/lib/modules/<ver>; usrmerged packages use usr/lib.
+    base="${moddir%/lib/modules/*}"
+    log "running depmod for $kver"
+    "$(depmod_bin)" -b "$base" "$kver"
+    if extract_vmlinux "$image" "$dest/vmlinux"; then
+        log "extracted vmlinux"
+    else
+        log "warning: could not extract vmlinux from $(basename "$image"); VMs boot the vmlinuz"
+    fi
+    touch "$dest/.complete"
+    if [[ -n "${newdeb:-}" ]]; then
+        for old in "$cache_dir"/linux-image-*; do
+            [[ "$old" == "$dest" ]] && continue
+            log "removing old cached kernel $(basename "$old")"
+            rm -rf "$old"
+        done
+        for old in "$cache_dir"/debs/*.deb; do
+            [[ -e "$old" && "$old" != "$newdeb" ]] && rm -f "$old"
+        done
+    fi
+fi
+[[ -f "$moddir/modules.dep" ]] || die "no modules.dep in $moddir"
+vmlinux=""
+[[ -f "$dest/vmlinux" ]] && vmlinux="$dest/vmlinux"
+pvh=0
+grep -qx 'CONFIG_PVH=y' "$config" 2>/dev/null && pvh=1
+
+if [[ -z "$pkg" || -z "$ver" ]]; then
+    name="$(basename "$dest")"
+    pkg="${name%%_*}"
+    ver="${name#*_}"
+fi
+
+env_out="$(
+    printf 'KERNEL_PKG=%q\n' "$pkg"
+    printf 'KERNEL_PKG_VERSION=%q\n' "$ver"
+    printf 'KERNEL_VERSION=%q\n' "$kver"
+    printf 'KERNEL_IMAGE=%q\n' "$image"
+    printf 'KERNEL_VMLINUX=%q\n' "$vmlinux"
+    printf 'KERNEL_PVH=%q\n' "$pvh"
+    printf 'KERNEL_MODULES=%q\n' "$moddir"
+    printf 'KERNEL_CONFIG=%q\n' "$config"
+)"
+printf '%s\n' "$env_out" >"$cache_dir/kernel.env"
+log "kernel $kver ($pkg $ver)"
+printf '%s\n' "$env_out"

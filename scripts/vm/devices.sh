@@ -1,0 +1,51 @@
+# Device map of the VM test bed (sourced, bash). Single source of truth for
+# the QEMU device options and the BDFs the guest sees.
+# shellcheck shell=bash
+#
+#   pcie.0 00:04.0  pcie-root-port rp_card (chassis 1, slot 1) -> bus 01
+#     01:00.0  e1000e, multifunction=on   CARD_FN0  } one IOMMU group:
+#     01:00.1  e1000e                     CARD_FN1  } the "GPU + audio" card
+#   pcie.0 00:05.0  pcie-root-port rp_solo (chassis 2, slot 2) -> bus 02
+#     02:00.0  e1000e                     SOLO_NIC  (own IOMMU group)
+#   pcie.0 00:06.0  pcie-root-port rp_nvme (chassis 3, slot 3) -> bus 03
+#     03:00.0  nvme PF, SR-IOV, 2 VFs      NVME_PF
+#     03:00.1  nvme VF 0 (after sriov_numvfs=2)   NVME_VF0
+#     03:00.2  nvme VF 1 (after sriov_numvfs=2)   NVME_VF1
+#
+# Secondary bus numbers follow the root ports' order on pcie.0, so they stay
+# as above as long as no PCI bridge is added in front of these ports.
+
+# shellcheck disable=SC2034  # used by run.sh
+VM_CARD_FN0=0000:01:00.0
+# shellcheck disable=SC2034
+VM_CARD_FN1=0000:01:00.1
+# shellcheck disable=SC2034
+VM_SOLO_NIC=0000:02:00.0
+# shellcheck disable=SC2034
+VM_NVME_PF=0000:03:00.0
+# The nvme PF reports First VF Offset 1 and VF Stride 1.
+# shellcheck disable=SC2034
+VM_NVME_VF0=0000:03:00.1
+# shellcheck disable=SC2034
+VM_NVME_VF1=0000:03:00.2
+
+# vm_device_args IOMMU -- print the QEMU device options, one per line.
+# IOMMU is 1 for an emulated VT-d (intel-iommu) or 0 for no IOMMU at all.
+vm_device_args() {
+    local iommu="$1"
+    if [[ "$iommu" == 1 ]]; then
+        # Must come before the PCI devices it translates for.
+        printf '%s\n' -device intel-iommu,intremap=off
+    fi
+    printf '%s\n' \
+        -device pcie-root-port,id=rp_card,bus=pcie.0,addr=0x4,chassis=1,slot=1 \
+        -device e1000e,id=card_fn0,bus=rp_card,addr=0.0,multifunction=on,mac=52:54:00:00:01:00 \
+        -device e1000e,id=card_fn1,bus=rp_card,addr=0.1,mac=52:54:00:00:01:01 \
+        -device pcie-root-port,id=rp_solo,bus=pcie.0,addr=0x5,chassis=2,slot=2 \
+        -device e1000e,id=solo_nic,bus=rp_solo,addr=0.0,mac=52:54:00:00:02:00 \
+        -device pcie-root-port,id=rp_nvme,bus=pcie.0,addr=0x6,chassis=3,slot=3 \
+        -device nvme-subsys,id=nvme_subsys,nqn=testbed-subsys \
+        -device nvme,id=nvme_pf,bus=rp_nvme,addr=0.0,serial=TESTBED0001,subsys=nvme_subsys,sriov_max_vfs=2,sriov_vq_flexible=4,sriov_vi_flexible=2,max_ioqpairs=6,msix_qsize=4 \
+        -blockdev null-co,node-name=nvme_ns1,size=67108864,read-zeroes=on \
+        -device nvme-ns,bus=nvme_pf,drive=nvme_ns1,nsid=1
+}
