@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: formatting, lints, unit and CLI tests,
+# then the real-kernel scenarios in QEMU (which install qemu-system-x86,
+# busybox-static, kmod and the Debian kernel package themselves).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+echo "==== cargo fmt --check"
+cargo fmt --all -- --check
+echo "==== cargo clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "==== cargo test"
+cargo test --workspace --locked
+echo "==== real-kernel scenarios (QEMU)"
+scripts/vm/run.sh
