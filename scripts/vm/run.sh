@@ -324,26 +324,25 @@ done
 
 vm_log "running ${#scenarios[@]} scenario(s), up to $jobs at a time, kernel $KERNEL_VERSION"
 run_t0=$(date +%s.%N)
-for f in "${scenarios[@]}"; do
-    while ((${#pid_name[@]} >= jobs)); do
+# reap_while_more_than N -- collect finished scenarios until at most N run.
+reap_while_more_than() {
+    local done_pid
+    while ((${#pid_name[@]} > $1)); do
         done_pid=""
         wait -n -p done_pid "${!pid_name[@]}" || true
         [[ -n "$done_pid" ]] || continue
         finish_one "${pid_name[$done_pid]}"
         unset "pid_name[$done_pid]"
     done
+}
+for f in "${scenarios[@]}"; do
+    reap_while_more_than $((jobs - 1))
     name="$(basename "$f" .sh)"
     vm_log "starting $name"
     run_scenario "$f" &
     pid_name[$!]="$name"
 done
-while ((${#pid_name[@]})); do
-    done_pid=""
-    wait -n -p done_pid "${!pid_name[@]}" || true
-    [[ -n "$done_pid" ]] || continue
-    finish_one "${pid_name[$done_pid]}"
-    unset "pid_name[$done_pid]"
-done
+reap_while_more_than 0
 
 vm_log "all scenarios done in $(awk -v a="$run_t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
 if ((total_passed + total_failed == 0)); then

@@ -52,9 +52,9 @@ enum Command {
     /// Show selected devices and their group companions: ids, resource, driver, group viability.
     Status(commands::status::Args),
     /// Bind selected devices and their group companions to their vfio driver.
-    Bind(commands::bind::Args),
+    Bind(commands::ChangeArgs),
     /// Restore what the state file records: original drivers back, overrides cleared.
-    Unbind(commands::unbind::Args),
+    Unbind(commands::ChangeArgs),
     /// DaemonSet main: load modules, bind all, keep the node converged, restore on SIGTERM.
     Run(commands::run::Args),
 }

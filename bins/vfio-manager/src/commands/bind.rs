@@ -3,25 +3,12 @@
 use std::process::ExitCode;
 
 use vfio_sandbox::inventory::Inventory;
-use vfio_sandbox::kernel::{DryRun, Kernel, SysKernel};
-use vfio_sandbox::module::kernel_release;
-use vfio_sandbox::passthrough::Passthrough;
 
-use super::{groups_for, Which};
+use super::{groups_for, with_passthrough, ChangeArgs};
 use crate::{report, Context};
 
-/// Flags of `bind`.
-#[derive(Debug, clap::Args)]
-pub struct Args {
-    #[command(flatten)]
-    which: Which,
-    /// Print every sysfs write and module load it would make; change nothing.
-    #[arg(long)]
-    dry_run: bool,
-}
-
 /// Runs `bind`.
-pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
+pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
     let list = ctx.common.resource_list()?;
     let inv = Inventory::scan(&ctx.host, &list)?;
     let groups = groups_for(ctx, &inv, &args.which)?;
@@ -29,18 +16,10 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         tracing::warn!(config = %super::config_source(ctx), "no devices selected by the resource list; nothing to bind");
         return Ok(ExitCode::SUCCESS);
     }
-    let dry = DryRun::new();
-    let kernel: &dyn Kernel = if args.dry_run { &dry } else { &SysKernel };
-    let mut state = ctx.state(!args.dry_run)?;
-    let mut pt = Passthrough {
-        host: &ctx.host,
-        kernel,
-        state: &mut state,
-        release: kernel_release(),
-    };
-    let drivers = target_drivers(&inv, &groups);
-    pt.load_modules(&drivers)?;
-    let ok = report::print_bind(&pt.bind(&inv, &groups), args.dry_run);
+    let ok = with_passthrough(ctx, args.dry_run, |pt| {
+        pt.load_modules(&target_drivers(&inv, &groups))?;
+        Ok(report::print_bind(&pt.bind(&inv, &groups), args.dry_run))
+    })?;
     Ok(if ok {
         ExitCode::SUCCESS
     } else {

@@ -6,6 +6,9 @@ pub mod status;
 pub mod unbind;
 
 use vfio_sandbox::inventory::{Inventory, Role};
+use vfio_sandbox::kernel::{DryRun, Kernel, SysKernel};
+use vfio_sandbox::module::kernel_release;
+use vfio_sandbox::passthrough::Passthrough;
 use vfio_sandbox::{PciAddress, PciDevice};
 
 use crate::{Context, UsageError};
@@ -20,6 +23,34 @@ pub struct Which {
     /// Only these devices (repeatable; dddd:bb:ss.f).
     #[arg(long = "device", value_name = "BDF")]
     pub devices: Vec<PciAddress>,
+}
+
+/// Flags of the commands that change the node (`bind`, `unbind`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ChangeArgs {
+    #[command(flatten)]
+    pub which: Which,
+    /// Print every sysfs write and module load it would make; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+/// Runs `f` on the real kernel with the state file locked, or on a dry run that
+/// prints each change and keeps the state in memory.
+pub fn with_passthrough<T>(
+    ctx: &Context,
+    dry_run: bool,
+    f: impl FnOnce(&mut Passthrough<'_>) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let dry = DryRun::new();
+    let kernel: &dyn Kernel = if dry_run { &dry } else { &SysKernel };
+    let mut state = ctx.state(!dry_run)?;
+    f(&mut Passthrough {
+        host: &ctx.host,
+        kernel,
+        state: &mut state,
+        release: kernel_release(),
+    })
 }
 
 /// The IOMMU groups holding the asked devices; empty means all. Unknown or unselected
