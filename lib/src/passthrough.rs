@@ -159,6 +159,10 @@ impl Passthrough<'_> {
     pub fn unload_modules(&mut self, modules: &[String]) -> Result<Vec<String>, PassthroughError> {
         let mut unloaded = Vec::new();
         for m in modules {
+            // A module that is not loaded is not ours to reload later.
+            if !module::is_loaded(self.host, m) {
+                continue;
+            }
             // Note first: a crash right after the unload must still reload it.
             self.state.note_unloaded(&module::canonical_name(m))?;
             if module::unload(self.host, self.kernel, m)? {

@@ -329,6 +329,14 @@ fn unloaded_native_module_is_reloaded_on_restore() {
 }
 
 #[test]
+fn a_module_that_was_not_loaded_is_not_recorded_for_reload() {
+    let mut b = bed();
+    let unloaded = b.pt().unload_modules(&["rebellions".into()]).unwrap();
+    assert!(unloaded.is_empty());
+    assert!(b.state.state().unloaded_modules.is_empty());
+}
+
+#[test]
 fn vfio_modules_load_dependencies_first() {
     let mut b = bed();
     std::fs::remove_dir_all(b.node.host.driver_dir("vfio-pci")).unwrap();
