@@ -470,11 +470,11 @@ impl Selector {
             && self
                 .devices
                 .as_ref()
-                .map_or(true, |devices| devices.contains(&ids.device))
+                .is_none_or(|devices| devices.contains(&ids.device))
             && self
                 .classes
                 .as_ref()
-                .map_or(true, |classes| classes.iter().any(|c| c.matches(ids.class)))
+                .is_none_or(|classes| classes.iter().any(|c| c.matches(ids.class)))
     }
 
     /// When both selectors could match one device, describes such a device.

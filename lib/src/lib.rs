@@ -21,6 +21,7 @@ pub mod kernel;
 pub mod module;
 pub mod passthrough;
 pub mod state;
+pub mod uevent;
 
 pub use address::PciAddress;
 

@@ -8,7 +8,7 @@
 //! The loop sleeps in `poll(2)` on a signalfd and a kernel uevent socket, so an idle
 //! node costs nothing; a periodic resync covers a uevent socket we could not open.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -16,9 +16,6 @@ use std::time::{Duration, Instant};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
-use nix::sys::socket::{
-    bind, recv, socket, AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType,
-};
 use vfio_sandbox::cli::parse_duration;
 use vfio_sandbox::error_chain;
 use vfio_sandbox::inventory::Inventory;
@@ -63,7 +60,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     let list = ctx.common.resource_list()?;
     // A ready file left by a killed predecessor must not vouch for this process.
     remove_ready_file(&args.ready_file)?;
-    let uevents = match uevent_socket() {
+    let uevents = match vfio_sandbox::uevent::socket_nonblocking() {
         Ok(s) => Some(s),
         Err(e) => {
             tracing::warn!(error = %e, "no kernel uevents; relying on the periodic resync");
@@ -203,24 +200,6 @@ fn block_signals() -> anyhow::Result<SignalFd> {
     )?)
 }
 
-/// A socket receiving the kernel's uevents (needs the host network namespace).
-fn uevent_socket() -> nix::Result<OwnedFd> {
-    let fd = socket(
-        AddressFamily::Netlink,
-        SockType::Datagram,
-        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
-        SockProtocol::NetlinkKObjectUEvent,
-    )?;
-    bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 1))?;
-    Ok(fd)
-}
-
-/// True when a uevent message concerns the PCI bus.
-fn is_pci_uevent(msg: &[u8]) -> bool {
-    msg.split(|b| *b == 0)
-        .any(|field| field == b"SUBSYSTEM=pci")
-}
-
 /// Waits for a signal, a PCI uevent, or the timeout.
 fn wait(
     signals: &SignalFd,
@@ -246,32 +225,6 @@ fn wait(
         Ok(Some(info)) => Signal::try_from(info.ssi_signo as i32).ok(),
         _ => None,
     };
-    let uevent = uevents.is_some_and(|u| drain_uevents(u.as_fd()));
+    let uevent = uevents.is_some_and(|u| vfio_sandbox::uevent::drain(u.as_fd()));
     Ok((signal, uevent))
-}
-
-/// Reads every queued uevent; true when one was about PCI.
-fn drain_uevents(fd: BorrowedFd<'_>) -> bool {
-    let mut buf = vec![0u8; 8192];
-    let mut pci = false;
-    while let Ok(n) = recv(fd.as_raw_fd(), &mut buf, MsgFlags::MSG_DONTWAIT) {
-        if n == 0 {
-            break;
-        }
-        pci |= is_pci_uevent(&buf[..n]);
-    }
-    pci
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn recognises_pci_uevents() {
-        let msg = b"add@/devices/pci0000:00/0000:00:02.0/0000:01:00.0\0ACTION=add\0SUBSYSTEM=pci\0PCI_ID=8086:10D3\0";
-        assert!(is_pci_uevent(msg));
-        let other = b"add@/devices/virtual/net/lo\0ACTION=add\0SUBSYSTEM=net\0";
-        assert!(!is_pci_uevent(other));
-    }
 }

@@ -1,0 +1,231 @@
+//! What each resource advertises, and whether each device is usable.
+//!
+//! A device joins its resource once it is bound to its vfio driver, and stays listed
+//! from then on: unbound, removed, or in a group that lost viability, it turns
+//! `Unhealthy` instead of vanishing, so kubelet stops handing it out; when it comes
+//! back it turns `Healthy` again.
+
+use std::collections::BTreeMap;
+
+use vfio_sandbox::config::{ResourceList, ResourceName};
+use vfio_sandbox::device::DeviceError;
+use vfio_sandbox::inventory::Inventory;
+use vfio_sandbox::{Host, PciAddress};
+
+/// One advertised device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceState {
+    /// Its address, which is also its device-plugin ID.
+    pub address: PciAddress,
+    /// IOMMU group (`/dev/vfio/<group>`).
+    pub group: Option<u32>,
+    /// NUMA node, when the platform reports one.
+    pub numa_node: Option<u32>,
+    /// The nearest upstream bridge, for packing allocations.
+    pub bridge: Option<PciAddress>,
+    /// The iommufd character device (`vfioN` under `vfio-dev/`), when the kernel has one.
+    pub cdev: Option<String>,
+    /// `None` when healthy, else why not.
+    pub problem: Option<String>,
+}
+
+impl DeviceState {
+    /// The device-plugin ID: the BDF.
+    pub fn id(&self) -> String {
+        self.address.to_string()
+    }
+
+    /// True when a VM can use it now.
+    pub fn healthy(&self) -> bool {
+        self.problem.is_none()
+    }
+}
+
+/// Every resource with its devices, sorted by address.
+pub type Snapshot = BTreeMap<ResourceName, Vec<DeviceState>>;
+
+/// Remembers every device ever advertised, so one that goes away turns Unhealthy.
+#[derive(Debug, Default)]
+pub struct Tracker {
+    known: BTreeMap<ResourceName, BTreeMap<PciAddress, DeviceState>>,
+}
+
+impl Tracker {
+    /// Rescans the node and returns the new snapshot.
+    pub fn rescan(&mut self, host: &Host, list: &ResourceList) -> Result<Snapshot, DeviceError> {
+        let inv = Inventory::scan(host, list)?;
+        let mut seen: BTreeMap<ResourceName, BTreeMap<PciAddress, DeviceState>> = BTreeMap::new();
+        for entry in inv.selected() {
+            let Some(resource) = entry.resource() else {
+                continue;
+            };
+            let d = &entry.device;
+            let known = self
+                .known
+                .get(resource)
+                .is_some_and(|m| m.contains_key(&d.address));
+            let bound = entry.is_bound();
+            if !bound && !known {
+                continue; // never advertised: not ours until it is bound
+            }
+            let problem = if !bound {
+                Some(format!(
+                    "on {} instead of {}",
+                    d.driver.as_deref().unwrap_or("no driver"),
+                    entry.target_driver
+                ))
+            } else {
+                group_problem(host, &inv, d.iommu_group)
+            };
+            let state = DeviceState {
+                address: d.address,
+                group: d.iommu_group,
+                numa_node: d.numa_node,
+                bridge: d.parent_bridge(),
+                cdev: vfio_cdev(host, &d.address),
+                problem,
+            };
+            seen.entry(resource.clone())
+                .or_default()
+                .insert(d.address, state);
+        }
+        for (resource, devices) in &self.known {
+            for (address, old) in devices {
+                let now = seen.entry(resource.clone()).or_default();
+                if !now.contains_key(address) {
+                    let mut gone = old.clone();
+                    gone.problem = Some("device removed".into());
+                    now.insert(*address, gone);
+                }
+            }
+        }
+        self.known = seen;
+        Ok(self
+            .known
+            .iter()
+            .map(|(r, m)| (r.clone(), m.values().cloned().collect()))
+            .collect())
+    }
+}
+
+fn group_problem(host: &Host, inv: &Inventory, group: Option<u32>) -> Option<String> {
+    let Some(group) = group else {
+        return Some("no IOMMU group".into());
+    };
+    if let Some(v) = inv.groups.get(&group) {
+        if let Some(b) = v.blockers.first() {
+            return Some(format!(
+                "IOMMU group {group} is not viable: {} is on {}",
+                b.address, b.driver
+            ));
+        }
+    }
+    let node = host.vfio_group_node(group);
+    (!Host::exists(&node)).then(|| format!("{} is missing", node.display()))
+}
+
+/// The `vfioN` name of a device's iommufd character device, if the kernel made one.
+fn vfio_cdev(host: &Host, address: &PciAddress) -> Option<String> {
+    let dir = host.device_dir(address).join("vfio-dev");
+    std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .find(|n| n.starts_with("vfio"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vfio_sandbox::fake::{FakeDevice, FakeNode};
+
+    const LIST: &str =
+        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
+
+    fn setup() -> (tempfile::TempDir, FakeNode, ResourceList) {
+        let dir = tempfile::tempdir().unwrap();
+        let node = FakeNode::new(dir.path());
+        node.add_driver("vfio-pci");
+        node.add_driver("e1000e");
+        node.add_device(
+            &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
+                .driver("vfio-pci")
+                .group(4)
+                .numa(1),
+        );
+        node.add_device(
+            &FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000)
+                .driver("e1000e")
+                .group(5),
+        );
+        (dir, node, ResourceList::parse(LIST).unwrap())
+    }
+
+    fn health(s: &Snapshot) -> Vec<(String, Option<String>)> {
+        s.values()
+            .flatten()
+            .map(|d| (d.id(), d.problem.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn only_bound_devices_join_and_then_stay_listed() {
+        let (_d, node, list) = setup();
+        let mut t = Tracker::default();
+        let s = t.rescan(&node.host, &list).unwrap();
+        assert_eq!(health(&s), [("0000:01:00.0".into(), None)]);
+        assert_eq!(s.values().next().unwrap()[0].numa_node, Some(1));
+        // Unbound by hand: listed, Unhealthy, with the reason.
+        node.attach(&"0000:01:00.0".parse().unwrap(), "e1000e");
+        let s = t.rescan(&node.host, &list).unwrap();
+        assert_eq!(
+            health(&s),
+            [(
+                "0000:01:00.0".into(),
+                Some("on e1000e instead of vfio-pci".into())
+            )]
+        );
+        // Bound again: Healthy; a new device bound later appears.
+        node.attach(&"0000:01:00.0".parse().unwrap(), "vfio-pci");
+        node.attach(&"0000:02:00.0".parse().unwrap(), "vfio-pci");
+        let s = t.rescan(&node.host, &list).unwrap();
+        assert_eq!(
+            health(&s),
+            [("0000:01:00.0".into(), None), ("0000:02:00.0".into(), None)]
+        );
+    }
+
+    #[test]
+    fn removed_device_and_lost_group_node_turn_unhealthy() {
+        let (_d, node, list) = setup();
+        let mut t = Tracker::default();
+        t.rescan(&node.host, &list).unwrap();
+        std::fs::remove_file(node.host.vfio_group_node(4)).unwrap();
+        let s = t.rescan(&node.host, &list).unwrap();
+        assert!(health(&s)[0]
+            .1
+            .as_deref()
+            .unwrap()
+            .ends_with("dev/vfio/4 is missing"));
+        node.remove_device(&"0000:01:00.0".parse().unwrap());
+        let s = t.rescan(&node.host, &list).unwrap();
+        assert_eq!(
+            health(&s),
+            [("0000:01:00.0".into(), Some("device removed".into()))]
+        );
+    }
+
+    #[test]
+    fn a_companion_on_a_host_driver_makes_the_group_unhealthy() {
+        let (_d, node, list) = setup();
+        node.add_device(
+            &FakeDevice::new("0000:01:00.1", 0x8086, 0x1234, 0x04_0300)
+                .driver("snd_hda_intel")
+                .group(4),
+        );
+        let s = Tracker::default().rescan(&node.host, &list).unwrap();
+        assert_eq!(
+            health(&s)[0].1.as_deref(),
+            Some("IOMMU group 4 is not viable: 0000:01:00.1 is on snd_hda_intel")
+        );
+    }
+}

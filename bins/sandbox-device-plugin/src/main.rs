@@ -1,0 +1,150 @@
+//! `sandbox-device-plugin`: serves kubelet's device-plugin API (v1beta1) for every
+//! resource of the resource list, advertising the VFIO-bound devices so KubeVirt VMs
+//! can request them.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::{mpsc, watch};
+use vfio_sandbox::cli::{parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
+use vfio_sandbox::config::ResourceName;
+use vfio_sandbox::error_chain;
+
+mod allocate;
+mod devices;
+mod kubelet;
+mod service;
+mod watchers;
+
+use kubelet::{Command, Settings};
+
+const LONG_ABOUT: &str = "\
+Serves kubelet's device-plugin API (v1beta1) for every resource of the resource list: one
+gRPC server per resource on its own socket in the kubelet directory, registered with
+kubelet after it starts serving. Each VFIO-bound device is advertised with its BDF as ID
+and its NUMA node; health follows the node within a second (kernel uevents, inotify on
+/dev/vfio, and a periodic resync). Allocate returns KubeVirt's PCI_RESOURCE_<NAME> env var
+and the /dev/vfio nodes. A kubelet restart is noticed and answered by serving on a new
+socket and registering again. SIGTERM stops serving and removes the sockets.
+
+Exit codes: 0 stopped by a signal, 1 the node could not be read, 2 bad usage or config.";
+
+/// Command line.
+#[derive(Debug, Parser)]
+#[command(name = "sandbox-device-plugin", version, about = "kubelet device plugin for VFIO-bound PCI devices", long_about = LONG_ABOUT)]
+struct Cli {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// kubelet's device-plugin directory (holds kubelet.sock and our sockets).
+    #[arg(long, env = "VFIO_SANDBOX_KUBELET_DIR", default_value = deviceplugin::DEFAULT_KUBELET_DIR, value_name = "DIR")]
+    kubelet_dir: PathBuf,
+    /// Full rescan period, beneath the event-driven health updates (90s, 5m, 500ms, seconds).
+    #[arg(long, env = "VFIO_SANDBOX_RESYNC_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    resync_interval: Duration,
+    /// Also hand out /dev/iommu and /dev/vfio/devices/vfioN (iommufd) in Allocate.
+    #[arg(long, env = "VFIO_SANDBOX_IOMMUFD")]
+    iommufd: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    cli.common.init_logging();
+    let list = match cli.common.resource_list() {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("sandbox-device-plugin: error: {}", error_chain(&e));
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("sandbox-device-plugin: error: cannot start the runtime: {e}");
+            return ExitCode::from(EXIT_NOT_READY);
+        }
+    };
+    match runtime.block_on(run(cli, list)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sandbox-device-plugin: error: {}", error_chain(e.as_ref()));
+            ExitCode::from(EXIT_NOT_READY)
+        }
+    }
+}
+
+async fn run(cli: Cli, list: vfio_sandbox::config::ResourceList) -> anyhow::Result<()> {
+    let host = cli.common.host();
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut tracker = devices::Tracker::default();
+    let first = tracker.rescan(&host, &list)?;
+    if first.is_empty() {
+        tracing::warn!("no selected device is bound to its vfio driver yet; waiting");
+    }
+    let (publish, mut snapshot) = watch::channel(Arc::new(first));
+    let settings = Settings {
+        dir: cli.kubelet_dir.clone(),
+        snapshot: snapshot.clone(),
+        iommufd: cli.iommufd,
+        sockets: Default::default(),
+    };
+    tokio::spawn(watchers::watch_node(
+        host,
+        list,
+        tracker,
+        publish,
+        cli.resync_interval,
+    ));
+    let (restart_tx, mut restart) = mpsc::unbounded_channel();
+    tokio::spawn(watchers::watch_kubelet_dir(
+        cli.kubelet_dir,
+        settings.sockets.clone(),
+        restart_tx,
+    ));
+
+    let mut tasks: BTreeMap<
+        ResourceName,
+        (mpsc::UnboundedSender<Command>, tokio::task::JoinHandle<()>),
+    > = BTreeMap::new();
+    loop {
+        // A resource whose first device got bound later gets its server now.
+        let resources: Vec<ResourceName> = snapshot.borrow_and_update().keys().cloned().collect();
+        for r in resources {
+            tasks.entry(r.clone()).or_insert_with(|| {
+                let (tx, rx) = mpsc::unbounded_channel();
+                (
+                    tx,
+                    tokio::spawn(kubelet::serve_resource(r, settings.clone(), rx)),
+                )
+            });
+        }
+        tokio::select! {
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+            changed = snapshot.changed() => if changed.is_err() { anyhow::bail!("the node watcher stopped") },
+            Some(target) = restart.recv() => {
+                for (r, (tx, _)) in &tasks {
+                    if target.as_ref().is_none_or(|t| t == r) {
+                        let _ = tx.send(Command::Restart);
+                    }
+                }
+            }
+        }
+    }
+    tracing::info!("stopping: removing our sockets");
+    for (tx, _) in tasks.values() {
+        let _ = tx.send(Command::Stop);
+    }
+    for (_, (_, handle)) in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(5), handle).await;
+    }
+    Ok(())
+}

@@ -1,0 +1,193 @@
+//! The `DevicePlugin` gRPC service for one resource.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use deviceplugin::v1beta1::device_plugin_server::DevicePlugin;
+use deviceplugin::v1beta1::{
+    AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, Device,
+    DevicePluginOptions, Empty, ListAndWatchResponse, NumaNode, PreStartContainerRequest,
+    PreStartContainerResponse, PreferredAllocationRequest, PreferredAllocationResponse,
+    TopologyInfo,
+};
+use deviceplugin::{HEALTHY, UNHEALTHY};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+use vfio_sandbox::config::ResourceName;
+
+use crate::allocate::{allocate, preferred};
+use crate::devices::{DeviceState, Snapshot};
+
+/// The options we register with: preferred allocation is implemented, no pre-start.
+pub fn options() -> DevicePluginOptions {
+    DevicePluginOptions {
+        pre_start_required: false,
+        get_preferred_allocation_available: true,
+    }
+}
+
+/// Counts ListAndWatch streams and reports the end of each, with the registration
+/// generation it was opened under, so the registrar can tell a broken stream from
+/// one kubelet closed because we registered again.
+#[derive(Debug)]
+pub struct Streams {
+    /// Registration generation, bumped by each Register.
+    pub generation: AtomicU64,
+    /// Streams open now.
+    pub active: AtomicUsize,
+    ended: mpsc::UnboundedSender<u64>,
+}
+
+impl Streams {
+    /// A tracker that reports ended streams' generations on `ended`.
+    pub fn new(ended: mpsc::UnboundedSender<u64>) -> Self {
+        Self {
+            generation: AtomicU64::new(0),
+            active: AtomicUsize::new(0),
+            ended,
+        }
+    }
+}
+
+/// One resource's service.
+pub struct PluginService {
+    /// The resource served.
+    pub resource: ResourceName,
+    /// The node's devices, updated by the watcher.
+    pub snapshot: watch::Receiver<Arc<Snapshot>>,
+    /// Add iommufd nodes to Allocate answers.
+    pub iommufd: bool,
+    /// Stream bookkeeping shared with the registrar.
+    pub streams: Arc<Streams>,
+}
+
+impl PluginService {
+    fn devices(&self) -> Vec<DeviceState> {
+        self.snapshot
+            .borrow()
+            .get(&self.resource)
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+/// The ListAndWatch message for a resource's devices.
+pub fn to_message(devices: &[DeviceState]) -> ListAndWatchResponse {
+    ListAndWatchResponse {
+        devices: devices
+            .iter()
+            .map(|d| Device {
+                id: d.id(),
+                health: if d.healthy() { HEALTHY } else { UNHEALTHY }.into(),
+                // -1 (no NUMA affinity) means no topology at all, never an empty one.
+                topology: d.numa_node.map(|n| TopologyInfo {
+                    nodes: vec![NumaNode { id: i64::from(n) }],
+                }),
+            })
+            .collect(),
+    }
+}
+
+type ListStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DevicePlugin for PluginService {
+    async fn get_device_plugin_options(
+        &self,
+        _: Request<Empty>,
+    ) -> Result<Response<DevicePluginOptions>, Status> {
+        Ok(Response::new(options()))
+    }
+
+    type ListAndWatchStream = ListStream;
+
+    async fn list_and_watch(
+        &self,
+        _: Request<Empty>,
+    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let (tx, rx) = mpsc::channel(4);
+        let mut snapshot = self.snapshot.clone();
+        let resource = self.resource.clone();
+        let streams = self.streams.clone();
+        let generation = streams.generation.load(Ordering::SeqCst);
+        streams.active.fetch_add(1, Ordering::SeqCst);
+        tracing::info!(resource = %resource, "kubelet opened ListAndWatch");
+        tokio::spawn(async move {
+            let mut last: Option<ListAndWatchResponse> = None;
+            loop {
+                let msg = {
+                    let snap = snapshot.borrow_and_update();
+                    to_message(snap.get(&resource).map(Vec::as_slice).unwrap_or_default())
+                };
+                // Each change is one full message; an unchanged list sends nothing.
+                if last.as_ref() != Some(&msg) {
+                    if tx.send(Ok(msg.clone())).await.is_err() {
+                        break;
+                    }
+                    last = Some(msg);
+                }
+                tokio::select! {
+                    changed = snapshot.changed() => if changed.is_err() { break },
+                    _ = tx.closed() => break,
+                }
+            }
+            streams.active.fetch_sub(1, Ordering::SeqCst);
+            tracing::info!(resource = %resource, "ListAndWatch stream ended");
+            let _ = streams.ended.send(generation);
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<PreferredAllocationRequest>,
+    ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        let devices = self.devices();
+        let container_responses = request
+            .into_inner()
+            .container_requests
+            .iter()
+            .map(|c| ContainerPreferredAllocationResponse {
+                device_i_ds: preferred(
+                    &devices,
+                    &c.available_device_i_ds,
+                    &c.must_include_device_i_ds,
+                    usize::try_from(c.allocation_size).unwrap_or(0),
+                ),
+            })
+            .collect();
+        Ok(Response::new(PreferredAllocationResponse {
+            container_responses,
+        }))
+    }
+
+    async fn allocate(
+        &self,
+        request: Request<AllocateRequest>,
+    ) -> Result<Response<AllocateResponse>, Status> {
+        let devices = self.devices();
+        let mut container_responses = Vec::new();
+        for c in &request.into_inner().container_requests {
+            let r =
+                allocate(&self.resource, &devices, &c.devices_ids, self.iommufd).map_err(|e| {
+                    tracing::warn!(resource = %self.resource, error = %e, "Allocate refused");
+                    Status::invalid_argument(format!("{}: {e}", self.resource))
+                })?;
+            container_responses.push(r);
+        }
+        Ok(Response::new(AllocateResponse {
+            container_responses,
+        }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        _: Request<PreStartContainerRequest>,
+    ) -> Result<Response<PreStartContainerResponse>, Status> {
+        Ok(Response::new(PreStartContainerResponse {}))
+    }
+}

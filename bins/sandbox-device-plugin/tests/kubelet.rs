@@ -1,0 +1,488 @@
+//! The real `sandbox-device-plugin` binary against the kubelet-like peer, over Unix
+//! sockets, on fake sysfs trees. Every scenario has a deadline, so a missing call
+//! fails fast instead of hanging.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use deviceplugin::v1beta1::{
+    AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
+    ContainerPreferredAllocationRequest, DeviceSpec, Empty, ListAndWatchResponse,
+    PreferredAllocationRequest,
+};
+use kubelet_peer::{Kubelet, Registered};
+use prost::Message;
+use tokio_stream::StreamExt;
+use vfio_sandbox::fake::{FakeDevice, FakeNode};
+
+const NIC: &str = "example.com/NIC_PT";
+const NVME: &str = "example.com/NVME_PT";
+const LIST: &str = r#"{"resources":[
+  {"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]},
+  {"name":"example.com/NVME_PT","vendor":"1b36","devices":["0010"]}]}"#;
+const STEP: Duration = Duration::from_secs(5);
+
+struct Bed {
+    dir: tempfile::TempDir,
+    node: FakeNode,
+    plugin: Child,
+}
+
+impl Bed {
+    /// A node with a two-function NIC (group 5, NUMA 0, one bridge), a lone NIC
+    /// (group 6, NUMA 1), an nvme (group 7, no NUMA), all on vfio-pci; the plugin
+    /// started against it.
+    fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let node = FakeNode::new(dir.path());
+        node.add_driver("vfio-pci");
+        node.add_driver("e1000e");
+        node.add_device(
+            &FakeDevice::new("0000:00:01.0", 0x8086, 0x2922, 0x06_0400)
+                .driver("pcieport")
+                .group(1),
+        );
+        node.add_device(
+            &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
+                .driver("vfio-pci")
+                .group(5)
+                .numa(0)
+                .parent("0000:00:01.0"),
+        );
+        node.add_device(
+            &FakeDevice::new("0000:01:00.1", 0x8086, 0x10d3, 0x02_0000)
+                .driver("vfio-pci")
+                .group(5)
+                .numa(0)
+                .parent("0000:00:01.0"),
+        );
+        node.add_device(
+            &FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000)
+                .driver("vfio-pci")
+                .group(6)
+                .numa(1),
+        );
+        node.add_device(
+            &FakeDevice::new("0000:03:00.0", 0x1b36, 0x0010, 0x01_0802)
+                .driver("vfio-pci")
+                .group(7),
+        );
+        std::fs::write(dir.path().join("list.json"), LIST).unwrap();
+        std::fs::create_dir_all(dir.path().join("kubelet")).unwrap();
+        let plugin = spawn_plugin(dir.path());
+        Bed { dir, node, plugin }
+    }
+
+    fn kubelet_dir(&self) -> PathBuf {
+        self.dir.path().join("kubelet")
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("plugin.log")).unwrap_or_default()
+    }
+
+    fn terminate(&mut self) -> Option<i32> {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.plugin.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let deadline = Instant::now() + STEP;
+        while Instant::now() < deadline {
+            if let Some(status) = self.plugin.try_wait().unwrap() {
+                return status.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "plugin did not exit within {STEP:?} of SIGTERM\n{}",
+            self.log()
+        );
+    }
+}
+
+impl Drop for Bed {
+    fn drop(&mut self) {
+        let _ = self.plugin.kill();
+        let _ = self.plugin.wait();
+    }
+}
+
+fn spawn_plugin(root: &Path) -> Child {
+    let log = std::fs::File::create(root.join("plugin.log")).unwrap();
+    Command::new(env!("CARGO_BIN_EXE_sandbox-device-plugin"))
+        .arg("--config")
+        .arg(root.join("list.json"))
+        .arg("--sysfs-root")
+        .arg(root.join("sys"))
+        .arg("--dev-root")
+        .arg(root.join("dev"))
+        .arg("--kubelet-dir")
+        .arg(root.join("kubelet"))
+        .args(["--resync-interval", "200ms", "--log-level", "debug"])
+        .env_remove("VFIO_SANDBOX_CONFIG")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap()
+}
+
+/// Runs a scenario on a fresh runtime with an overall deadline.
+fn scenario<F: std::future::Future<Output = ()>>(f: F) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(30), f)
+            .await
+            .expect("scenario deadline");
+    });
+}
+
+fn by_name<'a>(regs: &'a [Registered], name: &str) -> &'a Registered {
+    regs.iter()
+        .find(|r| r.request.resource_name == name)
+        .unwrap()
+}
+
+fn summary(msg: &ListAndWatchResponse) -> Vec<String> {
+    msg.devices
+        .iter()
+        .map(|d| {
+            let numa: Vec<i64> = d
+                .topology
+                .iter()
+                .flat_map(|t| t.nodes.iter().map(|n| n.id))
+                .collect();
+            format!(
+                "{} {} {:?} topology={}",
+                d.id,
+                d.health,
+                numa,
+                d.topology.is_some()
+            )
+        })
+        .collect()
+}
+
+async fn next_message(stream: &mut tonic::Streaming<ListAndWatchResponse>) -> ListAndWatchResponse {
+    tokio::time::timeout(STEP, stream.next())
+        .await
+        .expect("ListAndWatch message")
+        .unwrap()
+        .unwrap()
+}
+
+#[test]
+fn registers_each_resource_with_a_bare_endpoint_and_lists_devices() {
+    let bed = Bed::start();
+    scenario(async {
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let regs = kubelet.registrations_for(&[NIC, NVME], STEP).await.unwrap();
+        for r in &regs {
+            assert_eq!(r.request.version, "v1beta1");
+            assert!(
+                !r.request.endpoint.contains('/'),
+                "{:?}",
+                r.request.endpoint
+            );
+            assert!(bed.kubelet_dir().join(&r.request.endpoint).exists());
+            let opts = r.request.options.as_ref().unwrap();
+            assert!(opts.get_preferred_allocation_available && !opts.pre_start_required);
+            assert_eq!(
+                &r.options, opts,
+                "dial-back options match the registered ones"
+            );
+        }
+        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
+        assert_eq!(
+            summary(&next_message(&mut stream).await),
+            [
+                "0000:01:00.0 Healthy [0] topology=true",
+                "0000:01:00.1 Healthy [0] topology=true",
+                "0000:02:00.0 Healthy [1] topology=true",
+            ]
+        );
+        let mut nvme = kubelet.plugin(by_name(&regs, NVME)).await.unwrap();
+        let mut stream = nvme.list_and_watch(Empty {}).await.unwrap().into_inner();
+        // NUMA -1: no topology at all, never an empty one.
+        assert_eq!(
+            summary(&next_message(&mut stream).await),
+            ["0000:03:00.0 Healthy [] topology=false"]
+        );
+    });
+}
+
+#[test]
+fn allocate_answers_exactly_the_kubevirt_contract() {
+    let bed = Bed::start();
+    scenario(async {
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
+        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let request = AllocateRequest {
+            container_requests: vec![
+                ContainerAllocateRequest {
+                    devices_ids: vec!["0000:02:00.0".into(), "0000:01:00.1".into()],
+                },
+                ContainerAllocateRequest {
+                    devices_ids: vec!["0000:01:00.0".into()],
+                },
+            ],
+        };
+        let got = nic.allocate(request).await.unwrap().into_inner();
+        let spec = |p: &str| DeviceSpec {
+            container_path: p.into(),
+            host_path: p.into(),
+            permissions: "mrw".into(),
+        };
+        let want = [
+            ContainerAllocateResponse {
+                envs: [(
+                    "PCI_RESOURCE_EXAMPLE_COM_NIC_PT".to_string(),
+                    "0000:02:00.0,0000:01:00.1".to_string(),
+                )]
+                .into(),
+                devices: vec![
+                    spec("/dev/vfio/vfio"),
+                    spec("/dev/vfio/6"),
+                    spec("/dev/vfio/5"),
+                ],
+                ..Default::default()
+            },
+            ContainerAllocateResponse {
+                envs: [(
+                    "PCI_RESOURCE_EXAMPLE_COM_NIC_PT".to_string(),
+                    "0000:01:00.0".to_string(),
+                )]
+                .into(),
+                devices: vec![spec("/dev/vfio/vfio"), spec("/dev/vfio/5")],
+                ..Default::default()
+            },
+        ];
+        assert_eq!(got.container_responses, want);
+        for (g, w) in got.container_responses.iter().zip(&want) {
+            assert_eq!(g.encode_to_vec(), w.encode_to_vec(), "byte for byte");
+        }
+    });
+}
+
+#[test]
+fn bad_ids_are_grpc_errors_naming_them() {
+    let bed = Bed::start();
+    scenario(async {
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
+        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let ask = |ids: &[&str]| AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: ids.iter().map(|s| s.to_string()).collect(),
+            }],
+        };
+        let e = nic.allocate(ask(&["0000:03:00.0"])).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(
+            e.message(),
+            "example.com/NIC_PT: unknown device IDs: 0000:03:00.0"
+        );
+        let e = nic
+            .allocate(ask(&["0000:01:00.0", "0000:01:00.0"]))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            e.message(),
+            "example.com/NIC_PT: device IDs requested twice: 0000:01:00.0"
+        );
+        // Unbind one by hand: it turns unhealthy, and Allocate refuses it with the reason.
+        let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
+        next_message(&mut stream).await;
+        bed.node.attach(&"0000:02:00.0".parse().unwrap(), "e1000e");
+        next_message(&mut stream).await;
+        let e = nic.allocate(ask(&["0000:02:00.0"])).await.unwrap_err();
+        assert_eq!(
+            e.message(),
+            "example.com/NIC_PT: unhealthy devices: 0000:02:00.0 (on e1000e instead of vfio-pci)"
+        );
+    });
+}
+
+#[test]
+fn preferred_allocation_packs_by_numa_then_bridge() {
+    let bed = Bed::start();
+    scenario(async {
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
+        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let all: Vec<String> = ["0000:01:00.0", "0000:01:00.1", "0000:02:00.0"]
+            .map(String::from)
+            .to_vec();
+        let ask = |must: &[&str], size: i32| PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: all.clone(),
+                must_include_device_i_ds: must.iter().map(|s| s.to_string()).collect(),
+                allocation_size: size,
+            }],
+        };
+        let pick = |r: deviceplugin::v1beta1::PreferredAllocationResponse| {
+            r.container_responses[0].device_i_ds.clone()
+        };
+        assert_eq!(
+            pick(
+                nic.get_preferred_allocation(ask(&[], 2))
+                    .await
+                    .unwrap()
+                    .into_inner()
+            ),
+            ["0000:01:00.0", "0000:01:00.1"]
+        );
+        assert_eq!(
+            pick(
+                nic.get_preferred_allocation(ask(&["0000:02:00.0"], 2))
+                    .await
+                    .unwrap()
+                    .into_inner()
+            ),
+            ["0000:02:00.0", "0000:01:00.0"]
+        );
+        assert_eq!(
+            pick(
+                nic.get_preferred_allocation(ask(&["0000:01:00.1"], 1))
+                    .await
+                    .unwrap()
+                    .into_inner()
+            ),
+            ["0000:01:00.1"]
+        );
+    });
+}
+
+#[test]
+fn health_follows_binding_within_a_second() {
+    let bed = Bed::start();
+    scenario(async {
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
+        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
+        next_message(&mut stream).await;
+        let lone = "0000:02:00.0".parse().unwrap();
+        let t = Instant::now();
+        bed.node.attach(&lone, "e1000e");
+        let msg = next_message(&mut stream).await;
+        let took = t.elapsed();
+        assert!(
+            summary(&msg).contains(&"0000:02:00.0 Unhealthy [1] topology=true".to_string()),
+            "{msg:?}"
+        );
+        assert!(took < Duration::from_secs(1), "unhealthy after {took:?}");
+        bed.node.attach(&lone, "vfio-pci");
+        let msg = next_message(&mut stream).await;
+        assert!(
+            summary(&msg).contains(&"0000:02:00.0 Healthy [1] topology=true".to_string()),
+            "{msg:?}"
+        );
+        // A device removed from the bus stays listed, Unhealthy.
+        bed.node.remove_device(&"0000:01:00.1".parse().unwrap());
+        let msg = next_message(&mut stream).await;
+        assert!(
+            summary(&msg).contains(&"0000:01:00.1 Unhealthy [0] topology=true".to_string()),
+            "{msg:?}"
+        );
+    });
+}
+
+#[test]
+fn kubelet_restart_gets_a_new_socket_and_registration_within_a_second() {
+    let bed = Bed::start();
+    scenario(async {
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let before = kubelet.registrations_for(&[NIC, NVME], STEP).await.unwrap();
+        kubelet.stop().await;
+        assert_eq!(Kubelet::wipe_plugin_sockets(&bed.kubelet_dir()).unwrap(), 2);
+        let t = Instant::now();
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let after = kubelet
+            .registrations_for(&[NIC, NVME], Duration::from_secs(1))
+            .await
+            .unwrap();
+        let took = t.elapsed();
+        for (b, a) in before.iter().zip(&after) {
+            assert_ne!(b.request.endpoint, a.request.endpoint, "a fresh socket");
+            assert!(bed.kubelet_dir().join(&a.request.endpoint).exists());
+        }
+        let mut nic = kubelet.plugin(by_name(&after, NIC)).await.unwrap();
+        let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
+        assert_eq!(next_message(&mut stream).await.devices.len(), 3);
+        eprintln!("re-registered {took:?} after kubelet.sock came back");
+    });
+}
+
+#[test]
+fn a_broken_stream_leads_to_a_new_registration() {
+    let bed = Bed::start();
+    scenario(async {
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let regs = kubelet.registrations_for(&[NIC, NVME], STEP).await.unwrap();
+        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
+        next_message(&mut stream).await;
+        drop(stream);
+        drop(nic);
+        let again = kubelet.next_registration(STEP).await.unwrap();
+        assert_eq!(again.request.resource_name, NIC);
+        // After it, a stream that stays open causes no further registrations.
+        let mut nic = kubelet.plugin(&again).await.unwrap();
+        let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
+        next_message(&mut stream).await;
+        assert!(
+            kubelet
+                .next_registration(Duration::from_millis(1500))
+                .await
+                .is_err(),
+            "no registration loop"
+        );
+    });
+}
+
+#[test]
+fn waits_for_an_absent_kubelet_without_a_hot_loop() {
+    let mut bed = Bed::start();
+    std::thread::sleep(Duration::from_millis(1500));
+    let warnings = bed.log().matches("cannot register with kubelet").count();
+    // Backoff 100 ms, 200, 400, 800: about four attempts per resource in 1.5 s.
+    assert!(
+        (1..=12).contains(&warnings),
+        "{warnings} warnings:\n{}",
+        bed.log()
+    );
+    scenario(async {
+        let t = Instant::now();
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        kubelet
+            .registrations_for(&[NIC, NVME], Duration::from_secs(1))
+            .await
+            .unwrap();
+        eprintln!("registered {:?} after kubelet.sock appeared", t.elapsed());
+    });
+    assert_eq!(bed.terminate(), Some(0));
+}
+
+#[test]
+fn sigterm_stops_serving_and_removes_the_sockets() {
+    let mut bed = Bed::start();
+    scenario(async {
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        kubelet.registrations_for(&[NIC, NVME], STEP).await.unwrap();
+    });
+    assert_eq!(bed.terminate(), Some(0), "{}", bed.log());
+    let left: Vec<_> = std::fs::read_dir(bed.kubelet_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["kubelet.sock"], "only kubelet's own socket remains");
+}
