@@ -79,9 +79,27 @@ pub fn socket_name(resource: &ResourceName, serial: u64) -> String {
 }
 
 enum Flow {
-    Registered,
+    /// Registered with the kubelet whose socket has this identity.
+    Registered(KubeletId),
     Restart,
     Stop,
+}
+
+/// Which kubelet we registered with: the (device, inode) of its `kubelet.sock`. A new
+/// kubelet process creates a new socket file, so a different identity means a restart.
+type KubeletId = Option<(u64, u64)>;
+
+fn kubelet_id(dir: &Path) -> KubeletId {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(dir.join(KUBELET_SOCKET)).ok()?;
+    Some((m.dev(), m.ino()))
+}
+
+/// True when a restart request changes nothing: our socket is still there and the
+/// kubelet we registered with is still the one serving. (Deleting our socket and
+/// recreating kubelet.sock both signal a restart; acting on both would register twice.)
+fn still_registered(dir: &Path, socket: &Path, with: KubeletId) -> bool {
+    with.is_some() && socket.exists() && kubelet_id(dir) == with
 }
 
 /// Serves `resource` until told to stop; returns after removing its socket.
@@ -110,9 +128,13 @@ pub async fn serve_resource(
             .map(|mut m| m.insert(name.clone(), resource.clone()))
             .ok();
         let mut flow = register(&resource, &settings.dir, &name, &streams, &mut commands).await;
-        while let Flow::Registered = flow {
+        while let Flow::Registered(with) = flow {
             flow = tokio::select! {
                 cmd = commands.recv() => match cmd {
+                    Some(Command::Restart) if still_registered(&settings.dir, &path, with) => {
+                        tracing::debug!(resource = %resource, "still registered with the same kubelet; nothing to restart");
+                        Flow::Registered(with)
+                    }
                     Some(Command::Restart) => Flow::Restart,
                     Some(Command::Stop) | None => Flow::Stop,
                 },
@@ -121,7 +143,7 @@ pub async fn serve_resource(
                         tracing::warn!(resource = %resource, "ListAndWatch stream broke; registering again");
                         register(&resource, &settings.dir, &name, &streams, &mut commands).await
                     } else {
-                        Flow::Registered
+                        Flow::Registered(with)
                     }
                 }
             };
@@ -213,21 +235,23 @@ async fn register(
     let mut delay = BACKOFF.0;
     loop {
         streams.generation.fetch_add(1, Ordering::SeqCst);
+        let with = kubelet_id(dir);
         match register_once(dir, endpoint, resource).await {
             Ok(()) => {
                 tracing::info!(resource = %resource, endpoint, "registered with kubelet");
-                return Flow::Registered;
+                return Flow::Registered(with);
             }
             Err(e) => {
                 tracing::warn!(resource = %resource, error = %e, retry_in = ?delay, "cannot register with kubelet");
             }
         }
         match wait_or_command(commands, delay).await {
-            None => {}
+            None => delay = (delay * 2).min(BACKOFF.1),
+            // kubelet.sock appeared (or came back) while our socket is intact: try now.
+            Some(Command::Restart) if dir.join(endpoint).exists() => delay = BACKOFF.0,
             Some(Command::Restart) => return Flow::Restart,
             Some(Command::Stop) => return Flow::Stop,
         }
-        delay = (delay * 2).min(BACKOFF.1);
     }
 }
 

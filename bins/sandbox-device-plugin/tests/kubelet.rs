@@ -418,6 +418,15 @@ fn kubelet_restart_gets_a_new_socket_and_registration_within_a_second() {
         let mut nic = kubelet.plugin(by_name(&after, NIC)).await.unwrap();
         let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
         assert_eq!(next_message(&mut stream).await.devices.len(), 3);
+        let mut nvme = kubelet.plugin(by_name(&after, NVME)).await.unwrap();
+        let mut nvme_stream = nvme.list_and_watch(Empty {}).await.unwrap().into_inner();
+        next_message(&mut nvme_stream).await;
+        if let Ok(extra) = kubelet.next_registration(Duration::from_millis(700)).await {
+            panic!(
+                "one restart, one registration per resource; also got {:?}",
+                extra.request
+            );
+        }
         eprintln!("re-registered {took:?} after kubelet.sock came back");
     });
 }
