@@ -1,0 +1,194 @@
+//! `kubelet-peer`: the kubelet-like peer as a command, for scripts (the real-kernel
+//! scenarios run it inside the test VM).
+//!
+//! ```text
+//! kubelet-peer serve    --dir D                       # print one line per accepted Register
+//! kubelet-peer list     --dir D --endpoint E          # the first ListAndWatch message
+//! kubelet-peer allocate --dir D --endpoint E ID...    # env and device specs
+//! kubelet-peer watch    --dir D --endpoint E --after CMD --expect ID=Health --within 1s
+//! ```
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use deviceplugin::v1beta1::{
+    AllocateRequest, ContainerAllocateRequest, Empty, ListAndWatchResponse,
+};
+use kubelet_peer::{connect, Kubelet};
+use tokio_stream::StreamExt;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kubelet-peer",
+    about = "Plays kubelet's side of the device-plugin API over Unix sockets"
+)]
+struct Cli {
+    /// The device-plugins directory.
+    #[arg(long, default_value = deviceplugin::DEFAULT_KUBELET_DIR)]
+    dir: PathBuf,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Serve Registration on kubelet.sock; print `registered RESOURCE ENDPOINT VERSION` per call.
+    Serve,
+    /// Print the first ListAndWatch message, one `ID HEALTH numa=N|none` line per device.
+    List {
+        #[arg(long)]
+        endpoint: String,
+    },
+    /// Allocate the IDs for one container; print `env K=V` and `device HOST CONTAINER PERMS` lines.
+    Allocate {
+        #[arg(long)]
+        endpoint: String,
+        ids: Vec<String>,
+    },
+    /// Open ListAndWatch, run CMD after the first message, and wait until a message
+    /// shows ID with HEALTH; print the milliseconds from CMD's end to that message.
+    Watch {
+        #[arg(long)]
+        endpoint: String,
+        /// Shell command to run once the stream is open.
+        #[arg(long)]
+        after: String,
+        /// ID=Healthy or ID=Unhealthy.
+        #[arg(long)]
+        expect: String,
+        /// Give up after this many milliseconds.
+        #[arg(long, default_value_t = 1000)]
+        within_ms: u64,
+    },
+}
+
+fn lines(msg: &ListAndWatchResponse) -> Vec<String> {
+    msg.devices
+        .iter()
+        .map(|d| {
+            let numa = d
+                .topology
+                .as_ref()
+                .map(|t| {
+                    t.nodes
+                        .iter()
+                        .map(|n| n.id.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                })
+                .unwrap_or_else(|| "none".into());
+            format!("{} {} numa={numa}", d.id, d.health)
+        })
+        .collect()
+}
+
+async fn run(cli: Cli) -> anyhow::Result<bool> {
+    match cli.command {
+        Cmd::Serve => {
+            let kubelet = Kubelet::start(&cli.dir).await?;
+            loop {
+                let r = kubelet.next_registration(Duration::from_secs(3600)).await?;
+                println!(
+                    "registered {} {} {}",
+                    r.request.resource_name, r.request.endpoint, r.request.version
+                );
+            }
+        }
+        Cmd::List { endpoint } => {
+            let mut client = connect(&cli.dir.join(endpoint)).await?;
+            let mut stream = client.list_and_watch(Empty {}).await?.into_inner();
+            let msg = stream
+                .next()
+                .await
+                .ok_or_else(|| anyhow::anyhow!("stream ended"))??;
+            lines(&msg).iter().for_each(|l| println!("{l}"));
+            Ok(true)
+        }
+        Cmd::Allocate { endpoint, ids } => {
+            let mut client = connect(&cli.dir.join(endpoint)).await?;
+            let r = client
+                .allocate(AllocateRequest {
+                    container_requests: vec![ContainerAllocateRequest { devices_ids: ids }],
+                })
+                .await?
+                .into_inner();
+            for c in r.container_responses {
+                let mut envs: Vec<_> = c.envs.into_iter().collect();
+                envs.sort();
+                envs.iter().for_each(|(k, v)| println!("env {k}={v}"));
+                c.devices.iter().for_each(|d| {
+                    println!(
+                        "device {} {} {}",
+                        d.host_path, d.container_path, d.permissions
+                    )
+                });
+            }
+            Ok(true)
+        }
+        Cmd::Watch {
+            endpoint,
+            after,
+            expect,
+            within_ms,
+        } => {
+            let mut client = connect(&cli.dir.join(endpoint)).await?;
+            let mut stream = client.list_and_watch(Empty {}).await?.into_inner();
+            let first = stream
+                .next()
+                .await
+                .ok_or_else(|| anyhow::anyhow!("stream ended"))??;
+            println!("first: {}", lines(&first).join("; "));
+            let (id, health) = expect
+                .split_once('=')
+                .ok_or_else(|| anyhow::anyhow!("--expect wants ID=HEALTH"))?;
+            let status = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(&after)
+                .status()?;
+            anyhow::ensure!(status.success(), "--after command failed: {status}");
+            let start = Instant::now();
+            let deadline = Duration::from_millis(within_ms);
+            loop {
+                let left = deadline.saturating_sub(start.elapsed());
+                let Ok(next) = tokio::time::timeout(left, stream.next()).await else {
+                    println!("no message with {id} {health} within {within_ms} ms");
+                    return Ok(false);
+                };
+                let msg = next.ok_or_else(|| anyhow::anyhow!("stream ended"))??;
+                println!(
+                    "message after {} ms: {}",
+                    start.elapsed().as_millis(),
+                    lines(&msg).join("; ")
+                );
+                if msg.devices.iter().any(|d| d.id == id && d.health == health) {
+                    println!("{id} {health} after {} ms", start.elapsed().as_millis());
+                    return Ok(true);
+                }
+            }
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kubelet-peer: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("kubelet-peer: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
