@@ -128,7 +128,18 @@ impl Inventory {
             if groups.contains_key(&group) {
                 continue;
             }
-            let members = crate::group::read_members(host, group)?;
+            // Members already read as selected devices are not read again.
+            let mut members = Vec::new();
+            for address in crate::group::members(host, group)? {
+                match entries.get(&address) {
+                    Some(e) => members.push(e.device.clone()),
+                    None => match PciDevice::read(host, &address) {
+                        Ok(d) => members.push(d),
+                        Err(e) if e.is_gone() => {}
+                        Err(e) => return Err(e),
+                    },
+                }
+            }
             groups.insert(group, judge(group, &members));
             for m in members {
                 if entries.contains_key(&m.address) {

@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use deviceplugin::v1beta1::{ContainerAllocateResponse, DeviceSpec};
 use vfio_sandbox::config::ResourceName;
+use vfio_sandbox::PciAddress;
 
 use crate::devices::DeviceState;
 
@@ -59,11 +60,20 @@ pub fn allocate(
     ids: &[String],
     iommufd: bool,
 ) -> Result<ContainerAllocateResponse, AllocateError> {
-    let by_id: BTreeMap<String, &DeviceState> = devices.iter().map(|d| (d.id(), d)).collect();
+    // `devices` is sorted by address: look up only what was asked for.
+    let find = |id: &String| {
+        let a: PciAddress = id.parse().ok()?;
+        devices
+            .binary_search_by_key(&a, |d| d.address)
+            .ok()
+            .map(|i| &devices[i])
+    };
+    let found: Vec<Option<&DeviceState>> = ids.iter().map(find).collect();
     let unknown: Vec<String> = ids
         .iter()
-        .filter(|i| !by_id.contains_key(*i))
-        .cloned()
+        .zip(&found)
+        .filter(|(_, f)| f.is_none())
+        .map(|(i, _)| i.clone())
         .collect();
     if !unknown.is_empty() {
         return Err(AllocateError::Unknown(unknown));
@@ -73,7 +83,7 @@ pub fn allocate(
     if !dup.is_empty() {
         return Err(AllocateError::Duplicate(dup.into_iter().collect()));
     }
-    let chosen: Vec<&DeviceState> = ids.iter().map(|i| by_id[i]).collect();
+    let chosen: Vec<&DeviceState> = found.into_iter().flatten().collect();
     let sick: Vec<(String, String)> = chosen
         .iter()
         .filter_map(|d| Some((d.id(), d.problem.clone()?)))

@@ -43,9 +43,11 @@ struct Cli {
     /// kubelet's device-plugin directory (holds kubelet.sock and our sockets).
     #[arg(long, env = "VFIO_SANDBOX_KUBELET_DIR", default_value = deviceplugin::DEFAULT_KUBELET_DIR, value_name = "DIR")]
     kubelet_dir: PathBuf,
-    /// Full rescan period, beneath the event-driven health updates (90s, 5m, 500ms, seconds).
-    #[arg(long, env = "VFIO_SANDBOX_RESYNC_INTERVAL", default_value = "5s", value_parser = parse_duration)]
-    resync_interval: Duration,
+    /// Full rescan period beneath the event-driven health updates (90s, 5m, 500ms,
+    /// seconds). Default: 30s when kernel uevents reach us (host network namespace),
+    /// else 1s so health still follows the node within a second.
+    #[arg(long, env = "VFIO_SANDBOX_RESYNC_INTERVAL", value_parser = parse_duration)]
+    resync_interval: Option<Duration>,
     /// Also hand out /dev/iommu and /dev/vfio/devices/vfioN (iommufd) in Allocate.
     #[arg(long, env = "VFIO_SANDBOX_IOMMUFD")]
     iommufd: bool,

@@ -64,13 +64,17 @@ pub struct PluginService {
 }
 
 impl PluginService {
-    fn devices(&self) -> Vec<DeviceState> {
-        self.snapshot
-            .borrow()
-            .get(&self.resource)
-            .cloned()
-            .unwrap_or_default()
+    /// The current snapshot (an `Arc`: no copy of the device list).
+    fn snapshot(&self) -> Arc<Snapshot> {
+        self.snapshot.borrow().clone()
     }
+}
+
+fn devices_of<'a>(snapshot: &'a Snapshot, resource: &ResourceName) -> &'a [DeviceState] {
+    snapshot
+        .get(resource)
+        .map(Vec::as_slice)
+        .unwrap_or_default()
 }
 
 /// The ListAndWatch message for a resource's devices.
@@ -119,7 +123,7 @@ impl DevicePlugin for PluginService {
             loop {
                 let msg = {
                     let snap = snapshot.borrow_and_update();
-                    to_message(snap.get(&resource).map(Vec::as_slice).unwrap_or_default())
+                    to_message(devices_of(&snap, &resource))
                 };
                 // Each change is one full message; an unchanged list sends nothing.
                 if last.as_ref() != Some(&msg) {
@@ -146,14 +150,15 @@ impl DevicePlugin for PluginService {
         &self,
         request: Request<PreferredAllocationRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
-        let devices = self.devices();
+        let snapshot = self.snapshot();
+        let devices = devices_of(&snapshot, &self.resource);
         let container_responses = request
             .into_inner()
             .container_requests
             .iter()
             .map(|c| ContainerPreferredAllocationResponse {
                 device_i_ds: preferred(
-                    &devices,
+                    devices,
                     &c.available_device_i_ds,
                     &c.must_include_device_i_ds,
                     usize::try_from(c.allocation_size).unwrap_or(0),
@@ -169,11 +174,12 @@ impl DevicePlugin for PluginService {
         &self,
         request: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
-        let devices = self.devices();
+        let snapshot = self.snapshot();
+        let devices = devices_of(&snapshot, &self.resource);
         let mut container_responses = Vec::new();
         for c in &request.into_inner().container_requests {
             let r =
-                allocate(&self.resource, &devices, &c.devices_ids, self.iommufd).map_err(|e| {
+                allocate(&self.resource, devices, &c.devices_ids, self.iommufd).map_err(|e| {
                     tracing::warn!(resource = %self.resource, error = %e, "Allocate refused");
                     Status::invalid_argument(format!("{}: {e}", self.resource))
                 })?;

@@ -22,6 +22,8 @@ use crate::kubelet::Sockets;
 
 /// Events that arrive together are handled as one rescan.
 const SETTLE: Duration = Duration::from_millis(20);
+/// Default resync with uevents (events carry health) and without (polling must).
+const RESYNC: (Duration, Duration) = (Duration::from_secs(30), Duration::from_secs(1));
 
 /// Rescans the node on every event or resync tick and publishes each change.
 pub async fn watch_node(
@@ -29,17 +31,24 @@ pub async fn watch_node(
     list: ResourceList,
     mut tracker: Tracker,
     publish: watch::Sender<Arc<Snapshot>>,
-    resync: Duration,
+    resync: Option<Duration>,
 ) {
     let uevents = match uevent_fd() {
         Ok(u) => Some(u),
         Err(e) => {
-            tracing::warn!(error = %e, ?resync, "no kernel uevents (needs the host network namespace); health follows the periodic resync");
+            tracing::warn!(error = %e, "no kernel uevents (needs the host network namespace); health follows the periodic resync");
             None
         }
     };
+    let resync = resync.unwrap_or(if uevents.is_some() {
+        RESYNC.0
+    } else {
+        RESYNC.1
+    });
+    tracing::info!(?resync, uevents = uevents.is_some(), "watching the node");
     let mut vfio_events = None;
-    let mut tick = tokio::time::interval(resync);
+    // main scanned just now: the first tick is one period away.
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + resync, resync);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         if vfio_events.is_none() {
