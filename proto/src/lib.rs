@@ -19,3 +19,20 @@ pub const UNHEALTHY: &str = "Unhealthy";
 pub const KUBELET_SOCKET: &str = "kubelet.sock";
 /// The device-plugins directory on a node.
 pub const DEFAULT_KUBELET_DIR: &str = "/var/lib/kubelet/device-plugins";
+
+/// A gRPC channel over the Unix socket at `path`, the transport of both services.
+pub async fn unix_channel(
+    path: impl Into<std::path::PathBuf>,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let path = path.into();
+    tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        }))
+        .await
+}

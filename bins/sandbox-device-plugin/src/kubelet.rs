@@ -15,7 +15,7 @@ use deviceplugin::v1beta1::registration_client::RegistrationClient;
 use deviceplugin::v1beta1::RegisterRequest;
 use deviceplugin::{KUBELET_SOCKET, VERSION};
 use tokio::sync::{mpsc, oneshot, watch};
-use tonic::transport::{Endpoint, Server, Uri};
+use tonic::transport::Server;
 use vfio_sandbox::config::ResourceName;
 
 use crate::devices::Snapshot;
@@ -255,26 +255,10 @@ async fn register(
     }
 }
 
-/// A gRPC channel over a Unix socket.
-pub async fn unix_channel(
-    path: PathBuf,
-) -> Result<tonic::transport::Channel, tonic::transport::Error> {
-    Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(path).await?,
-                ))
-            }
-        }))
-        .await
-}
-
 async fn register_once(dir: &Path, endpoint: &str, resource: &ResourceName) -> anyhow::Result<()> {
     let socket = dir.join(KUBELET_SOCKET);
     let call = async {
-        let channel = unix_channel(socket.clone()).await?;
+        let channel = deviceplugin::unix_channel(socket.clone()).await?;
         RegistrationClient::new(channel)
             .register(RegisterRequest {
                 version: VERSION.into(),

@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use deviceplugin::v1beta1::{
@@ -113,17 +113,10 @@ impl Drop for Bed {
 
 fn spawn_plugin(root: &Path) -> Child {
     let log = std::fs::File::create(root.join("plugin.log")).unwrap();
-    Command::new(env!("CARGO_BIN_EXE_sandbox-device-plugin"))
+    kubelet_peer::plugin_command(Path::new(env!("CARGO_BIN_EXE_sandbox-device-plugin")), root)
         .arg("--config")
         .arg(root.join("list.json"))
-        .arg("--sysfs-root")
-        .arg(root.join("sys"))
-        .arg("--dev-root")
-        .arg(root.join("dev"))
-        .arg("--kubelet-dir")
-        .arg(root.join("kubelet"))
         .args(["--resync-interval", "200ms", "--log-level", "debug"])
-        .env_remove("VFIO_SANDBOX_CONFIG")
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()

@@ -13,7 +13,7 @@ use deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
 use deviceplugin::v1beta1::registration_server::{Registration, RegistrationServer};
 use deviceplugin::v1beta1::{Empty, RegisterRequest};
 use tokio::sync::{mpsc, oneshot, Mutex};
-use tonic::transport::{Channel, Endpoint, Server, Uri};
+use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status};
 
 /// A registration kubelet accepted, with the options it read back from the plugin.
@@ -71,17 +71,22 @@ impl Registration for RegistrationService {
 
 /// A gRPC channel over a Unix socket.
 pub async fn channel(path: &Path) -> anyhow::Result<Channel> {
-    let path = path.to_owned();
-    Ok(Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(path).await?,
-                ))
-            }
-        }))
-        .await?)
+    Ok(deviceplugin::unix_channel(path).await?)
+}
+
+/// The plugin binary `bin` pointed at a fake node under `root` (`sys/`, `dev/`,
+/// `kubelet/`), with the variables of the environment that would override it cleared.
+pub fn plugin_command(bin: &Path, root: &Path) -> std::process::Command {
+    let mut cmd = std::process::Command::new(bin);
+    cmd.arg("--sysfs-root")
+        .arg(root.join("sys"))
+        .arg("--dev-root")
+        .arg(root.join("dev"))
+        .arg("--kubelet-dir")
+        .arg(root.join("kubelet"))
+        .env_remove("VFIO_SANDBOX_CONFIG")
+        .env_remove("VFIO_SANDBOX_RESYNC_INTERVAL");
+    cmd
 }
 
 /// A DevicePlugin client on the plugin socket at `path`.

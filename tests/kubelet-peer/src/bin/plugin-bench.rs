@@ -5,7 +5,7 @@
 //! `plugin-bench --plugin target/release/sandbox-device-plugin --devices 64`
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -102,15 +102,8 @@ impl Drop for Plugin {
 
 fn spawn(plugin: &Path, root: &Path) -> Plugin {
     Plugin(
-        Command::new(plugin)
-            .arg("--sysfs-root")
-            .arg(root.join("sys"))
-            .arg("--dev-root")
-            .arg(root.join("dev"))
-            .arg("--kubelet-dir")
-            .arg(root.join("kubelet"))
+        kubelet_peer::plugin_command(plugin, root)
             .args(["--log-level", "warn"])
-            .env_remove("VFIO_SANDBOX_CONFIG")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
