@@ -1,0 +1,440 @@
+//! The checks that decide whether a VM can start with the node's selected devices,
+//! each named, with a reason and a hint to fix it.
+
+use std::collections::BTreeSet;
+use std::os::unix::fs::FileTypeExt;
+use std::path::Path;
+
+use vfio_sandbox::config::ResourceList;
+use vfio_sandbox::group::iommu_enabled;
+use vfio_sandbox::inventory::{Inventory, Role};
+use vfio_sandbox::module::is_loaded;
+use vfio_sandbox::{error_chain, Host};
+
+/// The modules a node needs for VFIO passthrough.
+pub const VFIO_MODULES: [&str; 3] = ["vfio", "vfio_pci", "vfio_iommu_type1"];
+
+/// One check's outcome.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Check {
+    /// Stable name (`iommu`, `vfio-modules`, ...).
+    pub name: &'static str,
+    /// True when it passed.
+    pub passed: bool,
+    /// What was found.
+    pub reason: String,
+    /// How to fix it, for failures.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
+}
+
+/// A selected device as validated.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Device {
+    /// Its address.
+    pub bdf: String,
+    /// Its resource name.
+    pub resource: String,
+    /// The driver it is on.
+    pub driver: Option<String>,
+    /// Its IOMMU group.
+    pub group: Option<u32>,
+}
+
+/// Everything one validation pass found.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Report {
+    /// Every check, in a fixed order.
+    pub checks: Vec<Check>,
+    /// The selected devices.
+    pub devices: Vec<Device>,
+    /// The IOMMU groups of the selected devices.
+    pub groups: Vec<u32>,
+}
+
+impl Report {
+    /// True when every check passed.
+    pub fn passed(&self) -> bool {
+        self.checks.iter().all(|c| c.passed)
+    }
+}
+
+fn pass(name: &'static str, reason: impl Into<String>) -> Check {
+    Check {
+        name,
+        passed: true,
+        reason: reason.into(),
+        hint: None,
+    }
+}
+
+fn fail(name: &'static str, reason: impl Into<String>, hint: impl Into<String>) -> Check {
+    Check {
+        name,
+        passed: false,
+        reason: reason.into(),
+        hint: Some(hint.into()),
+    }
+}
+
+fn is_char_device(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| m.file_type().is_char_device())
+}
+
+/// Runs every check against `host`.
+pub fn validate(host: &Host, list: &ResourceList, allow_empty: bool) -> Report {
+    let mut checks = vec![
+        check_iommu(host),
+        check_modules(host),
+        check_container(host),
+    ];
+    let inv = match Inventory::scan(host, list) {
+        Ok(inv) => inv,
+        Err(e) => {
+            checks.push(fail(
+                "devices-found",
+                format!("cannot read the PCI devices: {}", error_chain(&e)),
+                "check that sysfs is mounted (--sysfs-root)",
+            ));
+            return Report {
+                checks,
+                devices: Vec::new(),
+                groups: Vec::new(),
+            };
+        }
+    };
+    let selected: Vec<_> = inv.selected().collect();
+    let devices: Vec<Device> = selected
+        .iter()
+        .map(|e| Device {
+            bdf: e.device.address.to_string(),
+            resource: e.resource().map(|r| r.to_string()).unwrap_or_default(),
+            driver: e.device.driver.clone(),
+            group: e.device.iommu_group,
+        })
+        .collect();
+    let groups: Vec<u32> = selected
+        .iter()
+        .filter_map(|e| e.device.iommu_group)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+
+    checks.push(if !selected.is_empty() {
+        pass(
+            "devices-found",
+            format!("{} selected device(s)", selected.len()),
+        )
+    } else if allow_empty {
+        pass(
+            "devices-found",
+            "no selected device (allowed by --allow-empty)",
+        )
+    } else {
+        fail(
+            "devices-found",
+            "no PCI device matches the resource list",
+            "check the resource list (--config) against `lspci -nn`, or pass --allow-empty",
+        )
+    });
+
+    let unbound: Vec<String> = selected
+        .iter()
+        .filter(|e| !e.is_bound())
+        .map(|e| {
+            format!(
+                "{} on {} (want {})",
+                e.device.address,
+                e.device.driver.as_deref().unwrap_or("no driver"),
+                e.target_driver
+            )
+        })
+        .collect();
+    checks.push(if unbound.is_empty() {
+        pass(
+            "devices-bound",
+            format!("{} on their vfio driver", selected.len()),
+        )
+    } else {
+        fail(
+            "devices-bound",
+            format!("not bound: {}", unbound.join(", ")),
+            "run vfio-manager (the DaemonSet, or `vfio-manager bind --all`) on this node",
+        )
+    });
+
+    checks.push(check_groups(&inv, &selected));
+
+    let missing: Vec<String> = groups
+        .iter()
+        .map(|g| host.vfio_group_node(*g))
+        .filter(|p| !is_char_device(p))
+        .map(|p| p.display().to_string())
+        .collect();
+    checks.push(if missing.is_empty() {
+        pass("group-nodes", format!("{} group node(s) present", groups.len()))
+    } else {
+        fail(
+            "group-nodes",
+            format!("missing or not a char device: {}", missing.join(", ")),
+            "a group node appears once every member is bound to vfio-pci; is the host's /dev mounted (--dev-root)?",
+        )
+    });
+    Report {
+        checks,
+        devices,
+        groups,
+    }
+}
+
+fn check_iommu(host: &Host) -> Check {
+    let dir = host.iommu_groups_dir();
+    match std::fs::read_dir(&dir).map(|d| d.count()) {
+        Ok(n) if n > 0 && iommu_enabled(host) => pass("iommu", format!("{n} IOMMU groups")),
+        _ => fail(
+            "iommu",
+            format!("{} is empty or missing: the IOMMU is off", dir.display()),
+            "enable VT-d / AMD-Vi in the firmware and add intel_iommu=on (Intel) or amd_iommu=on (AMD) \
+             to the kernel command line (iommu=pt keeps host DMA fast), then reboot",
+        ),
+    }
+}
+
+fn check_modules(host: &Host) -> Check {
+    // vfio_pci can be built in: then its driver is registered without a module entry.
+    let missing: Vec<&str> = VFIO_MODULES
+        .iter()
+        .copied()
+        .filter(|m| {
+            !(is_loaded(host, m)
+                || (*m == "vfio_pci" && Host::exists(&host.driver_dir("vfio-pci"))))
+        })
+        .collect();
+    if missing.is_empty() {
+        pass("vfio-modules", VFIO_MODULES.join(", ") + " loaded")
+    } else {
+        fail(
+            "vfio-modules",
+            format!("not loaded: {}", missing.join(", ")),
+            "vfio-manager loads them; by hand: modprobe vfio-pci vfio_iommu_type1",
+        )
+    }
+}
+
+fn check_container(host: &Host) -> Check {
+    let node = host.vfio_container_node();
+    if is_char_device(&node) {
+        pass("vfio-container", format!("{} present", node.display()))
+    } else {
+        fail(
+            "vfio-container",
+            format!("{} is missing or not a char device", node.display()),
+            "it appears when the vfio module loads; is the host's /dev mounted (--dev-root)?",
+        )
+    }
+}
+
+fn check_groups(inv: &Inventory, selected: &[&vfio_sandbox::inventory::Entry]) -> Check {
+    let mut problems: Vec<String> = selected
+        .iter()
+        .filter(|e| e.device.iommu_group.is_none())
+        .map(|e| format!("{} has no IOMMU group", e.device.address))
+        .collect();
+    for v in inv.groups.values() {
+        for b in &v.blockers {
+            let role = match inv.get(&b.address).map(|e| &e.role) {
+                Some(Role::Selected { .. }) => "selected device",
+                _ => "companion",
+            };
+            problems.push(format!(
+                "group {}: {role} {} is on {}",
+                v.group, b.address, b.driver
+            ));
+        }
+    }
+    let hint = if selected.iter().any(|e| e.device.iommu_group.is_none()) {
+        "devices get IOMMU groups once the IOMMU is on: see the iommu check"
+    } else {
+        "every non-bridge member of a group must be on vfio-pci, pci-stub or no driver: \
+         `vfio-manager bind --device <bdf>` moves the whole group"
+    };
+    if problems.is_empty() {
+        pass(
+            "groups-viable",
+            format!("{} group(s) viable", inv.groups.len()),
+        )
+    } else {
+        fail("groups-viable", problems.join("; "), hint)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vfio_sandbox::fake::{FakeDevice, FakeNode};
+
+    const LIST: &str =
+        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
+
+    /// A ready node: vfio loaded, a two-function card in group 5 on vfio-pci, char
+    /// device nodes (links to /dev/null stand in for the kernel's).
+    fn ready_node() -> (tempfile::TempDir, FakeNode, ResourceList) {
+        let dir = tempfile::tempdir().unwrap();
+        let node = FakeNode::new(dir.path());
+        node.add_driver("vfio-pci");
+        node.add_driver("e1000e");
+        for m in VFIO_MODULES {
+            node.add_module(m);
+        }
+        node.add_device(
+            &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
+                .driver("vfio-pci")
+                .group(5),
+        );
+        node.add_device(
+            &FakeDevice::new("0000:01:00.1", 0x8086, 0x10d3, 0x02_0000)
+                .driver("vfio-pci")
+                .group(5),
+        );
+        char_node(&node, "vfio");
+        char_node(&node, "5");
+        (dir, node, ResourceList::parse(LIST).unwrap())
+    }
+
+    fn char_node(node: &FakeNode, name: &str) {
+        let p = node.host.vfio_dir().join(name);
+        let _ = std::fs::remove_file(&p);
+        std::os::unix::fs::symlink("/dev/null", p).unwrap();
+    }
+
+    fn failed(r: &Report) -> Vec<(&'static str, String)> {
+        r.checks
+            .iter()
+            .filter(|c| !c.passed)
+            .map(|c| (c.name, c.reason.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn a_ready_node_passes_every_check_in_order() {
+        let (_d, node, list) = ready_node();
+        let r = validate(&node.host, &list, false);
+        let names: Vec<_> = r.checks.iter().map(|c| c.name).collect();
+        assert_eq!(
+            names,
+            [
+                "iommu",
+                "vfio-modules",
+                "vfio-container",
+                "devices-found",
+                "devices-bound",
+                "groups-viable",
+                "group-nodes"
+            ]
+        );
+        assert!(r.passed(), "{:?}", failed(&r));
+        assert_eq!(r.groups, [5]);
+        assert_eq!(r.devices.len(), 2);
+    }
+
+    #[test]
+    fn iommu_off_fails_with_a_hint() {
+        let (_d, node, list) = ready_node();
+        std::fs::remove_dir_all(node.host.iommu_groups_dir()).unwrap();
+        let r = validate(&node.host, &list, false);
+        let c = &r.checks[0];
+        assert_eq!((c.name, c.passed), ("iommu", false));
+        assert!(
+            c.hint.as_deref().unwrap().contains("intel_iommu=on"),
+            "{c:?}"
+        );
+    }
+
+    #[test]
+    fn missing_modules_are_named() {
+        let (_d, node, list) = ready_node();
+        std::fs::remove_dir(node.host.module_dir("vfio_iommu_type1")).unwrap();
+        let r = validate(&node.host, &list, false);
+        assert_eq!(
+            failed(&r),
+            [("vfio-modules", "not loaded: vfio_iommu_type1".to_string())]
+        );
+    }
+
+    #[test]
+    fn container_node_must_be_a_char_device() {
+        let (_d, node, list) = ready_node();
+        let p = node.host.vfio_container_node();
+        std::fs::remove_file(&p).unwrap();
+        std::fs::write(&p, "").unwrap();
+        let r = validate(&node.host, &list, false);
+        assert_eq!(failed(&r)[0].0, "vfio-container");
+        assert!(failed(&r)[0]
+            .1
+            .ends_with("dev/vfio/vfio is missing or not a char device"));
+    }
+
+    #[test]
+    fn no_device_fails_unless_allowed() {
+        let (_d, node, _) = ready_node();
+        let other =
+            ResourceList::parse(r#"{"resources":[{"name":"example.com/X","vendor":"1eff"}]}"#)
+                .unwrap();
+        assert_eq!(
+            failed(&validate(&node.host, &other, false))[0].0,
+            "devices-found"
+        );
+        assert!(validate(&node.host, &other, true).passed());
+    }
+
+    #[test]
+    fn unbound_devices_are_named_with_their_driver() {
+        let (_d, node, list) = ready_node();
+        node.attach(&"0000:01:00.1".parse().unwrap(), "e1000e");
+        char_node(&node, "5");
+        let r = validate(&node.host, &list, false);
+        let f = failed(&r);
+        assert_eq!(
+            f[0],
+            (
+                "devices-bound",
+                "not bound: 0000:01:00.1 on e1000e (want vfio-pci)".to_string()
+            )
+        );
+        assert_eq!(
+            f[1],
+            (
+                "groups-viable",
+                "group 5: selected device 0000:01:00.1 is on e1000e".to_string()
+            )
+        );
+    }
+
+    #[test]
+    fn a_companion_on_a_host_driver_breaks_its_group_and_is_named() {
+        let (_d, node, list) = ready_node();
+        node.add_device(
+            &FakeDevice::new("0000:01:00.2", 0x8086, 0x1234, 0x04_0300)
+                .driver("snd_hda_intel")
+                .group(5),
+        );
+        char_node(&node, "5");
+        let r = validate(&node.host, &list, false);
+        assert_eq!(
+            failed(&r),
+            [(
+                "groups-viable",
+                "group 5: companion 0000:01:00.2 is on snd_hda_intel".to_string()
+            )]
+        );
+    }
+
+    #[test]
+    fn missing_group_node_is_named() {
+        let (_d, node, list) = ready_node();
+        std::fs::remove_file(node.host.vfio_group_node(5)).unwrap();
+        let r = validate(&node.host, &list, false);
+        assert_eq!(failed(&r)[0].0, "group-nodes");
+        assert!(failed(&r)[0].1.ends_with("dev/vfio/5"), "{:?}", failed(&r));
+    }
+}

@@ -1,0 +1,163 @@
+//! The real `sandbox-validator` binary on fake sysfs trees: exit codes, the ready
+//! file, and `--wait` printing only what changed.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use vfio_sandbox::fake::{FakeDevice, FakeNode};
+
+const LIST: &str =
+    r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
+
+fn node(dir: &Path) -> FakeNode {
+    let node = FakeNode::new(dir);
+    node.add_driver("vfio-pci");
+    node.add_driver("e1000e");
+    for m in ["vfio", "vfio_pci", "vfio_iommu_type1"] {
+        node.add_module(m);
+    }
+    node.add_device(
+        &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
+            .driver("e1000e")
+            .group(5),
+    );
+    std::os::unix::fs::symlink("/dev/null", node.host.vfio_container_node()).unwrap();
+    std::fs::write(dir.join("list.json"), LIST).unwrap();
+    node
+}
+
+fn cmd(dir: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_sandbox-validator"));
+    c.arg("--sysfs-root")
+        .arg(dir.join("sys"))
+        .arg("--dev-root")
+        .arg(dir.join("dev"))
+        .arg("--config")
+        .arg(dir.join("list.json"))
+        .arg("--status-dir")
+        .arg(dir.join("status"))
+        .args(args)
+        .env_remove("VFIO_SANDBOX_CONFIG");
+    c
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// What the kernel does when the device binds: driver link, group node (a char device).
+fn bind(node: &FakeNode) {
+    node.attach(&"0000:01:00.0".parse().unwrap(), "vfio-pci");
+    let g = node.host.vfio_group_node(5);
+    std::fs::remove_file(&g).unwrap();
+    std::os::unix::fs::symlink("/dev/null", g).unwrap();
+}
+
+#[test]
+fn one_shot_fails_then_passes_and_keeps_the_ready_file_true() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = node(dir.path());
+    let ready = dir.path().join("status/vfio-pci-ready");
+    std::fs::create_dir_all(ready.parent().unwrap()).unwrap();
+    std::fs::write(&ready, "stale").unwrap();
+    let out = cmd(dir.path(), &[]).output().unwrap();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains("devices-bound   FAIL    not bound: 0000:01:00.0 on e1000e (want vfio-pci)"),
+        "{t}"
+    );
+    assert!(t.contains("hint: run vfio-manager"), "{t}");
+    assert!(!ready.exists(), "a failing node has no ready file");
+    bind(&node);
+    let out = cmd(dir.path(), &["--output", "json"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["ready"], true);
+    let file: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&ready).unwrap()).unwrap();
+    assert_eq!(file["devices"][0]["bdf"], "0000:01:00.0");
+    assert_eq!(file["groups"], serde_json::json!([5]));
+    assert_eq!(file["checks"].as_array().unwrap().len(), 7);
+    assert!(file["time"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn bad_config_exits_2() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    std::fs::write(
+        dir.path().join("list.json"),
+        r#"{"resources":[{"name":"bad"}]}"#,
+    )
+    .unwrap();
+    let out = cmd(dir.path(), &[]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+}
+
+#[test]
+fn wait_prints_only_changes_and_passes_within_one_interval() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = node(dir.path());
+    let child = cmd(
+        dir.path(),
+        &["--wait", "--interval", "200ms", "--timeout", "20s"],
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(1100)); // five failing rounds
+    let t = Instant::now();
+    bind(&node);
+    let out = child.wait_with_output().unwrap();
+    let took = t.elapsed();
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{s}");
+    assert!(
+        took < Duration::from_millis(600),
+        "passed {took:?} after binding"
+    );
+    assert_eq!(
+        s.matches("devices-bound   FAIL").count(),
+        1,
+        "the same failure printed again:\n{s}"
+    );
+    assert_eq!(
+        s.matches("-- changed after").count(),
+        1,
+        "one change, one update:\n{s}"
+    );
+    assert!(s.contains("devices-bound   ok"), "{s}");
+    assert!(
+        s.contains("node is ready for VFIO passthrough (1 device(s))"),
+        "{s}"
+    );
+    assert!(dir.path().join("status/vfio-pci-ready").exists());
+}
+
+#[test]
+fn wait_gives_up_at_the_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    let t = Instant::now();
+    let out = cmd(
+        dir.path(),
+        &["--wait", "--interval", "100ms", "--timeout", "500ms"],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(t.elapsed() < Duration::from_secs(3));
+    assert!(
+        text(&out).contains("still failing after 500ms"),
+        "{}",
+        text(&out)
+    );
+}
