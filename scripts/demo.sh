@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Boots the real-kernel test bed (QEMU, emulated IOMMU, stand-in devices) and runs
-# vfio-manager's bind -> status -> restore cycle in it, printing the guest's console.
+# the node lifecycle in it (validator, vfio-manager, device plugin with a kubelet-like
+# peer, restore), printing the guest's console.
 # Installs what it needs (qemu-system-x86, busybox-static, kmod, the kernel package).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 status=0
-scripts/vm/run.sh scripts/demo/vfio-manager.sh || status=$?
+scripts/vm/run.sh scripts/demo/node-lifecycle.sh || status=$?
 echo
-echo "==== guest console (target/vm-logs/vfio-manager.log) ===="
+echo "==== guest console (target/vm-logs/node-lifecycle.log) ===="
 # Show the demo's own output: from the first note to the end marker.
-sed -n '/^---- /,/^TESTBED END/p' target/vm-logs/vfio-manager.log | grep -v '^TESTBED '
+sed -n '/^---- /,/^TESTBED END/p' target/vm-logs/node-lifecycle.log | grep -v '^TESTBED '
 exit "$status"

@@ -10,5 +10,5 @@ echo "==== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "==== cargo test"
 cargo test --workspace --locked
-echo "==== real-kernel scenarios (QEMU)"
-scripts/vm/run.sh
+echo "==== real-kernel scenarios (QEMU), and the demo so it cannot rot"
+scripts/vm/run.sh tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
