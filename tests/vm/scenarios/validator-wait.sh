@@ -30,7 +30,10 @@ took=$(($(_tb_now_ms) - bound_at))
 run_logged cat /tmp/wait.out
 expect_eq "validator --wait exits 0" "$rc" 0
 step "passed within one interval (1000 ms) of binding: ${took} ms" -- test "$took" -le 1300
-expect_eq "the failing report was printed once" "$(grep -c 'devices-bound   FAIL' /tmp/wait.out)" 1
+# The same failure is printed once, however many rounds it lasted (a round that
+# catches vfio-manager half-way is a different failure and may be printed).
+expect_eq "the first failure was printed once" \
+    "$(grep -c "devices-bound   FAIL    not bound: $CARD_FN0 on e1000e" /tmp/wait.out)" 1
 expect_contains "prints what changed" /tmp/wait.out "devices-bound   ok"
 step "ready file present" -- test -s "$READY"
 run_logged cat "$READY"
