@@ -83,6 +83,13 @@ impl CommonArgs {
     }
 }
 
+/// Prints `PROGRAM: error: <error and its sources>` to stderr and returns `code` as
+/// the process exit code.
+pub fn fail(program: &str, error: &dyn std::error::Error, code: u8) -> std::process::ExitCode {
+    eprintln!("{program}: error: {}", crate::error_chain(error));
+    std::process::ExitCode::from(code)
+}
+
 /// Installs the tracing subscriber (stderr, text or JSON).
 pub fn init_logging(format: LogFormat, filter: &str) {
     use tracing_subscriber::EnvFilter;

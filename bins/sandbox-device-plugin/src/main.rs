@@ -11,9 +11,8 @@ use std::time::Duration;
 use clap::Parser;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{mpsc, watch};
-use vfio_sandbox::cli::{parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
+use vfio_sandbox::cli::{fail, parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
 use vfio_sandbox::config::ResourceName;
-use vfio_sandbox::error_chain;
 
 mod allocate;
 mod devices;
@@ -22,6 +21,8 @@ mod service;
 mod watchers;
 
 use kubelet::{Command, Settings};
+
+const PROGRAM: &str = "sandbox-device-plugin";
 
 const LONG_ABOUT: &str = "\
 Serves kubelet's device-plugin API (v1beta1) for every resource of the resource list: one
@@ -58,27 +59,18 @@ fn main() -> ExitCode {
     cli.common.init_logging();
     let list = match cli.common.resource_list() {
         Ok(l) => l,
-        Err(e) => {
-            eprintln!("sandbox-device-plugin: error: {}", error_chain(&e));
-            return ExitCode::from(EXIT_USAGE);
-        }
+        Err(e) => return fail(PROGRAM, &e, EXIT_USAGE),
     };
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("sandbox-device-plugin: error: cannot start the runtime: {e}");
-            return ExitCode::from(EXIT_NOT_READY);
-        }
+        Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
     };
     match runtime.block_on(run(cli, list)) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("sandbox-device-plugin: error: {}", error_chain(e.as_ref()));
-            ExitCode::from(EXIT_NOT_READY)
-        }
+        Err(e) => fail(PROGRAM, e.as_ref(), EXIT_NOT_READY),
     }
 }
 

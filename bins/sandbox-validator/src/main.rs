@@ -7,13 +7,16 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use vfio_sandbox::cli::{parse_duration, CommonArgs, OutputFormat, EXIT_NOT_READY, EXIT_USAGE};
-use vfio_sandbox::error_chain;
+use vfio_sandbox::cli::{
+    fail, parse_duration, CommonArgs, OutputFormat, EXIT_NOT_READY, EXIT_USAGE,
+};
 use vfio_sandbox::io::write_atomic;
 
 mod checks;
 
 use checks::{validate, Report};
+
+const PROGRAM: &str = "sandbox-validator";
 
 /// Name of the ready file inside `--status-dir`.
 const READY_FILE: &str = "vfio-pci-ready";
@@ -66,10 +69,7 @@ fn main() -> ExitCode {
     cli.common.init_logging();
     let list = match cli.common.resource_list() {
         Ok(l) => l,
-        Err(e) => {
-            eprintln!("sandbox-validator: error: {}", error_chain(&e));
-            return ExitCode::from(EXIT_USAGE);
-        }
+        Err(e) => return fail(PROGRAM, &e, EXIT_USAGE),
     };
     let host = cli.common.host();
     let ready = cli.status_dir.join(READY_FILE);
@@ -79,8 +79,7 @@ fn main() -> ExitCode {
         let report = validate(&host, &list, cli.allow_empty);
         let passed = report.passed();
         if let Err(e) = publish(&ready, &report) {
-            eprintln!("sandbox-validator: error: {}", error_chain(e.as_ref()));
-            return ExitCode::from(EXIT_NOT_READY);
+            return fail(PROGRAM, e.as_ref(), EXIT_NOT_READY);
         }
         let done = passed || !cli.wait || start.elapsed() >= cli.timeout;
         print_changes(&cli, shown.as_ref(), &report, done, start.elapsed());

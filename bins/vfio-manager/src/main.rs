@@ -100,15 +100,12 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!(
-                "vfio-manager: error: {}",
-                vfio_sandbox::error_chain(err.as_ref())
-            );
             let usage = err.downcast_ref::<UsageError>().is_some()
                 || err
                     .downcast_ref::<vfio_sandbox::config::ConfigError>()
                     .is_some();
-            ExitCode::from(if usage { EXIT_USAGE } else { EXIT_NOT_READY })
+            let code = if usage { EXIT_USAGE } else { EXIT_NOT_READY };
+            vfio_sandbox::cli::fail("vfio-manager", err.as_ref(), code)
         }
     }
 }
