@@ -28,14 +28,15 @@ COPY . .
 
 # The gnu target is spelled out so RUSTFLAGS apply to the binaries only (not
 # to build scripts and proc macros, which run on the build machine).
-# Whatever binaries the workspace has are gathered in /out/bin: a binary that
-# does not exist yet simply is not there, and the COPY below still works.
+# Only the node agents are built and gathered in /out/bin; the workspace's test
+# tools (kubelet-peer, plugin-bench) stay out of the image.
 RUN RUSTFLAGS="-C target-feature=+crt-static" \
-        cargo build --release --locked --target x86_64-unknown-linux-gnu --bins \
+        cargo build --release --locked --target x86_64-unknown-linux-gnu \
+        -p vfio-manager -p sandbox-validator -p sandbox-device-plugin \
  && mkdir -p /out/bin \
- && find target/x86_64-unknown-linux-gnu/release -maxdepth 1 -type f -perm -u+x \
-        -exec cp {} /out/bin/ \; \
- && test -x /out/bin/vfio-manager \
+ && for b in vfio-manager sandbox-validator sandbox-device-plugin; do \
+        cp "target/x86_64-unknown-linux-gnu/release/$b" /out/bin/; \
+    done \
  && ls -l /out/bin
 
 ############################################################################

@@ -65,6 +65,11 @@ trap cleanup EXIT
 mkdir "$ctx/bin"
 bins=()
 while read -r bin; do
+    # The node agents only: test tools (kubelet-peer, plugin-bench) stay out.
+    case "$(basename "$bin")" in
+        vfio-manager | sandbox-validator | sandbox-device-plugin) ;;
+        *) continue ;;
+    esac
     cp "$bin" "$ctx/bin/"
     bins+=("$(basename "$bin")")
 done <"$list"
