@@ -11,6 +11,11 @@
 #     03:00.0  nvme PF, SR-IOV, 2 VFs      NVME_PF
 #     03:00.1  nvme VF 0 (after sriov_numvfs=2)   NVME_VF0
 #     03:00.2  nvme VF 1 (after sriov_numvfs=2)   NVME_VF1
+#   pcie.0 00:07.0  pcie-root-port rp_gpu (chassis 4, slot 4) -> bus 04
+#     04:00.0  virtio-rng, multifunction=on  GPU_FN0   } one IOMMU group: a
+#     04:00.1  ICH9 HD Audio                 GPU_AUDIO } device and its audio
+#              function with different ids and drivers (virtio-pci,
+#              snd_hda_intel), so the audio function is a true companion
 #
 # Secondary bus numbers follow the root ports' order on pcie.0, so they stay
 # as above as long as no PCI bridge is added in front of these ports.
@@ -28,6 +33,10 @@ VM_NVME_PF=0000:03:00.0
 VM_NVME_VF0=0000:03:00.1
 # shellcheck disable=SC2034
 VM_NVME_VF1=0000:03:00.2
+# shellcheck disable=SC2034
+VM_GPU_FN0=0000:04:00.0
+# shellcheck disable=SC2034
+VM_GPU_AUDIO=0000:04:00.1
 
 # vm_device_args IOMMU -- print the QEMU device options, one per line.
 # IOMMU is 1 for an emulated VT-d (intel-iommu) or 0 for no IOMMU at all.
@@ -47,5 +56,8 @@ vm_device_args() {
         -device nvme-subsys,id=nvme_subsys,nqn=testbed-subsys \
         -device nvme,id=nvme_pf,bus=rp_nvme,addr=0.0,serial=TESTBED0001,subsys=nvme_subsys,sriov_max_vfs=2,sriov_vq_flexible=4,sriov_vi_flexible=2,max_ioqpairs=6,msix_qsize=4 \
         -blockdev null-co,node-name=nvme_ns1,size=67108864,read-zeroes=on \
-        -device nvme-ns,bus=nvme_pf,drive=nvme_ns1,nsid=1
+        -device nvme-ns,bus=nvme_pf,drive=nvme_ns1,nsid=1 \
+        -device pcie-root-port,id=rp_gpu,bus=pcie.0,addr=0x7,chassis=4,slot=4 \
+        -device virtio-rng-pci,id=gpu_fn0,bus=rp_gpu,addr=0.0,multifunction=on \
+        -device ich9-intel-hda,id=gpu_audio,bus=rp_gpu,addr=0.1
 }

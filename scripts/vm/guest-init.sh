@@ -56,12 +56,12 @@ dmesg -n 3 2>/dev/null
 # shellcheck disable=SC1091
 . /testbed.env
 [ -r /scenario.sh ] || abort "/scenario.sh missing"
-export SCENARIO CARD_FN0 CARD_FN1 SOLO_NIC NVME_PF NVME_VF0 NVME_VF1 TESTBED_IOMMU
+export SCENARIO CARD_FN0 CARD_FN1 SOLO_NIC NVME_PF NVME_VF0 NVME_VF1 GPU_FN0 GPU_AUDIO TESTBED_IOMMU
 
 echo "TESTBED BOOT $SCENARIO: uptime=$(uptime_s) kernel=$(uname -r)"
 
 # Native drivers only; vfio stays unloaded until a scenario loads it.
-for m in e1000e nvme; do
+for m in e1000e nvme virtio_pci snd_hda_intel; do
     # Absolute path: busybox ash runs its own applets before searching PATH.
     out=$(/sbin/modprobe "$m" 2>&1) || abort "modprobe $m failed: $out"
 done
@@ -75,7 +75,8 @@ missing=""
 deadline=$(($(cut -d. -f1 /proc/uptime) + 30))
 while :; do
     missing=""
-    for pair in "$CARD_FN0=e1000e" "$CARD_FN1=e1000e" "$SOLO_NIC=e1000e" "$NVME_PF=nvme"; do
+    for pair in "$CARD_FN0=e1000e" "$CARD_FN1=e1000e" "$SOLO_NIC=e1000e" "$NVME_PF=nvme" \
+        "$GPU_FN0=virtio-pci" "$GPU_AUDIO=snd_hda_intel"; do
         bdf=${pair%%=*}
         drv=${pair#*=}
         bound_to "$bdf" "$drv" || missing="$missing $bdf($drv)"
@@ -99,8 +100,9 @@ if [ "$TESTBED_IOMMU" = 1 ]; then
     [ -e "/sys/bus/pci/devices/$CARD_FN0/iommu_group" ] ||
         abort "IOMMU expected but $CARD_FN0 has no iommu_group"
     CARD_GROUP=$(basename "$(readlink "/sys/bus/pci/devices/$CARD_FN0/iommu_group")")
+    GPU_GROUP=$(basename "$(readlink "/sys/bus/pci/devices/$GPU_FN0/iommu_group")")
 fi
-export CARD_GROUP
+export CARD_GROUP GPU_GROUP
 
 echo "TESTBED READY $SCENARIO: uptime=$(uptime_s) CARD_FN0=$CARD_FN0 CARD_FN1=$CARD_FN1 CARD_GROUP=${CARD_GROUP:-none} SOLO_NIC=$SOLO_NIC NVME_PF=$NVME_PF"
 

@@ -186,6 +186,7 @@ run_scenario() {
         printf 'SCENARIO=%s\n' "$name"
         printf 'CARD_FN0=%s\nCARD_FN1=%s\nSOLO_NIC=%s\n' "$VM_CARD_FN0" "$VM_CARD_FN1" "$VM_SOLO_NIC"
         printf 'NVME_PF=%s\nNVME_VF0=%s\nNVME_VF1=%s\n' "$VM_NVME_PF" "$VM_NVME_VF0" "$VM_NVME_VF1"
+        printf 'GPU_FN0=%s\nGPU_AUDIO=%s\n' "$VM_GPU_FN0" "$VM_GPU_AUDIO"
         printf 'TESTBED_IOMMU=%s\nTESTBED_GUEST_TIMEOUT=%s\n' "$iommu" "$guest_timeout"
     } >"$sdir/testbed.env"
     (cd "$sdir" && printf '%s\n' scenario.sh testbed.env |

@@ -18,6 +18,12 @@ expect_driver "CARD_FN0 on e1000e" "$CARD_FN0" e1000e
 expect_driver "CARD_FN1 on e1000e" "$CARD_FN1" e1000e
 expect_driver "SOLO_NIC on e1000e" "$SOLO_NIC" e1000e
 expect_driver "NVME_PF on nvme" "$NVME_PF" nvme
+expect_ne "GPU_FN0 has a group" "$GPU_GROUP" ""
+expect_eq "GPU_AUDIO shares GPU_FN0's group" "$(group_of "$GPU_AUDIO")" "$GPU_GROUP"
+expect_eq "GPU group holds exactly the two functions" \
+    "$(group_members "$GPU_GROUP" | tr '\n' ' ')" "$GPU_FN0 $GPU_AUDIO "
+expect_driver "GPU_FN0 on virtio-pci" "$GPU_FN0" virtio-pci
+expect_driver "GPU_AUDIO on snd_hda_intel" "$GPU_AUDIO" snd_hda_intel
 step "NVME_PF supports at least 2 VFs" -- \
     sh -c "[ \"\$(cat /sys/bus/pci/devices/$NVME_PF/sriov_totalvfs)\" -ge 2 ]"
 for m in vfio vfio_pci vfio_pci_core vfio_iommu_type1; do

@@ -19,3 +19,13 @@ expect_contains "hint: move the whole group" /tmp/out "vfio-manager bind --devic
 expect_fail "no ready file" 1 -- test -e /run/vfio-sandbox/validations/vfio-pci-ready
 sandbox-validator --output json >/tmp/out.json 2>&1
 expect_contains "json output says not ready" /tmp/out.json '"ready":false'
+
+note "a true companion: the selected device bound, its audio function left on snd_hda_intel"
+echo '{"resources":[{"name":"example.com/GPU_PT","vendor":"1af4","devices":["1044"]}]}' >/tmp/gpu.json
+step "bind only GPU_FN0 by hand" -- bind_override "$GPU_FN0" vfio-pci
+expect_fail "validator exits 1" 1 -- sandbox-validator --config /tmp/gpu.json
+cp "$TB_OUT" /tmp/gpu.out
+run_logged cat /tmp/gpu.out
+expect_contains "groups-viable names the companion and its driver" /tmp/gpu.out \
+    "groups-viable   FAIL    group $GPU_GROUP: companion $GPU_AUDIO is on snd_hda_intel"
+expect_contains "devices-bound passes: the selected device is bound" /tmp/gpu.out "devices-bound   ok"
