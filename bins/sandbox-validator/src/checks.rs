@@ -9,10 +9,8 @@ use vfio_sandbox::config::ResourceList;
 use vfio_sandbox::group::iommu_enabled;
 use vfio_sandbox::inventory::{Inventory, Role};
 use vfio_sandbox::module::is_loaded;
+use vfio_sandbox::passthrough::VFIO_MODULES;
 use vfio_sandbox::{error_chain, Host};
-
-/// The modules a node needs for VFIO passthrough.
-pub const VFIO_MODULES: [&str; 3] = ["vfio", "vfio_pci", "vfio_iommu_type1"];
 
 /// One check's outcome.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
