@@ -175,10 +175,13 @@ pub fn bind(
             })
     };
     write(dir.join("driver_override"), driver)?;
+    crate::failpoint::step!("bind-after-override");
     if dev.driver.is_some() {
         write(dir.join("driver/unbind"), &bdf)?;
+        crate::failpoint::step!("bind-after-unbind");
     }
     write(host.drivers_probe(), &bdf)?;
+    crate::failpoint::step!("bind-after-probe");
     if !kernel.is_dry_run() {
         confirm_driver(host, &address, Some(driver), "bind")?;
         if is_vfio_driver(driver) {

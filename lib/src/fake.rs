@@ -430,3 +430,110 @@ impl Kernel for FakeKernel {
         Ok(self.busy_groups.borrow().contains(node))
     }
 }
+
+/// What a [`FaultKernel`] does at its chosen point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The change fails (`EIO`) without taking effect; later ones succeed.
+    Fail,
+    /// The process stops right there, before the change: the call panics with
+    /// [`Crashed`], which the test catches as a `kill -9`.
+    Crash,
+}
+
+/// The panic payload of a simulated crash.
+#[derive(Debug)]
+pub struct Crashed;
+
+/// The kinds of injection points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Point {
+    /// A sysfs write.
+    Write,
+    /// `finit_module` or `delete_module`.
+    Module,
+    /// An atomic replace of the state file.
+    Save,
+}
+
+/// Wraps a kernel and counts every change that passes through it — sysfs writes,
+/// module syscalls, state saves — failing or "crashing" at the chosen one.
+pub struct FaultKernel<'k> {
+    inner: &'k dyn Kernel,
+    at: Option<(usize, Fault)>,
+    seen: RefCell<Vec<(Point, String)>>,
+}
+
+impl<'k> FaultKernel<'k> {
+    /// Passes everything through to `inner`, faulting at point `at` (0-based) if given.
+    pub fn new(inner: &'k dyn Kernel, at: Option<(usize, Fault)>) -> Self {
+        Self {
+            inner,
+            at,
+            seen: RefCell::default(),
+        }
+    }
+
+    /// Every point passed so far, in order, with what it was.
+    pub fn points(&self) -> Vec<(Point, String)> {
+        self.seen.borrow().clone()
+    }
+
+    fn point(&self, kind: Point, what: String) -> Result<(), ()> {
+        let n = {
+            let mut seen = self.seen.borrow_mut();
+            seen.push((kind, what));
+            seen.len() - 1
+        };
+        match self.at {
+            Some((at, Fault::Fail)) if at == n => Err(()),
+            Some((at, Fault::Crash)) if at == n => std::panic::panic_any(Crashed),
+            _ => Ok(()),
+        }
+    }
+
+    fn eio(path: &Path, action: Action) -> IoError {
+        IoError::new(action, path, std::io::Error::from_raw_os_error(5))
+    }
+}
+
+impl Kernel for FaultKernel<'_> {
+    fn write(&self, path: &Path, data: &str) -> Result<(), IoError> {
+        self.point(
+            Point::Write,
+            format!("write {} to {}", data.trim_end(), path.display()),
+        )
+        .map_err(|()| Self::eio(path, Action::Write(data.into())))?;
+        self.inner.write(path, data)
+    }
+
+    fn load_module(&self, name: &str, file: &Path) -> Result<(), SyscallError> {
+        self.point(Point::Module, format!("finit_module {name}"))
+            .map_err(|()| SyscallError::Kernel {
+                call: "finit_module",
+                target: name.into(),
+                errno: nix::errno::Errno::EIO,
+            })?;
+        self.inner.load_module(name, file)
+    }
+
+    fn unload_module(&self, name: &str) -> Result<(), SyscallError> {
+        self.point(Point::Module, format!("delete_module {name}"))
+            .map_err(|()| SyscallError::Kernel {
+                call: "delete_module",
+                target: name.into(),
+                errno: nix::errno::Errno::EIO,
+            })?;
+        self.inner.unload_module(name)
+    }
+
+    fn replace_file(&self, path: &Path, data: &[u8]) -> Result<(), IoError> {
+        self.point(Point::Save, format!("save {}", path.display()))
+            .map_err(|()| Self::eio(path, Action::Rename))?;
+        self.inner.replace_file(path, data)
+    }
+
+    fn group_in_use(&self, node: &Path) -> Result<bool, IoError> {
+        self.inner.group_in_use(node)
+    }
+}

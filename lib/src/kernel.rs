@@ -1,5 +1,7 @@
-//! The only door through which node state changes: sysfs writes, module syscalls and
-//! the in-use probe of a VFIO group node.
+//! The only door through which node state changes: sysfs writes, module syscalls, the
+//! atomic replace of the state file that records them, and the in-use probe of a VFIO
+//! group node. Because every change passes here, a dry run is exact and a
+//! fault-injecting kernel can fail or stop the process at any one of them.
 //!
 //! [`SysKernel`] talks to the real kernel, [`DryRun`] prints what it would do and
 //! changes nothing, and `fake::FakeKernel` emulates the kernel's sysfs rules on a fake
@@ -47,6 +49,11 @@ pub trait Kernel {
     fn load_module(&self, name: &str, file: &Path) -> Result<(), SyscallError>;
     /// Unloads a module without waiting (`delete_module` with `O_NONBLOCK`).
     fn unload_module(&self, name: &str) -> Result<(), SyscallError>;
+    /// Replaces `path` with `data` atomically (write a temporary file, fsync, rename).
+    /// Used for the state file, so that its saves are steps like any other.
+    fn replace_file(&self, path: &Path, data: &[u8]) -> Result<(), IoError> {
+        crate::io::write_atomic(path, data)
+    }
     /// True when the VFIO group node is held open by someone (a VM): opening it gives
     /// `EBUSY`. `false` when the node does not exist.
     fn group_in_use(&self, node: &Path) -> Result<bool, IoError>;
@@ -124,6 +131,23 @@ impl Kernel for SysKernel {
     }
 }
 
+/// True when a process under `proc` has `node` open, judged from its `fd/*` links
+/// alone. Unreadable processes (gone, or not ours to inspect) are skipped.
+pub fn held_by_a_process(proc: &Path, node: &Path) -> bool {
+    let Ok(pids) = std::fs::read_dir(proc) else {
+        return false;
+    };
+    pids.flatten()
+        .filter(|p| {
+            p.file_name()
+                .to_str()
+                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .filter_map(|p| std::fs::read_dir(p.path().join("fd")).ok())
+        .flat_map(|fds| fds.flatten())
+        .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|target| target == node))
+}
+
 /// True for `.ko.xz`, `.ko.zst`, `.ko.gz`.
 pub fn is_compressed(file: &Path) -> bool {
     matches!(
@@ -186,8 +210,16 @@ impl Kernel for DryRun {
         Ok(())
     }
 
+    fn replace_file(&self, path: &Path, _data: &[u8]) -> Result<(), IoError> {
+        self.plan(format!("would update {}", path.display()));
+        Ok(())
+    }
+
+    /// Never opens the node: opening `/dev/vfio/<group>` takes the group for as long
+    /// as it is open, which can make a VM that is starting right then fail. Instead it
+    /// looks for a process holding the node among `/proc/*/fd` (read-only links).
     fn group_in_use(&self, node: &Path) -> Result<bool, IoError> {
-        SysKernel.group_in_use(node)
+        Ok(held_by_a_process(Path::new("/proc"), node))
     }
 
     fn is_dry_run(&self) -> bool {

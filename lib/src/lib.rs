@@ -12,6 +12,7 @@ pub mod cli;
 pub mod config;
 pub mod device;
 pub mod driver;
+pub mod failpoint;
 pub mod fake;
 pub mod group;
 pub mod host;

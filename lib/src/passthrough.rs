@@ -5,6 +5,19 @@
 //! moved so far back, so a group is never left half-done. A restore skips a group
 //! whose `/dev/vfio/<group>` a VM holds open (unbinding would block in the kernel
 //! until the VM lets go) and keeps its records for later.
+//!
+//! The invariants, enforced here and in [`crate::state::StateFile`]:
+//! - *A record that existed before an operation is never replaced by a later snapshot
+//!   and never forgotten except after a confirmed restore.* Rollback restores a device
+//!   to its **record** (the driver it had before vfio-manager first touched it), never
+//!   to the snapshot taken at the start of the failed operation, which may already be
+//!   our own doing (a pinned override, a native module we unloaded, a crash half-way).
+//! - *Memory never claims more than the disk holds* (see `StateFile`).
+//! - *Every partially-applied group operation is rolled back*, a failed state save
+//!   included, and the error names the devices put back and any that could not be.
+//!
+//! `lib/tests/faults.rs` fails and crashes the process at every kernel write, module
+//! syscall and state save of a node's whole life in turn and checks these hold.
 
 use std::collections::BTreeSet;
 
@@ -19,33 +32,51 @@ use crate::{error_chain, Host, PciAddress, PciDevice};
 /// The modules a node needs for passthrough besides the drivers' own.
 pub const VFIO_MODULES: [&str; 3] = ["vfio", "vfio_iommu_type1", "vfio_pci"];
 
+/// The step of a group operation that failed first.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// Moving a device failed.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    /// Recording it in the state file failed.
+    #[error(transparent)]
+    State(#[from] StateError),
+}
+
 /// A failure of one group (or one module), with what was done about it.
 #[derive(Debug, thiserror::Error)]
 pub enum PassthroughError {
-    /// A group could not be bound; its members were put back.
-    #[error("IOMMU group {group}")]
+    /// A group could not be bound; every member moved was put back.
+    #[error("IOMMU group {group} not bound{}", put_back_note(put_back))]
     Group {
         /// The group.
         group: u32,
+        /// Members put back to their recorded driver.
+        put_back: Vec<PciAddress>,
         /// The first failure.
         #[source]
-        source: DriverError,
+        source: Box<StepError>,
     },
     /// A selected device has no IOMMU group.
     #[error(transparent)]
     NoGroup(DriverError),
-    /// A group could not be bound and putting it back failed too.
-    #[error("IOMMU group {group} is half-bound: rolling back {address} failed too ({rollback}); the state file keeps its record so `unbind` can retry")]
+    /// A group could not be bound and putting some members back failed too.
+    #[error(
+        "IOMMU group {group} is half-bound{}; could not put back {}; their records are kept so \
+         `vfio-manager unbind` can retry",
+        put_back_note(put_back),
+        stuck_note(stuck)
+    )]
     RollbackFailed {
         /// The group.
         group: u32,
-        /// The device that could not be put back.
-        address: PciAddress,
-        /// Why the rollback failed.
-        rollback: String,
+        /// Members put back.
+        put_back: Vec<PciAddress>,
+        /// Members that could not be put back, with why.
+        stuck: Vec<(PciAddress, String)>,
         /// The original failure.
         #[source]
-        source: DriverError,
+        source: Box<StepError>,
     },
     /// A module could not be loaded or unloaded.
     #[error(transparent)]
@@ -64,6 +95,23 @@ pub enum PassthroughError {
     },
 }
 
+fn put_back_note(put_back: &[PciAddress]) -> String {
+    if put_back.is_empty() {
+        String::new()
+    } else {
+        let list: Vec<String> = put_back.iter().map(|a| a.to_string()).collect();
+        format!(" (put back {})", list.join(", "))
+    }
+}
+
+fn stuck_note(stuck: &[(PciAddress, String)]) -> String {
+    let list: Vec<String> = stuck
+        .iter()
+        .map(|(a, why)| format!("{a} ({why})"))
+        .collect();
+    list.join(", ")
+}
+
 /// The outcome of a bind.
 #[derive(Debug, Default)]
 pub struct BindReport {
@@ -71,7 +119,7 @@ pub struct BindReport {
     pub bound: Vec<(PciAddress, Option<String>)>,
     /// Devices that were already where they belong.
     pub already: Vec<PciAddress>,
-    /// Failures; their groups were put back as they were.
+    /// Failures; their groups were put back to their records.
     pub failed: Vec<PassthroughError>,
 }
 
@@ -108,6 +156,20 @@ struct Move<'e> {
     driver: String,
 }
 
+/// The vfio drivers the asked groups (all when empty) will be moved to.
+pub fn target_drivers(inv: &Inventory, groups: &[u32]) -> Vec<String> {
+    let mut drivers: Vec<String> = inv
+        .entries
+        .iter()
+        .filter(|e| groups.is_empty() || e.device.iommu_group.is_some_and(|g| groups.contains(&g)))
+        .map(|e| e.target_driver.clone())
+        .filter(|d| is_vfio_driver(d))
+        .collect();
+    drivers.sort();
+    drivers.dedup();
+    drivers
+}
+
 impl Passthrough<'_> {
     /// Loads the vfio modules and every driver module `drivers` names, skipping
     /// those already loaded or built in. Returns the modules loaded.
@@ -132,30 +194,55 @@ impl Passthrough<'_> {
         Ok(loaded)
     }
 
+    /// The start of VM mode, as `vfio-manager run` does it: load the vfio modules and,
+    /// when `unload` names native driver modules, pin every moving device's
+    /// `driver_override` and unload them. Binding follows with [`Self::bind`] on a
+    /// fresh scan. A module that will not unload (in use) is reported and left:
+    /// its devices are then unbound one by one.
+    pub fn prepare(&mut self, inv: &Inventory, unload: &[String]) -> Result<(), PassthroughError> {
+        self.load_modules(&target_drivers(inv, &[]))?;
+        if unload.is_empty() {
+            return Ok(());
+        }
+        self.pin_overrides(inv, &[])?;
+        if let Err(e) = self.unload_modules(unload) {
+            tracing::warn!(error = %error_chain(&e), "native module not unloaded; unbinding its devices one by one");
+        }
+        Ok(())
+    }
+
     /// Writes `driver_override` for every device that will move, recording each first,
-    /// so that unloading a native module cannot let anything re-probe them.
+    /// so that unloading a native module cannot let anything re-probe them. On a
+    /// failure the overrides written so far are put back to their records.
     pub fn pin_overrides(&mut self, inv: &Inventory, only: &[u32]) -> Result<(), PassthroughError> {
+        let mut pinned: Vec<PciAddress> = Vec::new();
         for (group, moves) in plan(inv, only) {
             for mv in moves {
-                self.record(&mv, group)?;
-                let dir = self.host.device_dir(&mv.entry.device.address);
-                self.kernel
-                    .write(&dir.join("driver_override"), &mv.driver)
-                    .map_err(|source| PassthroughError::Group {
-                        group,
-                        source: DriverError::Write {
-                            address: mv.entry.device.address,
-                            action: "bind",
-                            source,
-                        },
-                    })?;
+                let address = mv.entry.device.address;
+                let result = self
+                    .record(&mv, group)
+                    .map_err(StepError::from)
+                    .and_then(|()| {
+                        pinned.push(address);
+                        let path = self.host.device_dir(&address).join("driver_override");
+                        self.kernel.write(&path, &mv.driver).map_err(|source| {
+                            StepError::Driver(DriverError::Write {
+                                address,
+                                action: "bind",
+                                source,
+                            })
+                        })
+                    });
+                if let Err(source) = result {
+                    return Err(self.roll_back(group, &pinned, source));
+                }
             }
         }
         Ok(())
     }
 
     /// Unloads native driver modules (after [`Self::pin_overrides`]), noting each in the
-    /// state file so restore reloads it.
+    /// state file first so restore reloads it.
     pub fn unload_modules(&mut self, modules: &[String]) -> Result<Vec<String>, PassthroughError> {
         let mut unloaded = Vec::new();
         for m in modules {
@@ -164,7 +251,8 @@ impl Passthrough<'_> {
                 continue;
             }
             // Note first: a crash right after the unload must still reload it.
-            self.state.note_unloaded(&module::canonical_name(m))?;
+            self.state
+                .note_unloaded(self.kernel, &module::canonical_name(m))?;
             if module::unload(self.host, self.kernel, m)? {
                 unloaded.push(module::canonical_name(m));
             }
@@ -214,9 +302,11 @@ impl Passthrough<'_> {
         report
     }
 
+    /// Records `mv` unless a record exists (the existing one is the true original).
     fn record(&mut self, mv: &Move<'_>, group: u32) -> Result<(), StateError> {
         let d = &mv.entry.device;
         self.state.record(
+            self.kernel,
             d.address,
             Record {
                 original_driver: d.driver.clone(),
@@ -229,7 +319,9 @@ impl Passthrough<'_> {
                 resource: mv.entry.resource().map(|r| r.to_string()),
                 group,
             },
-        )
+        )?;
+        crate::failpoint::step!("bind-after-record");
+        Ok(())
     }
 
     fn bind_group(
@@ -239,70 +331,102 @@ impl Passthrough<'_> {
     ) -> Result<Vec<(PciAddress, Option<String>)>, PassthroughError> {
         // Every precondition of every member before the first write.
         for mv in moves {
-            driver::check_bindable(self.host, &mv.entry.device)
-                .map_err(|source| PassthroughError::Group { group, source })?;
+            driver::check_bindable(self.host, &mv.entry.device).map_err(|source| {
+                PassthroughError::Group {
+                    group,
+                    put_back: Vec::new(),
+                    source: Box::new(source.into()),
+                }
+            })?;
         }
-        let mut done: Vec<&Move<'_>> = Vec::new();
+        let mut touched: Vec<PciAddress> = Vec::new();
         let mut bound = Vec::new();
         for mv in moves {
-            self.record(mv, group)?;
+            let address = mv.entry.device.address;
+            if let Err(e) = self.record(mv, group) {
+                return Err(self.roll_back(group, &touched, e.into()));
+            }
+            touched.push(address);
             // Re-read: an earlier member's unbind can change this one (e.g. a shared driver).
-            let result = PciDevice::read(self.host, &mv.entry.device.address)
+            let result = PciDevice::read(self.host, &address)
                 .map_err(DriverError::from)
                 .and_then(|dev| driver::bind(self.host, self.kernel, &dev, &mv.driver));
             match result {
                 Ok(BindOutcome::AlreadyBound) => {}
-                Ok(BindOutcome::Bound { previous }) => {
-                    bound.push((mv.entry.device.address, previous));
-                }
-                Err(source) => {
-                    done.push(mv);
-                    return Err(self.roll_back(group, &done, source));
-                }
+                Ok(BindOutcome::Bound { previous }) => bound.push((address, previous)),
+                Err(e) => return Err(self.roll_back(group, &touched, e.into())),
             }
-            done.push(mv);
         }
         Ok(bound)
     }
 
-    /// Puts back the members moved so far, newest first.
+    /// Puts the devices touched so far back to their records, newest first, and
+    /// forgets each record only once its device is confirmed back.
     fn roll_back(
         &mut self,
         group: u32,
-        done: &[&Move<'_>],
-        source: DriverError,
+        touched: &[PciAddress],
+        source: StepError,
     ) -> PassthroughError {
         tracing::warn!(group, error = %error_chain(&source), "bind failed; putting the group back");
-        for mv in done.iter().rev() {
-            let d = &mv.entry.device;
-            let result = PciDevice::read(self.host, &d.address)
-                .map_err(DriverError::from)
-                .and_then(|now| {
-                    driver::restore(
-                        self.host,
-                        self.kernel,
-                        &now,
-                        d.driver.as_deref(),
-                        d.driver_override.as_deref(),
-                    )
-                });
-            match result {
-                Ok(()) => {
-                    if let Err(e) = self.state.forget(&d.address) {
-                        return PassthroughError::State(e);
-                    }
-                }
-                Err(e) => {
-                    return PassthroughError::RollbackFailed {
-                        group,
-                        address: d.address,
-                        rollback: error_chain(&e),
-                        source,
-                    }
-                }
+        let mut put_back = Vec::new();
+        let mut stuck = Vec::new();
+        for address in touched.iter().rev() {
+            match self.put_back(address) {
+                Ok(()) => put_back.push(*address),
+                Err(why) => stuck.push((*address, why)),
             }
         }
-        PassthroughError::Group { group, source }
+        let source = Box::new(source);
+        if stuck.is_empty() {
+            PassthroughError::Group {
+                group,
+                put_back,
+                source,
+            }
+        } else {
+            PassthroughError::RollbackFailed {
+                group,
+                put_back,
+                stuck,
+                source,
+            }
+        }
+    }
+
+    /// Restores one device to its record and forgets the record. The reason on failure.
+    fn put_back(&mut self, address: &PciAddress) -> Result<(), String> {
+        let Some(record) = self.state.get(address).cloned() else {
+            return Ok(()); // never recorded, so never touched
+        };
+        let result = PciDevice::read(self.host, address)
+            .map_err(DriverError::from)
+            .and_then(|now| {
+                driver::restore(
+                    self.host,
+                    self.kernel,
+                    &now,
+                    record.original_driver.as_deref(),
+                    record.original_override.as_deref(),
+                )
+            });
+        if let Err(e) = result {
+            let unloaded = record.original_driver.as_deref().is_some_and(|d| {
+                self.state
+                    .state()
+                    .unloaded_modules
+                    .contains(&module::canonical_name(d))
+            });
+            let hint = if unloaded {
+                "; its native module was unloaded by vfio-manager and is reloaded on restore"
+            } else {
+                ""
+            };
+            return Err(format!("{}{hint}", error_chain(&e)));
+        }
+        self.state
+            .forget(self.kernel, address)
+            .map_err(|e| format!("back on its driver, but {}", error_chain(&e)))
     }
 
     /// Restores what the state file records, for the groups holding `only` (every
@@ -355,7 +479,7 @@ impl Passthrough<'_> {
             }
         }
         if ok {
-            if let Err(e) = self.state.clear_unloaded() {
+            if let Err(e) = self.state.clear_unloaded(self.kernel) {
                 report.failed.push(e.into());
             }
         }
@@ -367,7 +491,7 @@ impl Passthrough<'_> {
             Err(crate::device::DeviceError::NotFound { .. }) => {
                 tracing::warn!(bdf = %address, "recorded device is gone; dropping its record");
                 report.gone.push(*address);
-                if let Err(e) = self.state.forget(address) {
+                if let Err(e) = self.state.forget(self.kernel, address) {
                     report.failed.push(e.into());
                 }
                 return;
@@ -392,7 +516,7 @@ impl Passthrough<'_> {
                 report
                     .restored
                     .push((*address, record.original_driver.clone()));
-                if let Err(e) = self.state.forget(address) {
+                if let Err(e) = self.state.forget(self.kernel, address) {
                     report.failed.push(e.into());
                 }
             }

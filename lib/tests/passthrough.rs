@@ -266,6 +266,7 @@ fn a_crash_between_unbind_and_probe_still_converges_and_restores() {
     // the override, and a device on no driver.
     b.state
         .record(
+            &b.kernel,
             nic,
             vfio_sandbox::state::Record {
                 original_driver: Some("e1000e".into()),

@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use vfio_sandbox::inventory::Inventory;
+use vfio_sandbox::passthrough::target_drivers;
 
 use super::{groups_for, with_passthrough, ChangeArgs};
 use crate::{report, Context};
@@ -25,18 +26,4 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
-}
-
-/// The drivers the asked groups will be moved to.
-pub fn target_drivers(inv: &Inventory, groups: &[u32]) -> Vec<String> {
-    let mut drivers: Vec<String> = inv
-        .entries
-        .iter()
-        .filter(|e| groups.is_empty() || e.device.iommu_group.is_some_and(|g| groups.contains(&g)))
-        .map(|e| e.target_driver.clone())
-        .filter(|d| vfio_sandbox::group::is_vfio_driver(d))
-        .collect();
-    drivers.sort();
-    drivers.dedup();
-    drivers
 }

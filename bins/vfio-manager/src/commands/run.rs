@@ -2,8 +2,8 @@
 //!
 //! Load the vfio modules, optionally unload native driver modules, bind everything
 //! selected, write the ready file, then keep the node converged — a device that
-//! appears later (hot-plug, PCI rescan, VFs enabled) is bound too — until SIGTERM or
-//! SIGINT, then restore like `unbind --all` unless `--keep-bound-on-exit`.
+//! appears later (hot-plug, PCI rescan, VFs enabled) is bound too — until SIGTERM,
+//! SIGINT or SIGHUP, then restore like `unbind --all` unless `--keep-bound-on-exit`.
 //!
 //! The loop sleeps in `poll(2)` on a signalfd and a kernel uevent socket, so an idle
 //! node costs nothing; a periodic resync covers a uevent socket we could not open.
@@ -22,7 +22,7 @@ use vfio_sandbox::inventory::Inventory;
 use vfio_sandbox::io::write_atomic;
 use vfio_sandbox::kernel::SysKernel;
 use vfio_sandbox::module::kernel_release;
-use vfio_sandbox::passthrough::Passthrough;
+use vfio_sandbox::passthrough::{target_drivers, Passthrough};
 
 use crate::{report, Context};
 
@@ -33,7 +33,7 @@ pub struct Args {
     /// e.g. rebellions); reloaded on restore. A module in use is reported, not forced.
     #[arg(long = "unload-module", value_name = "NAME")]
     unload_modules: Vec<String>,
-    /// On SIGTERM/SIGINT leave the devices on vfio (default: restore like `unbind --all`).
+    /// On SIGTERM/SIGINT/SIGHUP leave the devices on vfio (default: restore like `unbind --all`).
     #[arg(long, env = "VFIO_MANAGER_KEEP_BOUND_ON_EXIT")]
     keep_bound_on_exit: bool,
     /// Written (JSON) once every selected device is bound; removed on exit.
@@ -75,15 +75,9 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         release: kernel_release(),
     };
     let inv = Inventory::scan(&ctx.host, &list)?;
-    pt.load_modules(&super::bind::target_drivers(&inv, &[]))?;
-    if !args.unload_modules.is_empty() {
-        pt.pin_overrides(&inv, &[])?;
-        if let Err(e) = pt.unload_modules(&args.unload_modules) {
-            tracing::warn!(error = %error_chain(&e), "native module not unloaded; unbinding its devices one by one");
-        }
-    }
+    pt.prepare(&inv, &args.unload_modules)?;
     let mut converged = converge(&mut pt, &list, args, false)?;
-    let mut next_resync = Instant::now() + args.resync_interval;
+    let mut next_resync = later(args.resync_interval);
     let mut pending: Option<Instant> = None;
     loop {
         let deadline = pending.unwrap_or(next_resync).min(next_resync);
@@ -99,7 +93,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         let now = Instant::now();
         if pending.is_some_and(|p| now >= p) || now >= next_resync {
             pending = None;
-            next_resync = now + args.resync_interval;
+            next_resync = later(args.resync_interval);
             match converge(&mut pt, &list, args, converged) {
                 Ok(c) => converged = c,
                 // A device vanishing mid-scan, a module that fails to load: log it and
@@ -146,7 +140,7 @@ fn converge(
     let inv = Inventory::scan(pt.host, list)?;
     let needs_work = inv.entries.iter().any(|e| !e.is_bound());
     if needs_work {
-        pt.load_modules(&super::bind::target_drivers(&inv, &[]))?;
+        pt.load_modules(&target_drivers(&inv, &[]))?;
         let bind = pt.bind(&inv, &[]);
         for e in &bind.failed {
             tracing::error!(error = %error_chain(e), "bind failed; will retry");
@@ -182,6 +176,14 @@ fn converge(
     Ok(converged)
 }
 
+/// `d` from now, or a year from now when `d` is too long for the clock.
+fn later(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600)))
+        .unwrap_or(now)
+}
+
 fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -193,6 +195,10 @@ fn block_signals() -> anyhow::Result<SignalFd> {
     let mut set = SigSet::empty();
     set.add(Signal::SIGTERM);
     set.add(Signal::SIGINT);
+    // A hang-up (the terminal of a hand-started `run` closing) stops it like SIGTERM:
+    // restore, remove the ready file, exit 0. The default action would kill it with
+    // the devices bound and a stale ready file.
+    set.add(Signal::SIGHUP);
     set.thread_block()?;
     Ok(SignalFd::with_flags(
         &set,
