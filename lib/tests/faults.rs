@@ -47,6 +47,9 @@ const SELECTED: [&str; 8] = [
 type Snapshot = BTreeMap<String, (Option<String>, String)>;
 
 struct Node {
+    /// `run --unload-module e1000e` (records made while pinning) or plain `run`
+    /// (records made group by group while binding).
+    unload: bool,
     _dir: tempfile::TempDir,
     node: FakeNode,
     kernel: FakeKernel,
@@ -58,7 +61,7 @@ fn nic(addr: &str, group: u32) -> FakeDevice {
     FakeDevice::new(addr, 0x8086, 0x10d3, 0x02_0000).group(group)
 }
 
-fn node() -> Node {
+fn node(unload: bool) -> Node {
     // Hundreds of small trees: on tmpfs when there is one (ext4 inode creation is slow).
     let shm = Path::new("/dev/shm");
     let dir = if shm.is_dir() {
@@ -126,6 +129,7 @@ fn node() -> Node {
             .insert(module.into(), driver.into());
     }
     Node {
+        unload,
         state_path: dir.path().join("run/vfio-manager/state.json"),
         _dir: dir,
         node,
@@ -168,8 +172,8 @@ impl Node {
     /// retries.
     fn run_start(&self, pt: &mut Passthrough<'_>) -> Result<Vec<String>, String> {
         let inv = Inventory::scan(pt.host, &self.list).map_err(|e| error_chain(&e))?;
-        pt.prepare(&inv, &[UNLOAD.into()])
-            .map_err(|e| error_chain(&e))?;
+        let unload: Vec<String> = self.unload.then(|| UNLOAD.into()).into_iter().collect();
+        pt.prepare(&inv, &unload).map_err(|e| error_chain(&e))?;
         self.converge(pt)
     }
 
@@ -190,14 +194,57 @@ impl Node {
     }
 
     /// The whole life of one `run` process: start (exit if it fails), one resync,
-    /// SIGTERM restore.
-    fn life(&self, kernel: &dyn Kernel) {
+    /// then SIGTERM (restore) or SIGKILL. Returns the moments a group was seen
+    /// half-bound (some members on vfio-pci, others not).
+    fn life(&self, kernel: &dyn Kernel, end: End) -> Vec<String> {
+        let mut half = Vec::new();
         let _ = self.process(kernel, |pt| {
-            if self.run_start(pt).is_ok() {
+            let started = self.run_start(pt);
+            half.extend(
+                self.half_bound()
+                    .into_iter()
+                    .map(|g| format!("after start: {g}")),
+            );
+            if started.is_ok() {
                 let _ = self.converge(pt);
-                pt.restore(&[]);
+                half.extend(
+                    self.half_bound()
+                        .into_iter()
+                        .map(|g| format!("after resync: {g}")),
+                );
+                if end == End::Sigterm {
+                    pt.restore(&[]);
+                }
             }
         });
+        half
+    }
+
+    /// Groups with some but not all non-bridge members on vfio-pci.
+    fn half_bound(&self) -> Vec<String> {
+        let mut groups: BTreeMap<String, Vec<bool>> = BTreeMap::new();
+        for a in vfio_sandbox::device::list_addresses(&self.node.host).unwrap() {
+            let dir = self.node.host.device_dir(&a);
+            let (Ok(group), Ok(class)) = (
+                fs::read_link(dir.join("iommu_group")),
+                fs::read_to_string(dir.join("class")),
+            ) else {
+                continue;
+            };
+            if class.starts_with("0x0604") {
+                continue;
+            }
+            let on_vfio = self.node.driver_of(&a).as_deref() == Some("vfio-pci");
+            groups
+                .entry(group.display().to_string())
+                .or_default()
+                .push(on_vfio);
+        }
+        groups
+            .into_iter()
+            .filter(|(_, m)| m.iter().any(|v| *v) && !m.iter().all(|v| *v))
+            .map(|(g, _)| g)
+            .collect()
     }
 
     fn unbind_all(&self) {
@@ -205,7 +252,7 @@ impl Node {
         assert!(report.in_use.is_empty());
     }
 
-    fn all_selected_on_vfio(&self) -> Vec<String> {
+    fn all_selected_off_vfio(&self) -> Vec<String> {
         SELECTED
             .iter()
             .filter(|a| {
@@ -237,6 +284,15 @@ impl Node {
     }
 }
 
+/// How a `run` process ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// SIGTERM: it restores.
+    Sigterm,
+    /// SIGKILL: it just stops.
+    Kill,
+}
+
 /// Runs `f`, turning a simulated crash into `true`; any other panic propagates.
 fn crashes(f: impl FnOnce()) -> bool {
     match catch_unwind(AssertUnwindSafe(f)) {
@@ -256,11 +312,11 @@ fn quiet_crashes() {
 }
 
 /// The points of one clean life, in order.
-fn clean_points() -> Vec<(Point, String)> {
-    let n = node();
+fn clean_points(unload: bool) -> Vec<(Point, String)> {
+    let n = node(unload);
     let before = n.snapshot();
     let counting = FaultKernel::new(&n.kernel, None);
-    n.life(&counting);
+    assert!(n.life(&counting, End::Sigterm).is_empty());
     assert_eq!(
         n.lost(&before),
         Vec::<String>::new(),
@@ -269,67 +325,118 @@ fn clean_points() -> Vec<(Point, String)> {
     counting.points()
 }
 
-#[test]
-fn every_fault_and_crash_point_leaves_nothing_lost() {
-    quiet_crashes();
-    let points = clean_points();
-    let count = |k: Point| points.iter().filter(|(p, _)| *p == k).count();
-    // Every kind is exercised: 9 devices pinned, moved and restored, 5 module syscalls.
-    assert!(count(Point::Write) >= 27 && count(Point::Module) >= 5 && count(Point::Save) >= 18);
-    let mut lost: Vec<String> = Vec::new();
-    let mut crashed = 0;
-    for (n_point, (_, what)) in points.iter().enumerate() {
-        // Pass 1: the step fails; the process carries on as `run` does, then SIGTERM;
-        // then a fresh `unbind --all`.
-        let n = node();
-        let before = n.snapshot();
-        n.life(&FaultKernel::new(&n.kernel, Some((n_point, Fault::Fail))));
-        n.unbind_all();
-        lost.extend(
-            n.lost(&before)
-                .into_iter()
-                .map(|l| format!("fail at #{n_point} ({what}): {l}")),
-        );
+/// Tallies of one mode.
+#[derive(Default)]
+struct Tally {
+    points: usize,
+    writes: usize,
+    modules: usize,
+    saves: usize,
+    crashes: usize,
+    lost: Vec<String>,
+}
 
-        // Pass 2: the process dies right before the step; a new `run` converges the
-        // node, is killed in turn, and `unbind --all` puts everything back.
-        let n = node();
+fn walk(unload: bool) -> Tally {
+    let points = clean_points(unload);
+    let count = |k: Point| points.iter().filter(|(p, _)| *p == k).count();
+    let mut t = Tally {
+        points: points.len(),
+        writes: count(Point::Write),
+        modules: count(Point::Module),
+        saves: count(Point::Save),
+        ..Tally::default()
+    };
+    let mode = if unload {
+        "run --unload-module e1000e"
+    } else {
+        "run"
+    };
+    for (at, (_, what)) in points.iter().enumerate() {
+        let tag = |pass: &str, l: String| format!("{mode}: {pass} at #{at} ({what}): {l}");
+        // Fail passes: the step fails once; the process carries on as `run` does,
+        // then gets SIGTERM or SIGKILL; then a fresh `unbind --all`.
+        for end in [End::Sigterm, End::Kill] {
+            let n = node(unload);
+            let before = n.snapshot();
+            let half = n.life(&FaultKernel::new(&n.kernel, Some((at, Fault::Fail))), end);
+            t.lost.extend(
+                half.into_iter()
+                    .map(|g| tag("fail", format!("group {g} half-bound"))),
+            );
+            n.unbind_all();
+            t.lost.extend(
+                n.lost(&before)
+                    .into_iter()
+                    .map(|l| tag(&format!("fail+{end:?}"), l)),
+            );
+        }
+        // Crash pass: the process dies right before the step; a new `run` converges
+        // the node, is killed in turn, and `unbind --all` puts everything back.
+        let n = node(unload);
         let before = n.snapshot();
-        if crashes(|| n.life(&FaultKernel::new(&n.kernel, Some((n_point, Fault::Crash))))) {
-            crashed += 1;
+        if crashes(|| {
+            n.life(
+                &FaultKernel::new(&n.kernel, Some((at, Fault::Crash))),
+                End::Sigterm,
+            );
+        }) {
+            t.crashes += 1;
         }
         match n.process(&n.kernel, |pt| n.run_start(pt)).unwrap() {
             Ok(failed) if failed.is_empty() => {}
-            Ok(failed) => lost.push(format!(
-                "crash at #{n_point} ({what}): the next run failed: {failed:?}"
-            )),
-            Err(e) => lost.push(format!(
-                "crash at #{n_point} ({what}): the next run exited: {e}"
-            )),
+            Ok(failed) => t
+                .lost
+                .push(tag("crash", format!("the next run failed: {failed:?}"))),
+            Err(e) => t
+                .lost
+                .push(tag("crash", format!("the next run exited: {e}"))),
         }
-        let unbound = n.all_selected_on_vfio();
-        if !unbound.is_empty() {
-            lost.push(format!(
-                "crash at #{n_point} ({what}): the next run left {unbound:?} off vfio-pci"
+        let off = n.all_selected_off_vfio();
+        if !off.is_empty() {
+            t.lost.push(tag(
+                "crash",
+                format!("the next run left {off:?} off vfio-pci"),
             ));
         }
         n.unbind_all();
-        lost.extend(
-            n.lost(&before)
-                .into_iter()
-                .map(|l| format!("crash at #{n_point} ({what}): {l}")),
+        t.lost
+            .extend(n.lost(&before).into_iter().map(|l| tag("crash", l)));
+    }
+    t
+}
+
+#[test]
+fn every_fault_and_crash_point_leaves_nothing_lost() {
+    quiet_crashes();
+    let mut lost = Vec::new();
+    let mut total = 0;
+    for unload in [true, false] {
+        let t = walk(unload);
+        // Every kind is exercised: 9 devices moved and restored, the vfio modules.
+        assert!(
+            t.writes >= 27 && t.modules >= 3 && t.saves >= 18,
+            "{} points",
+            t.points
         );
+        assert_eq!(t.crashes, t.points, "every crash point must be reached");
+        println!(
+            "faults: {}: {} injection points ({} sysfs writes, {} module syscalls, {} state saves) \
+             x 3 passes (fail then SIGTERM, fail then SIGKILL, crash); {} selected devices + 1 \
+             companion; devices lost: {}",
+            if unload { "run --unload-module e1000e" } else { "run" },
+            t.points,
+            t.writes,
+            t.modules,
+            t.saves,
+            SELECTED.len(),
+            t.lost.len()
+        );
+        total += t.points;
+        lost.extend(t.lost);
     }
     println!(
-        "faults: {} injection points ({} sysfs writes, {} module syscalls, {} state saves) x 2 passes \
-         (fail, crash; {crashed} crashes taken) over {} selected devices + 1 companion; devices lost: {}",
-        points.len(),
-        count(Point::Write),
-        count(Point::Module),
-        count(Point::Save),
-        SELECTED.len(),
+        "faults: {total} injection points in all; devices lost: {}",
         lost.len()
     );
-    assert_eq!(crashed, points.len(), "every crash point must be reached");
     assert!(lost.is_empty(), "{} lost:\n{}", lost.len(), lost.join("\n"));
 }
