@@ -235,3 +235,22 @@ pub struct Write {
     /// What was written.
     pub data: String,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_holder_is_found_in_proc_without_opening_the_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = dir.path().join("7");
+        std::fs::write(&node, "").unwrap();
+        let proc = Path::new("/proc");
+        assert!(!held_by_a_process(proc, &node));
+        let held = std::fs::File::open(&node).unwrap();
+        assert!(held_by_a_process(proc, &node));
+        drop(held);
+        assert!(!held_by_a_process(proc, &node));
+        assert!(!held_by_a_process(&dir.path().join("no-proc"), &node));
+    }
+}

@@ -82,6 +82,9 @@ impl Context {
 pub struct UsageError(pub String);
 
 fn main() -> ExitCode {
+    // Test builds only: arm the steps named in FAILPOINTS (see vfio_sandbox::failpoint).
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     let cli = Cli::parse();
     cli.common.init_logging();
     let mut host = cli.common.host();

@@ -1,0 +1,135 @@
+//! The real `vfio-manager` binary and the things a node does to it besides commands:
+//! a hang-up, and a dry run beside a VM that is starting.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use vfio_sandbox::fake::{FakeDevice, FakeNode};
+
+fn command(dir: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_vfio-manager"));
+    c.args(["--sysfs-root", &dir.join("sys").to_string_lossy()])
+        .args(["--dev-root", &dir.join("dev").to_string_lossy()])
+        .args(["--modules-root", &dir.join("lib/modules").to_string_lossy()])
+        .args([
+            "--state-file",
+            &dir.join("run/state.json").to_string_lossy(),
+        ])
+        .args(["--config", &dir.join("list.json").to_string_lossy()])
+        .env_remove("VFIO_SANDBOX_CONFIG");
+    c
+}
+
+fn node(dir: &Path) -> FakeNode {
+    let node = FakeNode::new(dir);
+    node.add_driver("vfio-pci");
+    node.add_module("vfio");
+    node.add_module("vfio_iommu_type1");
+    node.add_device(
+        &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
+            .driver("vfio-pci")
+            .group(4),
+    );
+    let list =
+        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
+    std::fs::write(dir.join("list.json"), list).unwrap();
+    node
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn sighup_stops_run_like_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    let ready = dir.path().join("run/ready");
+    let mut child = command(dir.path())
+        .args(["run", "--ready-file", &ready.to_string_lossy()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until("the ready file", || ready.exists());
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "run ignored SIGHUP"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "killed by a signal instead of stopping: {status:?}\n{err}"
+    );
+    assert!(err.contains("SIGHUP"), "{err}");
+    assert!(!ready.exists(), "the ready file must go with the process");
+}
+
+#[test]
+fn a_dry_run_unbind_never_opens_the_group_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = node(dir.path());
+    let state = r#"{"version":1,"devices":{"0000:01:00.0":{"original_driver":"e1000e","original_override":null,"driver":"vfio-pci","role":"selected","group":4}},"unloaded_modules":[]}"#;
+    std::fs::create_dir_all(dir.path().join("run")).unwrap();
+    std::fs::write(dir.path().join("run/state.json"), state).unwrap();
+    let group_node = node.host.vfio_group_node(4);
+    assert!(group_node.exists());
+    let mut watch = inotify::Inotify::init().unwrap();
+    watch
+        .watches()
+        .add(&group_node, inotify::WatchMask::OPEN)
+        .unwrap();
+    let out = command(dir.path())
+        .args(["unbind", "--all", "--dry-run"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("would write"), "{text}");
+    let mut buf = [0u8; 1024];
+    let opened = match watch.read_events(&mut buf) {
+        Ok(events) => events.count(),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+        Err(e) => panic!("{e}"),
+    };
+    assert_eq!(opened, 0, "the dry run opened {}", group_node.display());
+    // The real unbind does open it (to test for a holder): the watch can see opens.
+    let out = command(dir.path())
+        .args(["unbind", "--all"])
+        .output()
+        .unwrap();
+    let _ = out;
+    let seen = match watch.read_events(&mut buf) {
+        Ok(events) => events.count(),
+        Err(_) => 0,
+    };
+    assert!(
+        seen > 0,
+        "the watch saw no open at all, so it proves nothing"
+    );
+}
