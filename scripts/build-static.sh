@@ -39,6 +39,23 @@ json="$(mktemp)"
 trap 'rm -f "$json"' EXIT
 
 rc=0
+# vfio-manager with its failpoints armed (FAILPOINTS env, `fail` crate), for the
+# crash scenario only. Built first: the normal build below puts the shipped
+# vfio-manager back in place (cargo keeps both variants cached).
+fp_bin="$out_dir/vfio-manager-failpoints"
+if (
+    cd "$repo_root"
+    RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C target-feature=+crt-static" \
+        cargo build --release --target "$target" -p vfio-manager --features failpoints \
+        --message-format=json-render-diagnostics
+) >"$json"; then
+    exe="$(grep -o '"executable":"[^"]*vfio-manager"' "$json" | tail -n1 | sed 's/^"executable":"//; s/"$//')"
+    cp "$exe" "$fp_bin.tmp" && mv "$fp_bin.tmp" "$fp_bin"
+else
+    log "error: vfio-manager --features failpoints did not build"
+    rm -f "$fp_bin"
+    rc=1
+fi
 (
     cd "$repo_root"
     RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C target-feature=+crt-static" \
@@ -50,6 +67,9 @@ rc=0
 # current for this build (fresh or rebuilt).
 grep -o '"executable":"[^"]*"' "$json" | sed 's/^"executable":"//; s/"$//' |
     sort -u >"$list.tmp" || true
+if [[ -x "$fp_bin" ]]; then
+    printf '%s\n' "$fp_bin" >>"$list.tmp"
+fi
 mv "$list.tmp" "$list"
 
 if [[ -s "$list" ]]; then

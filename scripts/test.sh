@@ -10,5 +10,7 @@ echo "==== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "==== cargo test"
 cargo test --workspace --locked
+echo "==== fault injection: fail and crash at every kernel write, module syscall and state save"
+cargo test -p vfio-sandbox --test faults --locked -- --nocapture
 echo "==== real-kernel scenarios (QEMU), and the demo so it cannot rot"
 scripts/vm/run.sh tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
