@@ -368,3 +368,99 @@ fn vfio_modules_load_dependencies_first() {
         "idempotent"
     );
 }
+
+/// Invariant: rollback restores to the record, not to a snapshot. After
+/// `--unload-module e1000e` a device is driverless with a pinned override; a probe
+/// that fails once must not teach the record "no driver".
+#[test]
+fn rollback_restores_to_the_record_not_the_snapshot() {
+    let mut b = bed();
+    b.node.add_modules_dep("6.1.0-test", "kernel/e1000e.ko:\n");
+    let kdir = b.node.host.modules_release_dir("6.1.0-test").join("kernel");
+    std::fs::create_dir_all(&kdir).unwrap();
+    std::fs::write(kdir.join("e1000e.ko"), "").unwrap();
+    b.kernel
+        .module_drivers
+        .borrow_mut()
+        .insert("e1000e".into(), "e1000e".into());
+    let inv = b.inv();
+    b.pt().pin_overrides(&inv, &[5]).unwrap();
+    b.pt().unload_modules(&["e1000e".into()]).unwrap();
+    *b.kernel.fail_on.borrow_mut() = Some(("drivers_probe".into(), 22));
+    let inv = b.inv();
+    let report = b.pt().bind(&inv, &[5]);
+    assert_eq!(report.failed.len(), 1);
+    let rec = &b.state.state().devices[&a("0000:02:00.0")];
+    assert_eq!(
+        rec.original_driver.as_deref(),
+        Some("e1000e"),
+        "record kept"
+    );
+    // The retry binds; SIGTERM brings it home, not to "no driver".
+    let inv = b.inv();
+    let report = b.pt().bind(&inv, &[5]);
+    assert!(report.failed.is_empty(), "{:?}", report.failed);
+    let report = b.pt().restore(&[]);
+    assert!(report.failed.is_empty(), "{:?}", report.failed);
+    assert_eq!(b.driver("0000:02:00.0").as_deref(), Some("e1000e"));
+}
+
+/// Invariant: every partially-applied group operation is rolled back, and the error
+/// names the devices put back. Here the state save for the group's second member
+/// fails (a full /run) after the first member moved.
+#[test]
+fn a_failed_save_mid_group_puts_the_group_back_and_says_so() {
+    let mut b = bed();
+    let inv = b.inv();
+    struct SecondSaveFails<'k>(&'k FakeKernel, std::cell::Cell<u32>);
+    impl vfio_sandbox::kernel::Kernel for SecondSaveFails<'_> {
+        fn write(&self, p: &std::path::Path, d: &str) -> Result<(), vfio_sandbox::io::IoError> {
+            self.0.write(p, d)
+        }
+        fn load_module(
+            &self,
+            n: &str,
+            f: &std::path::Path,
+        ) -> Result<(), vfio_sandbox::kernel::SyscallError> {
+            self.0.load_module(n, f)
+        }
+        fn unload_module(&self, n: &str) -> Result<(), vfio_sandbox::kernel::SyscallError> {
+            self.0.unload_module(n)
+        }
+        fn replace_file(
+            &self,
+            p: &std::path::Path,
+            d: &[u8],
+        ) -> Result<(), vfio_sandbox::io::IoError> {
+            self.1.set(self.1.get() + 1);
+            if self.1.get() == 2 {
+                return Err(vfio_sandbox::io::IoError::new(
+                    vfio_sandbox::io::Action::Rename,
+                    p,
+                    std::io::Error::from_raw_os_error(28),
+                ));
+            }
+            self.0.replace_file(p, d)
+        }
+        fn group_in_use(&self, n: &std::path::Path) -> Result<bool, vfio_sandbox::io::IoError> {
+            self.0.group_in_use(n)
+        }
+    }
+    let kernel = SecondSaveFails(&b.kernel, std::cell::Cell::new(0));
+    let report = Passthrough {
+        host: &b.node.host,
+        kernel: &kernel,
+        state: &mut b.state,
+        release: "6.1.0-test".into(),
+    }
+    .bind(&inv, &[4]);
+    let msg = error_chain(&report.failed[0]);
+    assert!(
+        msg.contains("IOMMU group 4 not bound (put back 0000:01:00.0)"),
+        "{msg}"
+    );
+    assert!(msg.contains("No space left on device"), "{msg}");
+    assert_eq!(b.driver("0000:01:00.0").as_deref(), Some("e1000e"));
+    assert_eq!(b.driver("0000:01:00.1").as_deref(), Some("snd_hda_intel"));
+    assert!(b.state.state().devices.is_empty());
+}
