@@ -83,6 +83,22 @@ impl Bed {
     fn driver(&self, s: &str) -> Option<String> {
         self.node.driver_of(&a(s))
     }
+    /// e1000e as a loadable module that registers the e1000e driver.
+    fn e1000e_module(&self) {
+        self.node
+            .add_modules_dep("6.1.0-test", "kernel/e1000e.ko:\n");
+        let kdir = self
+            .node
+            .host
+            .modules_release_dir("6.1.0-test")
+            .join("kernel");
+        std::fs::create_dir_all(&kdir).unwrap();
+        std::fs::write(kdir.join("e1000e.ko"), "").unwrap();
+        self.kernel
+            .module_drivers
+            .borrow_mut()
+            .insert("e1000e".into(), "e1000e".into());
+    }
 }
 
 #[test]
@@ -302,14 +318,7 @@ fn a_crash_between_unbind_and_probe_still_converges_and_restores() {
 #[test]
 fn unloaded_native_module_is_reloaded_on_restore() {
     let mut b = bed();
-    b.node.add_modules_dep("6.1.0-test", "kernel/e1000e.ko:\n");
-    let kdir = b.node.host.modules_release_dir("6.1.0-test").join("kernel");
-    std::fs::create_dir_all(&kdir).unwrap();
-    std::fs::write(kdir.join("e1000e.ko"), "").unwrap();
-    b.kernel
-        .module_drivers
-        .borrow_mut()
-        .insert("e1000e".into(), "e1000e".into());
+    b.e1000e_module();
     let inv = b.inv();
     b.pt().pin_overrides(&inv, &[5]).unwrap();
     let unloaded = b.pt().unload_modules(&["e1000e".into()]).unwrap();
@@ -375,14 +384,7 @@ fn vfio_modules_load_dependencies_first() {
 #[test]
 fn rollback_restores_to_the_record_not_the_snapshot() {
     let mut b = bed();
-    b.node.add_modules_dep("6.1.0-test", "kernel/e1000e.ko:\n");
-    let kdir = b.node.host.modules_release_dir("6.1.0-test").join("kernel");
-    std::fs::create_dir_all(&kdir).unwrap();
-    std::fs::write(kdir.join("e1000e.ko"), "").unwrap();
-    b.kernel
-        .module_drivers
-        .borrow_mut()
-        .insert("e1000e".into(), "e1000e".into());
+    b.e1000e_module();
     let inv = b.inv();
     b.pt().pin_overrides(&inv, &[5]).unwrap();
     b.pt().unload_modules(&["e1000e".into()]).unwrap();
