@@ -85,11 +85,13 @@ impl Bed {
     }
 
     fn terminate(&mut self) -> Option<i32> {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.plugin.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        )
-        .unwrap();
+        self.signal(nix::sys::signal::Signal::SIGTERM)
+    }
+
+    /// Sends `signal` and returns the exit code, failing after [`STEP`].
+    fn signal(&mut self, signal: nix::sys::signal::Signal) -> Option<i32> {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.plugin.id() as i32), signal)
+            .unwrap();
         let deadline = Instant::now() + STEP;
         while Instant::now() < deadline {
             if let Some(status) = self.plugin.try_wait().unwrap() {
@@ -98,7 +100,7 @@ impl Bed {
             std::thread::sleep(Duration::from_millis(20));
         }
         panic!(
-            "plugin did not exit within {STEP:?} of SIGTERM\n{}",
+            "plugin did not exit within {STEP:?} of {signal}\n{}",
             self.log()
         );
     }
@@ -474,17 +476,27 @@ fn waits_for_an_absent_kubelet_without_a_hot_loop() {
     assert_eq!(bed.terminate(), Some(0));
 }
 
-#[test]
-fn sigterm_stops_serving_and_removes_the_sockets() {
+/// A stop signal ends the plugin with exit code 0 and removes every socket of ours.
+fn stops_cleanly_on(signal: nix::sys::signal::Signal) {
     let mut bed = Bed::start();
     scenario(async {
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         kubelet.registrations_for(&[NIC, NVME], STEP).await.unwrap();
     });
-    assert_eq!(bed.terminate(), Some(0), "{}", bed.log());
+    assert_eq!(bed.signal(signal), Some(0), "{}", bed.log());
     let left: Vec<_> = std::fs::read_dir(bed.kubelet_dir())
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
     assert_eq!(left, ["kubelet.sock"], "only kubelet's own socket remains");
+}
+
+#[test]
+fn sigterm_stops_serving_and_removes_the_sockets() {
+    stops_cleanly_on(nix::sys::signal::Signal::SIGTERM);
+}
+
+#[test]
+fn sighup_stops_serving_and_removes_the_sockets_like_sigterm() {
+    stops_cleanly_on(nix::sys::signal::Signal::SIGHUP);
 }
