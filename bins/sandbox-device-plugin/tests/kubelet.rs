@@ -430,6 +430,96 @@ fn kubelet_restart_gets_a_new_socket_and_registration_within_a_second() {
     });
 }
 
+/// Waits until the plugin's log shows `n` ListAndWatch streams opened in all.
+async fn streams_opened(bed: &Bed, n: usize) {
+    let deadline = Instant::now() + STEP;
+    while bed.log().matches("kubelet opened ListAndWatch").count() < n {
+        assert!(
+            Instant::now() < deadline,
+            "{n} streams never opened\n{}",
+            bed.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// kubelet is killed (its streams break, a stale kubelet.sock stays) and a new
+/// kubelet starts `gap` later (deleting our sockets, then creating kubelet.sock).
+/// The new instance must receive exactly one Register per resource, within 1 s of
+/// its socket appearing, naming a socket that exists and is served.
+fn kubelet_back_after(gap: Duration) {
+    let bed = Bed::start();
+    scenario(async {
+        let old = Kubelet::start_watching(&bed.kubelet_dir()).await.unwrap();
+        let before = old.registrations_for(&[NIC, NVME], STEP).await.unwrap();
+        streams_opened(&bed, 2).await;
+        old.kill().await;
+        tokio::time::sleep(gap).await;
+        let new = Kubelet::start_watching(&bed.kubelet_dir()).await.unwrap();
+        let after = match new
+            .registrations_for(&[NIC, NVME], Duration::from_secs(1))
+            .await
+        {
+            Ok(a) => a,
+            Err(e) => panic!("gap {gap:?}: {e}; calls {:?}\n{}", new.calls(), bed.log()),
+        };
+        let mut took = Vec::new();
+        for (b, a) in before.iter().zip(&after) {
+            took.push(a.at - new.started);
+            assert_ne!(b.request.endpoint, a.request.endpoint, "a fresh socket");
+            assert!(bed.kubelet_dir().join(&a.request.endpoint).exists());
+        }
+        // Whatever else the plugin would send (a late Register on an old socket, a
+        // second one after the stream grace) arrives within this.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let calls: Vec<String> = new
+            .calls()
+            .iter()
+            .map(|c| format!("{} {}", c.request.resource_name, c.request.endpoint))
+            .collect();
+        assert_eq!(
+            calls.len(),
+            2,
+            "gap {gap:?}: one Register per resource, got {calls:?}\n{}",
+            bed.log()
+        );
+        let mut nic = new.plugin(by_name(&after, NIC)).await.unwrap();
+        let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
+        assert_eq!(next_message(&mut stream).await.devices.len(), 3);
+        eprintln!("gap {gap:?}: registered {took:?} after the new kubelet.sock appeared");
+    });
+}
+
+#[test]
+fn kubelet_back_at_once_gets_one_registration_within_a_second() {
+    kubelet_back_after(Duration::ZERO);
+}
+
+#[test]
+fn kubelet_back_after_100ms_gets_one_registration_within_a_second() {
+    kubelet_back_after(Duration::from_millis(100));
+}
+
+#[test]
+fn kubelet_back_after_300ms_gets_one_registration_within_a_second() {
+    kubelet_back_after(Duration::from_millis(300));
+}
+
+#[test]
+fn kubelet_back_after_500ms_gets_one_registration_within_a_second() {
+    kubelet_back_after(Duration::from_millis(500));
+}
+
+#[test]
+fn kubelet_back_after_1s_gets_one_registration_within_a_second() {
+    kubelet_back_after(Duration::from_secs(1));
+}
+
+#[test]
+fn kubelet_back_after_2s_gets_one_registration_within_a_second() {
+    kubelet_back_after(Duration::from_secs(2));
+}
+
 #[test]
 fn a_broken_stream_leads_to_a_new_registration() {
     let bed = Bed::start();
