@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tonic::transport::Server;
 use vfio_sandbox::config::ResourceName;
 
+use crate::authority::AuthorityFix;
 use crate::devices::Snapshot;
 use crate::service::{options, PluginService, Streams};
 
@@ -347,7 +348,12 @@ fn start_server(
         streams,
     };
     let (tx, rx) = oneshot::channel::<()>();
-    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    // grpc-core clients send the socket path as :authority, which the HTTP/2 layer
+    // refuses; AuthorityFix turns it into localhost first.
+    let incoming = tokio_stream::StreamExt::map(
+        tokio_stream::wrappers::UnixListenerStream::new(listener),
+        |conn| conn.map(AuthorityFix::new),
+    );
     let name = resource.clone();
     tokio::spawn(async move {
         let result = Server::builder()

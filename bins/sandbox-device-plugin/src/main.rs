@@ -15,6 +15,7 @@ use vfio_sandbox::cli::{fail, parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_U
 use vfio_sandbox::config::ResourceName;
 
 mod allocate;
+mod authority;
 mod devices;
 mod kubelet;
 mod service;
