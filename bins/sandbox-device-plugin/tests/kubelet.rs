@@ -307,6 +307,47 @@ fn bad_ids_are_grpc_errors_naming_them() {
 }
 
 #[test]
+fn allocate_canonicalises_ids_and_keeps_errors_short() {
+    let bed = Bed::start();
+    scenario(async {
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
+        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let ask = |ids: Vec<String>| AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: ids }],
+        };
+        let got = nic
+            .allocate(ask(vec!["02:00.0".into(), "0000:01:00.1".into()]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            got.container_responses[0].envs["PCI_RESOURCE_EXAMPLE_COM_NIC_PT"],
+            "0000:02:00.0,0000:01:00.1",
+            "canonical BDFs"
+        );
+        let e = nic
+            .allocate(ask(vec!["01:00.0".into(), "0000:01:00.0".into()]))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(
+            e.message(),
+            "example.com/NIC_PT: device IDs requested twice: 0000:01:00.0"
+        );
+        // 100k unknown IDs (a 1.5 MB request): a short InvalidArgument, not a message
+        // so large that the client refuses it as RESOURCE_EXHAUSTED.
+        let many: Vec<String> = (0..100_000)
+            .map(|i| format!("0001:{:02x}:{:02x}.{}", i / 256 % 256, i % 32, i % 8))
+            .collect();
+        let e = nic.allocate(ask(many)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{}", e.message());
+        assert!(e.message().ends_with(", and 99990 more"), "{}", e.message());
+        assert!(e.message().len() < 400, "{} bytes", e.message().len());
+    });
+}
+
+#[test]
 fn preferred_allocation_packs_by_numa_then_bridge() {
     let bed = Bed::start();
     scenario(async {
