@@ -25,7 +25,9 @@ use crate::service::{options, PluginService, Streams};
 /// What a resource task is told to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Command {
-    /// Serve on a new socket and register again (kubelet restarted, or our socket was deleted).
+    /// Something changed in the directory (our socket deleted, `kubelet.sock`
+    /// created): the task checks what it means and, when needed, serves a new socket
+    /// and registers again.
     Restart,
     /// Stop serving and remove the socket.
     Stop,
@@ -409,6 +411,76 @@ async fn register_once(dir: &Path, endpoint: &str, resource: &ResourceName) -> a
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn served(dir: &Path, registered_with: Option<KubeletId>) -> Served {
+        let path = dir.join("ours.sock");
+        std::fs::write(&path, "").unwrap();
+        let (tx, ended) = mpsc::unbounded_channel();
+        Served {
+            name: "ours.sock".into(),
+            path,
+            streams: Arc::new(Streams::new(tx)),
+            ended,
+            registered_with,
+        }
+    }
+
+    fn new_kubelet(dir: &Path) -> Option<KubeletId> {
+        let _ = std::fs::remove_file(dir.join(KUBELET_SOCKET));
+        std::fs::write(dir.join(KUBELET_SOCKET), "").unwrap();
+        kubelet_id(dir)
+    }
+
+    #[test]
+    fn a_socket_registers_with_one_kubelet_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = new_kubelet(dir.path());
+        let s = served(dir.path(), first);
+        assert_eq!(s.assess(dir.path(), first), Verdict::Ignore, "same kubelet");
+        // Keep the inode busy so the new file cannot reuse it by chance either way.
+        let _old = std::fs::File::open(dir.path().join(KUBELET_SOCKET)).unwrap();
+        let second = new_kubelet(dir.path());
+        assert_ne!(first, second);
+        assert_eq!(
+            s.assess(dir.path(), first),
+            Verdict::FreshSocket,
+            "new kubelet"
+        );
+        std::fs::remove_file(dir.path().join(KUBELET_SOCKET)).unwrap();
+        assert_eq!(
+            s.assess(dir.path(), first),
+            Verdict::FreshSocket,
+            "kubelet gone"
+        );
+    }
+
+    #[test]
+    fn an_unregistered_socket_retries_a_new_kubelet_and_a_deleted_one_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = served(dir.path(), None);
+        assert_eq!(
+            s.assess(dir.path(), None),
+            Verdict::Ignore,
+            "still no kubelet"
+        );
+        let k = new_kubelet(dir.path());
+        assert_eq!(
+            s.assess(dir.path(), None),
+            Verdict::RetryNow,
+            "kubelet appeared"
+        );
+        assert_eq!(
+            s.assess(dir.path(), k),
+            Verdict::Ignore,
+            "the one we are trying"
+        );
+        std::fs::remove_file(&s.path).unwrap();
+        assert_eq!(
+            s.assess(dir.path(), k),
+            Verdict::FreshSocket,
+            "ours deleted"
+        );
+    }
 
     #[test]
     fn socket_names_are_unique_bare_and_short() {
