@@ -665,6 +665,50 @@ fn kubelet_back_after_2s_gets_one_registration_within_a_second() {
     kubelet_back_after(Duration::from_secs(2));
 }
 
+/// kubelet takes our Register and never answers; a new kubelet starts 300 ms later.
+/// The call in flight must not hold the plugin up: the new kubelet gets exactly one
+/// Register per resource within 1 s of its socket appearing.
+#[test]
+fn a_register_call_in_flight_gives_way_to_a_new_kubelet() {
+    let bed = Bed::start();
+    scenario(async {
+        let stuck = Kubelet::start_stuck(&bed.kubelet_dir()).await.unwrap();
+        let deadline = Instant::now() + STEP;
+        while stuck.calls().len() < 2 {
+            assert!(
+                Instant::now() < deadline,
+                "no Register reached the stuck kubelet\n{}",
+                bed.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        stuck.kill().await;
+        let new = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let after = match new
+            .registrations_for(&[NIC, NVME], Duration::from_secs(1))
+            .await
+        {
+            Ok(a) => a,
+            Err(e) => panic!("{e}; calls {:?}\n{}", new.calls(), bed.log()),
+        };
+        for a in &after {
+            assert!(bed.kubelet_dir().join(&a.request.endpoint).exists());
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(
+            new.calls().len(),
+            2,
+            "one Register per resource\n{}",
+            bed.log()
+        );
+        eprintln!(
+            "registered {:?} after the new kubelet.sock appeared",
+            after.iter().map(|a| a.at - new.started).collect::<Vec<_>>()
+        );
+    });
+}
+
 #[test]
 fn a_broken_stream_leads_to_a_new_registration() {
     let bed = Bed::start();

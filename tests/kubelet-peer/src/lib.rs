@@ -62,6 +62,8 @@ struct RegistrationService {
     /// Cleared when this kubelet is stopped or killed: a call still in its dial-back
     /// then fails instead of acting for a kubelet that is gone.
     alive: Arc<AtomicBool>,
+    /// Never answer Register (a kubelet stuck in the call).
+    hang: bool,
 }
 
 /// Dials the plugin like kubelet: retries a missing or refusing socket until `timeout`.
@@ -94,6 +96,9 @@ impl Registration for RegistrationService {
                 request: req.clone(),
                 at,
             });
+        }
+        if self.hang {
+            std::future::pending::<()>().await;
         }
         if req.version != deviceplugin::VERSION {
             return Err(Status::invalid_argument(format!(
@@ -181,15 +186,20 @@ pub struct Kubelet {
 impl Kubelet {
     /// Starts like kubelet (see the module docs), without opening ListAndWatch itself.
     pub async fn start(dir: &Path) -> anyhow::Result<Self> {
-        Self::start_inner(dir, false).await
+        Self::start_inner(dir, false, false).await
     }
 
     /// Starts like kubelet and opens ListAndWatch after each accepted registration.
     pub async fn start_watching(dir: &Path) -> anyhow::Result<Self> {
-        Self::start_inner(dir, true).await
+        Self::start_inner(dir, true, false).await
     }
 
-    async fn start_inner(dir: &Path, watch: bool) -> anyhow::Result<Self> {
+    /// Starts like kubelet but never answers a Register call (it records it).
+    pub async fn start_stuck(dir: &Path) -> anyhow::Result<Self> {
+        Self::start_inner(dir, false, true).await
+    }
+
+    async fn start_inner(dir: &Path, watch: bool, hang: bool) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir)?;
         Self::clean_directory(dir)?;
         let socket = dir.join(deviceplugin::KUBELET_SOCKET);
@@ -206,6 +216,7 @@ impl Kubelet {
             calls: calls.clone(),
             watch: watch.then(|| watching.clone()),
             alive: alive.clone(),
+            hang,
         };
         let server = tokio::spawn(async move {
             let _ = Server::builder()
