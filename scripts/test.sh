@@ -12,5 +12,11 @@ echo "==== cargo test"
 cargo test --workspace --locked
 echo "==== fault injection: fail and crash at every kernel write, module syscall and state save"
 cargo test -p vfio-sandbox --test faults --locked -- --nocapture
+echo "==== gRPC interop: a grpc-core client (Python grpcio from PyPI) against the device plugin"
+python3 -m venv .cache/grpc-venv
+.cache/grpc-venv/bin/pip install --quiet --disable-pip-version-check -r tests/grpc-interop/requirements.txt
+cargo build --locked -p sandbox-device-plugin -p kubelet-peer
+.cache/grpc-venv/bin/python tests/grpc-interop/grpc_core_client.py \
+    --plugin target/debug/sandbox-device-plugin --peer target/debug/kubelet-peer
 echo "==== real-kernel scenarios (QEMU), and the demo so it cannot rot"
 scripts/vm/run.sh tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh

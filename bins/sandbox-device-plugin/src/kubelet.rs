@@ -18,13 +18,16 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tonic::transport::Server;
 use vfio_sandbox::config::ResourceName;
 
+use crate::authority::AuthorityFix;
 use crate::devices::Snapshot;
 use crate::service::{options, PluginService, Streams};
 
 /// What a resource task is told to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Command {
-    /// Serve on a new socket and register again (kubelet restarted, or our socket was deleted).
+    /// Something changed in the directory (our socket deleted, `kubelet.sock`
+    /// created): the task checks what it means and, when needed, serves a new socket
+    /// and registers again.
     Restart,
     /// Stop serving and remove the socket.
     Stop,
@@ -78,31 +81,84 @@ pub fn socket_name(resource: &ResourceName, serial: u64) -> String {
     )
 }
 
-enum Flow {
-    /// Registered with the kubelet whose socket has this identity.
-    Registered(KubeletId),
-    Restart,
-    Stop,
+/// Which kubelet: the identity of its `kubelet.sock` (device, inode and change
+/// time; a new kubelet process creates a new socket file, and the change time keeps
+/// a reused inode number from passing for the old file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct KubeletId {
+    dev: u64,
+    ino: u64,
+    ctime: (i64, i64),
 }
 
-/// Which kubelet we registered with: the (device, inode) of its `kubelet.sock`. A new
-/// kubelet process creates a new socket file, so a different identity means a restart.
-type KubeletId = Option<(u64, u64)>;
-
-fn kubelet_id(dir: &Path) -> KubeletId {
+/// The kubelet serving in `dir` now, if any.
+fn kubelet_id(dir: &Path) -> Option<KubeletId> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(dir.join(KUBELET_SOCKET)).ok()?;
-    Some((m.dev(), m.ino()))
+    Some(KubeletId {
+        dev: m.dev(),
+        ino: m.ino(),
+        ctime: (m.ctime(), m.ctime_nsec()),
+    })
 }
 
-/// True when a restart request changes nothing: our socket is still there and the
-/// kubelet we registered with is still the one serving. (Deleting our socket and
-/// recreating kubelet.sock both signal a restart; acting on both would register twice.)
-fn still_registered(dir: &Path, socket: &Path, with: KubeletId) -> bool {
-    with.is_some() && socket.exists() && kubelet_id(dir) == with
+/// How one socket's life ends.
+enum End {
+    /// Told to stop.
+    Stop,
+    /// Serve on a fresh socket: ours was deleted, or a new kubelet is serving.
+    FreshSocket,
+}
+
+/// What a restart signal means for the socket being served.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Start over on a fresh socket.
+    FreshSocket,
+    /// Another kubelet is serving than the one an attempt went to: try it now.
+    RetryNow,
+    /// Nothing changed that concerns us.
+    Ignore,
+}
+
+/// One socket we serve: its server, its registration state and its streams.
+struct Served {
+    name: String,
+    path: PathBuf,
+    streams: Arc<Streams>,
+    ended: mpsc::UnboundedReceiver<u64>,
+    /// The kubelet this socket registered with. A socket registers with one kubelet
+    /// only: a new kubelet gets a fresh socket.
+    registered_with: Option<KubeletId>,
+}
+
+impl Served {
+    /// Judges a restart signal against what is on disk now. `attempt` is the kubelet
+    /// an unregistered socket last tried.
+    fn assess(&self, dir: &Path, attempt: Option<KubeletId>) -> Verdict {
+        let now = kubelet_id(dir);
+        if !self.path.exists() {
+            Verdict::FreshSocket
+        } else if let Some(with) = self.registered_with {
+            if now == Some(with) {
+                Verdict::Ignore
+            } else {
+                Verdict::FreshSocket
+            }
+        } else if now != attempt {
+            Verdict::RetryNow
+        } else {
+            Verdict::Ignore
+        }
+    }
 }
 
 /// Serves `resource` until told to stop; returns after removing its socket.
+///
+/// Every wait (a Register call, the backoff between attempts, the grace for a broken
+/// stream) is cut short by a command, so a kubelet restart is answered at once. A
+/// socket registers with at most one kubelet instance, and with it once (again only
+/// when that kubelet's ListAndWatch stream breaks while it keeps serving).
 pub async fn serve_resource(
     resource: ResourceName,
     settings: Settings,
@@ -113,7 +169,7 @@ pub async fn serve_resource(
         serial += 1;
         let name = socket_name(&resource, serial);
         let path = settings.dir.join(&name);
-        let (ended_tx, mut ended) = mpsc::unbounded_channel();
+        let (ended_tx, ended) = mpsc::unbounded_channel();
         let streams = Arc::new(Streams::new(ended_tx));
         let Some(stop_server) = start_server(&resource, &settings, &path, streams.clone()) else {
             // Could not bind (directory missing?): try again shortly.
@@ -127,35 +183,23 @@ pub async fn serve_resource(
             .lock()
             .map(|mut m| m.insert(name.clone(), resource.clone()))
             .ok();
-        let mut flow = register(&resource, &settings.dir, &name, &streams, &mut commands).await;
-        while let Flow::Registered(with) = flow {
-            flow = tokio::select! {
-                cmd = commands.recv() => match cmd {
-                    Some(Command::Restart) if still_registered(&settings.dir, &path, with) => {
-                        tracing::debug!(resource = %resource, "still registered with the same kubelet; nothing to restart");
-                        Flow::Registered(with)
-                    }
-                    Some(Command::Restart) => Flow::Restart,
-                    Some(Command::Stop) | None => Flow::Stop,
-                },
-                Some(generation) = ended.recv() => {
-                    if broken(&streams, generation).await {
-                        tracing::warn!(resource = %resource, "ListAndWatch stream broke; registering again");
-                        register(&resource, &settings.dir, &name, &streams, &mut commands).await
-                    } else {
-                        Flow::Registered(with)
-                    }
-                }
-            };
-        }
+        let mut served = Served {
+            name: name.clone(),
+            path: path.clone(),
+            streams,
+            ended,
+            registered_with: None,
+        };
+        let end = run(&resource, &settings.dir, &mut served, &mut commands).await;
         settings.sockets.lock().map(|mut m| m.remove(&name)).ok();
         let _ = stop_server.send(());
         let _ = std::fs::remove_file(&path);
-        if let Flow::Stop = flow {
+        if let End::Stop = end {
             tracing::info!(resource = %resource, socket = %path.display(), "stopped serving");
             return;
         }
-        // Coalesce a burst of restarts (kubelet deletes every socket, then creates kubelet.sock).
+        // Signals queued so far are answered by the fresh socket (kubelet deletes
+        // every socket, then creates kubelet.sock: two signals, one restart).
         while let Ok(cmd) = commands.try_recv() {
             if cmd == Command::Stop {
                 return;
@@ -165,15 +209,124 @@ pub async fn serve_resource(
     }
 }
 
-/// True when the stream that ended was the current registration's and no successor
-/// opened within the grace period.
-async fn broken(streams: &Streams, generation: u64) -> bool {
-    if generation != streams.generation.load(Ordering::SeqCst) {
-        return false; // ended because we registered again: expected
+/// Registers `served` and keeps it registered until it must give way.
+async fn run(
+    resource: &ResourceName,
+    dir: &Path,
+    served: &mut Served,
+    commands: &mut mpsc::UnboundedReceiver<Command>,
+) -> End {
+    let mut delay = BACKOFF.0;
+    loop {
+        let target = kubelet_id(dir);
+        if served.assess(dir, target) == Verdict::FreshSocket {
+            return End::FreshSocket;
+        }
+        served.streams.generation.fetch_add(1, Ordering::SeqCst);
+        let result = {
+            let attempt = register_once(dir, &served.name, resource);
+            tokio::pin!(attempt);
+            loop {
+                tokio::select! {
+                    r = &mut attempt => break Some(r),
+                    cmd = commands.recv() => match cmd {
+                        Some(Command::Restart) => match served.assess(dir, target) {
+                            Verdict::FreshSocket => return End::FreshSocket,
+                            Verdict::RetryNow => break None,
+                            Verdict::Ignore => {}
+                        },
+                        Some(Command::Stop) | None => return End::Stop,
+                    },
+                }
+            }
+        };
+        match result {
+            Some(Ok(())) => {
+                tracing::info!(resource = %resource, endpoint = %served.name, "registered with kubelet");
+                served.registered_with = target;
+                delay = BACKOFF.0;
+                match watch_registration(resource, dir, served, commands).await {
+                    Some(end) => return end,
+                    None => continue, // the stream broke, this kubelet still serves
+                }
+            }
+            Some(Err(e)) => {
+                tracing::warn!(resource = %resource, error = %e, retry_in = ?delay, "cannot register with kubelet");
+                match wait_or_command(commands, delay).await {
+                    None => delay = (delay * 2).min(BACKOFF.1),
+                    Some(Command::Restart) => {
+                        if served.assess(dir, target) == Verdict::FreshSocket {
+                            return End::FreshSocket;
+                        }
+                        // kubelet.sock appeared or came back: try now.
+                        delay = BACKOFF.0;
+                    }
+                    Some(Command::Stop) => return End::Stop,
+                }
+            }
+            None => {
+                tracing::info!(resource = %resource, "another kubelet is serving; registering with it");
+                delay = BACKOFF.0;
+            }
+        }
     }
-    tokio::time::sleep(STREAM_GRACE).await;
-    generation == streams.generation.load(Ordering::SeqCst)
-        && streams.active.load(Ordering::SeqCst) == 0
+}
+
+/// Waits while registered. Returns how the socket ends, or `None` when the
+/// registration's stream broke (no successor within the grace) while the same
+/// kubelet still serves: register again on this socket.
+async fn watch_registration(
+    resource: &ResourceName,
+    dir: &Path,
+    served: &mut Served,
+    commands: &mut mpsc::UnboundedReceiver<Command>,
+) -> Option<End> {
+    loop {
+        let generation = tokio::select! {
+            cmd = commands.recv() => match cmd {
+                Some(Command::Restart) => match served.assess(dir, served.registered_with) {
+                    Verdict::FreshSocket => return Some(End::FreshSocket),
+                    _ => {
+                        tracing::debug!(resource = %resource, "still registered with the same kubelet; nothing to restart");
+                        continue;
+                    }
+                },
+                Some(Command::Stop) | None => return Some(End::Stop),
+            },
+            Some(generation) = served.ended.recv() => generation,
+        };
+        if generation != served.streams.generation.load(Ordering::SeqCst) {
+            continue; // ended because we registered again: expected
+        }
+        // kubelet opens a new stream right after a Register; give a successor the
+        // grace period, unless a restart signal settles the matter first.
+        let grace = tokio::time::sleep(STREAM_GRACE);
+        tokio::pin!(grace);
+        loop {
+            tokio::select! {
+                _ = &mut grace => break,
+                cmd = commands.recv() => match cmd {
+                    Some(Command::Restart) => {
+                        if served.assess(dir, served.registered_with) == Verdict::FreshSocket {
+                            return Some(End::FreshSocket);
+                        }
+                    }
+                    Some(Command::Stop) | None => return Some(End::Stop),
+                },
+            }
+        }
+        let streams = &served.streams;
+        if generation == streams.generation.load(Ordering::SeqCst)
+            && streams.active.load(Ordering::SeqCst) == 0
+        {
+            if kubelet_id(dir) != served.registered_with {
+                tracing::warn!(resource = %resource, "ListAndWatch stream broke and kubelet is gone; waiting for it on a new socket");
+                return Some(End::FreshSocket);
+            }
+            tracing::warn!(resource = %resource, "ListAndWatch stream broke; registering again");
+            return None;
+        }
+    }
 }
 
 fn start_server(
@@ -197,7 +350,12 @@ fn start_server(
         streams,
     };
     let (tx, rx) = oneshot::channel::<()>();
-    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    // grpc-core clients send the socket path as :authority, which the HTTP/2 layer
+    // refuses; AuthorityFix turns it into localhost first.
+    let incoming = tokio_stream::StreamExt::map(
+        tokio_stream::wrappers::UnixListenerStream::new(listener),
+        |conn| conn.map(AuthorityFix::new),
+    );
     let name = resource.clone();
     tokio::spawn(async move {
         let result = Server::builder()
@@ -221,37 +379,6 @@ async fn wait_or_command(
     tokio::select! {
         _ = tokio::time::sleep(d) => None,
         cmd = commands.recv() => Some(cmd.unwrap_or(Command::Stop)),
-    }
-}
-
-/// Registers until kubelet accepts, backing off and logging once per step.
-async fn register(
-    resource: &ResourceName,
-    dir: &Path,
-    endpoint: &str,
-    streams: &Streams,
-    commands: &mut mpsc::UnboundedReceiver<Command>,
-) -> Flow {
-    let mut delay = BACKOFF.0;
-    loop {
-        streams.generation.fetch_add(1, Ordering::SeqCst);
-        let with = kubelet_id(dir);
-        match register_once(dir, endpoint, resource).await {
-            Ok(()) => {
-                tracing::info!(resource = %resource, endpoint, "registered with kubelet");
-                return Flow::Registered(with);
-            }
-            Err(e) => {
-                tracing::warn!(resource = %resource, error = %e, retry_in = ?delay, "cannot register with kubelet");
-            }
-        }
-        match wait_or_command(commands, delay).await {
-            None => delay = (delay * 2).min(BACKOFF.1),
-            // kubelet.sock appeared (or came back) while our socket is intact: try now.
-            Some(Command::Restart) if dir.join(endpoint).exists() => delay = BACKOFF.0,
-            Some(Command::Restart) => return Flow::Restart,
-            Some(Command::Stop) => return Flow::Stop,
-        }
     }
 }
 
@@ -284,6 +411,76 @@ async fn register_once(dir: &Path, endpoint: &str, resource: &ResourceName) -> a
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn served(dir: &Path, registered_with: Option<KubeletId>) -> Served {
+        let path = dir.join("ours.sock");
+        std::fs::write(&path, "").unwrap();
+        let (tx, ended) = mpsc::unbounded_channel();
+        Served {
+            name: "ours.sock".into(),
+            path,
+            streams: Arc::new(Streams::new(tx)),
+            ended,
+            registered_with,
+        }
+    }
+
+    fn new_kubelet(dir: &Path) -> Option<KubeletId> {
+        let _ = std::fs::remove_file(dir.join(KUBELET_SOCKET));
+        std::fs::write(dir.join(KUBELET_SOCKET), "").unwrap();
+        kubelet_id(dir)
+    }
+
+    #[test]
+    fn a_socket_registers_with_one_kubelet_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = new_kubelet(dir.path());
+        let s = served(dir.path(), first);
+        assert_eq!(s.assess(dir.path(), first), Verdict::Ignore, "same kubelet");
+        // Keep the inode busy so the new file cannot reuse it by chance either way.
+        let _old = std::fs::File::open(dir.path().join(KUBELET_SOCKET)).unwrap();
+        let second = new_kubelet(dir.path());
+        assert_ne!(first, second);
+        assert_eq!(
+            s.assess(dir.path(), first),
+            Verdict::FreshSocket,
+            "new kubelet"
+        );
+        std::fs::remove_file(dir.path().join(KUBELET_SOCKET)).unwrap();
+        assert_eq!(
+            s.assess(dir.path(), first),
+            Verdict::FreshSocket,
+            "kubelet gone"
+        );
+    }
+
+    #[test]
+    fn an_unregistered_socket_retries_a_new_kubelet_and_a_deleted_one_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = served(dir.path(), None);
+        assert_eq!(
+            s.assess(dir.path(), None),
+            Verdict::Ignore,
+            "still no kubelet"
+        );
+        let k = new_kubelet(dir.path());
+        assert_eq!(
+            s.assess(dir.path(), None),
+            Verdict::RetryNow,
+            "kubelet appeared"
+        );
+        assert_eq!(
+            s.assess(dir.path(), k),
+            Verdict::Ignore,
+            "the one we are trying"
+        );
+        std::fs::remove_file(&s.path).unwrap();
+        assert_eq!(
+            s.assess(dir.path(), k),
+            Verdict::FreshSocket,
+            "ours deleted"
+        );
+    }
 
     #[test]
     fn socket_names_are_unique_bare_and_short() {

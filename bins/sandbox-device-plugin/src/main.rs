@@ -15,6 +15,7 @@ use vfio_sandbox::cli::{fail, parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_U
 use vfio_sandbox::config::ResourceName;
 
 mod allocate;
+mod authority;
 mod devices;
 mod kubelet;
 mod service;
@@ -31,7 +32,8 @@ kubelet after it starts serving. Each VFIO-bound device is advertised with its B
 and its NUMA node; health follows the node within a second (kernel uevents, inotify on
 /dev/vfio, and a periodic resync). Allocate returns KubeVirt's PCI_RESOURCE_<NAME> env var
 and the /dev/vfio nodes. A kubelet restart is noticed and answered by serving on a new
-socket and registering again. SIGTERM stops serving and removes the sockets.
+socket and registering again. SIGTERM, SIGINT and SIGHUP stop serving and remove the
+sockets.
 
 Exit codes: 0 stopped by a signal, 1 the node could not be read, 2 bad usage or config.";
 
@@ -78,6 +80,9 @@ async fn run(cli: Cli, list: vfio_sandbox::config::ResourceList) -> anyhow::Resu
     let host = cli.common.host();
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
+    // A DaemonSet has no terminal to hang up; SIGHUP (whose default action kills
+    // us and leaves the sockets behind) is a clean stop like SIGTERM.
+    let mut sighup = signal(SignalKind::hangup())?;
     let mut tracker = devices::Tracker::default();
     let first = tracker.rescan(&host, &list)?;
     if first.is_empty() {
@@ -123,6 +128,7 @@ async fn run(cli: Cli, list: vfio_sandbox::config::ResourceList) -> anyhow::Resu
         tokio::select! {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
+            _ = sighup.recv() => break,
             changed = snapshot.changed() => if changed.is_err() { anyhow::bail!("the node watcher stopped") },
             Some(target) = restart.recv() => {
                 for (r, (tx, _)) in &tasks {

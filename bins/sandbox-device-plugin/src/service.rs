@@ -151,20 +151,32 @@ impl DevicePlugin for PluginService {
         request: Request<PreferredAllocationRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
         let snapshot = self.snapshot();
-        let devices = devices_of(&snapshot, &self.resource);
-        let container_responses = request
-            .into_inner()
-            .container_requests
-            .iter()
-            .map(|c| ContainerPreferredAllocationResponse {
-                device_i_ds: preferred(
-                    devices,
-                    &c.available_device_i_ds,
-                    &c.must_include_device_i_ds,
-                    usize::try_from(c.allocation_size).unwrap_or(0),
-                ),
-            })
-            .collect();
+        let resource = self.resource.clone();
+        let request = request.into_inner();
+        // A sort over every available device: off the runtime thread, so that no
+        // other call waits behind a large request.
+        let answer = tokio::task::spawn_blocking(move || {
+            let devices = devices_of(&snapshot, &resource);
+            request
+                .container_requests
+                .iter()
+                .map(|c| ContainerPreferredAllocationResponse {
+                    device_i_ds: preferred(
+                        devices,
+                        &c.available_device_i_ds,
+                        &c.must_include_device_i_ds,
+                        usize::try_from(c.allocation_size).unwrap_or(0),
+                    ),
+                })
+                .collect()
+        })
+        .await;
+        let container_responses = answer.map_err(|e| {
+            Status::internal(format!(
+                "{}: GetPreferredAllocation failed: {e}",
+                self.resource
+            ))
+        })?;
         Ok(Response::new(PreferredAllocationResponse {
             container_responses,
         }))

@@ -85,11 +85,13 @@ impl Bed {
     }
 
     fn terminate(&mut self) -> Option<i32> {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.plugin.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        )
-        .unwrap();
+        self.signal(nix::sys::signal::Signal::SIGTERM)
+    }
+
+    /// Sends `signal` and returns the exit code, failing after [`STEP`].
+    fn signal(&mut self, signal: nix::sys::signal::Signal) -> Option<i32> {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.plugin.id() as i32), signal)
+            .unwrap();
         let deadline = Instant::now() + STEP;
         while Instant::now() < deadline {
             if let Some(status) = self.plugin.try_wait().unwrap() {
@@ -98,7 +100,7 @@ impl Bed {
             std::thread::sleep(Duration::from_millis(20));
         }
         panic!(
-            "plugin did not exit within {STEP:?} of SIGTERM\n{}",
+            "plugin did not exit within {STEP:?} of {signal}\n{}",
             self.log()
         );
     }
@@ -305,6 +307,47 @@ fn bad_ids_are_grpc_errors_naming_them() {
 }
 
 #[test]
+fn allocate_canonicalises_ids_and_keeps_errors_short() {
+    let bed = Bed::start();
+    scenario(async {
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
+        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let ask = |ids: Vec<String>| AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: ids }],
+        };
+        let got = nic
+            .allocate(ask(vec!["02:00.0".into(), "0000:01:00.1".into()]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            got.container_responses[0].envs["PCI_RESOURCE_EXAMPLE_COM_NIC_PT"],
+            "0000:02:00.0,0000:01:00.1",
+            "canonical BDFs"
+        );
+        let e = nic
+            .allocate(ask(vec!["01:00.0".into(), "0000:01:00.0".into()]))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(
+            e.message(),
+            "example.com/NIC_PT: device IDs requested twice: 0000:01:00.0"
+        );
+        // 100k unknown IDs (a 1.5 MB request): a short InvalidArgument, not a message
+        // so large that the client refuses it as RESOURCE_EXHAUSTED.
+        let many: Vec<String> = (0..100_000)
+            .map(|i| format!("0001:{:02x}:{:02x}.{}", i / 256 % 256, i % 32, i % 8))
+            .collect();
+        let e = nic.allocate(ask(many)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{}", e.message());
+        assert!(e.message().ends_with(", and 99990 more"), "{}", e.message());
+        assert!(e.message().len() < 400, "{} bytes", e.message().len());
+    });
+}
+
+#[test]
 fn preferred_allocation_packs_by_numa_then_bridge() {
     let bed = Bed::start();
     scenario(async {
@@ -354,6 +397,110 @@ fn preferred_allocation_packs_by_numa_then_bridge() {
     });
 }
 
+/// A node with `n` NICs on vfio-pci (group 100+i, NUMA i%2, behind one of 8 bridges),
+/// the plugin started against it.
+fn big_bed(n: usize) -> Bed {
+    let dir = tempfile::tempdir().unwrap();
+    let node = FakeNode::new(dir.path());
+    node.add_driver("vfio-pci");
+    for b in 0..8 {
+        node.add_device(
+            &FakeDevice::new(
+                &format!("0000:00:{:02x}.0", b + 1),
+                0x8086,
+                0x2922,
+                0x06_0400,
+            )
+            .driver("pcieport"),
+        );
+    }
+    for i in 0..n {
+        let bdf = format!("0000:{:02x}:{:02x}.{}", 0x10 + i / 32, (i / 4) % 8, i % 4);
+        node.add_device(
+            &FakeDevice::new(&bdf, 0x8086, 0x10d3, 0x02_0000)
+                .driver("vfio-pci")
+                .group(100 + i as u32)
+                .numa((i % 2) as i32)
+                .parent(&format!("0000:00:{:02x}.0", i % 8 + 1)),
+        );
+    }
+    std::fs::write(dir.path().join("list.json"), LIST).unwrap();
+    std::fs::create_dir_all(dir.path().join("kubelet")).unwrap();
+    let plugin = spawn_plugin(dir.path());
+    Bed { dir, node, plugin }
+}
+
+/// GetPreferredAllocation over 1024 devices answers the contract, and an Allocate
+/// sent at the same moment on another connection is not held up behind it. The
+/// contract is 10 ms; the deadlines here are a generous 500 ms for a loaded machine
+/// and a debug build (the quadratic version took 0.7 s optimised).
+#[test]
+fn preferred_allocation_of_1024_devices_holds_up_no_other_call() {
+    let bed = big_bed(1024);
+    scenario(async {
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
+        let mut lw = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut stream = lw.list_and_watch(Empty {}).await.unwrap().into_inner();
+        let all: Vec<String> = next_message(&mut stream)
+            .await
+            .devices
+            .iter()
+            .map(|d| d.id.clone())
+            .collect();
+        assert_eq!(all.len(), 1024);
+        let mut a = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut b = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let ask = PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: all.clone(),
+                must_include_device_i_ds: vec![all[7].clone(), "0000:ff:00.0".into()],
+                allocation_size: 1024,
+            }],
+        };
+        let one = AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: vec![all[3].clone()],
+            }],
+        };
+        let (mut slowest_pref, mut slowest_alloc) = (Duration::ZERO, Duration::ZERO);
+        for _ in 0..5 {
+            let t = Instant::now();
+            let (pref, alloc) = tokio::join!(
+                async {
+                    let r = a.get_preferred_allocation(ask.clone()).await.unwrap();
+                    (r.into_inner(), t.elapsed())
+                },
+                async {
+                    let r = b.allocate(one.clone()).await.unwrap();
+                    (r.into_inner(), t.elapsed())
+                }
+            );
+            let ids = &pref.0.container_responses[0].device_i_ds;
+            assert_eq!(ids.len(), 1024);
+            assert_eq!(ids[0], all[7], "must_include first");
+            assert!(
+                !ids.iter().any(|i| i == "0000:ff:00.0"),
+                "only available IDs"
+            );
+            assert_eq!(alloc.0.container_responses.len(), 1);
+            slowest_pref = slowest_pref.max(pref.1);
+            slowest_alloc = slowest_alloc.max(alloc.1);
+        }
+        eprintln!(
+            "1024 devices: GetPreferredAllocation {slowest_pref:?}, concurrent Allocate {slowest_alloc:?} (slowest of 5)"
+        );
+        assert!(
+            slowest_alloc < Duration::from_millis(100),
+            "Allocate waited {slowest_alloc:?}"
+        );
+        assert!(
+            slowest_pref < Duration::from_millis(100),
+            "GetPreferredAllocation took {slowest_pref:?}"
+        );
+    });
+}
+
 #[test]
 fn health_follows_binding_within_a_second() {
     let bed = Bed::start();
@@ -396,7 +543,11 @@ fn kubelet_restart_gets_a_new_socket_and_registration_within_a_second() {
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         let before = kubelet.registrations_for(&[NIC, NVME], STEP).await.unwrap();
         kubelet.stop().await;
-        assert_eq!(Kubelet::wipe_plugin_sockets(&bed.kubelet_dir()).unwrap(), 2);
+        let ours = std::fs::read_dir(bed.kubelet_dir()).unwrap().count();
+        assert_eq!(
+            ours, 2,
+            "our two sockets, until kubelet cleans the directory"
+        );
         let t = Instant::now();
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         let after = kubelet
@@ -421,6 +572,140 @@ fn kubelet_restart_gets_a_new_socket_and_registration_within_a_second() {
             );
         }
         eprintln!("re-registered {took:?} after kubelet.sock came back");
+    });
+}
+
+/// Waits until the plugin's log shows `n` ListAndWatch streams opened in all.
+async fn streams_opened(bed: &Bed, n: usize) {
+    let deadline = Instant::now() + STEP;
+    while bed.log().matches("kubelet opened ListAndWatch").count() < n {
+        assert!(
+            Instant::now() < deadline,
+            "{n} streams never opened\n{}",
+            bed.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// kubelet is killed (its streams break, a stale kubelet.sock stays) and a new
+/// kubelet starts `gap` later (deleting our sockets, then creating kubelet.sock).
+/// The new instance must receive exactly one Register per resource, within 1 s of
+/// its socket appearing, naming a socket that exists and is served.
+fn kubelet_back_after(gap: Duration) {
+    let bed = Bed::start();
+    scenario(async {
+        let old = Kubelet::start_watching(&bed.kubelet_dir()).await.unwrap();
+        let before = old.registrations_for(&[NIC, NVME], STEP).await.unwrap();
+        streams_opened(&bed, 2).await;
+        old.kill().await;
+        tokio::time::sleep(gap).await;
+        let new = Kubelet::start_watching(&bed.kubelet_dir()).await.unwrap();
+        let after = match new
+            .registrations_for(&[NIC, NVME], Duration::from_secs(1))
+            .await
+        {
+            Ok(a) => a,
+            Err(e) => panic!("gap {gap:?}: {e}; calls {:?}\n{}", new.calls(), bed.log()),
+        };
+        let mut took = Vec::new();
+        for (b, a) in before.iter().zip(&after) {
+            took.push(a.at - new.started);
+            assert_ne!(b.request.endpoint, a.request.endpoint, "a fresh socket");
+            assert!(bed.kubelet_dir().join(&a.request.endpoint).exists());
+        }
+        // Whatever else the plugin would send (a late Register on an old socket, a
+        // second one after the stream grace) arrives within this.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let calls: Vec<String> = new
+            .calls()
+            .iter()
+            .map(|c| format!("{} {}", c.request.resource_name, c.request.endpoint))
+            .collect();
+        assert_eq!(
+            calls.len(),
+            2,
+            "gap {gap:?}: one Register per resource, got {calls:?}\n{}",
+            bed.log()
+        );
+        let mut nic = new.plugin(by_name(&after, NIC)).await.unwrap();
+        let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
+        assert_eq!(next_message(&mut stream).await.devices.len(), 3);
+        eprintln!("gap {gap:?}: registered {took:?} after the new kubelet.sock appeared");
+    });
+}
+
+#[test]
+fn kubelet_back_at_once_gets_one_registration_within_a_second() {
+    kubelet_back_after(Duration::ZERO);
+}
+
+#[test]
+fn kubelet_back_after_100ms_gets_one_registration_within_a_second() {
+    kubelet_back_after(Duration::from_millis(100));
+}
+
+#[test]
+fn kubelet_back_after_300ms_gets_one_registration_within_a_second() {
+    kubelet_back_after(Duration::from_millis(300));
+}
+
+#[test]
+fn kubelet_back_after_500ms_gets_one_registration_within_a_second() {
+    kubelet_back_after(Duration::from_millis(500));
+}
+
+#[test]
+fn kubelet_back_after_1s_gets_one_registration_within_a_second() {
+    kubelet_back_after(Duration::from_secs(1));
+}
+
+#[test]
+fn kubelet_back_after_2s_gets_one_registration_within_a_second() {
+    kubelet_back_after(Duration::from_secs(2));
+}
+
+/// kubelet takes our Register and never answers; a new kubelet starts 300 ms later.
+/// The call in flight must not hold the plugin up: the new kubelet gets exactly one
+/// Register per resource within 1 s of its socket appearing.
+#[test]
+fn a_register_call_in_flight_gives_way_to_a_new_kubelet() {
+    let bed = Bed::start();
+    scenario(async {
+        let stuck = Kubelet::start_stuck(&bed.kubelet_dir()).await.unwrap();
+        let deadline = Instant::now() + STEP;
+        while stuck.calls().len() < 2 {
+            assert!(
+                Instant::now() < deadline,
+                "no Register reached the stuck kubelet\n{}",
+                bed.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        stuck.kill().await;
+        let new = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let after = match new
+            .registrations_for(&[NIC, NVME], Duration::from_secs(1))
+            .await
+        {
+            Ok(a) => a,
+            Err(e) => panic!("{e}; calls {:?}\n{}", new.calls(), bed.log()),
+        };
+        for a in &after {
+            assert!(bed.kubelet_dir().join(&a.request.endpoint).exists());
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(
+            new.calls().len(),
+            2,
+            "one Register per resource\n{}",
+            bed.log()
+        );
+        eprintln!(
+            "registered {:?} after the new kubelet.sock appeared",
+            after.iter().map(|a| a.at - new.started).collect::<Vec<_>>()
+        );
     });
 }
 
@@ -474,17 +759,27 @@ fn waits_for_an_absent_kubelet_without_a_hot_loop() {
     assert_eq!(bed.terminate(), Some(0));
 }
 
-#[test]
-fn sigterm_stops_serving_and_removes_the_sockets() {
+/// A stop signal ends the plugin with exit code 0 and removes every socket of ours.
+fn stops_cleanly_on(signal: nix::sys::signal::Signal) {
     let mut bed = Bed::start();
     scenario(async {
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         kubelet.registrations_for(&[NIC, NVME], STEP).await.unwrap();
     });
-    assert_eq!(bed.terminate(), Some(0), "{}", bed.log());
+    assert_eq!(bed.signal(signal), Some(0), "{}", bed.log());
     let left: Vec<_> = std::fs::read_dir(bed.kubelet_dir())
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
     assert_eq!(left, ["kubelet.sock"], "only kubelet's own socket remains");
+}
+
+#[test]
+fn sigterm_stops_serving_and_removes_the_sockets() {
+    stops_cleanly_on(nix::sys::signal::Signal::SIGTERM);
+}
+
+#[test]
+fn sighup_stops_serving_and_removes_the_sockets_like_sigterm() {
+    stops_cleanly_on(nix::sys::signal::Signal::SIGHUP);
 }

@@ -1,20 +1,37 @@
 //! A kubelet-like peer for device-plugin tests.
 //!
-//! It plays kubelet's side of the device-plugin protocol over real Unix sockets:
-//! it serves `Registration` on `<dir>/kubelet.sock`, and during each `Register` it
-//! dials the plugin's socket back and asks for its options, as kubelet 1.25+ does,
-//! refusing the registration when that fails. Tests then use [`Kubelet::plugin`] to
-//! call `ListAndWatch`, `Allocate` and `GetPreferredAllocation` as kubelet would.
+//! It plays kubelet's side of the device-plugin protocol over real Unix sockets, as
+//! kubelet 1.25+ does:
+//! - on start it deletes every file of the device-plugins directory except
+//!   directories and its checkpoint (stale plugin sockets and an old `kubelet.sock`),
+//!   then serves `Registration` on a new `<dir>/kubelet.sock`;
+//! - during each `Register` it dials the plugin's socket back, retrying for up to
+//!   10 s while the socket is missing (grpc-go's blocking dial), asks for the
+//!   plugin's options, and refuses the registration when that fails;
+//! - optionally ([`Kubelet::start_watching`]) it opens `ListAndWatch` right after
+//!   accepting a registration and keeps the stream until it stops.
+//!
+//! Every `Register` call is recorded, accepted or not ([`Kubelet::calls`]). Tests
+//! use [`Kubelet::plugin`] to call `ListAndWatch`, `Allocate` and
+//! `GetPreferredAllocation` as kubelet would.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
 use deviceplugin::v1beta1::registration_server::{Registration, RegistrationServer};
 use deviceplugin::v1beta1::{Empty, RegisterRequest};
 use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio_stream::StreamExt;
 use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status};
+
+/// kubelet's own file in the directory, which its cleanup keeps.
+pub const CHECKPOINT: &str = "kubelet_internal_checkpoint";
+/// How long kubelet's dial-back keeps trying a plugin socket that is not there.
+pub const DIAL_BACK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A registration kubelet accepted, with the options it read back from the plugin.
 #[derive(Debug, Clone)]
@@ -23,17 +40,66 @@ pub struct Registered {
     pub request: RegisterRequest,
     /// What `GetDevicePluginOptions` answered on the dial-back.
     pub options: deviceplugin::v1beta1::DevicePluginOptions,
+    /// When the `Register` call arrived.
+    pub at: Instant,
+}
+
+/// One `Register` call as it arrived, whatever became of it.
+#[derive(Debug, Clone)]
+pub struct Call {
+    /// The request as sent.
+    pub request: RegisterRequest,
+    /// When it arrived.
+    pub at: Instant,
 }
 
 struct RegistrationService {
     dir: PathBuf,
     tx: mpsc::UnboundedSender<Registered>,
+    calls: Arc<std::sync::Mutex<Vec<Call>>>,
+    /// Open ListAndWatch after each accepted registration, as kubelet does.
+    watch: Option<Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>>,
+    /// Cleared when this kubelet is stopped or killed: a call still in its dial-back
+    /// then fails instead of acting for a kubelet that is gone.
+    alive: Arc<AtomicBool>,
+    /// Never answer Register (a kubelet stuck in the call).
+    hang: bool,
+}
+
+/// Dials the plugin like kubelet: retries a missing or refusing socket until `timeout`.
+async fn dial_back(path: &Path, timeout: Duration) -> anyhow::Result<DevicePluginClient<Channel>> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        match connect(path).await {
+            Ok(c) => return Ok(c),
+            Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// Keeps a ListAndWatch stream open and read until the plugin ends it.
+async fn keep_watching(mut client: DevicePluginClient<Channel>) {
+    if let Ok(r) = client.list_and_watch(Empty {}).await {
+        let mut stream = r.into_inner();
+        while let Some(Ok(_)) = stream.next().await {}
+    }
 }
 
 #[tonic::async_trait]
 impl Registration for RegistrationService {
     async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
         let req = request.into_inner();
+        let at = Instant::now();
+        if let Ok(mut calls) = self.calls.lock() {
+            calls.push(Call {
+                request: req.clone(),
+                at,
+            });
+        }
+        if self.hang {
+            std::future::pending::<()>().await;
+        }
         if req.version != deviceplugin::VERSION {
             return Err(Status::invalid_argument(format!(
                 "unsupported version {:?}",
@@ -48,7 +114,7 @@ impl Registration for RegistrationService {
         }
         // kubelet dials the plugin during Register: a plugin must already be serving.
         let path = self.dir.join(&req.endpoint);
-        let mut client = connect(&path).await.map_err(|e| {
+        let mut client = dial_back(&path, DIAL_BACK_TIMEOUT).await.map_err(|e| {
             Status::failed_precondition(format!("cannot dial {}: {e}", path.display()))
         })?;
         let options = client
@@ -61,9 +127,19 @@ impl Registration for RegistrationService {
                 ))
             })?
             .into_inner();
+        if !self.alive.load(Ordering::SeqCst) {
+            return Err(Status::unavailable("kubelet stopped"));
+        }
+        if let Some(tasks) = &self.watch {
+            let task = tokio::spawn(keep_watching(client));
+            if let Ok(mut t) = tasks.lock() {
+                t.push(task);
+            }
+        }
         let _ = self.tx.send(Registered {
             request: req,
             options,
+            at,
         });
         Ok(Response::new(Empty {}))
     }
@@ -98,22 +174,49 @@ pub async fn connect(path: &Path) -> anyhow::Result<DevicePluginClient<Channel>>
 pub struct Kubelet {
     dir: PathBuf,
     registrations: Mutex<mpsc::UnboundedReceiver<Registered>>,
+    calls: Arc<std::sync::Mutex<Vec<Call>>>,
+    watching: Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+    alive: Arc<AtomicBool>,
     stop: Option<oneshot::Sender<()>>,
     server: Option<tokio::task::JoinHandle<()>>,
+    /// When kubelet.sock appeared.
+    pub started: Instant,
 }
 
 impl Kubelet {
-    /// Serves Registration on `<dir>/kubelet.sock` (creating `dir`).
+    /// Starts like kubelet (see the module docs), without opening ListAndWatch itself.
     pub async fn start(dir: &Path) -> anyhow::Result<Self> {
+        Self::start_inner(dir, false, false).await
+    }
+
+    /// Starts like kubelet and opens ListAndWatch after each accepted registration.
+    pub async fn start_watching(dir: &Path) -> anyhow::Result<Self> {
+        Self::start_inner(dir, true, false).await
+    }
+
+    /// Starts like kubelet but never answers a Register call (it records it).
+    pub async fn start_stuck(dir: &Path) -> anyhow::Result<Self> {
+        Self::start_inner(dir, false, true).await
+    }
+
+    async fn start_inner(dir: &Path, watch: bool, hang: bool) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir)?;
+        Self::clean_directory(dir)?;
         let socket = dir.join(deviceplugin::KUBELET_SOCKET);
-        let _ = std::fs::remove_file(&socket);
         let listener = tokio::net::UnixListener::bind(&socket)?;
+        let started = Instant::now();
         let (tx, rx) = mpsc::unbounded_channel();
         let (stop, stopped) = oneshot::channel::<()>();
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let watching = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let alive = Arc::new(AtomicBool::new(true));
         let service = RegistrationService {
             dir: dir.to_owned(),
             tx,
+            calls: calls.clone(),
+            watch: watch.then(|| watching.clone()),
+            alive: alive.clone(),
+            hang,
         };
         let server = tokio::spawn(async move {
             let _ = Server::builder()
@@ -129,9 +232,37 @@ impl Kubelet {
         Ok(Self {
             dir: dir.to_owned(),
             registrations: Mutex::new(rx),
+            calls,
+            watching,
+            alive,
             stop: Some(stop),
             server: Some(server),
+            started,
         })
+    }
+
+    /// What kubelet's device manager does to its directory on start: delete every
+    /// file but directories and its checkpoint (so stale plugin sockets and an old
+    /// kubelet.sock go). Returns how many it deleted.
+    pub fn clean_directory(dir: &Path) -> std::io::Result<usize> {
+        let mut n = 0;
+        for e in std::fs::read_dir(dir)? {
+            let e = e?;
+            if e.file_name() == CHECKPOINT || e.file_type()?.is_dir() {
+                continue;
+            }
+            match std::fs::remove_file(e.path()) {
+                Ok(()) => n += 1,
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                Err(err) => return Err(err),
+            }
+        }
+        Ok(n)
+    }
+
+    /// Every `Register` call received so far, accepted or not.
+    pub fn calls(&self) -> Vec<Call> {
+        self.calls.lock().map(|c| c.clone()).unwrap_or_default()
     }
 
     /// The device-plugins directory.
@@ -178,27 +309,26 @@ impl Kubelet {
         connect(&self.dir.join(&registered.request.endpoint)).await
     }
 
-    /// Stops serving and removes kubelet.sock, as a kubelet going down does.
-    pub async fn stop(mut self) {
+    /// Stops serving and removes kubelet.sock, as a kubelet shutting down cleanly does.
+    pub async fn stop(self) {
+        let dir = self.dir.clone();
+        self.kill().await;
+        let _ = std::fs::remove_file(dir.join(deviceplugin::KUBELET_SOCKET));
+    }
+
+    /// Goes away like a killed kubelet: every connection drops (its ListAndWatch
+    /// streams end), and a stale kubelet.sock stays behind.
+    pub async fn kill(mut self) {
+        self.alive.store(false, Ordering::SeqCst);
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
+        if let Ok(mut tasks) = self.watching.lock() {
+            tasks.drain(..).for_each(|t| t.abort());
+        }
         if let Some(h) = self.server.take() {
+            h.abort();
             let _ = h.await;
         }
-        let _ = std::fs::remove_file(self.dir.join(deviceplugin::KUBELET_SOCKET));
-    }
-
-    /// What a restarting kubelet does to the directory: every socket but its own is deleted.
-    pub fn wipe_plugin_sockets(dir: &Path) -> std::io::Result<usize> {
-        let mut n = 0;
-        for e in std::fs::read_dir(dir)? {
-            let e = e?;
-            if e.file_name() != deviceplugin::KUBELET_SOCKET {
-                std::fs::remove_file(e.path())?;
-                n += 1;
-            }
-        }
-        Ok(n)
     }
 }

@@ -1,6 +1,8 @@
 //! Measures sandbox-device-plugin against the kubelet-like peer on a fake node with N
 //! selected devices, and prints numbers (no pass/fail): start to first ListAndWatch
-//! message, Allocate latency, idle RSS and CPU, and unbind-to-Unhealthy latency.
+//! message, Allocate latency, GetPreferredAllocation over all devices (and how long
+//! an Allocate sent at the same moment on another connection takes), idle RSS and
+//! CPU, and unbind-to-Unhealthy latency.
 //!
 //! `plugin-bench --plugin target/release/sandbox-device-plugin --devices 64`
 
@@ -9,7 +11,10 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
+use deviceplugin::v1beta1::{
+    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
+    PreferredAllocationRequest,
+};
 use kubelet_peer::Kubelet;
 use tokio_stream::StreamExt;
 use vfio_sandbox::fake::{FakeDevice, FakeNode};
@@ -150,6 +155,38 @@ async fn main() -> anyhow::Result<()> {
     }
     lat.sort();
 
+    // GetPreferredAllocation over every device, alone and with an Allocate racing it.
+    let all: Vec<String> = first.devices.iter().map(|d| d.id.clone()).collect();
+    let ask = PreferredAllocationRequest {
+        container_requests: vec![ContainerPreferredAllocationRequest {
+            available_device_i_ds: all.clone(),
+            must_include_device_i_ds: all.iter().rev().take(1).cloned().collect(),
+            allocation_size: i32::try_from(all.len())?,
+        }],
+    };
+    let one = AllocateRequest {
+        container_requests: vec![ContainerAllocateRequest {
+            devices_ids: vec![all[0].clone()],
+        }],
+    };
+    let mut other = kubelet.plugin(&reg).await?;
+    let (mut pref, mut raced) = (Vec::new(), Vec::new());
+    for _ in 0..20 {
+        let t = Instant::now();
+        client.get_preferred_allocation(ask.clone()).await?;
+        pref.push(t.elapsed());
+        let t = Instant::now();
+        let (p, a) = tokio::join!(client.get_preferred_allocation(ask.clone()), async {
+            let r = other.allocate(one.clone()).await;
+            (r, t.elapsed())
+        });
+        p?;
+        a.0?;
+        raced.push(a.1);
+    }
+    pref.sort();
+    raced.sort();
+
     let pid = child.0.id();
     tokio::time::sleep(Duration::from_secs(2)).await; // let start-up work settle
     let (c0, w0) = (cpu_ticks(pid), Instant::now());
@@ -186,11 +223,13 @@ async fn main() -> anyhow::Result<()> {
     drop(child);
 
     println!(
-        "devices={:<5} start_to_first_ms={:<7.1} alloc_median_us={:<6} alloc_p99_us={:<6} rss_mib={:<5.1} idle_cpu_pct={:<6.3} health_median_ms={:<6.1} health_max_ms={:.1}",
+        "devices={:<5} start_to_first_ms={:<7.1} alloc_median_us={:<6} alloc_p99_us={:<6} pref_all_median_us={:<6} alloc_racing_pref_max_us={:<6} rss_mib={:<5.1} idle_cpu_pct={:<6.3} health_median_ms={:<6.1} health_max_ms={:.1}",
         args.devices,
         to_first.as_secs_f64() * 1e3,
         pct(&lat, 0.5).as_micros(),
         pct(&lat, 0.99).as_micros(),
+        pct(&pref, 0.5).as_micros(),
+        raced.last().map(|d| d.as_micros()).unwrap_or(0),
         rss as f64 / 1024.0,
         idle_cpu,
         pct(&health, 0.5).as_secs_f64() * 1e3,
