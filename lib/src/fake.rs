@@ -26,6 +26,18 @@ use crate::io::{Action, IoError};
 use crate::kernel::{Kernel, SyscallError, Write};
 use crate::{Host, PciAddress};
 
+/// Where to build fake trees: `/dev/shm` when it is a directory (tmpfs), else the
+/// system temporary directory. A fake node is thousands of small files and links;
+/// on ext4 creating them dominates a test's time.
+pub fn scratch_root() -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        shm.to_owned()
+    } else {
+        std::env::temp_dir()
+    }
+}
+
 /// A device to create in the fake tree.
 #[derive(Debug, Clone)]
 pub struct FakeDevice {
@@ -168,9 +180,13 @@ impl FakeNode {
         }
         if let Some(drv) = &d.driver {
             self.add_driver(drv);
-            self.attach(&d.address, drv);
+            symlink(self.host.driver_dir(drv), dir.join("driver")).unwrap();
+            // A new vfio-bound member creates its group's node; nothing else changes
+            // (a full sync per device would make big nodes quadratic to build).
+            if let (true, Some(g)) = (is_vfio_driver(drv), d.group) {
+                fs::write(self.host.vfio_group_node(g), "").unwrap();
+            }
         }
-        self.sync_group_nodes();
     }
 
     /// Removes a device (hot-unplug).

@@ -62,14 +62,7 @@ fn nic(addr: &str, group: u32) -> FakeDevice {
 }
 
 fn node(unload: bool) -> Node {
-    // Hundreds of small trees: on tmpfs when there is one (ext4 inode creation is slow).
-    let shm = Path::new("/dev/shm");
-    let dir = if shm.is_dir() {
-        tempfile::tempdir_in(shm)
-    } else {
-        tempfile::tempdir()
-    }
-    .unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     let node = FakeNode::new(dir.path());
     node.add_device(
         &FakeDevice::new("0000:00:1c.0", 0x8086, 0x2922, 0x06_0400)

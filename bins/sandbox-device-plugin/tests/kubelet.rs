@@ -36,7 +36,7 @@ impl Bed {
     /// (group 6, NUMA 1), an nvme (group 7, no NUMA), all on vfio-pci; the plugin
     /// started against it.
     fn start() -> Self {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
         let node = FakeNode::new(dir.path());
         node.add_driver("vfio-pci");
         node.add_driver("e1000e");
@@ -400,7 +400,7 @@ fn preferred_allocation_packs_by_numa_then_bridge() {
 /// A node with `n` NICs on vfio-pci (group 100+i, NUMA i%2, behind one of 8 bridges),
 /// the plugin started against it.
 fn big_bed(n: usize) -> Bed {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     let node = FakeNode::new(dir.path());
     node.add_driver("vfio-pci");
     for b in 0..8 {
