@@ -161,3 +161,71 @@ fn wait_gives_up_at_the_timeout() {
         text(&out)
     );
 }
+
+/// Durations no flag may accept, with the word the refusal must contain.
+const HOSTILE_DURATIONS: &[(&str, &str)] = &[
+    ("0", "at least 1ms"),
+    ("0ms", "at least 1ms"),
+    ("18446744073709551615s", "at most 8760h"),
+    ("-1s", "not a duration"),
+    ("1e9h", "unknown unit"),
+    ("", "not a duration"),
+    ("soon", "not a duration"),
+];
+
+#[test]
+fn hostile_intervals_exit_2_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    for (value, why) in HOSTILE_DURATIONS {
+        let out = cmd(dir.path(), &["--wait", &format!("--interval={value}")])
+            .output()
+            .unwrap();
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(2), "--interval={value}: {t}");
+        assert!(t.contains("--interval") && t.contains(why), "{value}: {t}");
+        // The env twin goes through the same parser.
+        let out = cmd(dir.path(), &["--wait"])
+            .env("VFIO_SANDBOX_VALIDATOR_INTERVAL", value)
+            .output()
+            .unwrap();
+        if !value.is_empty() {
+            assert_eq!(out.status.code(), Some(2), "env {value}: {}", text(&out));
+        }
+    }
+}
+
+#[test]
+fn hostile_timeouts_exit_2_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    for (value, why) in HOSTILE_DURATIONS
+        .iter()
+        .filter(|(v, _)| !v.starts_with('0'))
+    {
+        let out = cmd(dir.path(), &["--wait", &format!("--timeout={value}")])
+            .output()
+            .unwrap();
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(2), "--timeout={value}: {t}");
+        assert!(t.contains("--timeout") && t.contains(why), "{value}: {t}");
+    }
+}
+
+#[test]
+fn wait_with_timeout_zero_checks_once() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    let t = Instant::now();
+    let out = cmd(
+        dir.path(),
+        &["--wait", "--timeout", "0", "--interval", "1h"],
+    )
+    .output()
+    .unwrap();
+    let s = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{s}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{s}");
+    assert_eq!(s.matches("devices-bound   FAIL").count(), 1, "{s}");
+    assert!(s.contains("still failing after 0ns"), "{s}");
+}

@@ -262,3 +262,34 @@ fn help_explains_the_interface() {
         assert!(t.contains(word), "run --help lacks {word}: {t}");
     }
 }
+
+#[test]
+fn hostile_resync_intervals_exit_2_before_touching_anything() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    let before = snapshot(dir.path());
+    let ready = dir.path().join("run/ready");
+    for (value, why) in [
+        ("0", "at least 1ms"),
+        ("0ms", "at least 1ms"),
+        ("18446744073709551615s", "at most 8760h"),
+        ("-1s", "not a duration"),
+        ("1e9h", "unknown unit"),
+        ("", "not a duration"),
+        ("soon", "not a duration"),
+    ] {
+        let out = run(
+            dir.path(),
+            &[
+                "run",
+                "--ready-file",
+                &ready.to_string_lossy(),
+                &format!("--resync-interval={value}"),
+            ],
+        );
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(2), "--resync-interval={value}: {t}");
+        assert!(t.contains("--resync-interval") && t.contains(why), "{t}");
+        assert_eq!(before, snapshot(dir.path()), "{value} touched the node");
+    }
+}
