@@ -229,3 +229,29 @@ fn wait_with_timeout_zero_checks_once() {
     assert_eq!(s.matches("devices-bound   FAIL").count(), 1, "{s}");
     assert!(s.contains("still failing after 0ns"), "{s}");
 }
+
+#[test]
+fn config_that_is_a_fifo_exits_2_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    let list = dir.path().join("list.json");
+    std::fs::remove_file(&list).unwrap();
+    nix::unistd::mkfifo(&list, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let mut child = cmd(dir.path(), &[])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("the validator blocked on a FIFO config");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{t}");
+    assert!(t.contains("is a FIFO, not a regular file"), "{t}");
+}

@@ -293,3 +293,88 @@ fn hostile_resync_intervals_exit_2_before_touching_anything() {
         assert_eq!(before, snapshot(dir.path()), "{value} touched the node");
     }
 }
+
+/// Runs `vfio-manager` with `config` as `--config`, killing it if it is still running
+/// after ten seconds (a config read that blocks must fail the test, not hang it).
+fn run_with_config(dir: &Path, config: &Path, args: &[&str]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vfio-manager"))
+        .args(["--sysfs-root", &dir.join("sys").to_string_lossy()])
+        .args(["--dev-root", &dir.join("dev").to_string_lossy()])
+        .args(["--modules-root", &dir.join("lib/modules").to_string_lossy()])
+        .args([
+            "--state-file",
+            &dir.join("run/state.json").to_string_lossy(),
+        ])
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .env_remove("VFIO_SANDBOX_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("vfio-manager {args:?} with --config {config:?} did not finish");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn config_that_is_not_a_regular_file_or_too_big_exits_2() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    // Outside the tree `snapshot` reads (reading a FIFO would block the test).
+    let other = tempfile::tempdir().unwrap();
+    let fifo = other.path().join("fifo.json");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let big = dir.path().join("big.json");
+    std::fs::write(&big, " ".repeat(1024 * 1024 + 1)).unwrap();
+    let before = snapshot(dir.path());
+    for (config, why) in [
+        (fifo.as_path(), "is a FIFO, not a regular file"),
+        (
+            Path::new("/dev/zero"),
+            "is a character device, not a regular file",
+        ),
+        (dir.path(), "is a directory, not a regular file"),
+        (big.as_path(), "is larger than the limit of 1048576 bytes"),
+    ] {
+        for args in [&["status"][..], &["bind", "--all"]] {
+            let out = run_with_config(dir.path(), config, args);
+            let t = text(&out);
+            assert_eq!(out.status.code(), Some(2), "{config:?} {args:?}: {t}");
+            assert!(
+                t.contains(&format!("resource list {} {why}", config.display())),
+                "{t}"
+            );
+        }
+    }
+    assert_eq!(before, snapshot(dir.path()));
+}
+
+#[test]
+fn config_naming_a_host_driver_exits_2_listing_what_is_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    std::fs::write(
+        dir.path().join("list.json"),
+        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"],"driver":"ahci"}]}"#,
+    )
+    .unwrap();
+    let before = snapshot(dir.path());
+    let out = run(dir.path(), &["bind", "--all"]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{t}");
+    assert!(
+        t.contains("resources[0] (example.com/NIC_PT): driver: \"ahci\" is not a vfio driver")
+            && t.contains("allowed: vfio-pci or a vfio-pci variant driver named <name>_vfio_pci")
+            && t.contains("mlx5_vfio_pci"),
+        "{t}"
+    );
+    assert_eq!(before, snapshot(dir.path()));
+}
