@@ -201,4 +201,30 @@ mod tests {
         let longest = parse_duration("8760h").unwrap();
         assert!(std::time::Instant::now().checked_add(longest).is_some());
     }
+
+    mod hostile {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn any_text_is_a_bounded_duration_or_an_error(text in any::<String>()) {
+                if let Ok(d) = parse_duration_or_zero(&text) {
+                    prop_assert!(d <= MAX_DURATION);
+                    prop_assert!(std::time::Instant::now().checked_add(d).is_some());
+                }
+                if let Ok(d) = parse_duration(&text) {
+                    prop_assert!(d >= MIN_PERIOD);
+                }
+            }
+
+            #[test]
+            fn numbers_with_units_are_bounded(n in "[0-9]{0,25}(\\.[0-9]{0,12})?", unit in "(|s|ms|m|h)") {
+                let text = format!("{n}{unit}");
+                if let Ok(d) = parse_duration_or_zero(&text) {
+                    prop_assert!(d <= MAX_DURATION, "{}", text);
+                }
+            }
+        }
+    }
 }

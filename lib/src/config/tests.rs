@@ -826,3 +826,31 @@ fn load_caps_the_file_size() {
 fn parse_errors_carry_no_file() {
     assert_eq!(ResourceList::parse("{}").unwrap_err().file(), None);
 }
+
+mod hostile {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn any_text_is_a_list_or_an_error(text in any::<String>()) {
+            let _ = ResourceList::parse(&text);
+        }
+
+        #[test]
+        fn any_entry_values_are_a_list_or_an_error(
+            vendor in any::<String>(),
+            device in any::<String>(),
+            class in any::<String>(),
+            driver in any::<String>(),
+        ) {
+            let doc = serde_json::json!({"resources": [{
+                "name": "example.com/X", "vendor": vendor, "devices": [device],
+                "classes": [class], "driver": driver,
+            }]});
+            if let Ok(list) = ResourceList::parse(&doc.to_string()) {
+                prop_assert!(list.drivers().iter().all(|d| is_vfio_driver(d)));
+            }
+        }
+    }
+}
