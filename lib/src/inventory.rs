@@ -83,6 +83,7 @@ pub enum SkipReason {
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Skipped {
     /// The device.
+    #[serde(rename = "bdf")]
     pub address: PciAddress,
     /// Its IOMMU group, when that much could be read.
     pub group: Option<u32>,

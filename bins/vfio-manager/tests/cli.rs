@@ -378,3 +378,115 @@ fn config_naming_a_host_driver_exits_2_listing_what_is_allowed() {
     );
     assert_eq!(before, snapshot(dir.path()));
 }
+
+/// Garbage a device directory can hold, each with the file its error must name.
+const GARBAGE: &[(&str, &[u8], &str)] = &[
+    ("device", b"garbage\n", "device"),
+    ("class", b"0xzz\n", "class"),
+    ("subsystem_vendor", b"nope\n", "subsystem_vendor"),
+    ("numa_node", b"abc\n", "numa_node"),
+    ("numa_node", b"-2\n", "numa_node"),
+    ("driver_override", b"vfio\xff\n", "driver_override"),
+    ("iommu_group", b"not a number", "iommu_group"),
+    ("iommu_group", b"loop", "iommu_group"),
+    ("class", b"a directory", "class"),
+];
+
+/// Puts `contents` in `name` of the device at `bdf` (a link for `iommu_group`, a
+/// directory when the contents say so).
+fn spoil(node: &FakeNode, bdf: &str, name: &str, contents: &[u8]) {
+    let path = node.canonical_dir(&bdf.parse().unwrap()).join(name);
+    std::fs::remove_file(&path).unwrap_or_default();
+    match (name, contents) {
+        ("iommu_group", b"loop") => std::os::unix::fs::symlink("iommu_group", &path).unwrap(),
+        ("iommu_group", _) => {
+            std::os::unix::fs::symlink("../../kernel/iommu_groups/x", &path).unwrap()
+        }
+        (_, b"a directory") => std::fs::create_dir(&path).unwrap(),
+        _ => std::fs::write(&path, contents).unwrap(),
+    }
+}
+
+#[test]
+fn a_malformed_device_is_shown_by_status_and_left_out_of_bind() {
+    for (name, contents, file) in GARBAGE {
+        let dir = tempfile::tempdir().unwrap();
+        let node = node(dir.path());
+        node.add_device(
+            &FakeDevice::new("0000:03:00.0", 0x8086, 0x10d3, 0x02_0000)
+                .driver("e1000e")
+                .group(6),
+        );
+        spoil(&node, "0000:01:00.1", name, contents);
+        let case = format!("{name} = {:?}", String::from_utf8_lossy(contents));
+
+        let out = run(dir.path(), &["status"]);
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{case}: {t}");
+        assert!(
+            t.contains("0000:03:00.0  8086:10d3  example.com/NIC_PT"),
+            "{case}: {t}"
+        );
+        assert!(
+            t.contains("skipped 0000:01:00.1: ") && t.contains(&format!("0000:01:00.1/{file}")),
+            "{case}: {t}"
+        );
+        assert!(
+            t.contains("skipped 0000:01:00.0: IOMMU group 4 has a member that could not be read (0000:01:00.1)"),
+            "{case}: {t}"
+        );
+
+        let out = run(dir.path(), &["status", "--output", "json"]);
+        assert_eq!(out.status.code(), Some(1), "{case}");
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            doc["devices"].as_array().unwrap().len(),
+            1,
+            "{case}: {doc:#}"
+        );
+        assert_eq!(doc["skipped"][0]["bdf"], "0000:01:00.0");
+        assert_eq!(doc["skipped"][0]["kind"], "group_member_unreadable");
+        assert_eq!(doc["skipped"][0]["member"], "0000:01:00.1");
+        assert_eq!(doc["skipped"][0]["resource"], "example.com/NIC_PT");
+        assert_eq!(doc["skipped"][1]["bdf"], "0000:01:00.1");
+        assert_eq!(doc["skipped"][1]["kind"], "unreadable");
+        assert!(
+            doc["skipped"][1]["error"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("0000:01:00.1/{file}")),
+            "{case}: {doc:#}"
+        );
+
+        let before = snapshot(dir.path());
+        let out = run(dir.path(), &["bind", "--all", "--dry-run"]);
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{case}: {t}");
+        assert!(
+            t.contains("would bind 0000:03:00.0 (now on e1000e)"),
+            "{case}: {t}"
+        );
+        assert!(
+            !t.contains("0000:01:00.0/driver_override"),
+            "{case}: group 4 touched: {t}"
+        );
+        assert!(
+            t.contains("error: not binding 0000:01:00.1: "),
+            "{case}: {t}"
+        );
+        assert_eq!(before, snapshot(dir.path()));
+
+        let out = run(
+            dir.path(),
+            &["bind", "--device", "0000:01:00.0", "--dry-run"],
+        );
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{case}: {t}");
+        assert!(
+            t.contains(
+                "--device 0000:01:00.0 cannot be bound: 0000:01:00.0: IOMMU group 4 has a member"
+            ),
+            "{case}: {t}"
+        );
+    }
+}
