@@ -255,3 +255,25 @@ fn config_that_is_a_fifo_exits_2_without_blocking() {
     assert_eq!(out.status.code(), Some(2), "{t}");
     assert!(t.contains("is a FIFO, not a regular file"), "{t}");
 }
+
+#[test]
+fn a_malformed_device_is_named_and_does_not_hide_the_good_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = node(dir.path());
+    bind(&node);
+    node.add_device(&FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000).group(6));
+    let bad = node.canonical_dir(&"0000:02:00.0".parse().unwrap());
+    std::fs::remove_file(bad.join("class")).unwrap();
+    std::fs::create_dir(bad.join("class")).unwrap();
+    let out = cmd(dir.path(), &["--output", "json"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["devices"][0]["bdf"], "0000:01:00.0");
+    assert_eq!(doc["devices"].as_array().unwrap().len(), 1);
+    let found = doc["checks"][3]["reason"].as_str().unwrap();
+    assert!(
+        found.contains("skipped 1 device(s) that cannot be used: 0000:02:00.0: failed to read ")
+            && found.contains("0000:02:00.0/class: Is a directory"),
+        "{found}"
+    );
+}
