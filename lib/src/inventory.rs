@@ -121,8 +121,9 @@ pub struct Inventory {
     pub entries: Vec<Entry>,
     /// Viability of every group that holds a selected device.
     pub groups: BTreeMap<u32, Viability>,
-    /// Devices left out, sorted by address: unreadable devices of a selected vendor
-    /// or of a selected device's group, and the devices of such a group.
+    /// Devices left out, sorted by address: devices whose `vendor` cannot be read,
+    /// unreadable devices of a selected vendor or of a selected device's group, and
+    /// the devices of such a group.
     pub skipped: Vec<Skipped>,
 }
 
