@@ -428,6 +428,10 @@ fn a_malformed_device_is_shown_by_status_and_left_out_of_bind() {
             "{case}: {t}"
         );
         assert!(
+            t.contains("0000:01:00.0  8086:10d3  example.com/NIC_PT  e1000e (skipped)"),
+            "{case}: the held-back device is shown as read: {t}"
+        );
+        assert!(
             t.contains("skipped 0000:01:00.1: ") && t.contains(&format!("0000:01:00.1/{file}")),
             "{case}: {t}"
         );

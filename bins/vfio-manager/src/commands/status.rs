@@ -8,6 +8,7 @@ use std::process::ExitCode;
 
 use vfio_sandbox::cli::{OutputFormat, EXIT_NOT_READY};
 use vfio_sandbox::inventory::{device_name, Entry, Inventory, Role, Skipped};
+use vfio_sandbox::{Host, PciDevice};
 
 use crate::Context;
 
@@ -88,7 +89,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
             let doc = serde_json::json!({ "devices": rows, "groups": groups, "skipped": skipped });
             println!("{}", serde_json::to_string_pretty(&doc)?);
         }
-        OutputFormat::Table => print_table(&rows, &inv),
+        OutputFormat::Table => print_table(&ctx.host, &rows, &inv),
     }
     Ok(if inv.skipped.is_empty() {
         ExitCode::SUCCESS
@@ -114,7 +115,7 @@ impl<'a> From<&'a Skipped> for SkippedRow<'a> {
     }
 }
 
-fn print_table(rows: &[Row], inv: &Inventory) {
+fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
     if rows.is_empty() && inv.skipped.is_empty() {
         println!("no devices selected by the resource list");
         return;
@@ -148,17 +149,28 @@ fn print_table(rows: &[Row], inv: &Inventory) {
         })
         .collect();
     table.extend(inv.skipped.iter().map(|s| {
+        // A device held back for its group's sake reads fine on its own: show it.
+        let dev = PciDevice::read(host, &s.address).ok();
+        let dev = dev.as_ref();
         [
             s.address.to_string(),
-            "?".into(),
+            dev.map_or_else(
+                || "?".into(),
+                |d| format!("{:04x}:{:04x}", d.vendor, d.device),
+            ),
             s.resource
                 .as_ref()
                 .map_or_else(|| "(skipped)".into(), |r| r.to_string()),
-            "? (skipped)".into(),
+            match dev {
+                Some(d) => format!("{} (skipped)", d.driver.as_deref().unwrap_or("none")),
+                None => "? (skipped)".into(),
+            },
             s.group.map_or_else(dash, |g| g.to_string()),
             if s.group.is_some() { "no" } else { "-" }.into(),
-            dash(),
-            String::new(),
+            dev.and_then(|d| d.numa_node)
+                .map_or_else(dash, |n| n.to_string()),
+            dev.and_then(|d| device_name(d.vendor, d.device))
+                .unwrap_or_default(),
         ]
     }));
     table.sort_by(|a, b| a[0].cmp(&b[0]));
