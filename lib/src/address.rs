@@ -184,4 +184,24 @@ mod tests {
         let back: PciAddress = serde_json::from_str("\"0000:01:00.0\"").unwrap();
         assert_eq!(a, back);
     }
+
+    mod hostile {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn parsing_never_panics_and_round_trips(text in any::<String>()) {
+                if let Ok(a) = text.parse::<PciAddress>() {
+                    prop_assert_eq!(a.to_string().parse::<PciAddress>(), Ok(a));
+                }
+            }
+
+            #[test]
+            fn every_address_prints_and_parses_back(d in any::<u16>(), b in any::<u8>(), s in 0u8..32, f in 0u8..8) {
+                let a = PciAddress::new(u32::from(d), b, s, f).unwrap();
+                prop_assert_eq!(a.to_string().parse::<PciAddress>(), Ok(a));
+            }
+        }
+    }
 }

@@ -105,16 +105,42 @@ pub fn init_logging(format: LogFormat, filter: &str) {
     };
 }
 
-/// Parses `90s`, `5m`, `500ms`, `1h` or plain seconds (`30`, `0.5`).
+/// The longest duration any flag accepts: one year. Every use adds a duration to
+/// `Instant::now()`, which this keeps far from overflowing.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The shortest period ([`parse_duration`]): the finest unit durations are written in.
+pub const MIN_PERIOD: Duration = Duration::from_millis(1);
+
+/// Parses a period between two actions: `90s`, `5m`, `500ms`, `1h` or plain seconds
+/// (`30`, `0.5`), from [`MIN_PERIOD`] to [`MAX_DURATION`]. Zero is refused: a loop
+/// that waits zero between passes spins.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let d = parse_duration_or_zero(s)?;
+    if d < MIN_PERIOD {
+        return Err(format!(
+            "{s:?} is too short: a period must be at least 1ms (0 would spin)"
+        ));
+    }
+    Ok(d)
+}
+
+/// Parses a duration like [`parse_duration`] but accepts zero, for limits where zero
+/// has a meaning (a `--timeout 0` allows exactly one attempt).
+pub fn parse_duration_or_zero(s: &str) -> Result<Duration, String> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let value: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration (use e.g. 90s, 5m, 500ms or seconds)"))?;
+    let value: f64 = match num.parse() {
+        Ok(v) => v,
+        Err(_) => {
+            return Err(format!(
+                "{s:?} is not a duration (use e.g. 90s, 5m, 500ms or seconds)"
+            ))
+        }
+    };
     let scale = match unit {
         "" | "s" => 1.0,
         "ms" => 0.001,
@@ -122,7 +148,12 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "h" => 3600.0,
         _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
     };
-    Duration::try_from_secs_f64(value * scale).map_err(|e| format!("{s:?}: {e}"))
+    // Digits and dots only: never negative or NaN, but it can be huge or infinite.
+    let seconds = value * scale;
+    if seconds > MAX_DURATION.as_secs_f64() {
+        return Err(format!("{s:?} is too long: at most 8760h (one year)"));
+    }
+    Duration::try_from_secs_f64(seconds).map_err(|e| format!("{s:?}: {e}"))
 }
 
 #[cfg(test)]
@@ -137,8 +168,63 @@ mod tests {
         assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
         assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
         assert_eq!(parse_duration("0.5").unwrap(), Duration::from_millis(500));
-        for bad in ["", "s", "5x", "-1s", "1.2.3s"] {
+        assert_eq!(parse_duration("1ms").unwrap(), MIN_PERIOD);
+        assert_eq!(parse_duration("8760h").unwrap(), MAX_DURATION);
+        for bad in ["", "s", "5x", "-1s", "1.2.3s", ".", "1e9h", "inf", "NaN"] {
             assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn periods_refuse_zero_and_what_rounds_to_it() {
+        for zero in ["0", "0s", "0ms", "0.0h", "0.0001ms", "0.0000001"] {
+            let err = parse_duration(zero).unwrap_err();
+            assert!(err.contains("at least 1ms"), "{zero}: {err}");
+        }
+        assert_eq!(parse_duration_or_zero("0").unwrap(), Duration::ZERO);
+        assert_eq!(parse_duration_or_zero("0ms").unwrap(), Duration::ZERO);
+    }
+
+    #[test]
+    fn durations_that_could_overflow_an_instant_are_refused() {
+        for huge in [
+            "18446744073709551615s",
+            "18446744073709551616",
+            "8761h",
+            "1000000000000h",
+            &"9".repeat(400),
+        ] {
+            let err = parse_duration_or_zero(huge).unwrap_err();
+            assert!(err.contains("at most 8760h"), "{huge}: {err}");
+        }
+        // Whatever is accepted can be added to the current instant.
+        let longest = parse_duration("8760h").unwrap();
+        assert!(std::time::Instant::now().checked_add(longest).is_some());
+    }
+
+    mod hostile {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn any_text_is_a_bounded_duration_or_an_error(text in any::<String>()) {
+                if let Ok(d) = parse_duration_or_zero(&text) {
+                    prop_assert!(d <= MAX_DURATION);
+                    prop_assert!(std::time::Instant::now().checked_add(d).is_some());
+                }
+                if let Ok(d) = parse_duration(&text) {
+                    prop_assert!(d >= MIN_PERIOD);
+                }
+            }
+
+            #[test]
+            fn numbers_with_units_are_bounded(n in "[0-9]{0,25}(\\.[0-9]{0,12})?", unit in "(|s|ms|m|h)") {
+                let text = format!("{n}{unit}");
+                if let Ok(d) = parse_duration_or_zero(&text) {
+                    prop_assert!(d <= MAX_DURATION, "{}", text);
+                }
+            }
         }
     }
 }

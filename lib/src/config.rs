@@ -33,8 +33,9 @@
 //!   - `classes`: class-code prefixes in hex: 2 digits match the base class (`"12"`
 //!     matches `0x12xxxx`), 4 digits base class and subclass (`"0300"`), 6 digits the
 //!     full class code. Absent means any class; an empty list is an error.
-//!   - `driver`: the vfio driver to bind, default [`DEFAULT_DRIVER`]; a vfio variant
-//!     driver such as `nvgrace_gpu_vfio_pci` is allowed.
+//!   - `driver`: the vfio driver to bind, default [`DEFAULT_DRIVER`]; a vfio-pci variant
+//!     driver such as `nvgrace_gpu_vfio_pci` is allowed, any other driver is an error
+//!     listing what is allowed (see [`is_vfio_driver`]).
 //!
 //! Unknown or repeated keys, `null` values, malformed ids, duplicate names and
 //! overlapping selectors (among the entries and the presets together) are errors that
@@ -81,9 +82,12 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
+mod driver;
 mod json;
 mod name;
 mod preset;
+
+pub use driver::{check_vfio_driver, is_vfio_driver, KNOWN_VARIANTS, VARIANT_SUFFIX};
 
 pub use name::{ResourceName, ResourceNameError};
 pub use preset::PRESETS;
@@ -93,6 +97,9 @@ use preset::Naming;
 
 /// The environment variable naming the resource-list file.
 pub const CONFIG_ENV: &str = "VFIO_SANDBOX_CONFIG";
+
+/// The largest resource list file read: 1 MiB, far above any real list.
+pub const MAX_FILE_BYTES: u64 = 1024 * 1024;
 
 /// The driver an entry binds when it names none.
 pub const DEFAULT_DRIVER: &str = "vfio-pci";
@@ -150,6 +157,22 @@ pub enum ConfigError {
         /// The OS error.
         #[source]
         source: std::io::Error,
+    },
+    /// The path is not a regular file (a FIFO would block, `/dev/zero` never ends).
+    #[error("resource list {path} is {kind}, not a regular file")]
+    NotAFile {
+        /// The path.
+        path: PathBuf,
+        /// What it is instead, e.g. `a FIFO`.
+        kind: &'static str,
+    },
+    /// The file is larger than [`MAX_FILE_BYTES`].
+    #[error("resource list {path} is larger than the limit of {limit} bytes")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// The limit, [`MAX_FILE_BYTES`].
+        limit: u64,
     },
     /// The document is not JSON.
     #[error("{}: invalid JSON at line {line} column {column}: {message}", Origin(.file))]
@@ -218,7 +241,9 @@ impl ConfigError {
     /// The file the list came from, if any.
     pub fn file(&self) -> Option<&Path> {
         match self {
-            Self::ReadFile { path, .. } => Some(path),
+            Self::ReadFile { path, .. }
+            | Self::NotAFile { path, .. }
+            | Self::TooLarge { path, .. } => Some(path),
             Self::Json { file, .. }
             | Self::Document { file, .. }
             | Self::Entry { file, .. }
@@ -230,7 +255,7 @@ impl ConfigError {
 
     fn in_file(mut self, path: &Path) -> Self {
         match &mut self {
-            Self::ReadFile { .. } => {}
+            Self::ReadFile { .. } | Self::NotAFile { .. } | Self::TooLarge { .. } => {}
             Self::Json { file, .. }
             | Self::Document { file, .. }
             | Self::Entry { file, .. }
@@ -306,15 +331,13 @@ impl ResourceList {
 
     /// Reads `path` and parses it; `None` gives [`ResourceList::builtin_default`].
     ///
-    /// Errors name the file.
+    /// Only a regular file (or a link to one, as a mounted ConfigMap is) of at most
+    /// [`MAX_FILE_BYTES`] is read. Errors name the file.
     pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
         let Some(path) = path else {
             return Ok(Self::builtin_default());
         };
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
-            path: path.to_owned(),
-            source,
-        })?;
+        let text = read_file(path)?;
         Self::parse(&text).map_err(|err| err.in_file(path))
     }
 
@@ -359,6 +382,69 @@ impl Default for ResourceList {
     fn default() -> Self {
         Self::builtin_default()
     }
+}
+
+/// Reads a resource list file, refusing anything but a regular file of at most
+/// [`MAX_FILE_BYTES`] before reading a byte of it.
+fn read_file(path: &Path) -> Result<String, ConfigError> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let read_error = |source| ConfigError::ReadFile {
+        path: path.to_owned(),
+        source,
+    };
+    let not_a_file = |kind| ConfigError::NotAFile {
+        path: path.to_owned(),
+        kind,
+    };
+    // Look before opening: opening a device node can have effects of its own.
+    let meta = std::fs::metadata(path).map_err(read_error)?;
+    if let Some(kind) = not_regular(&meta.file_type()) {
+        return Err(not_a_file(kind));
+    }
+    // The path may be swapped meanwhile: open without blocking on a FIFO, then check
+    // what was opened.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(path)
+        .map_err(read_error)?;
+    let meta = file.metadata().map_err(read_error)?;
+    if let Some(kind) = not_regular(&meta.file_type()) {
+        return Err(not_a_file(kind));
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read_error)?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(ConfigError::TooLarge {
+            path: path.to_owned(),
+            limit: MAX_FILE_BYTES,
+        });
+    }
+    String::from_utf8(bytes)
+        .map_err(|e| read_error(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))
+}
+
+/// What a file type is, in words, when it is not a regular file.
+fn not_regular(file_type: &std::fs::FileType) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt;
+    Some(if file_type.is_file() {
+        return None;
+    } else if file_type.is_dir() {
+        "a directory"
+    } else if file_type.is_fifo() {
+        "a FIFO"
+    } else if file_type.is_char_device() {
+        "a character device"
+    } else if file_type.is_block_device() {
+        "a block device"
+    } else if file_type.is_socket() {
+        "a socket"
+    } else {
+        "not a file"
+    })
 }
 
 /// A JSON syntax error with its position, without the position repeated in the text.
@@ -637,7 +723,7 @@ fn parse_entry(index: usize, item: &Json) -> Result<Entry, ConfigError> {
     let driver = match values.get("driver") {
         None => DEFAULT_DRIVER.to_owned(),
         Some(Json::String(driver)) => {
-            check_driver(driver).map_err(|p| fail(format!("driver: {p}")))?;
+            check_vfio_driver(driver).map_err(|p| fail(format!("driver: {p}")))?;
             driver.clone()
         }
         Some(other) => {
@@ -753,26 +839,6 @@ fn parse_class_prefix(value: &Json) -> Result<ClassPrefix, String> {
             "{text:?} is not a class prefix of 2, 4 or 6 hex digits"
         )),
     }
-}
-
-/// A plausible kernel driver name: non-empty, no '/', no whitespace or control
-/// characters (it becomes a sysfs path component and a `driver_override` value).
-fn check_driver(driver: &str) -> Result<(), String> {
-    if driver.is_empty() {
-        return Err("the driver name is empty".to_owned());
-    }
-    if driver == "." || driver == ".." {
-        return Err(format!("{driver:?} is not a driver name"));
-    }
-    if driver
-        .chars()
-        .any(|c| c == '/' || c.is_whitespace() || c.is_control())
-    {
-        return Err(format!(
-            "{driver:?} is not a driver name (no '/', spaces or control characters)"
-        ));
-    }
-    Ok(())
 }
 
 /// Names must be unique among explicit entries, and an explicit entry must not take a

@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::config::DeviceIds;
-use crate::io::{read_optional, read_trimmed, Action, IoError, WrapIo};
+use crate::io::{read_attribute, read_optional_attribute, Action, IoError, WrapIo};
 use crate::{Host, PciAddress};
 
 /// A malformed sysfs attribute.
@@ -107,7 +107,7 @@ impl PciDevice {
         }
         let hex16 = |name: &str| -> Result<u16, DeviceError> {
             let path = dir.join(name);
-            let text = read_trimmed(&path)?;
+            let text = read_attribute(&path)?;
             parse_hex(&text)
                 .and_then(|v| u16::try_from(v).ok())
                 .ok_or_else(|| parse_error(&path, &text, "a 16-bit hex id like 0x1eff"))
@@ -119,7 +119,7 @@ impl PciDevice {
             }
         };
         let class_path = dir.join("class");
-        let class_text = read_trimmed(&class_path)?;
+        let class_text = read_attribute(&class_path)?;
         let class = parse_hex(&class_text)
             .filter(|c| *c <= 0xff_ffff)
             .ok_or_else(|| parse_error(&class_path, &class_text, "a 24-bit hex class"))?;
@@ -131,7 +131,7 @@ impl PciDevice {
             subsystem_vendor: opt_hex16("subsystem_vendor")?,
             subsystem_device: opt_hex16("subsystem_device")?,
             driver: link_name(&dir.join("driver"))?,
-            driver_override: read_optional(&dir.join("driver_override"))?
+            driver_override: read_optional_attribute(&dir.join("driver_override"))?
                 .and_then(|s| parse_driver_override(&s)),
             iommu_group: read_group(&dir)?,
             numa_node: read_numa(&dir)?,
@@ -181,10 +181,17 @@ pub fn list_addresses(host: &Host) -> Result<Vec<PciAddress>, IoError> {
     Ok(out)
 }
 
+/// The longest stretch of a malformed attribute quoted in an error.
+const QUOTE_CHARS: usize = 64;
+
 fn parse_error(path: &Path, text: &str, expected: &'static str) -> DeviceError {
+    let mut contents: String = text.chars().take(QUOTE_CHARS).collect();
+    if text.chars().nth(QUOTE_CHARS).is_some() {
+        contents.push_str("...");
+    }
     DeviceError::Parse {
         path: path.to_owned(),
-        contents: text.to_owned(),
+        contents,
         expected,
     }
 }
@@ -234,16 +241,29 @@ fn read_group(dir: &Path) -> Result<Option<u32>, DeviceError> {
     let path = dir.join("iommu_group");
     match link_name(&path)? {
         None => Ok(None),
-        Some(name) => name
-            .parse()
+        Some(name) => parse_group(&name)
             .map(Some)
-            .map_err(|_| parse_error(&path, &name, "a link to an IOMMU group number")),
+            .ok_or_else(|| parse_error(&path, &name, "a link to an IOMMU group number")),
     }
+}
+
+/// Parses the name an `iommu_group` link points at (`.../iommu_groups/17` → 17).
+pub fn parse_group(name: &str) -> Option<u32> {
+    if name.is_empty() || !name.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    name.parse().ok()
+}
+
+/// The IOMMU group of the device at `address`, read on its own (for naming the group
+/// of a device whose other attributes are malformed).
+pub fn iommu_group_of(host: &Host, address: &PciAddress) -> Result<Option<u32>, DeviceError> {
+    read_group(&host.device_dir(address))
 }
 
 fn read_numa(dir: &Path) -> Result<Option<u32>, DeviceError> {
     let path = dir.join("numa_node");
-    match read_optional(&path)? {
+    match read_optional_attribute(&path)? {
         None => Ok(None),
         Some(text) => parse_numa_node(&text)
             .ok_or_else(|| parse_error(&path, &text, "-1 or a NUMA node number")),
@@ -251,13 +271,20 @@ fn read_numa(dir: &Path) -> Result<Option<u32>, DeviceError> {
 }
 
 fn read_count(path: &Path) -> Result<Option<u32>, DeviceError> {
-    match read_optional(path)? {
+    match read_optional_attribute(path)? {
         None => Ok(None),
-        Some(text) => text
-            .parse()
+        Some(text) => parse_count(&text)
             .map(Some)
-            .map_err(|_| parse_error(path, &text, "a decimal count")),
+            .ok_or_else(|| parse_error(path, &text, "a decimal count")),
     }
+}
+
+/// Parses a decimal count such as `sriov_numvfs` (`4`); no sign, no spaces.
+pub fn parse_count(text: &str) -> Option<u32> {
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok()
 }
 
 fn read_sriov(dir: &Path) -> Result<Option<Sriov>, DeviceError> {
@@ -338,5 +365,78 @@ mod tests {
         let chain: Vec<String> = parse_upstream(p).iter().map(|a| a.to_string()).collect();
         assert_eq!(chain, ["0000:02:03.0", "0000:01:00.0", "0000:00:01.0"]);
         assert!(parse_upstream(Path::new("/sys/devices/pci0000:00/0000:00:02.0")).is_empty());
+    }
+
+    mod hostile {
+        use super::*;
+        use crate::fake::{FakeDevice, FakeNode};
+        use proptest::prelude::*;
+
+        /// Every attribute `PciDevice::read` opens.
+        const ATTRIBUTES: &[&str] = &[
+            "vendor",
+            "device",
+            "class",
+            "subsystem_vendor",
+            "subsystem_device",
+            "driver_override",
+            "numa_node",
+            "sriov_totalvfs",
+            "sriov_numvfs",
+            "config",
+        ];
+
+        proptest! {
+            #[test]
+            fn attribute_parsers_never_panic(text in any::<String>()) {
+                let _ = parse_hex(&text);
+                let _ = parse_numa_node(&text);
+                let _ = parse_driver_override(&text);
+                let _ = parse_group(&text);
+                let _ = parse_count(&text);
+                let _ = parse_upstream(Path::new(&text));
+            }
+
+            #[test]
+            fn attribute_parsers_never_panic_on_lossy_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+                let text = String::from_utf8_lossy(&bytes);
+                let _ = parse_hex(&text);
+                let _ = parse_numa_node(&text);
+                let _ = parse_driver_override(&text);
+                let _ = parse_group(&text);
+                let _ = parse_count(&text);
+            }
+
+            #[test]
+            fn parsers_read_back_what_the_kernel_prints(v in any::<u32>(), n in 0..=i64::from(u32::MAX)) {
+                prop_assert_eq!(parse_hex(&format!("0x{v:04x}\n")), Some(v));
+                prop_assert_eq!(parse_numa_node(&format!("{n}\n")), Some(u32::try_from(n).ok()));
+                prop_assert_eq!(parse_group(&v.to_string()), Some(v));
+                prop_assert_eq!(parse_count(&v.to_string()), Some(v));
+            }
+
+            /// Arbitrary bytes in any one attribute: the read succeeds or fails with an
+            /// error naming the device's directory; it never panics.
+            #[test]
+            fn reading_a_device_with_arbitrary_bytes_never_panics(
+                which in 0..ATTRIBUTES.len(),
+                bytes in proptest::collection::vec(any::<u8>(), 0..80),
+            ) {
+                let dir = tempfile::tempdir().unwrap();
+                let node = FakeNode::new(dir.path());
+                let address: PciAddress = "0000:01:00.0".parse().unwrap();
+                node.add_device(&FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000).group(3));
+                std::fs::write(node.canonical_dir(&address).join(ATTRIBUTES[which]), &bytes).unwrap();
+                let path = node.host.device_dir(&address).join(ATTRIBUTES[which]);
+                match PciDevice::read(&node.host, &address) {
+                    Ok(d) => prop_assert_eq!(d.address, address),
+                    Err(e) => {
+                        let message = crate::error_chain(&e);
+                        prop_assert!(message.contains(&path.display().to_string()), "{}", message);
+                        prop_assert!(message.len() < 1024, "{}", message);
+                    }
+                }
+            }
+        }
     }
 }

@@ -10,9 +10,10 @@ use crate::{Host, PciAddress};
 /// The drivers that keep a group viable besides vfio drivers.
 pub const STUB_DRIVER: &str = "pci-stub";
 
-/// True for `vfio-pci` and its variant drivers (`nvgrace_gpu_vfio_pci`, `mlx5_vfio_pci`, ...).
+/// True for `vfio-pci` and its variant drivers (`nvgrace_gpu_vfio_pci`, `mlx5_vfio_pci`, ...):
+/// the same rule the resource list applies to `driver` ([`crate::config::is_vfio_driver`]).
 pub fn is_vfio_driver(name: &str) -> bool {
-    name.replace('-', "_").contains("vfio")
+    crate::config::is_vfio_driver(name)
 }
 
 /// The members of IOMMU group `group`, sorted; empty when the group is gone (its last

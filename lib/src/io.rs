@@ -124,6 +124,35 @@ pub fn read_trimmed(path: &Path) -> Result<String, IoError> {
         .map(|s| s.trim_end().to_owned())
 }
 
+/// The most of one sysfs attribute that is read: the kernel's attributes fit one page
+/// (4 KiB, 64 KiB on some arm64 kernels); a longer file is not an attribute.
+pub const MAX_ATTRIBUTE_BYTES: u64 = 64 * 1024;
+
+/// Reads a sysfs attribute like [`read_trimmed`], but at most [`MAX_ATTRIBUTE_BYTES`]
+/// (the rest is left unread, so a hostile tree cannot make us read without end).
+/// Non-UTF-8 contents are an error (`InvalidData`) naming the file.
+pub fn read_attribute(path: &Path) -> Result<String, IoError> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).wrap_read(path)?;
+    let mut bytes = Vec::new();
+    file.take(MAX_ATTRIBUTE_BYTES)
+        .read_to_end(&mut bytes)
+        .wrap_read(path)?;
+    let text = String::from_utf8(bytes)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+        .wrap_read(path)?;
+    Ok(text.trim_end().to_owned())
+}
+
+/// Reads a sysfs attribute with [`read_attribute`], `None` when it does not exist.
+pub fn read_optional_attribute(path: &Path) -> Result<Option<String>, IoError> {
+    match read_attribute(path) {
+        Ok(s) => Ok(Some(s)),
+        Err(e) if e.is_not_found() => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Reads a small text file, `None` when it does not exist.
 pub fn read_optional(path: &Path) -> Result<Option<String>, IoError> {
     match read_trimmed(path) {
@@ -183,6 +212,27 @@ mod tests {
         assert_eq!(read_optional(&file).unwrap(), None);
         std::fs::write(&file, "-1\n").unwrap();
         assert_eq!(read_optional(&file).unwrap().as_deref(), Some("-1"));
+    }
+
+    #[test]
+    fn attributes_are_read_up_to_the_cap_and_must_be_utf8() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("numa_node");
+        assert!(read_optional_attribute(&file).unwrap().is_none());
+        std::fs::write(&file, "0\n").unwrap();
+        assert_eq!(read_attribute(&file).unwrap(), "0");
+        let cap = usize::try_from(MAX_ATTRIBUTE_BYTES).unwrap();
+        std::fs::write(&file, "7".repeat(cap + 10)).unwrap();
+        assert_eq!(read_attribute(&file).unwrap().len(), cap);
+        std::fs::write(&file, b"vfio\xff").unwrap();
+        let err = read_attribute(&file).unwrap_err();
+        assert_eq!(err.source.kind(), std::io::ErrorKind::InvalidData);
+        assert!(crate::error_chain(&err).starts_with(&format!("failed to read {}", file.display())));
+        let err = read_attribute(dir.path()).unwrap_err();
+        assert!(
+            !err.is_gone(),
+            "a directory is not a vanished device: {err}"
+        );
     }
 
     #[test]

@@ -4,12 +4,17 @@
 //! from then on: unbound, removed, or in a group that lost viability, it turns
 //! `Unhealthy` instead of vanishing, so kubelet stops handing it out; when it comes
 //! back it turns `Healthy` again.
+//!
+//! A device whose sysfs attributes cannot be read is skipped by the scan (see
+//! [`Inventory::skipped`]); the rest is advertised as usual, and each skipped device is
+//! logged once, not on every resync. An advertised device held back that way (its
+//! group gained a member we cannot read) turns `Unhealthy` with the reason.
 
 use std::collections::BTreeMap;
 
 use vfio_sandbox::config::{ResourceList, ResourceName};
 use vfio_sandbox::device::DeviceError;
-use vfio_sandbox::inventory::Inventory;
+use vfio_sandbox::inventory::{Inventory, Skipped};
 use vfio_sandbox::{Host, PciAddress};
 
 /// One advertised device.
@@ -48,13 +53,31 @@ pub type Snapshot = BTreeMap<ResourceName, Vec<DeviceState>>;
 #[derive(Debug, Default)]
 pub struct Tracker {
     known: BTreeMap<ResourceName, BTreeMap<PciAddress, DeviceState>>,
+    /// Skipped devices already logged, with the message logged.
+    reported: BTreeMap<PciAddress, String>,
 }
 
 impl Tracker {
     /// Rescans the node and returns the new snapshot.
     pub fn rescan(&mut self, host: &Host, list: &ResourceList) -> Result<Snapshot, DeviceError> {
         let inv = Inventory::scan(host, list)?;
+        for s in self.note_skipped(&inv.skipped) {
+            tracing::warn!(bdf = %s.address, reason = %s, "not advertising a device that cannot be read");
+        }
         let mut seen: BTreeMap<ResourceName, BTreeMap<PciAddress, DeviceState>> = BTreeMap::new();
+        // Advertised before, held back now: Unhealthy with the reason, not "removed".
+        for s in &inv.skipped {
+            let Some(resource) = &s.resource else {
+                continue;
+            };
+            if let Some(old) = self.known.get(resource).and_then(|m| m.get(&s.address)) {
+                let mut held = old.clone();
+                held.problem = Some(s.to_string());
+                seen.entry(resource.clone())
+                    .or_default()
+                    .insert(s.address, held);
+            }
+        }
         for entry in inv.selected() {
             let Some(resource) = entry.resource() else {
                 continue;
@@ -105,6 +128,27 @@ impl Tracker {
             .iter()
             .map(|(r, m)| (r.clone(), m.values().cloned().collect()))
             .collect())
+    }
+}
+
+impl Tracker {
+    /// The skipped devices not logged yet (or whose reason changed); a device that can
+    /// be read again is forgotten, so it is logged again if it breaks again.
+    fn note_skipped<'a>(&mut self, skipped: &'a [Skipped]) -> Vec<&'a Skipped> {
+        let mut new = Vec::new();
+        let mut reported = BTreeMap::new();
+        for s in skipped {
+            let message = s.to_string();
+            if self.reported.get(&s.address) != Some(&message) {
+                new.push(s);
+            }
+            reported.insert(s.address, message);
+        }
+        for address in self.reported.keys().filter(|a| !reported.contains_key(a)) {
+            tracing::info!(bdf = %address, "a device skipped before can be read again");
+        }
+        self.reported = reported;
+        new
     }
 }
 
@@ -226,6 +270,61 @@ mod tests {
         assert_eq!(
             health(&s)[0].1.as_deref(),
             Some("IOMMU group 4 is not viable: 0000:01:00.1 is on snd_hda_intel")
+        );
+    }
+
+    #[test]
+    fn a_malformed_device_is_skipped_logged_once_and_the_rest_advertised() {
+        let (_d, node, list) = setup();
+        node.attach(&"0000:02:00.0".parse().unwrap(), "vfio-pci");
+        let bad = node.canonical_dir(&"0000:02:00.0".parse().unwrap());
+        std::fs::write(bad.join("numa_node"), "abc\n").unwrap();
+        let mut t = Tracker::default();
+        let inv = Inventory::scan(&node.host, &list).unwrap();
+        assert_eq!(
+            t.note_skipped(&inv.skipped).len(),
+            1,
+            "first sight is logged"
+        );
+        assert!(
+            t.note_skipped(&inv.skipped).is_empty(),
+            "not on every resync"
+        );
+        let s = t.rescan(&node.host, &list).unwrap();
+        assert_eq!(health(&s), [("0000:01:00.0".into(), None)]);
+        // Readable again: advertised, and forgotten by the log.
+        std::fs::write(bad.join("numa_node"), "0\n").unwrap();
+        let s = t.rescan(&node.host, &list).unwrap();
+        assert_eq!(
+            health(&s),
+            [("0000:01:00.0".into(), None), ("0000:02:00.0".into(), None)]
+        );
+        assert!(t.reported.is_empty());
+    }
+
+    #[test]
+    fn an_advertised_device_whose_group_gains_an_unreadable_member_turns_unhealthy() {
+        let (_d, node, list) = setup();
+        let mut t = Tracker::default();
+        t.rescan(&node.host, &list).unwrap();
+        node.add_device(
+            &FakeDevice::new("0000:01:00.1", 0x8086, 0x1234, 0x04_0300)
+                .driver("vfio-pci")
+                .group(4),
+        );
+        let bad = node.canonical_dir(&"0000:01:00.1".parse().unwrap());
+        std::fs::write(bad.join("driver_override"), b"\xff\n").unwrap();
+        let s = t.rescan(&node.host, &list).unwrap();
+        assert_eq!(
+            health(&s),
+            [(
+                "0000:01:00.0".into(),
+                Some(
+                    "0000:01:00.0: IOMMU group 4 has a member that could not be read \
+                     (0000:01:00.1); the group is left alone"
+                        .into()
+                )
+            )]
         );
     }
 }

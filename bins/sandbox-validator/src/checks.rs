@@ -118,23 +118,7 @@ pub fn validate(host: &Host, list: &ResourceList, allow_empty: bool) -> Report {
         .into_iter()
         .collect();
 
-    checks.push(if !selected.is_empty() {
-        pass(
-            "devices-found",
-            format!("{} selected device(s)", selected.len()),
-        )
-    } else if allow_empty {
-        pass(
-            "devices-found",
-            "no selected device (allowed by --allow-empty)",
-        )
-    } else {
-        fail(
-            "devices-found",
-            "no PCI device matches the resource list",
-            "check the resource list (--config) against `lspci -nn`, or pass --allow-empty",
-        )
-    });
+    checks.push(check_found(&inv, selected.len(), allow_empty));
 
     let unbound: Vec<String> = selected
         .iter()
@@ -182,6 +166,44 @@ pub fn validate(host: &Host, list: &ResourceList, allow_empty: bool) -> Report {
         checks,
         devices,
         groups,
+    }
+}
+
+/// `devices-found`: at least one selected device (unless allowed), naming every device
+/// the scan had to skip so that a malformed one is seen without hiding the others.
+fn check_found(inv: &Inventory, selected: usize, allow_empty: bool) -> Check {
+    let skipped = if inv.skipped.is_empty() {
+        String::new()
+    } else {
+        let names: Vec<String> = inv.skipped.iter().map(ToString::to_string).collect();
+        format!(
+            "; skipped {} device(s) that cannot be used: {}",
+            inv.skipped.len(),
+            names.join("; ")
+        )
+    };
+    if selected > 0 {
+        pass(
+            "devices-found",
+            format!("{selected} selected device(s){skipped}"),
+        )
+    } else if allow_empty {
+        pass(
+            "devices-found",
+            format!("no selected device (allowed by --allow-empty){skipped}"),
+        )
+    } else if skipped.is_empty() {
+        fail(
+            "devices-found",
+            "no PCI device matches the resource list",
+            "check the resource list (--config) against `lspci -nn`, or pass --allow-empty",
+        )
+    } else {
+        fail(
+            "devices-found",
+            format!("no usable PCI device matches the resource list{skipped}"),
+            "the skipped devices' sysfs attributes are malformed: check the device and its driver (dmesg)",
+        )
     }
 }
 
@@ -250,7 +272,17 @@ fn check_groups(inv: &Inventory, selected: &[&vfio_sandbox::inventory::Entry]) -
             ));
         }
     }
-    let hint = if selected.iter().any(|e| e.device.iommu_group.is_none()) {
+    // Selected devices held back because their group has a member we cannot read.
+    problems.extend(
+        inv.skipped
+            .iter()
+            .filter(|s| s.resource.is_some())
+            .map(ToString::to_string),
+    );
+    let hint = if inv.skipped.iter().any(|s| s.resource.is_some()) {
+        "a group is only used when every member can be read: fix or remove the member \
+         whose sysfs attributes are malformed (see devices-found)"
+    } else if selected.iter().any(|e| e.device.iommu_group.is_none()) {
         "devices get IOMMU groups once the IOMMU is on: see the iommu check"
     } else {
         "every non-bridge member of a group must be on vfio-pci, pci-stub or no driver: \
@@ -425,6 +457,58 @@ mod tests {
                 "group 5: companion 0000:01:00.2 is on snd_hda_intel".to_string()
             )]
         );
+    }
+
+    #[test]
+    fn a_malformed_device_is_named_and_the_others_still_pass() {
+        let (_d, node, list) = ready_node();
+        node.add_device(
+            &FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000)
+                .driver("vfio-pci")
+                .group(6),
+        );
+        let bad = node.canonical_dir(&"0000:02:00.0".parse().unwrap());
+        std::fs::write(bad.join("device"), "garbage\n").unwrap();
+        let r = validate(&node.host, &list, false);
+        assert!(r.passed(), "{:?}", failed(&r));
+        let found = &r.checks[3];
+        assert_eq!(found.name, "devices-found");
+        assert!(
+            found.reason.starts_with(
+                "2 selected device(s); skipped 1 device(s) that cannot be used: 0000:02:00.0: \
+                 unexpected contents \"garbage\" in "
+            ) && found.reason.contains("0000:02:00.0/device"),
+            "{found:?}"
+        );
+        assert_eq!(r.devices.len(), 2);
+    }
+
+    #[test]
+    fn a_malformed_companion_fails_its_group_by_name() {
+        let (_d, node, list) = ready_node();
+        node.add_device(
+            &FakeDevice::new("0000:01:00.2", 0x8086, 0x1234, 0x04_0300)
+                .driver("vfio-pci")
+                .group(5),
+        );
+        let bad = node.canonical_dir(&"0000:01:00.2".parse().unwrap());
+        std::fs::write(bad.join("numa_node"), "-2\n").unwrap();
+        let r = validate(&node.host, &list, false);
+        let f = failed(&r);
+        assert_eq!(f[0].0, "devices-found", "{f:?}");
+        assert!(
+            f[0].1
+                .starts_with("no usable PCI device matches the resource list; skipped 3 device(s)"),
+            "{f:?}"
+        );
+        assert_eq!(f[1].0, "groups-viable", "{f:?}");
+        assert_eq!(
+            f[1].1,
+            "0000:01:00.0: IOMMU group 5 has a member that could not be read (0000:01:00.2); \
+             the group is left alone; 0000:01:00.1: IOMMU group 5 has a member that could not \
+             be read (0000:01:00.2); the group is left alone"
+        );
+        assert!(r.devices.is_empty() && r.groups.is_empty());
     }
 
     #[test]

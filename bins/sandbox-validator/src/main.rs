@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use vfio_sandbox::cli::{
-    fail, parse_duration, CommonArgs, OutputFormat, EXIT_NOT_READY, EXIT_USAGE,
+    fail, parse_duration, parse_duration_or_zero, CommonArgs, OutputFormat, EXIT_NOT_READY,
+    EXIT_USAGE,
 };
 use vfio_sandbox::io::write_atomic;
 
@@ -42,10 +43,11 @@ struct Cli {
     /// Re-check until every check passes or --timeout ends.
     #[arg(long)]
     wait: bool,
-    /// How long --wait keeps trying (90s, 5m, 500ms, seconds).
-    #[arg(long, env = "VFIO_SANDBOX_VALIDATOR_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
+    /// How long --wait keeps trying (90s, 5m, 500ms or seconds, at most 8760h); 0 checks
+    /// once, like a run without --wait.
+    #[arg(long, env = "VFIO_SANDBOX_VALIDATOR_TIMEOUT", default_value = "5m", value_parser = parse_duration_or_zero)]
     timeout: Duration,
-    /// Time between checks with --wait.
+    /// Time between checks with --wait (1ms to 8760h; 0 is refused, it would spin).
     #[arg(long, env = "VFIO_SANDBOX_VALIDATOR_INTERVAL", default_value = "5s", value_parser = parse_duration)]
     interval: Duration,
     /// Pass devices-found when no device is selected.

@@ -161,3 +161,119 @@ fn wait_gives_up_at_the_timeout() {
         text(&out)
     );
 }
+
+/// Durations no flag may accept, with the word the refusal must contain.
+const HOSTILE_DURATIONS: &[(&str, &str)] = &[
+    ("0", "at least 1ms"),
+    ("0ms", "at least 1ms"),
+    ("18446744073709551615s", "at most 8760h"),
+    ("-1s", "not a duration"),
+    ("1e9h", "unknown unit"),
+    ("", "not a duration"),
+    ("soon", "not a duration"),
+];
+
+#[test]
+fn hostile_intervals_exit_2_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    for (value, why) in HOSTILE_DURATIONS {
+        let out = cmd(dir.path(), &["--wait", &format!("--interval={value}")])
+            .output()
+            .unwrap();
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(2), "--interval={value}: {t}");
+        assert!(t.contains("--interval") && t.contains(why), "{value}: {t}");
+        // The env twin goes through the same parser.
+        let out = cmd(dir.path(), &["--wait"])
+            .env("VFIO_SANDBOX_VALIDATOR_INTERVAL", value)
+            .output()
+            .unwrap();
+        if !value.is_empty() {
+            assert_eq!(out.status.code(), Some(2), "env {value}: {}", text(&out));
+        }
+    }
+}
+
+#[test]
+fn hostile_timeouts_exit_2_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    for (value, why) in HOSTILE_DURATIONS
+        .iter()
+        .filter(|(v, _)| !v.starts_with('0'))
+    {
+        let out = cmd(dir.path(), &["--wait", &format!("--timeout={value}")])
+            .output()
+            .unwrap();
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(2), "--timeout={value}: {t}");
+        assert!(t.contains("--timeout") && t.contains(why), "{value}: {t}");
+    }
+}
+
+#[test]
+fn wait_with_timeout_zero_checks_once() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    let t = Instant::now();
+    let out = cmd(
+        dir.path(),
+        &["--wait", "--timeout", "0", "--interval", "1h"],
+    )
+    .output()
+    .unwrap();
+    let s = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{s}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{s}");
+    assert_eq!(s.matches("devices-bound   FAIL").count(), 1, "{s}");
+    assert!(s.contains("still failing after 0ns"), "{s}");
+}
+
+#[test]
+fn config_that_is_a_fifo_exits_2_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    let list = dir.path().join("list.json");
+    std::fs::remove_file(&list).unwrap();
+    nix::unistd::mkfifo(&list, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let mut child = cmd(dir.path(), &[])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("the validator blocked on a FIFO config");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{t}");
+    assert!(t.contains("is a FIFO, not a regular file"), "{t}");
+}
+
+#[test]
+fn a_malformed_device_is_named_and_does_not_hide_the_good_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = node(dir.path());
+    bind(&node);
+    node.add_device(&FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000).group(6));
+    let bad = node.canonical_dir(&"0000:02:00.0".parse().unwrap());
+    std::fs::remove_file(bad.join("class")).unwrap();
+    std::fs::create_dir(bad.join("class")).unwrap();
+    let out = cmd(dir.path(), &["--output", "json"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["devices"][0]["bdf"], "0000:01:00.0");
+    assert_eq!(doc["devices"].as_array().unwrap().len(), 1);
+    let found = doc["checks"][3]["reason"].as_str().unwrap();
+    assert!(
+        found.contains("skipped 1 device(s) that cannot be used: 0000:02:00.0: failed to read ")
+            && found.contains("0000:02:00.0/class: Is a directory"),
+        "{found}"
+    );
+}

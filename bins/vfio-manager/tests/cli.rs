@@ -262,3 +262,235 @@ fn help_explains_the_interface() {
         assert!(t.contains(word), "run --help lacks {word}: {t}");
     }
 }
+
+#[test]
+fn hostile_resync_intervals_exit_2_before_touching_anything() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    let before = snapshot(dir.path());
+    let ready = dir.path().join("run/ready");
+    for (value, why) in [
+        ("0", "at least 1ms"),
+        ("0ms", "at least 1ms"),
+        ("18446744073709551615s", "at most 8760h"),
+        ("-1s", "not a duration"),
+        ("1e9h", "unknown unit"),
+        ("", "not a duration"),
+        ("soon", "not a duration"),
+    ] {
+        let out = run(
+            dir.path(),
+            &[
+                "run",
+                "--ready-file",
+                &ready.to_string_lossy(),
+                &format!("--resync-interval={value}"),
+            ],
+        );
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(2), "--resync-interval={value}: {t}");
+        assert!(t.contains("--resync-interval") && t.contains(why), "{t}");
+        assert_eq!(before, snapshot(dir.path()), "{value} touched the node");
+    }
+}
+
+/// Runs `vfio-manager` with `config` as `--config`, killing it if it is still running
+/// after ten seconds (a config read that blocks must fail the test, not hang it).
+fn run_with_config(dir: &Path, config: &Path, args: &[&str]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vfio-manager"))
+        .args(["--sysfs-root", &dir.join("sys").to_string_lossy()])
+        .args(["--dev-root", &dir.join("dev").to_string_lossy()])
+        .args(["--modules-root", &dir.join("lib/modules").to_string_lossy()])
+        .args([
+            "--state-file",
+            &dir.join("run/state.json").to_string_lossy(),
+        ])
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .env_remove("VFIO_SANDBOX_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("vfio-manager {args:?} with --config {config:?} did not finish");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn config_that_is_not_a_regular_file_or_too_big_exits_2() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    // Outside the tree `snapshot` reads (reading a FIFO would block the test).
+    let other = tempfile::tempdir().unwrap();
+    let fifo = other.path().join("fifo.json");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let big = dir.path().join("big.json");
+    std::fs::write(&big, " ".repeat(1024 * 1024 + 1)).unwrap();
+    let before = snapshot(dir.path());
+    for (config, why) in [
+        (fifo.as_path(), "is a FIFO, not a regular file"),
+        (
+            Path::new("/dev/zero"),
+            "is a character device, not a regular file",
+        ),
+        (dir.path(), "is a directory, not a regular file"),
+        (big.as_path(), "is larger than the limit of 1048576 bytes"),
+    ] {
+        for args in [&["status"][..], &["bind", "--all"]] {
+            let out = run_with_config(dir.path(), config, args);
+            let t = text(&out);
+            assert_eq!(out.status.code(), Some(2), "{config:?} {args:?}: {t}");
+            assert!(
+                t.contains(&format!("resource list {} {why}", config.display())),
+                "{t}"
+            );
+        }
+    }
+    assert_eq!(before, snapshot(dir.path()));
+}
+
+#[test]
+fn config_naming_a_host_driver_exits_2_listing_what_is_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    node(dir.path());
+    std::fs::write(
+        dir.path().join("list.json"),
+        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"],"driver":"ahci"}]}"#,
+    )
+    .unwrap();
+    let before = snapshot(dir.path());
+    let out = run(dir.path(), &["bind", "--all"]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{t}");
+    assert!(
+        t.contains("resources[0] (example.com/NIC_PT): driver: \"ahci\" is not a vfio driver")
+            && t.contains("allowed: vfio-pci or a vfio-pci variant driver named <name>_vfio_pci")
+            && t.contains("mlx5_vfio_pci"),
+        "{t}"
+    );
+    assert_eq!(before, snapshot(dir.path()));
+}
+
+/// Garbage a device directory can hold, each with the file its error must name.
+const GARBAGE: &[(&str, &[u8], &str)] = &[
+    ("device", b"garbage\n", "device"),
+    ("class", b"0xzz\n", "class"),
+    ("subsystem_vendor", b"nope\n", "subsystem_vendor"),
+    ("numa_node", b"abc\n", "numa_node"),
+    ("numa_node", b"-2\n", "numa_node"),
+    ("driver_override", b"vfio\xff\n", "driver_override"),
+    ("iommu_group", b"not a number", "iommu_group"),
+    ("iommu_group", b"loop", "iommu_group"),
+    ("class", b"a directory", "class"),
+];
+
+/// Puts `contents` in `name` of the device at `bdf` (a link for `iommu_group`, a
+/// directory when the contents say so).
+fn spoil(node: &FakeNode, bdf: &str, name: &str, contents: &[u8]) {
+    let path = node.canonical_dir(&bdf.parse().unwrap()).join(name);
+    std::fs::remove_file(&path).unwrap_or_default();
+    match (name, contents) {
+        ("iommu_group", b"loop") => std::os::unix::fs::symlink("iommu_group", &path).unwrap(),
+        ("iommu_group", _) => {
+            std::os::unix::fs::symlink("../../kernel/iommu_groups/x", &path).unwrap()
+        }
+        (_, b"a directory") => std::fs::create_dir(&path).unwrap(),
+        _ => std::fs::write(&path, contents).unwrap(),
+    }
+}
+
+#[test]
+fn a_malformed_device_is_shown_by_status_and_left_out_of_bind() {
+    for (name, contents, file) in GARBAGE {
+        let dir = tempfile::tempdir().unwrap();
+        let node = node(dir.path());
+        node.add_device(
+            &FakeDevice::new("0000:03:00.0", 0x8086, 0x10d3, 0x02_0000)
+                .driver("e1000e")
+                .group(6),
+        );
+        spoil(&node, "0000:01:00.1", name, contents);
+        let case = format!("{name} = {:?}", String::from_utf8_lossy(contents));
+
+        let out = run(dir.path(), &["status"]);
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{case}: {t}");
+        assert!(
+            t.contains("0000:03:00.0  8086:10d3  example.com/NIC_PT"),
+            "{case}: {t}"
+        );
+        assert!(
+            t.contains("0000:01:00.0  8086:10d3  example.com/NIC_PT  e1000e (skipped)"),
+            "{case}: the held-back device is shown as read: {t}"
+        );
+        assert!(
+            t.contains("skipped 0000:01:00.1: ") && t.contains(&format!("0000:01:00.1/{file}")),
+            "{case}: {t}"
+        );
+        assert!(
+            t.contains("skipped 0000:01:00.0: IOMMU group 4 has a member that could not be read (0000:01:00.1)"),
+            "{case}: {t}"
+        );
+
+        let out = run(dir.path(), &["status", "--output", "json"]);
+        assert_eq!(out.status.code(), Some(1), "{case}");
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            doc["devices"].as_array().unwrap().len(),
+            1,
+            "{case}: {doc:#}"
+        );
+        assert_eq!(doc["skipped"][0]["bdf"], "0000:01:00.0");
+        assert_eq!(doc["skipped"][0]["kind"], "group_member_unreadable");
+        assert_eq!(doc["skipped"][0]["member"], "0000:01:00.1");
+        assert_eq!(doc["skipped"][0]["resource"], "example.com/NIC_PT");
+        assert_eq!(doc["skipped"][1]["bdf"], "0000:01:00.1");
+        assert_eq!(doc["skipped"][1]["kind"], "unreadable");
+        assert!(
+            doc["skipped"][1]["error"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("0000:01:00.1/{file}")),
+            "{case}: {doc:#}"
+        );
+
+        let before = snapshot(dir.path());
+        let out = run(dir.path(), &["bind", "--all", "--dry-run"]);
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{case}: {t}");
+        assert!(
+            t.contains("would bind 0000:03:00.0 (now on e1000e)"),
+            "{case}: {t}"
+        );
+        assert!(
+            !t.contains("0000:01:00.0/driver_override"),
+            "{case}: group 4 touched: {t}"
+        );
+        assert!(
+            t.contains("error: not binding 0000:01:00.1: "),
+            "{case}: {t}"
+        );
+        assert_eq!(before, snapshot(dir.path()));
+
+        let out = run(
+            dir.path(),
+            &["bind", "--device", "0000:01:00.0", "--dry-run"],
+        );
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{case}: {t}");
+        assert!(
+            t.contains(
+                "--device 0000:01:00.0 cannot be bound: 0000:01:00.0: IOMMU group 4 has a member"
+            ),
+            "{case}: {t}"
+        );
+    }
+}

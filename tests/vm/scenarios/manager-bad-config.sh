@@ -32,6 +32,24 @@ expect_fail "malformed BDF: exit 2" 2 -- vfio-manager --config /tmp/good.json bi
 expect_fail "unselected device: exit 2" 2 -- vfio-manager --config /tmp/good.json bind --device "$NVME_PF"
 expect_contains "says it is not selected" "$TB_OUT" "is not selected"
 
+# Hostile input: a config that would block or never end, a host driver, durations
+# that would spin or overflow. All are refused before the node is touched.
+mkfifo /tmp/fifo.json
+expect_fail "FIFO config: exit 2 without blocking" 2 -- vfio-manager --config /tmp/fifo.json bind --all
+expect_contains "says it is a FIFO" "$TB_OUT" "is a FIFO, not a regular file"
+expect_fail "/dev/zero config: exit 2" 2 -- vfio-manager --config /dev/zero status
+expect_contains "says it is a device" "$TB_OUT" "is a character device, not a regular file"
+echo '{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"],"driver":"ahci"}]}' >/tmp/ahci.json
+expect_fail "host driver in the list: exit 2" 2 -- vfio-manager --config /tmp/ahci.json bind --all
+expect_contains "lists what is allowed" "$TB_OUT" "allowed: vfio-pci or a vfio-pci variant driver"
+for interval in 0 0ms 18446744073709551615s; do
+    expect_fail "run --resync-interval $interval: exit 2, no abort" 2 -- \
+        vfio-manager --config /tmp/good.json run --resync-interval "$interval"
+    expect_contains "names the flag" "$TB_OUT" "--resync-interval"
+done
+step "status reads every device of a real kernel" -- vfio-manager --config /tmp/good.json status
+expect_not_contains "nothing is skipped" "$TB_OUT" "skipped"
+
 snapshot >/tmp/after
 step "no driver, override or module changed" -- cmp /tmp/before /tmp/after
 expect_fail "no state file written" 1 -- test -e /run/vfio-manager/state.json

@@ -13,17 +13,29 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
     let list = ctx.common.resource_list()?;
     let inv = Inventory::scan(&ctx.host, &list)?;
     let groups = groups_for(ctx, &inv, &args.which)?;
+    // With --all, a device the scan had to skip (and its group) is not bound: say so,
+    // bind the rest, exit 1. An asked device that was skipped failed in groups_for.
+    let skipped_ok = !args.which.all || inv.skipped.is_empty();
+    if args.which.all {
+        for s in &inv.skipped {
+            eprintln!("vfio-manager: error: not binding {s}");
+        }
+    }
     if inv.entries.is_empty() {
         tracing::warn!(config = %super::config_source(ctx), "no devices selected by the resource list; nothing to bind");
-        return Ok(ExitCode::SUCCESS);
+        return Ok(exit_code(skipped_ok));
     }
     let ok = with_passthrough(ctx, args.dry_run, |pt| {
         pt.load_modules(&target_drivers(&inv, &groups))?;
         Ok(report::print_bind(&pt.bind(&inv, &groups), args.dry_run))
     })?;
-    Ok(if ok {
+    Ok(exit_code(ok && skipped_ok))
+}
+
+fn exit_code(ok: bool) -> ExitCode {
+    if ok {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
-    })
+    }
 }

@@ -58,6 +58,9 @@ pub fn with_passthrough<T>(
 pub fn groups_for(ctx: &Context, inv: &Inventory, which: &Which) -> anyhow::Result<Vec<u32>> {
     let mut groups = Vec::new();
     for addr in &which.devices {
+        if let Some(skipped) = inv.skipped(addr) {
+            anyhow::bail!("--device {addr} cannot be bound: {skipped}");
+        }
         let Some(entry) = inv.get(addr) else {
             let dev = PciDevice::read(&ctx.host, addr).map_err(|e| {
                 UsageError(format!(

@@ -1,9 +1,14 @@
 //! `vfio-manager status`: what is selected, where it is, and whether its group is usable.
+//!
+//! Devices the scan had to skip (malformed sysfs attributes, or a group with such a
+//! member) are listed with their error, and make the exit code 1: the node is not
+//! fully usable.
 
 use std::process::ExitCode;
 
-use vfio_sandbox::cli::OutputFormat;
-use vfio_sandbox::inventory::{device_name, Entry, Inventory, Role};
+use vfio_sandbox::cli::{OutputFormat, EXIT_NOT_READY};
+use vfio_sandbox::inventory::{device_name, Entry, Inventory, Role, Skipped};
+use vfio_sandbox::{Host, PciDevice};
 
 use crate::Context;
 
@@ -80,21 +85,43 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     match args.output {
         OutputFormat::Json => {
             let groups: Vec<_> = inv.groups.values().collect();
-            let doc = serde_json::json!({ "devices": rows, "groups": groups });
+            let skipped: Vec<SkippedRow> = inv.skipped.iter().map(SkippedRow::from).collect();
+            let doc = serde_json::json!({ "devices": rows, "groups": groups, "skipped": skipped });
             println!("{}", serde_json::to_string_pretty(&doc)?);
         }
-        OutputFormat::Table => print_table(&rows, &inv),
+        OutputFormat::Table => print_table(&ctx.host, &rows, &inv),
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(if inv.skipped.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(EXIT_NOT_READY)
+    })
 }
 
-fn print_table(rows: &[Row], inv: &Inventory) {
-    if rows.is_empty() {
+/// A device the scan left out, as reported.
+#[derive(Debug, serde::Serialize)]
+struct SkippedRow<'a> {
+    #[serde(flatten)]
+    skipped: &'a Skipped,
+    message: String,
+}
+
+impl<'a> From<&'a Skipped> for SkippedRow<'a> {
+    fn from(skipped: &'a Skipped) -> Self {
+        Self {
+            skipped,
+            message: skipped.to_string(),
+        }
+    }
+}
+
+fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
+    if rows.is_empty() && inv.skipped.is_empty() {
         println!("no devices selected by the resource list");
         return;
     }
     let dash = || "-".to_string();
-    let table: Vec<[String; 8]> = rows
+    let mut table: Vec<[String; 8]> = rows
         .iter()
         .map(|r| {
             [
@@ -121,6 +148,32 @@ fn print_table(rows: &[Row], inv: &Inventory) {
             ]
         })
         .collect();
+    table.extend(inv.skipped.iter().map(|s| {
+        // A device held back for its group's sake reads fine on its own: show it.
+        let dev = PciDevice::read(host, &s.address).ok();
+        let dev = dev.as_ref();
+        [
+            s.address.to_string(),
+            dev.map_or_else(
+                || "?".into(),
+                |d| format!("{:04x}:{:04x}", d.vendor, d.device),
+            ),
+            s.resource
+                .as_ref()
+                .map_or_else(|| "(skipped)".into(), |r| r.to_string()),
+            match dev {
+                Some(d) => format!("{} (skipped)", d.driver.as_deref().unwrap_or("none")),
+                None => "? (skipped)".into(),
+            },
+            s.group.map_or_else(dash, |g| g.to_string()),
+            if s.group.is_some() { "no" } else { "-" }.into(),
+            dev.and_then(|d| d.numa_node)
+                .map_or_else(dash, |n| n.to_string()),
+            dev.and_then(|d| device_name(d.vendor, d.device))
+                .unwrap_or_default(),
+        ]
+    }));
+    table.sort_by(|a, b| a[0].cmp(&b[0]));
     let header = [
         "BDF", "ID", "RESOURCE", "DRIVER", "GROUP", "VIABLE", "NUMA", "NAME",
     ];
@@ -152,5 +205,8 @@ fn print_table(rows: &[Row], inv: &Inventory) {
                 v.group, b.address, b.driver
             );
         }
+    }
+    for s in &inv.skipped {
+        println!("skipped {s}");
     }
 }
