@@ -422,7 +422,7 @@ mod tests {
                 which in 0..ATTRIBUTES.len(),
                 bytes in proptest::collection::vec(any::<u8>(), 0..80),
             ) {
-                let dir = tempfile::tempdir().unwrap();
+                let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
                 let node = FakeNode::new(dir.path());
                 let address: PciAddress = "0000:01:00.0".parse().unwrap();
                 node.add_device(&FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000).group(3));

@@ -286,7 +286,7 @@ mod tests {
     use crate::fake::{FakeDevice, FakeKernel, FakeNode};
 
     fn node() -> (tempfile::TempDir, FakeNode, FakeKernel) {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let node = FakeNode::new(dir.path());
         node.add_driver("vfio-pci");
         node.add_device(

@@ -440,7 +440,7 @@ mod tests {
     fn a_malformed_selected_device_is_skipped_and_the_rest_scanned() {
         let list = ResourceList::parse(LIST).unwrap();
         for (what, spoil, words) in garbage() {
-            let dir = tempfile::tempdir().unwrap();
+            let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
             let node = node(dir.path());
             let b: PciAddress = "0000:02:00.0".parse().unwrap();
             spoil(&node.canonical_dir(&b));
@@ -474,7 +474,7 @@ mod tests {
     fn a_malformed_companion_holds_back_its_whole_group_only() {
         let list = ResourceList::parse(LIST).unwrap();
         for (what, spoil, words) in garbage() {
-            let dir = tempfile::tempdir().unwrap();
+            let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
             let node = node(dir.path());
             let d: PciAddress = "0000:03:00.1".parse().unwrap();
             spoil(&node.canonical_dir(&d));
@@ -521,7 +521,7 @@ mod tests {
     #[test]
     fn an_unlistable_group_holds_back_its_devices() {
         let list = ResourceList::parse(LIST).unwrap();
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let node = node(dir.path());
         let members = node.host.iommu_group_devices_dir(6);
         std::fs::remove_dir_all(&members).unwrap();
@@ -544,7 +544,7 @@ mod tests {
     #[test]
     fn a_malformed_device_of_an_unselected_vendor_is_not_read() {
         let list = ResourceList::parse(LIST).unwrap();
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let node = node(dir.path());
         node.add_device(&FakeDevice::new("0000:09:00.0", 0x1b21, 0x1242, 0x0c_0330));
         let other = node.canonical_dir(&"0000:09:00.0".parse().unwrap());

@@ -207,7 +207,7 @@ mod tests {
 
     #[test]
     fn read_optional_distinguishes_missing_from_present() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let file = dir.path().join("numa_node");
         assert_eq!(read_optional(&file).unwrap(), None);
         std::fs::write(&file, "-1\n").unwrap();
@@ -216,7 +216,7 @@ mod tests {
 
     #[test]
     fn attributes_are_read_up_to_the_cap_and_must_be_utf8() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let file = dir.path().join("numa_node");
         assert!(read_optional_attribute(&file).unwrap().is_none());
         std::fs::write(&file, "0\n").unwrap();
@@ -237,7 +237,7 @@ mod tests {
 
     #[test]
     fn write_atomic_replaces_and_creates_parent() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let file = dir.path().join("a/b/state.json");
         write_atomic(&file, b"one").unwrap();
         write_atomic(&file, b"two").unwrap();

@@ -242,7 +242,7 @@ mod tests {
 
     #[test]
     fn a_holder_is_found_in_proc_without_opening_the_node() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let node = dir.path().join("7");
         std::fs::write(&node, "").unwrap();
         let proc = Path::new("/proc");

@@ -360,7 +360,7 @@ mod tests {
 
     #[test]
     fn round_trips_and_first_record_wins() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let path = dir.path().join("run/state.json");
         let a: PciAddress = "0000:01:00.0".parse().unwrap();
         let mut f = StateFile::load(&path, true).unwrap();
@@ -376,7 +376,7 @@ mod tests {
 
     #[test]
     fn forget_empties_the_record() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let path = dir.path().join("state.json");
         let a: PciAddress = "0000:01:00.0".parse().unwrap();
         let mut f = StateFile::load(&path, true).unwrap();
@@ -391,7 +391,7 @@ mod tests {
 
     #[test]
     fn dry_run_never_writes() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let path = dir.path().join("state.json");
         let mut f = StateFile::load(&path, false).unwrap();
         f.record(K, "0000:01:00.0".parse().unwrap(), rec()).unwrap();
@@ -400,7 +400,7 @@ mod tests {
 
     #[test]
     fn a_second_writer_is_refused_while_the_first_holds_the_lock() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let path = dir.path().join("state.json");
         let first = StateFile::load(&path, true).unwrap();
         let msg = StateFile::load(&path, true).unwrap_err().to_string();
@@ -418,7 +418,7 @@ mod tests {
 
     #[test]
     fn corrupt_file_is_named() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let path = dir.path().join("state.json");
         std::fs::write(&path, "{\"version\":1,\"devices\":{\"nope\":{}}}").unwrap();
         let msg = StateFile::load(&path, true).unwrap_err().to_string();
@@ -451,7 +451,7 @@ mod tests {
 
     #[test]
     fn a_failed_save_leaves_memory_as_it_was() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let path = dir.path().join("state.json");
         let a: PciAddress = "0000:01:00.0".parse().unwrap();
         let mut f = StateFile::load(&path, true).unwrap();
@@ -477,7 +477,7 @@ mod tests {
 
     #[test]
     fn an_unknown_version_is_refused_and_the_file_is_left_alone() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let path = dir.path().join("state.json");
         let text = r#"{"version":2,"devices":{},"unloaded_modules":[],"future":true}"#;
         std::fs::write(&path, text).unwrap();
@@ -506,7 +506,7 @@ mod tests {
 
     #[test]
     fn a_symlinked_lock_file_is_refused_not_followed() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
         let path = dir.path().join("state.json");
         let victim = dir.path().join("victim");
         std::fs::write(&victim, "keep").unwrap();

@@ -30,7 +30,7 @@ fn a(s: &str) -> PciAddress {
 /// A two-function card in group 4 (fn0 selected, fn1 an audio-like companion of
 /// another id), a bridge in the same group, and a lone NIC in group 5.
 fn bed() -> Bed {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     let node = FakeNode::new(dir.path());
     node.add_driver("vfio-pci");
     node.add_device(

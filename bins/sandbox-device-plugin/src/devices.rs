@@ -186,7 +186,7 @@ mod tests {
         r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
 
     fn setup() -> (tempfile::TempDir, FakeNode, ResourceList) {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
         let node = FakeNode::new(dir.path());
         node.add_driver("vfio-pci");
         node.add_driver("e1000e");

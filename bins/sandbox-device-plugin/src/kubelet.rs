@@ -433,7 +433,7 @@ mod tests {
 
     #[test]
     fn a_socket_registers_with_one_kubelet_only() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
         let first = new_kubelet(dir.path());
         let s = served(dir.path(), first);
         assert_eq!(s.assess(dir.path(), first), Verdict::Ignore, "same kubelet");
@@ -456,7 +456,7 @@ mod tests {
 
     #[test]
     fn an_unregistered_socket_retries_a_new_kubelet_and_a_deleted_one_is_replaced() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
         let s = served(dir.path(), None);
         assert_eq!(
             s.assess(dir.path(), None),

@@ -309,7 +309,7 @@ mod tests {
     /// A ready node: vfio loaded, a two-function card in group 5 on vfio-pci, char
     /// device nodes (links to /dev/null stand in for the kernel's).
     fn ready_node() -> (tempfile::TempDir, FakeNode, ResourceList) {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
         let node = FakeNode::new(dir.path());
         node.add_driver("vfio-pci");
         node.add_driver("e1000e");

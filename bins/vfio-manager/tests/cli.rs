@@ -6,6 +6,8 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+mod common;
+
 use vfio_sandbox::fake::{FakeDevice, FakeNode};
 
 const LIST: &str =
@@ -36,19 +38,7 @@ fn node(dir: &Path) -> FakeNode {
 }
 
 fn run(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vfio-manager"))
-        .args(["--sysfs-root", &dir.join("sys").to_string_lossy()])
-        .args(["--dev-root", &dir.join("dev").to_string_lossy()])
-        .args(["--modules-root", &dir.join("lib/modules").to_string_lossy()])
-        .args([
-            "--state-file",
-            &dir.join("run/state.json").to_string_lossy(),
-        ])
-        .args(["--config", &dir.join("list.json").to_string_lossy()])
-        .args(args)
-        .env_remove("VFIO_SANDBOX_CONFIG")
-        .output()
-        .unwrap()
+    common::command(dir).args(args).output().unwrap()
 }
 
 fn text(o: &Output) -> String {
@@ -90,7 +80,7 @@ fn walk(dir: &Path) -> Vec<(String, String)> {
 
 #[test]
 fn status_shows_selected_and_companion_with_group_viability() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     node(dir.path());
     let out = run(dir.path(), &["status"]);
     let t = text(&out);
@@ -111,7 +101,7 @@ fn status_shows_selected_and_companion_with_group_viability() {
 
 #[test]
 fn dry_run_prints_every_write_and_touches_nothing() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     let node = node(dir.path());
     // vfio_iommu_type1 is not loaded: the dry run must say it would load it.
     std::fs::remove_dir(node.host.module_dir("vfio_iommu_type1")).unwrap();
@@ -154,7 +144,7 @@ fn dry_run_prints_every_write_and_touches_nothing() {
 
 #[test]
 fn bad_config_exits_2_naming_the_entry_and_touches_nothing() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     node(dir.path());
     std::fs::write(
         dir.path().join("list.json"),
@@ -174,7 +164,7 @@ fn bad_config_exits_2_naming_the_entry_and_touches_nothing() {
 
 #[test]
 fn unknown_and_unselected_devices_exit_2() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     node(dir.path());
     let out = run(dir.path(), &["bind", "--device", "0000:09:00.0"]);
     assert_eq!(out.status.code(), Some(2));
@@ -198,7 +188,7 @@ fn unknown_and_unselected_devices_exit_2() {
 
 #[test]
 fn iommu_off_exits_1_with_a_hint() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     let node = FakeNode::new(dir.path());
     node.add_driver("vfio-pci");
     node.add_device(&FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000).driver("e1000e"));
@@ -216,7 +206,7 @@ fn iommu_off_exits_1_with_a_hint() {
 
 #[test]
 fn unbind_with_nothing_recorded_is_a_no_op() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     node(dir.path());
     std::fs::write(dir.path().join("list.json"), "not json").unwrap();
     let out = run(dir.path(), &["unbind", "--all"]);
@@ -265,7 +255,7 @@ fn help_explains_the_interface() {
 
 #[test]
 fn hostile_resync_intervals_exit_2_before_touching_anything() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     node(dir.path());
     let before = snapshot(dir.path());
     let ready = dir.path().join("run/ready");
@@ -326,10 +316,10 @@ fn run_with_config(dir: &Path, config: &Path, args: &[&str]) -> Output {
 
 #[test]
 fn config_that_is_not_a_regular_file_or_too_big_exits_2() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     node(dir.path());
     // Outside the tree `snapshot` reads (reading a FIFO would block the test).
-    let other = tempfile::tempdir().unwrap();
+    let other = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     let fifo = other.path().join("fifo.json");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
     let big = dir.path().join("big.json");
@@ -359,7 +349,7 @@ fn config_that_is_not_a_regular_file_or_too_big_exits_2() {
 
 #[test]
 fn config_naming_a_host_driver_exits_2_listing_what_is_allowed() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     node(dir.path());
     std::fs::write(
         dir.path().join("list.json"),
@@ -410,7 +400,7 @@ fn spoil(node: &FakeNode, bdf: &str, name: &str, contents: &[u8]) {
 #[test]
 fn a_malformed_device_is_shown_by_status_and_left_out_of_bind() {
     for (name, contents, file) in GARBAGE {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
         let node = node(dir.path());
         node.add_device(
             &FakeDevice::new("0000:03:00.0", 0x8086, 0x10d3, 0x02_0000)

@@ -4,24 +4,13 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
+
+mod common;
+use common::command;
 use std::time::{Duration, Instant};
 
 use vfio_sandbox::fake::{FakeDevice, FakeNode};
-
-fn command(dir: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_vfio-manager"));
-    c.args(["--sysfs-root", &dir.join("sys").to_string_lossy()])
-        .args(["--dev-root", &dir.join("dev").to_string_lossy()])
-        .args(["--modules-root", &dir.join("lib/modules").to_string_lossy()])
-        .args([
-            "--state-file",
-            &dir.join("run/state.json").to_string_lossy(),
-        ])
-        .args(["--config", &dir.join("list.json").to_string_lossy()])
-        .env_remove("VFIO_SANDBOX_CONFIG");
-    c
-}
 
 fn node(dir: &Path) -> FakeNode {
     let node = FakeNode::new(dir);
@@ -52,7 +41,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 
 #[test]
 fn sighup_stops_run_like_sigterm() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     node(dir.path());
     let ready = dir.path().join("run/ready");
     let mut child = command(dir.path())
@@ -88,7 +77,7 @@ fn sighup_stops_run_like_sigterm() {
 
 #[test]
 fn a_dry_run_unbind_never_opens_the_group_node() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     let node = node(dir.path());
     let state = r#"{"version":1,"devices":{"0000:01:00.0":{"original_driver":"e1000e","original_override":null,"driver":"vfio-pci","role":"selected","group":4}},"unloaded_modules":[]}"#;
     std::fs::create_dir_all(dir.path().join("run")).unwrap();
@@ -131,5 +120,38 @@ fn a_dry_run_unbind_never_opens_the_group_node() {
     assert!(
         seen > 0,
         "the watch saw no open at all, so it proves nothing"
+    );
+}
+
+#[test]
+fn run_logs_an_unreadable_device_once_and_keeps_the_rest() {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let node = node(dir.path());
+    node.add_device(&FakeDevice::new("0000:03:00.0", 0x8086, 0x10d3, 0x02_0000).group(7));
+    let bad = node.host.device_dir(&"0000:03:00.0".parse().unwrap());
+    std::fs::write(bad.join("class"), "garbage\n").unwrap();
+    let ready = dir.path().join("run/ready");
+    let child = command(dir.path())
+        .args([
+            "run",
+            "--resync-interval",
+            "50ms",
+            "--ready-file",
+            &ready.to_string_lossy(),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until("the ready file", || ready.exists());
+    std::thread::sleep(Duration::from_millis(500)); // about ten resyncs
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches("device left out").count(), 1, "{err}");
+    assert!(
+        err.contains("0000:03:00.0") && err.contains("class"),
+        "{err}"
     );
 }

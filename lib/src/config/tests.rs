@@ -692,7 +692,7 @@ fn load_without_a_file_is_the_default() {
 
 #[test]
 fn load_reads_a_file() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
     let path = dir.path().join("resources.json");
     std::fs::write(&path, format!(r#"{{"resources": [{NIC}]}}"#)).unwrap();
     let list = ResourceList::load(Some(&path)).unwrap();
@@ -704,7 +704,7 @@ fn load_reads_a_file() {
 
 #[test]
 fn load_errors_name_the_file() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
     let missing = dir.path().join("missing.json");
     let error = ResourceList::load(Some(&missing)).unwrap_err();
     assert_eq!(
@@ -763,7 +763,7 @@ fn load_errors_name_the_file() {
 
 #[test]
 fn load_refuses_what_is_not_a_regular_file_without_blocking() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
     let fifo = dir.path().join("fifo.json");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
     for (path, kind) in [
@@ -796,7 +796,7 @@ fn load_refuses_what_is_not_a_regular_file_without_blocking() {
 
 #[test]
 fn load_caps_the_file_size() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
     let path = dir.path().join("big.json");
     // Valid JSON all the way: only the size is wrong.
     let doc = format!(r#"{{"resources": [{NIC}]}}"#);

@@ -76,7 +76,8 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     };
     let inv = Inventory::scan(&ctx.host, &list)?;
     pt.prepare(&inv, &args.unload_modules)?;
-    let mut converged = converge(&mut pt, &list, args, false)?;
+    let mut skipped = Reported::default();
+    let mut converged = converge(&mut pt, &list, args, false, &mut skipped)?;
     let mut next_resync = later(args.resync_interval);
     let mut pending: Option<Instant> = None;
     loop {
@@ -94,7 +95,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         if pending.is_some_and(|p| now >= p) || now >= next_resync {
             pending = None;
             next_resync = later(args.resync_interval);
-            match converge(&mut pt, &list, args, converged) {
+            match converge(&mut pt, &list, args, converged, &mut skipped) {
                 Ok(c) => converged = c,
                 // A device vanishing mid-scan, a module that fails to load: log it and
                 // try again soon. The daemon only stops on a signal.
@@ -129,15 +130,30 @@ fn remove_ready_file(path: &std::path::Path) -> anyhow::Result<()> {
     }
 }
 
+/// Skipped devices already logged, with the reason logged: each is logged once, and
+/// again only when its reason changes.
+type Reported = std::collections::BTreeMap<vfio_sandbox::PciAddress, String>;
+
 /// One pass: rescan, bind what is not bound, keep the ready file true. Returns whether
-/// every selected device and companion is on its driver; `was` is the previous answer.
+/// every readable selected device and companion is on its driver; `was` is the
+/// previous answer. A device that cannot be read is left out (its group with it) and
+/// logged once; the validator names it too.
 fn converge(
     pt: &mut Passthrough<'_>,
     list: &vfio_sandbox::config::ResourceList,
     args: &Args,
     was: bool,
+    reported: &mut Reported,
 ) -> anyhow::Result<bool> {
     let inv = Inventory::scan(pt.host, list)?;
+    for s in &inv.skipped {
+        let why = s.to_string();
+        if reported.get(&s.address) != Some(&why) {
+            tracing::warn!(bdf = %s.address, reason = %why, "device left out: it cannot be read");
+            reported.insert(s.address, why);
+        }
+    }
+    reported.retain(|a, _| inv.skipped.iter().any(|s| s.address == *a));
     let needs_work = inv.entries.iter().any(|e| !e.is_bound());
     if needs_work {
         pt.load_modules(&target_drivers(&inv, &[]))?;
