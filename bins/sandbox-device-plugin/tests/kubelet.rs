@@ -20,9 +20,6 @@ use vfio_sandbox::fake::{FakeDevice, FakeNode};
 
 const NIC: &str = "example.com/NIC_PT";
 const NVME: &str = "example.com/NVME_PT";
-const LIST: &str = r#"{"resources":[
-  {"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]},
-  {"name":"example.com/NVME_PT","vendor":"1b36","devices":["0010"]}]}"#;
 const STEP: Duration = Duration::from_secs(5);
 
 struct Bed {
@@ -37,41 +34,7 @@ impl Bed {
     /// started against it.
     fn start() -> Self {
         let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
-        let node = FakeNode::new(dir.path());
-        node.add_driver("vfio-pci");
-        node.add_driver("e1000e");
-        node.add_device(
-            &FakeDevice::new("0000:00:01.0", 0x8086, 0x2922, 0x06_0400)
-                .driver("pcieport")
-                .group(1),
-        );
-        node.add_device(
-            &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
-                .driver("vfio-pci")
-                .group(5)
-                .numa(0)
-                .parent("0000:00:01.0"),
-        );
-        node.add_device(
-            &FakeDevice::new("0000:01:00.1", 0x8086, 0x10d3, 0x02_0000)
-                .driver("vfio-pci")
-                .group(5)
-                .numa(0)
-                .parent("0000:00:01.0"),
-        );
-        node.add_device(
-            &FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000)
-                .driver("vfio-pci")
-                .group(6)
-                .numa(1),
-        );
-        node.add_device(
-            &FakeDevice::new("0000:03:00.0", 0x1b36, 0x0010, 0x01_0802)
-                .driver("vfio-pci")
-                .group(7),
-        );
-        std::fs::write(dir.path().join("list.json"), LIST).unwrap();
-        std::fs::create_dir_all(dir.path().join("kubelet")).unwrap();
+        let node = kubelet_peer::fake_node(dir.path()).unwrap();
         let plugin = spawn_plugin(dir.path());
         Bed { dir, node, plugin }
     }
@@ -424,7 +387,7 @@ fn big_bed(n: usize) -> Bed {
                 .parent(&format!("0000:00:{:02x}.0", i % 8 + 1)),
         );
     }
-    std::fs::write(dir.path().join("list.json"), LIST).unwrap();
+    std::fs::write(dir.path().join("list.json"), kubelet_peer::FAKE_NODE_LIST).unwrap();
     std::fs::create_dir_all(dir.path().join("kubelet")).unwrap();
     let plugin = spawn_plugin(dir.path());
     Bed { dir, node, plugin }
