@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
-# Fetch the distribution kernel used by the VM test bed.
+# Fetch a Debian distribution kernel for the VM test bed.
 #
-# Resolves the versioned package that `linux-image-amd64` currently depends on
-# (e.g. linux-image-6.1.0-56-amd64 at a pinned package version), downloads it
-# once into .cache/kernel/, unpacks it with `dpkg -x` and runs depmod on the
-# unpacked tree (the package ships no modules.dep; its postinst normally makes
-# one). A second call with the same resolved package is a no-op.
+# Resolves the versioned package that `linux-image-amd64` of a Debian suite
+# currently depends on (e.g. linux-image-6.1.0-56-amd64 at a pinned package
+# version), downloads it once into .cache/kernel/<suite>/, unpacks it with
+# `dpkg -x` and runs depmod on the unpacked tree (the package ships no
+# modules.dep; its postinst normally makes one). A second call with the same
+# resolved package is a no-op.
+#
+# The suite (KERNEL_SUITE) defaults to the machine's own release, resolved
+# through the machine's apt configuration. Another suite (e.g. trixie on a
+# bookworm machine) goes through a private apt configuration under
+# .cache/kernel/<suite>/apt/ (its own sources.list, package lists and cache,
+# passed with -o Dir::...); the machine's sources are never edited. Its
+# archive is the one the machine's own apt sources use for its release
+# (KERNEL_MIRROR overrides), signed by the machine's Debian archive keyring.
 #
 # Usage:  eval "$(scripts/fetch-kernel.sh)"
 #
@@ -20,18 +29,28 @@
 #                       KERNEL_VMLINUX directly (PVH entry): under TCG this
 #                       skips the slow in-guest decompression of the
 #                       vmlinuz (XZ on Debian), several seconds per boot
-#   KERNEL_MODULES      path of lib/modules/<KERNEL_VERSION> (with modules.dep)
+#   KERNEL_MODULES      path of lib/modules/<KERNEL_VERSION> (with modules.dep;
+#                       usr/lib/modules/... for merged-usr packages)
 #   KERNEL_CONFIG       path of the kernel's config file
-# The same lines are written to .cache/kernel/kernel.env.
+#   KERNEL_SUITE        the Debian suite the kernel came from
+# The same lines are written to <cache dir>/kernel.env.
 #
 # Environment:
-#   KERNEL_CACHE_DIR    cache dir (default: <repo>/.cache/kernel)
+#   KERNEL_SUITE        Debian suite, e.g. bookworm or trixie (default: the
+#                       machine's release, VERSION_CODENAME of /etc/os-release)
+#   KERNEL_MIRROR       archive URI for a private suite (default: the one the
+#                       machine's apt sources use for its own release)
+#   KERNEL_CACHE_DIR    cache dir (default: <repo>/.cache/kernel/<suite>)
 #   KERNEL_META_PKG     meta package to resolve (default: linux-image-amd64)
 #   KERNEL_PKG, KERNEL_PKG_VERSION   pin an exact package instead of resolving
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cache_dir="${KERNEL_CACHE_DIR:-$repo_root/.cache/kernel}"
+host_suite="$(sed -n 's/^VERSION_CODENAME=//p' /etc/os-release 2>/dev/null | tr -d '"' | head -n 1)"
+suite="${KERNEL_SUITE:-$host_suite}"
+[[ "$suite" =~ ^[a-z][a-z0-9-]*$ ]] ||
+    { printf 'fetch-kernel: error: no Debian suite (set KERNEL_SUITE; /etc/os-release names none)\n' >&2; exit 1; }
+cache_dir="${KERNEL_CACHE_DIR:-$repo_root/.cache/kernel/$suite}"
 meta_pkg="${KERNEL_META_PKG:-linux-image-amd64}"
 
 log() { printf 'fetch-kernel: %s\n' "$*" >&2; }
@@ -54,11 +73,100 @@ ensure_tools() {
     fi
 }
 
+# host_archive SUITE -- print "URI KEYRING" of the first "deb" entry of the
+# machine's apt sources (deb822 *.sources or one-line *.list) that serves
+# SUITE; KEYRING is its signed-by file, or "-".
+host_archive() {
+    local want="$1" f
+    for f in /etc/apt/sources.list.d/*.sources; do
+        [[ -f "$f" ]] || continue
+        awk -v want="$want" '
+            function flush(   n, i, s, u) {
+                if (!found && types ~ /(^|[ \t])deb([ \t]|$)/ && enabled != "no") {
+                    n = split(suites, s, /[ \t]+/)
+                    for (i = 1; i <= n; i++) {
+                        if (s[i] == want) {
+                            split(uris, u, /[ \t]+/)
+                            print u[1], (signed ~ /^\// ? signed : "-")
+                            found = 1
+                            break
+                        }
+                    }
+                }
+                types = uris = suites = signed = enabled = ""
+            }
+            /^[ \t]*#/ { next }
+            /^[ \t]*$/ { flush(); next }
+            /^[A-Za-z-]+:/ {
+                k = tolower(substr($0, 1, index($0, ":") - 1))
+                v = substr($0, index($0, ":") + 1)
+                gsub(/^[ \t]+|[ \t]+$/, "", v)
+                if (k == "types") types = v
+                else if (k == "uris") uris = v
+                else if (k == "suites") suites = v
+                else if (k == "signed-by") signed = v
+                else if (k == "enabled") enabled = tolower(v)
+            }
+            END { flush() }
+        ' "$f"
+    done
+    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+        [[ -f "$f" ]] || continue
+        awk -v want="$want" '
+            $1 != "deb" { next }
+            {
+                line = $0; signed = "-"
+                if (match(line, /\[[^]]*\]/)) {
+                    opts = substr(line, RSTART + 1, RLENGTH - 2)
+                    line = substr(line, 1, RSTART - 1) substr(line, RSTART + RLENGTH)
+                    if (match(opts, /signed-by=[^ \t]+/)) signed = substr(opts, RSTART + 10, RLENGTH - 10)
+                }
+                split(line, w, /[ \t]+/)
+                if (w[3] == want) { print w[2], signed; exit }
+            }
+        ' "$f"
+    done
+}
+
+# apt options: none for the machine's own suite; a private configuration
+# (sources, lists, cache under the kernel cache) for any other suite.
+apt_opts=()
+apt_private=0
+if [[ "$suite" != "$host_suite" ]]; then
+    apt_private=1
+    read -r mirror keyring < <(host_archive "$host_suite" | head -n 1) || true
+    mirror="${KERNEL_MIRROR:-${mirror:-}}"
+    [[ -n "$mirror" ]] ||
+        die "cannot find the Debian archive for $host_suite in the machine's apt sources; set KERNEL_MIRROR"
+    if [[ -z "${keyring:-}" || "$keyring" == - ]]; then
+        keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+    fi
+    apt_dir="$cache_dir/apt"
+    mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial"
+    if [[ -f "$keyring" ]]; then
+        printf 'deb [signed-by=%s] %s %s main\n' "$keyring" "$mirror" "$suite"
+    else
+        printf 'deb %s %s main\n' "$mirror" "$suite"
+    fi >"$apt_dir/sources.list"
+    apt_opts=(
+        -o "Dir::Etc::SourceList=$apt_dir/sources.list"
+        -o Dir::Etc::SourceParts=/dev/null
+        -o "Dir::State::Lists=$apt_dir/lists"
+        -o "Dir::Cache=$apt_dir/cache"
+        -o Dir::Etc::Preferences=/dev/null
+        -o Dir::Etc::PreferencesParts=/dev/null
+    )
+fi
+
 apt_updated=0
 apt_update_once() {
     if ((apt_updated == 0)); then
-        log "running apt-get update"
-        apt-get update -qq >&2 || log "warning: apt-get update failed"
+        if ((apt_private)); then
+            log "running apt-get update (private configuration for $suite)"
+        else
+            log "running apt-get update"
+        fi
+        apt-get "${apt_opts[@]}" update -qq >&2 || log "warning: apt-get update failed"
         apt_updated=1
     fi
 }
@@ -68,7 +176,7 @@ apt_update_once() {
 # version ("Depends: linux-image-6.1.0-56-amd64 (= 6.1.192-2)"); when it does
 # not, the version is left empty and resolved with apt-cache policy.
 resolve_pkg() {
-    apt-cache show --no-all-versions "$meta_pkg" 2>/dev/null |
+    apt-cache "${apt_opts[@]}" show --no-all-versions "$meta_pkg" 2>/dev/null |
         awk -F': ' '$1 == "Depends" {
             n = split($2, deps, /, */)
             for (i = 1; i <= n; i++) {
@@ -83,7 +191,7 @@ resolve_pkg() {
 
 # Print the candidate version apt would install for a package.
 resolve_version() {
-    apt-cache policy "$1" 2>/dev/null | awk '$1 == "Candidate:" && $2 != "(none)" { print $2; exit }'
+    apt-cache "${apt_opts[@]}" policy "$1" 2>/dev/null | awk '$1 == "Candidate:" && $2 != "(none)" { print $2; exit }'
 }
 
 # extract_vmlinux BZIMAGE OUT -- decompress the ELF kernel inside a bzImage
@@ -124,6 +232,10 @@ newest_cached() {
 
 ensure_tools
 mkdir -p "$cache_dir"
+# Private package lists: fetch them when missing or older than a day.
+if ((apt_private)) && [[ -z "$(find "$apt_dir/lists" -maxdepth 1 -name '*_Packages*' -mtime -1 -print -quit)" ]]; then
+    apt_update_once
+fi
 
 pkg="${KERNEL_PKG:-}"
 ver="${KERNEL_PKG_VERSION:-}"
@@ -171,9 +283,9 @@ else
             # apt drops privileges to _apt for downloads; let it write here so
             # it does not warn about an unsandboxed download.
             if id _apt >/dev/null 2>&1; then chown _apt "$tmp" 2>/dev/null || true; fi
-            if ! (cd "$tmp" && apt-get download -q "$pkg=$ver" >&2); then
+            if ! (cd "$tmp" && apt-get "${apt_opts[@]}" download -q "$pkg=$ver" >&2); then
                 apt_update_once
-                (cd "$tmp" && apt-get download -q "$pkg=$ver" >&2) ||
+                (cd "$tmp" && apt-get "${apt_opts[@]}" download -q "$pkg=$ver" >&2) ||
                     { rm -rf "$tmp"; die "apt-get download $pkg=$ver failed"; }
             fi
             f="$(find "$tmp" -maxdepth 1 -name '*.deb' -print -quit)"
@@ -246,7 +358,8 @@ env_out="$(
     printf 'KERNEL_PVH=%q\n' "$pvh"
     printf 'KERNEL_MODULES=%q\n' "$moddir"
     printf 'KERNEL_CONFIG=%q\n' "$config"
+    printf 'KERNEL_SUITE=%q\n' "$suite"
 )"
 printf '%s\n' "$env_out" >"$cache_dir/kernel.env"
-log "kernel $kver ($pkg $ver)"
+log "kernel $kver ($pkg $ver, $suite)"
 printf '%s\n' "$env_out"
