@@ -6,9 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 status=0
-scripts/vm/run.sh scripts/demo/node-lifecycle.sh || status=$?
+scripts/vm/run.sh --kernel bookworm scripts/demo/node-lifecycle.sh || status=$?
 echo
-echo "==== guest console (target/vm-logs/node-lifecycle.log) ===="
+echo "==== guest console (target/vm-logs/bookworm/node-lifecycle.log) ===="
 # Show the demo's own output: from the first note to the end marker.
-sed -n '/^---- /,/^TESTBED END/p' target/vm-logs/node-lifecycle.log | grep -v '^TESTBED '
+sed -n '/^---- /,/^TESTBED END/p' target/vm-logs/bookworm/node-lifecycle.log | grep -v '^TESTBED '
 exit "$status"

@@ -123,6 +123,9 @@ watchdog=$!
 
 klog_start=$(dmesg 2>/dev/null | wc -l)
 
+# The host's no-progress watchdog retries a boot that stalls before this
+# line, and never after it.
+echo "TESTBED START $SCENARIO: uptime=$(uptime_s)"
 echo "==== scenario $SCENARIO ===="
 (
     # shellcheck disable=SC1091

@@ -2,7 +2,7 @@
 # Run VM test bed scenarios on a real kernel under QEMU (TCG).
 #
 # Usage: scripts/vm/run.sh [--no-build] [--keep-logs] [-j N] [--timeout S]
-#                          [SCENARIO...]
+#                          [--kernel LIST] [--stall-timeout S] [SCENARIO...]
 #
 #   SCENARIO     a name in tests/vm/scenarios/ (with or without .sh) or a
 #                path to a scenario file; default: every
@@ -16,11 +16,21 @@
 #   -j N         boot up to N VMs at once (default: VM_JOBS or 2)
 #   --timeout S  hard per-scenario timeout in seconds (default: VM_TIMEOUT or
 #                240; a scenario header may set its own)
+#   --kernel LIST  Debian kernels to run every scenario on, comma-separated
+#                suites: bookworm (6.1), trixie (6.12), or "all" for both
+#                (default: VM_KERNEL or bookworm)
+#   --stall-timeout S  a guest whose console shows no new output for S
+#                seconds before its scenario started is killed and booted
+#                again, once (default: VM_STALL_TIMEOUT or 90); a second
+#                stall, or any stall after the scenario started, fails
 #
-# Each scenario's serial console goes to target/vm-logs/<scenario>.log. The
-# last line of output is "vm: N passed, N failed" (steps); the exit status is
-# non-zero when any step failed, a scenario timed out or ended without its
-# end marker, or no step ran at all.
+# VM_LOG_DIR moves the console logs elsewhere (default target/vm-logs).
+#
+# Each scenario's serial console goes to target/vm-logs/<kernel>/<scenario>.log.
+# Per kernel a line "vm[<kernel>]: N passed, N failed" sums its steps; the
+# last line of output is "vm: N passed, N failed" over all kernels. The exit
+# status is non-zero when any step failed, a scenario timed out, stalled twice
+# or ended without its end marker, or no step ran at all.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -34,6 +44,8 @@ build=1
 keep_logs=0
 jobs="${VM_JOBS:-2}"
 default_timeout="${VM_TIMEOUT:-240}"
+kernel_list="${VM_KERNEL:-bookworm}"
+stall_timeout="${VM_STALL_TIMEOUT:-90}"
 scenario_args=()
 
 usage() { sed -n '2,/^set -euo/{/^#/!d;s/^# \{0,1\}//;p}' "$0"; }
@@ -47,6 +59,10 @@ while (($#)); do
         --jobs=*) jobs="${1#--jobs=}" ;;
         --timeout) default_timeout="${2:?--timeout needs seconds}"; shift ;;
         --timeout=*) default_timeout="${1#--timeout=}" ;;
+        --kernel) kernel_list="${2:?--kernel needs a list}"; shift ;;
+        --kernel=*) kernel_list="${1#--kernel=}" ;;
+        --stall-timeout) stall_timeout="${2:?--stall-timeout needs seconds}"; shift ;;
+        --stall-timeout=*) stall_timeout="${1#--stall-timeout=}" ;;
         -h | --help) usage; exit 0 ;;
         --) shift; scenario_args+=("$@"); break ;;
         -*) vm_die "unknown option $1 (see --help)" ;;
@@ -56,9 +72,21 @@ while (($#)); do
 done
 [[ "$jobs" =~ ^[1-9][0-9]*$ ]] || vm_die "-j wants a positive number, got '$jobs'"
 [[ "$default_timeout" =~ ^[1-9][0-9]*$ ]] || vm_die "--timeout wants seconds, got '$default_timeout'"
+[[ "$stall_timeout" =~ ^[1-9][0-9]*$ ]] || vm_die "--stall-timeout wants seconds, got '$stall_timeout'"
+[[ "$kernel_list" == all ]] && kernel_list=bookworm,trixie
+kernels=()
+IFS=, read -r -a kernel_args <<<"$kernel_list"
+for k in "${kernel_args[@]}"; do
+    [[ "$k" =~ ^[a-z][a-z0-9-]*$ ]] || vm_die "--kernel wants Debian suite names such as bookworm,trixie; got '$k'"
+    for m in "${kernels[@]}"; do
+        [[ "$m" != "$k" ]] || vm_die "kernel $k given twice"
+    done
+    kernels+=("$k")
+done
+((${#kernels[@]})) || vm_die "--kernel names no kernel"
 
 scenario_dir="$repo_root/tests/vm/scenarios"
-log_dir="$repo_root/target/vm-logs"
+log_dir="${VM_LOG_DIR:-$repo_root/target/vm-logs}"
 work_dir="$repo_root/target/vm-work"
 
 # ---- scenarios --------------------------------------------------------------
@@ -100,32 +128,47 @@ bin_names=()
 for b in "${binaries[@]}"; do bin_names+=("$(basename "$b")"); done
 vm_log "project binaries in the guest: ${bin_names[*]:-(none)}"
 
-# ---- kernel and base initramfs -----------------------------------------------------
-eval "$("$repo_root/scripts/fetch-kernel.sh")"
-export KERNEL_VERSION KERNEL_MODULES
-# Boot the uncompressed vmlinux through its PVH entry when possible: the
-# bzImage would decompress itself (XZ) under TCG, which costs seconds.
-kernel="$KERNEL_IMAGE"
-if [[ "${VM_KERNEL_BOOT:-auto}" != bzimage && "$KERNEL_PVH" == 1 && -n "$KERNEL_VMLINUX" ]]; then
-    kernel="$KERNEL_VMLINUX"
-fi
-vm_log "kernel $KERNEL_VERSION, booting $(basename "$kernel")"
-
+# ---- kernels and base initramfs images --------------------------------------------
 mkdir -p "$work_dir" "$log_dir"
 if ((keep_logs == 0)); then
-    rm -f "$log_dir"/*.log
+    rm -rf "${log_dir:?}"/*
 fi
 run_dir="$(mktemp -d "$work_dir/run.XXXXXX")"
-base_cpio="$run_dir/base.cpio"
-t0=$(date +%s.%N)
-"$here/initramfs.sh" "$base_cpio" "${binaries[@]}"
-vm_log "base initramfs assembled in $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
+
+declare -A k_version=() k_boot=() k_base=()
+# prepare_kernel SUITE -- fetch the kernel of SUITE and assemble its base
+# initramfs (fetch-kernel.sh's assignments stay local to this function).
+prepare_kernel() {
+    local k="$1" t0 env_text
+    # shellcheck disable=SC2034  # assigned by the eval below; only some are used
+    local KERNEL_PKG KERNEL_PKG_VERSION KERNEL_VERSION KERNEL_IMAGE KERNEL_VMLINUX \
+        KERNEL_PVH KERNEL_MODULES KERNEL_CONFIG KERNEL_SUITE
+    env_text="$(KERNEL_SUITE="$k" "$repo_root/scripts/fetch-kernel.sh")" ||
+        vm_die "cannot fetch the $k kernel"
+    eval "$env_text"
+    k_version[$k]="$KERNEL_VERSION"
+    # Boot the uncompressed vmlinux through its PVH entry when possible: the
+    # bzImage would decompress itself (XZ) under TCG, which costs seconds.
+    k_boot[$k]="$KERNEL_IMAGE"
+    if [[ "${VM_KERNEL_BOOT:-auto}" != bzimage && "$KERNEL_PVH" == 1 && -n "$KERNEL_VMLINUX" ]]; then
+        k_boot[$k]="$KERNEL_VMLINUX"
+    fi
+    mkdir -p "$run_dir/$k" "$log_dir/$k"
+    k_base[$k]="$run_dir/$k/base.cpio"
+    t0=$(date +%s.%N)
+    KERNEL_VERSION="$KERNEL_VERSION" KERNEL_MODULES="$KERNEL_MODULES" \
+        "$here/initramfs.sh" "${k_base[$k]}" "${binaries[@]}"
+    vm_log "[$k] kernel $KERNEL_VERSION, booting $(basename "${k_boot[$k]}"), base initramfs in $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
+}
+for k in "${kernels[@]}"; do
+    prepare_kernel "$k"
+done
 
 # ---- per-scenario run ---------------------------------------------------------------
 cleanup() {
     local p f
     # Stop the VMs still running (each "timeout" passes the signal to QEMU).
-    for f in "$run_dir"/*.pid; do
+    for f in "$run_dir"/*/*.pid; do
         [[ -f "$f" ]] || continue
         read -r p <"$f" || continue
         kill "$p" 2>/dev/null || true
@@ -143,14 +186,49 @@ has_binary() {
     return 1
 }
 
-# run_scenario FILE -- boot one VM; writes $run_dir/<name>.report (text for
-# the console) and $run_dir/<name>.counts ("PASSED FAILED").
+# boot_vm TIMEOUT LOG NAME PIDFILE QEMU... -- run QEMU under the hard
+# TIMEOUT with the serial console appended to LOG. Until the guest prints
+# "TESTBED START <NAME>:" (its scenario begins), the log must grow at least
+# every $stall_timeout seconds; otherwise QEMU is killed. Sets boot_rc (the
+# exit status of timeout/QEMU) and boot_stalled (1 when killed for no
+# progress).
+boot_vm() {
+    local limit="$1" log="$2" name="$3" pidfile="$4" size last=-1 quiet_since tpid
+    shift 4
+    boot_rc=0
+    boot_stalled=0
+    timeout --kill-after=10 "$limit" "$@" </dev/null >>"$log" 2>&1 &
+    tpid=$!
+    echo "$tpid" >"$pidfile"
+    quiet_since=$SECONDS
+    # bash reaps the child when it exits, so kill -0 fails from then on.
+    while kill -0 "$tpid" 2>/dev/null; do
+        grep -q "TESTBED START $name:" "$log" && break
+        size=$(stat -c %s "$log")
+        if ((size != last)); then
+            last=$size
+            quiet_since=$SECONDS
+        elif ((SECONDS - quiet_since >= stall_timeout)); then
+            boot_stalled=1
+            kill "$tpid" 2>/dev/null || true
+            break
+        fi
+        sleep 1
+    done
+    wait "$tpid" || boot_rc=$?
+    rm -f "$pidfile"
+}
+
+# run_scenario KERNEL FILE -- boot one VM with KERNEL; writes
+# $run_dir/<kernel>/<name>.report (text for the console) and
+# $run_dir/<kernel>/<name>.counts ("PASSED FAILED WALL_SECONDS").
 run_scenario() {
-    local file="$1" name opt iommu=1 timeout="$default_timeout" mem=1G
+    local kernel="$1" file="$2" name opt iommu=1 timeout="$default_timeout" mem=1G
     local extra_cmdline=() needs=() errors=()
     name="$(basename "$file" .sh)"
-    local report="$run_dir/$name.report" log="$log_dir/$name.log"
-    local sdir="$run_dir/$name.d"
+    local kdir="$run_dir/$kernel"
+    local report="$kdir/$name.report" log="$log_dir/$kernel/$name.log"
+    local sdir="$kdir/$name.d"
 
     # Header options: "# vm: opt opt=value ..." lines.
     while read -r opt; do
@@ -174,7 +252,7 @@ run_scenario() {
             printf '  FAIL  %s\n' "${errors[@]/#/setup: }"
             printf '  scenario not started\n'
         } >"$report"
-        echo "0 ${#errors[@]}" >"$run_dir/$name.counts"
+        echo "0 ${#errors[@]} 0" >"$kdir/$name.counts"
         return 0
     fi
 
@@ -190,10 +268,13 @@ run_scenario() {
         printf 'TESTBED_IOMMU=%s\nTESTBED_GUEST_TIMEOUT=%s\n' "$iommu" "$guest_timeout"
     } >"$sdir/testbed.env"
     (cd "$sdir" && printf '%s\n' scenario.sh testbed.env |
-        cpio -o -H newc -R 0:0 --quiet) >"$run_dir/$name.cpio"
-    cat "$base_cpio" "$run_dir/$name.cpio" >"$run_dir/$name.initrd"
+        cpio -o -H newc -R 0:0 --quiet) >"$kdir/$name.cpio"
+    cat "${k_base[$kernel]}" "$kdir/$name.cpio" >"$kdir/$name.initrd"
 
-    local cmdline="console=ttyS0 panic=-1 quiet cryptomgr.notests"
+    # no_timer_check: under TCG on a loaded host the kernel's early check that
+    # the 8254 timer reaches the IO-APIC can stall the boot ("MP-BIOS bug:
+    # 8254 timer not connected to IO-APIC").
+    local cmdline="console=ttyS0 panic=-1 quiet cryptomgr.notests no_timer_check"
     if ((iommu)); then
         cmdline+=" intel_iommu=on iommu=pt"
     fi
@@ -206,33 +287,40 @@ run_scenario() {
         -nodefaults -no-user-config -display none -serial stdio -no-reboot
     )
     mapfile -t -O "${#qemu[@]}" qemu < <(vm_device_args "$iommu")
-    qemu+=(-kernel "$kernel" -initrd "$run_dir/$name.initrd" -append "$cmdline")
+    qemu+=(-kernel "${k_boot[$kernel]}" -initrd "$kdir/$name.initrd" -append "$cmdline")
     local a
     for a in "${qemu[@]}"; do
         # Quote only what needs it, so the line can be pasted into a shell.
         if [[ "$a" =~ ^[A-Za-z0-9_./:=,@+-]+$ ]]; then printf '%s ' "$a"; else printf '%q ' "$a"; fi
-    done >"$run_dir/$name.cmd"
+    done >"$kdir/$name.cmd"
 
-    local start end rc=0
+    local start end retry_note="" stalled_log="${log%.log}.stalled.log"
     start=$(date +%s.%N)
-    {
-        printf '# %s\n' "$(cat "$run_dir/$name.cmd")"
-    } >"$log"
-    timeout --kill-after=10 "$timeout" "${qemu[@]}" </dev/null >>"$log" 2>&1 &
-    local tpid=$!
-    echo "$tpid" >"$run_dir/$name.pid"
-    wait "$tpid" || rc=$?
-    rm -f "$run_dir/$name.pid"
+    printf '# %s\n' "$(cat "$kdir/$name.cmd")" >"$log"
+    boot_vm "$timeout" "$log" "$name" "$kdir/$name.pid" "${qemu[@]}"
+    if ((boot_stalled)); then
+        # A stall before the scenario started is the boot, not the code under
+        # test: boot once more, and say so. Never a third time.
+        mv "$log" "$stalled_log"
+        retry_note="no progress for $stall_timeout s before the scenario started; booted again once (console of the stalled boot: $stalled_log)"
+        printf 'vm[%s]: %s: no progress for %s s before the scenario started; retrying once\n' \
+            "$kernel" "$name" "$stall_timeout" >&2
+        echo "$kernel/$name" >"$kdir/$name.retried"
+        printf '# %s\n' "$(cat "$kdir/$name.cmd")" >"$log"
+        boot_vm "$timeout" "$log" "$name" "$kdir/$name.pid" "${qemu[@]}"
+    fi
     end=$(date +%s.%N)
 
     # Parse the console log. Lines may carry \r from the serial console.
-    tr -d '\r' <"$log" | awk -v name="$name" -v rc="$rc" -v timeout="$timeout" \
+    tr -d '\r' <"$log" | awk -v name="$name" -v rc="$boot_rc" -v timeout="$timeout" \
+        -v stalled="$boot_stalled" -v stall_timeout="$stall_timeout" -v retry_note="$retry_note" \
         -v wall="$(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.1f", b - a }')" \
-        -v counts="$run_dir/$name.counts" '
+        -v counts="$kdir/$name.counts" '
         function upt(line,   m) {
             if (match(line, /uptime=[0-9.]+/)) return substr(line, RSTART + 7, RLENGTH - 7)
             return ""
         }
+        BEGIN { if (retry_note != "") out = sprintf("  RETRY %s\n", retry_note) }
         {
             line = $0
             if ((i = index(line, "TESTBED STEP PASS " name ": ")) > 0) {
@@ -259,7 +347,11 @@ run_scenario() {
         }
         END {
             extra = 0
-            if (rc == 124 || rc == 137) {
+            if (stalled) {
+                extra++
+                out = out sprintf("  FAIL  stalled: no progress for %s s before the scenario started, %s; QEMU killed\n", \
+                    stall_timeout, retry_note != "" ? "again after one retry" : "no retry left")
+            } else if (rc == 124 || rc == 137) {
                 extra++; out = out sprintf("  FAIL  timeout: no end after %s s; QEMU killed\n", timeout)
             } else if (!ended) {
                 extra++
@@ -284,33 +376,41 @@ run_scenario() {
                 timing = timing sprintf(" (boot to ready %.1f s, scenario %.1f s; guest uptime at ready %.1f s)", wall - run, run, ready)
             }
             printf "%s%s\n", out, timing
-            printf "%d %d\n", passed, failed + extra > counts
+            printf "%d %d %s\n", passed, failed + extra, wall > counts
         }' >"$report"
 }
 
 # ---- schedule -----------------------------------------------------------------------
 total_passed=0
 total_failed=0
-declare -A pid_name=()
+declare -A pid_job=() k_passed=() k_failed=() k_wall=() k_count=()
+for k in "${kernels[@]}"; do
+    k_passed[$k]=0 k_failed[$k]=0 k_wall[$k]=0 k_count[$k]=0
+done
 
+# finish_one KERNEL NAME -- print the report of one scenario run and count it.
 finish_one() {
-    local name="$1" p=0 f=1
-    echo "vm: scenario $name"
-    if [[ -f "$run_dir/$name.report" && -f "$run_dir/$name.counts" ]]; then
-        cat "$run_dir/$name.report"
-        read -r p f <"$run_dir/$name.counts"
+    local k="$1" name="$2" p=0 f=1 w=0 log="$log_dir/$1/$2.log"
+    echo "vm[$k]: scenario $name"
+    if [[ -f "$run_dir/$k/$name.report" && -f "$run_dir/$k/$name.counts" ]]; then
+        cat "$run_dir/$k/$name.report"
+        read -r p f w <"$run_dir/$k/$name.counts"
     else
         echo "  FAIL  harness: the scenario run produced no report"
     fi
     total_passed=$((total_passed + p))
     total_failed=$((total_failed + f))
+    k_passed[$k]=$((k_passed[$k] + p))
+    k_failed[$k]=$((k_failed[$k] + f))
+    k_wall[$k]=$(awk -v a="${k_wall[$k]}" -v b="${w:-0}" 'BEGIN { printf "%.1f", a + b }')
+    k_count[$k]=$((k_count[$k] + 1))
     if ((f)); then
-        echo "  log: $log_dir/$name.log (last lines below)"
-        if [[ -f "$log_dir/$name.log" ]]; then
-            tr -d '\r' <"$log_dir/$name.log" | grep -v '^# qemu-system' | tail -n 25 | sed 's/^/  | /'
+        echo "  log: $log (last lines below)"
+        if [[ -f "$log" ]]; then
+            tr -d '\r' <"$log" | grep -v '^# qemu-system' | tail -n 25 | sed 's/^/  | /'
         fi
     else
-        echo "  log: $log_dir/$name.log"
+        echo "  log: $log"
     fi
 }
 
@@ -323,29 +423,45 @@ for f in "${scenarios[@]}"; do
     names+=("$n")
 done
 
-vm_log "running ${#scenarios[@]} scenario(s), up to $jobs at a time, kernel $KERNEL_VERSION"
+kernel_desc=()
+for k in "${kernels[@]}"; do kernel_desc+=("$k (${k_version[$k]})"); done
+vm_log "running ${#scenarios[@]} scenario(s) on ${#kernels[@]} kernel(s), up to $jobs at a time: ${kernel_desc[*]}"
 run_t0=$(date +%s.%N)
 # reap_while_more_than N -- collect finished scenarios until at most N run.
 reap_while_more_than() {
     local done_pid
-    while ((${#pid_name[@]} > $1)); do
+    while ((${#pid_job[@]} > $1)); do
         done_pid=""
-        wait -n -p done_pid "${!pid_name[@]}" || true
+        wait -n -p done_pid "${!pid_job[@]}" || true
         [[ -n "$done_pid" ]] || continue
-        finish_one "${pid_name[$done_pid]}"
-        unset "pid_name[$done_pid]"
+        # "<kernel> <name>": two words by construction.
+        # shellcheck disable=SC2086
+        finish_one ${pid_job[$done_pid]}
+        unset "pid_job[$done_pid]"
     done
 }
-for f in "${scenarios[@]}"; do
-    reap_while_more_than $((jobs - 1))
-    name="$(basename "$f" .sh)"
-    vm_log "starting $name"
-    run_scenario "$f" &
-    pid_name[$!]="$name"
+for k in "${kernels[@]}"; do
+    for f in "${scenarios[@]}"; do
+        reap_while_more_than $((jobs - 1))
+        name="$(basename "$f" .sh)"
+        vm_log "[$k] starting $name"
+        run_scenario "$k" "$f" &
+        pid_job[$!]="$k $name"
+    done
 done
 reap_while_more_than 0
 
 vm_log "all scenarios done in $(awk -v a="$run_t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
+retried=()
+for k in "${kernels[@]}"; do
+    for f in "$run_dir/$k"/*.retried; do
+        [[ -f "$f" ]] && retried+=("$(cat "$f")")
+    done
+    echo "vm[$k]: ${k_passed[$k]} passed, ${k_failed[$k]} failed (kernel ${k_version[$k]}, ${k_count[$k]} scenarios, ${k_wall[$k]} s of VM wall time)"
+done
+if ((${#retried[@]})); then
+    echo "vm: RETRIED ${#retried[@]} boot(s) that stalled before the scenario started: ${retried[*]}"
+fi
 if ((total_passed + total_failed == 0)); then
     total_failed=1
     echo "vm: no step ran"

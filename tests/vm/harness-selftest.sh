@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Self-test of the VM harness's no-progress watchdog (scripts/vm/run.sh).
+#
+# Puts a fake qemu-system-x86_64 first on PATH and runs four scenarios
+# through the real run.sh (real kernel fetch and initramfs, --stall-timeout 3)
+# whose "guest" behaves as named:
+#   slow-boot          prints a line every second for 6 s, then passes:
+#                      slow but alive, so it must not be retried
+#   stall-once         prints nothing after its first line on the first boot,
+#                      passes on the second: retried exactly once, said so
+#   stall-always       stalls on every boot: retried once, then fails
+#   stall-after-start  stalls after "TESTBED START": never retried, fails on
+#                      its hard timeout (a retry could hide a real bug)
+# Checks each report, how often the fake was booted per scenario, the loud
+# retry messages and the totals. Takes about 15 s.
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+tmp="$(mktemp -d "${TMPDIR:-/tmp}/vm-selftest.XXXXXX")"
+trap 'rm -rf "$tmp"' EXIT
+mkdir -p "$tmp/bin" "$tmp/state" "$tmp/scenarios" "$tmp/logs"
+
+cat >"$tmp/bin/qemu-system-x86_64" <<'FAKE'
+#!/usr/bin/env bash
+# Fake QEMU: the scenario name comes from the -initrd path (<name>.initrd).
+set -u
+name=""
+while (($#)); do
+    [[ "$1" == -initrd ]] && { name="$(basename "$2" .initrd)"; shift; }
+    shift
+done
+count_file="$FAKE_QEMU_STATE/$name.count"
+n=$(($(cat "$count_file" 2>/dev/null || echo 0) + 1))
+echo "$n" >"$count_file"
+protocol() {
+    echo "TESTBED BOOT $name: uptime=1.0 kernel=fake"
+    echo "TESTBED READY $name: uptime=1.5 CARD_FN0=fake"
+    echo "TESTBED START $name: uptime=1.6"
+    echo "TESTBED STEP PASS $name: fake step"
+    [[ "$1" == stall ]] && exec sleep 600
+    echo "TESTBED SUMMARY $name: passed=1 failed=0"
+    echo "TESTBED END $name: uptime=2.0"
+}
+echo "fake qemu boot $n of $name"
+case "$name" in
+    slow-boot)
+        for i in 1 2 3 4 5 6; do echo "early boot, second $i"; sleep 1; done
+        protocol end ;;
+    stall-once) ((n == 1)) && exec sleep 600; protocol end ;;
+    stall-always) exec sleep 600 ;;
+    stall-after-start) protocol stall ;;
+    *) echo "fake qemu: unknown scenario '$name'" ;;
+esac
+FAKE
+chmod +x "$tmp/bin/qemu-system-x86_64"
+
+for s in slow-boot stall-once stall-always stall-after-start; do
+    printf '# Harness self-test scenario; the fake QEMU plays the guest.\n' >"$tmp/scenarios/$s.sh"
+done
+printf '# vm: timeout=8\n' >>"$tmp/scenarios/stall-after-start.sh"
+
+failures=0
+check() { # check NAME CONDITION-STATUS
+    if [[ "$2" == 0 ]]; then
+        echo "selftest: PASS $1"
+    else
+        echo "selftest: FAIL $1"
+        failures=$((failures + 1))
+    fi
+}
+has() { grep -qF -- "$2" <<<"$1" && echo 0 || echo 1; }
+lacks() { grep -qF -- "$2" <<<"$1" && echo 1 || echo 0; }
+# section NAME -- the report of one scenario in the run's output.
+section() {
+    awk -v h="vm[bookworm]: scenario $1" '$0 == h { on = 1; next } /^vm[:[]/ { on = 0 } on' "$tmp/out"
+}
+boots() { cat "$tmp/state/$1.count" 2>/dev/null || echo 0; }
+
+echo "selftest: running scripts/vm/run.sh with a fake QEMU (stall timeout 3 s)"
+rc=0
+PATH="$tmp/bin:$PATH" FAKE_QEMU_STATE="$tmp/state" VM_LOG_DIR="$tmp/logs" \
+    "$repo_root/scripts/vm/run.sh" --no-build --kernel bookworm --stall-timeout 3 -j 4 \
+    "$tmp"/scenarios/*.sh >"$tmp/out" 2>"$tmp/err" || rc=$?
+sed 's/^/  | /' "$tmp/out"
+grep -F 'retrying once' "$tmp/err" | sed 's/^/  | /' || true
+
+check "run.sh fails (two scenarios must fail)" "$([[ $rc != 0 ]]; echo $?)"
+
+out="$(section slow-boot)"
+check "slow-boot: booted once" "$([[ $(boots slow-boot) == 1 ]]; echo $?)"
+check "slow-boot: passes" "$(has "$out" "PASS  fake step")"
+check "slow-boot: no retry" "$(lacks "$out" RETRY)"
+check "slow-boot: no failure" "$(lacks "$out" FAIL)"
+
+out="$(section stall-once)"
+check "stall-once: booted exactly twice" "$([[ $(boots stall-once) == 2 ]]; echo $?)"
+check "stall-once: report says it was retried" \
+    "$(has "$out" "RETRY no progress for 3 s before the scenario started; booted again once")"
+check "stall-once: passes on the second boot" "$(has "$out" "PASS  fake step")"
+check "stall-once: no failure" "$(lacks "$out" FAIL)"
+check "stall-once: retry announced on stderr" \
+    "$(has "$(cat "$tmp/err")" "vm[bookworm]: stall-once: no progress for 3 s before the scenario started; retrying once")"
+check "stall-once: stalled boot's console kept" "$([[ -f $tmp/logs/bookworm/stall-once.stalled.log ]]; echo $?)"
+
+out="$(section stall-always)"
+check "stall-always: booted exactly twice" "$([[ $(boots stall-always) == 2 ]]; echo $?)"
+check "stall-always: fails as stalled after the retry" \
+    "$(has "$out" "FAIL  stalled: no progress for 3 s before the scenario started, again after one retry")"
+
+out="$(section stall-after-start)"
+check "stall-after-start: booted once" "$([[ $(boots stall-after-start) == 1 ]]; echo $?)"
+check "stall-after-start: no retry" "$(lacks "$out" RETRY)"
+check "stall-after-start: fails on its timeout" "$(has "$out" "FAIL  timeout: no end after 8 s")"
+
+all="$(cat "$tmp/out")"
+check "summary names the retried boots" \
+    "$(has "$all" "vm: RETRIED 2 boot(s) that stalled before the scenario started: bookworm/stall-always bookworm/stall-once")"
+check "per-kernel total" "$(has "$all" "vm[bookworm]: 3 passed, 3 failed")"
+check "final total" "$([[ $(tail -n 1 "$tmp/out") == "vm: 3 passed, 3 failed" ]]; echo $?)"
+
+if ((failures)); then
+    echo "selftest: $failures check(s) failed"
+    exit 1
+fi
+echo "selftest: all checks passed"
