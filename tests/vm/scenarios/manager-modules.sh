@@ -20,6 +20,17 @@ for m in vfio vfio_pci vfio_iommu_type1; do
     step "$m loaded by run" -- module_loaded "$m"
 done
 expect_contains "run logged the module loads" /tmp/run.log "loaded module"
+# Loaded from the files modules.dep names, as the kernel package ships them:
+# .ko on Debian 12's 6.1, .ko.xz on Debian 13's 6.12 (finit_module with
+# MODULE_INIT_COMPRESSED_FILE; the kernel decompresses).
+vfio_file=$(sed -n 's#^\([^:]*/vfio\.ko[^:]*\):.*#\1#p' "/lib/modules/$(uname -r)/modules.dep")
+expect_ne "modules.dep lists vfio" "$vfio_file" ""
+expect_contains "run loaded vfio from $vfio_file as shipped" /tmp/run.log "file=/lib/modules/$(uname -r)/$vfio_file"
+case "$vfio_file" in
+    *.ko) pass "this kernel ships its modules uncompressed" ;;
+    *) expect_eq "the kernel decompresses ${vfio_file##*.} modules itself" \
+        "$(cat /sys/module/compression 2>/dev/null)" "${vfio_file##*.}" ;;
+esac
 expect_driver "CARD_FN0 on vfio-pci" "$CARD_FN0" vfio-pci
 expect_driver "SOLO_NIC on vfio-pci" "$SOLO_NIC" vfio-pci
 
