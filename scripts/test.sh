@@ -18,5 +18,7 @@ python3 -m venv .cache/grpc-venv
 cargo build --locked -p sandbox-device-plugin -p kubelet-peer
 .cache/grpc-venv/bin/python tests/grpc-interop/grpc_core_client.py \
     --plugin target/debug/sandbox-device-plugin --peer target/debug/kubelet-peer
-echo "==== real-kernel scenarios (QEMU), and the demo so it cannot rot"
-scripts/vm/run.sh tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
+echo "==== VM harness self-test (stall watchdog, fake QEMU)"
+tests/vm/harness-selftest.sh
+echo "==== real-kernel scenarios (QEMU) on Debian 12 and 13 kernels, and the demo so it cannot rot"
+scripts/vm/run.sh --kernel bookworm,trixie tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
