@@ -41,6 +41,21 @@ pub enum ModuleError {
         /// The `modules.dep` searched.
         path: PathBuf,
     },
+    /// The kernel cannot decompress a compressed module file itself.
+    #[error(
+        "failed to load module {module} from {}: the kernel does not decompress modules itself \
+         (it needs CONFIG_MODULE_DECOMPRESS, Linux 5.17 or later)",
+        file.display()
+    )]
+    LoadCompressed {
+        /// The module.
+        module: String,
+        /// The compressed file (`.ko.xz`, `.ko.zst`, `.ko.gz`).
+        file: PathBuf,
+        /// The syscall failure.
+        #[source]
+        source: SyscallError,
+    },
     /// The kernel refused to load it.
     #[error("failed to load module {module}")]
     Load {
@@ -145,6 +160,11 @@ pub fn kernel_release() -> String {
 
 /// Loads `name` and its dependencies from `<modules>/<release>`, skipping those
 /// already loaded. Returns the modules actually loaded, in order.
+///
+/// Files are loaded as `modules.dep` names them, compressed ones (`.ko.xz` on Debian 13)
+/// included: [`Kernel::load_module`] asks the kernel to decompress them
+/// (`MODULE_INIT_COMPRESSED_FILE`); a kernel that cannot is reported as
+/// [`ModuleError::LoadCompressed`].
 pub fn load(
     host: &Host,
     kernel: &dyn Kernel,
@@ -181,6 +201,16 @@ pub fn load(
             }
             // Loaded meanwhile (or built in): fine.
             Err(e) if e.errno() == Some(nix::errno::Errno::EEXIST) => {}
+            Err(source)
+                if source.errno() == Some(nix::errno::Errno::EOPNOTSUPP)
+                    && crate::kernel::is_compressed(&path) =>
+            {
+                return Err(ModuleError::LoadCompressed {
+                    module: file.name,
+                    file: path,
+                    source,
+                })
+            }
             Err(source) => {
                 return Err(ModuleError::Load {
                     module: file.name,
@@ -250,6 +280,90 @@ garbage line without colon
             order[4].path,
             PathBuf::from("kernel/drivers/vfio/pci/vfio-pci.ko.xz")
         );
+    }
+
+    /// Records the files it is asked to load; answers each with `answer`.
+    struct LoadRecorder {
+        loaded: std::cell::RefCell<Vec<PathBuf>>,
+        answer: Option<nix::errno::Errno>,
+    }
+
+    impl Kernel for LoadRecorder {
+        fn write(&self, _path: &Path, _data: &str) -> Result<(), IoError> {
+            Ok(())
+        }
+        fn load_module(&self, name: &str, file: &Path) -> Result<(), SyscallError> {
+            self.loaded.borrow_mut().push(file.to_path_buf());
+            match self.answer {
+                None => Ok(()),
+                Some(errno) => Err(SyscallError::Kernel {
+                    call: "finit_module",
+                    target: name.to_owned(),
+                    errno,
+                }),
+            }
+        }
+        fn unload_module(&self, _name: &str) -> Result<(), SyscallError> {
+            Ok(())
+        }
+        fn group_in_use(&self, _node: &Path) -> Result<bool, IoError> {
+            Ok(false)
+        }
+    }
+
+    /// A host whose modules tree holds [`DEP`] for release `6.12.0-test`.
+    fn host_with_dep(dir: &Path) -> Host {
+        let release = dir.join("modules/6.12.0-test");
+        std::fs::create_dir_all(&release).unwrap();
+        std::fs::write(release.join("modules.dep"), DEP).unwrap();
+        std::fs::create_dir_all(dir.join("sys/module")).unwrap();
+        Host::new(dir.join("sys"), dir.join("dev"), dir.join("modules"))
+    }
+
+    #[test]
+    fn loads_compressed_files_as_modules_dep_names_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = host_with_dep(dir.path());
+        let kernel = LoadRecorder {
+            loaded: Default::default(),
+            answer: None,
+        };
+        let loaded = load(&host, &kernel, "6.12.0-test", "vfio-pci").unwrap();
+        assert_eq!(
+            loaded,
+            [
+                "irqbypass",
+                "vfio_iommu_type1",
+                "vfio",
+                "vfio_pci_core",
+                "vfio_pci"
+            ]
+        );
+        let release = dir.path().join("modules/6.12.0-test");
+        assert_eq!(
+            kernel.loaded.borrow()[4],
+            release.join("kernel/drivers/vfio/pci/vfio-pci.ko.xz")
+        );
+        assert!(kernel
+            .loaded
+            .borrow()
+            .iter()
+            .all(|f| crate::kernel::is_compressed(f)));
+    }
+
+    #[test]
+    fn a_kernel_that_cannot_decompress_is_named_as_the_cause() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = host_with_dep(dir.path());
+        let kernel = LoadRecorder {
+            loaded: Default::default(),
+            answer: Some(nix::errno::Errno::EOPNOTSUPP),
+        };
+        let err = load(&host, &kernel, "6.12.0-test", "vfio").unwrap_err();
+        assert!(matches!(err, ModuleError::LoadCompressed { .. }), "{err:?}");
+        let msg = err.to_string();
+        assert!(msg.contains("vfio.ko.xz"), "{msg}");
+        assert!(msg.contains("CONFIG_MODULE_DECOMPRESS"), "{msg}");
     }
 
     #[test]
