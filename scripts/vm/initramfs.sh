@@ -123,10 +123,16 @@ softdeps_of() {
 }
 
 builtin_list="$KERNEL_MODULES/modules.builtin"
+# One awk over the file, no pipe: "sed | grep -q" under pipefail fails when
+# grep exits at its first match while sed is still writing (SIGPIPE), which
+# happened on a loaded host and dropped a built-in module into "not found".
 is_builtin() {
-    local n="${1//-/_}"
     [[ -f "$builtin_list" ]] &&
-        sed 's/-/_/g' "$builtin_list" | grep -Eq "/${n}\.ko$"
+        awk -v n="${1//-/_}" '
+            { gsub(/-/, "_") }
+            substr($0, length($0) - length(n) - 3) == "/" n ".ko" { found = 1; exit }
+            END { exit !found }
+        ' "$builtin_list"
 }
 
 wanted=()
