@@ -12,7 +12,7 @@
 #   stall-after-start  stalls after "TESTBED START": never retried, fails on
 #                      its hard timeout (a retry could hide a real bug)
 # Checks each report, how often the fake was booted per scenario, the loud
-# retry messages and the totals. Takes about 15 s.
+# retry messages and the totals. Takes about 10 s.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
