@@ -134,6 +134,20 @@ if ((keep_logs == 0)); then
     rm -rf "${log_dir:?}"/*
 fi
 run_dir="$(mktemp -d "$work_dir/run.XXXXXX")"
+cleanup() {
+    local p f
+    # Stop the VMs still running (each "timeout" passes the signal to QEMU).
+    for f in "$run_dir"/*/*.pid; do
+        [[ -f "$f" ]] || continue
+        read -r p <"$f" || continue
+        kill "$p" 2>/dev/null || true
+    done
+    # Let the scenario jobs notice and finish before their files go away.
+    wait 2>/dev/null || true
+    if ((keep_logs == 0)); then rm -rf "$run_dir"; fi
+}
+trap cleanup EXIT
+trap 'vm_log "interrupted"; exit 130' INT TERM
 
 declare -A k_version=() k_boot=() k_base=()
 # prepare_kernel SUITE -- fetch the kernel of SUITE and assemble its base
@@ -165,20 +179,6 @@ for k in "${kernels[@]}"; do
 done
 
 # ---- per-scenario run ---------------------------------------------------------------
-cleanup() {
-    local p f
-    # Stop the VMs still running (each "timeout" passes the signal to QEMU).
-    for f in "$run_dir"/*/*.pid; do
-        [[ -f "$f" ]] || continue
-        read -r p <"$f" || continue
-        kill "$p" 2>/dev/null || true
-    done
-    # Let the scenario jobs notice and finish before their files go away.
-    wait 2>/dev/null || true
-    if ((keep_logs == 0)); then rm -rf "$run_dir"; fi
-}
-trap cleanup EXIT
-trap 'vm_log "interrupted"; exit 130' INT TERM
 
 has_binary() {
     local n
