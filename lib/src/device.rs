@@ -241,18 +241,10 @@ fn read_group(dir: &Path) -> Result<Option<u32>, DeviceError> {
     let path = dir.join("iommu_group");
     match link_name(&path)? {
         None => Ok(None),
-        Some(name) => parse_group(&name)
+        Some(name) => parse_decimal(&name)
             .map(Some)
             .ok_or_else(|| parse_error(&path, &name, "a link to an IOMMU group number")),
     }
-}
-
-/// Parses the name an `iommu_group` link points at (`.../iommu_groups/17` → 17).
-pub fn parse_group(name: &str) -> Option<u32> {
-    if name.is_empty() || !name.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    name.parse().ok()
 }
 
 /// The IOMMU group of the device at `address`, read on its own (for naming the group
@@ -273,14 +265,16 @@ fn read_numa(dir: &Path) -> Result<Option<u32>, DeviceError> {
 fn read_count(path: &Path) -> Result<Option<u32>, DeviceError> {
     match read_optional_attribute(path)? {
         None => Ok(None),
-        Some(text) => parse_count(&text)
+        Some(text) => parse_decimal(&text)
             .map(Some)
             .ok_or_else(|| parse_error(path, &text, "a decimal count")),
     }
 }
 
-/// Parses a decimal count such as `sriov_numvfs` (`4`); no sign, no spaces.
-pub fn parse_count(text: &str) -> Option<u32> {
+/// Parses an unsigned decimal number, no sign, no spaces: a count such as
+/// `sriov_numvfs` (`4`), or the group an `iommu_group` link names
+/// (`.../iommu_groups/17` → 17).
+pub fn parse_decimal(text: &str) -> Option<u32> {
     if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
@@ -392,8 +386,7 @@ mod tests {
                 let _ = parse_hex(&text);
                 let _ = parse_numa_node(&text);
                 let _ = parse_driver_override(&text);
-                let _ = parse_group(&text);
-                let _ = parse_count(&text);
+                let _ = parse_decimal(&text);
                 let _ = parse_upstream(Path::new(&text));
             }
 
@@ -403,16 +396,14 @@ mod tests {
                 let _ = parse_hex(&text);
                 let _ = parse_numa_node(&text);
                 let _ = parse_driver_override(&text);
-                let _ = parse_group(&text);
-                let _ = parse_count(&text);
+                let _ = parse_decimal(&text);
             }
 
             #[test]
             fn parsers_read_back_what_the_kernel_prints(v in any::<u32>(), n in 0..=i64::from(u32::MAX)) {
                 prop_assert_eq!(parse_hex(&format!("0x{v:04x}\n")), Some(v));
                 prop_assert_eq!(parse_numa_node(&format!("{n}\n")), Some(u32::try_from(n).ok()));
-                prop_assert_eq!(parse_group(&v.to_string()), Some(v));
-                prop_assert_eq!(parse_count(&v.to_string()), Some(v));
+                prop_assert_eq!(parse_decimal(&v.to_string()), Some(v));
             }
 
             /// Arbitrary bytes in any one attribute: the read succeeds or fails with an
