@@ -133,14 +133,9 @@ pub fn parse_duration_or_zero(s: &str) -> Result<Duration, String> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let value: f64 = match num.parse() {
-        Ok(v) => v,
-        Err(_) => {
-            return Err(format!(
-                "{s:?} is not a duration (use e.g. 90s, 5m, 500ms or seconds)"
-            ))
-        }
-    };
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (use e.g. 90s, 5m, 500ms or seconds)"))?;
     let scale = match unit {
         "" | "s" => 1.0,
         "ms" => 0.001,

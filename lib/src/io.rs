@@ -146,16 +146,17 @@ pub fn read_attribute(path: &Path) -> Result<String, IoError> {
 
 /// Reads a sysfs attribute with [`read_attribute`], `None` when it does not exist.
 pub fn read_optional_attribute(path: &Path) -> Result<Option<String>, IoError> {
-    match read_attribute(path) {
-        Ok(s) => Ok(Some(s)),
-        Err(e) if e.is_not_found() => Ok(None),
-        Err(e) => Err(e),
-    }
+    absent_is_none(read_attribute(path))
 }
 
 /// Reads a small text file, `None` when it does not exist.
 pub fn read_optional(path: &Path) -> Result<Option<String>, IoError> {
-    match read_trimmed(path) {
+    absent_is_none(read_trimmed(path))
+}
+
+/// A read whose file did not exist as `None`.
+fn absent_is_none(read: Result<String, IoError>) -> Result<Option<String>, IoError> {
+    match read {
         Ok(s) => Ok(Some(s)),
         Err(e) if e.is_not_found() => Ok(None),
         Err(e) => Err(e),
