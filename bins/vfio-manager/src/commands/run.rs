@@ -78,7 +78,8 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     pt.prepare(&inv, &args.unload_modules)?;
     let mut skipped = Reported::default();
     let mut converged = converge(&mut pt, &list, args, false, &mut skipped)?;
-    let mut next_resync = later(args.resync_interval);
+    // parse_duration caps the interval (cli::MAX_DURATION), so this cannot overflow.
+    let mut next_resync = Instant::now() + args.resync_interval;
     let mut pending: Option<Instant> = None;
     loop {
         let deadline = pending.unwrap_or(next_resync).min(next_resync);
@@ -94,7 +95,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         let now = Instant::now();
         if pending.is_some_and(|p| now >= p) || now >= next_resync {
             pending = None;
-            next_resync = later(args.resync_interval);
+            next_resync = now + args.resync_interval;
             match converge(&mut pt, &list, args, converged, &mut skipped) {
                 Ok(c) => converged = c,
                 // A device vanishing mid-scan, a module that fails to load: log it and
@@ -190,14 +191,6 @@ fn converge(
         }
     }
     Ok(converged)
-}
-
-/// `d` from now, or a year from now when `d` is too long for the clock.
-fn later(d: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(d)
-        .or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600)))
-        .unwrap_or(now)
 }
 
 fn unix_now() -> u64 {
