@@ -292,6 +292,51 @@ impl Inventory {
     }
 }
 
+/// Which skipped devices a long-running caller has already reported, so that each is
+/// reported once per reason rather than on every rescan. A device that can be read
+/// again is forgotten, and reported anew if it breaks again.
+#[derive(Debug, Default)]
+pub struct SkipLog {
+    reported: BTreeMap<PciAddress, String>,
+}
+
+/// What changed since the last [`SkipLog::note`].
+#[derive(Debug, Default)]
+pub struct SkipNews<'a> {
+    /// Skipped devices not reported yet, or whose reason changed.
+    pub new: Vec<&'a Skipped>,
+    /// Devices reported before that are no longer skipped.
+    pub recovered: Vec<PciAddress>,
+}
+
+impl SkipLog {
+    /// Takes the skipped devices of a fresh scan; returns what to report.
+    pub fn note<'a>(&mut self, skipped: &'a [Skipped]) -> SkipNews<'a> {
+        let mut news = SkipNews::default();
+        let mut reported = BTreeMap::new();
+        for s in skipped {
+            let message = s.to_string();
+            if self.reported.get(&s.address) != Some(&message) {
+                news.new.push(s);
+            }
+            reported.insert(s.address, message);
+        }
+        news.recovered = self
+            .reported
+            .keys()
+            .filter(|a| !reported.contains_key(a))
+            .copied()
+            .collect();
+        self.reported = reported;
+        news
+    }
+
+    /// True when no skipped device is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.reported.is_empty()
+    }
+}
+
 /// Reads every member of `group`, taking already-read devices from `known`. Returns the
 /// members read and a skipped record per member that could not be; an error when the
 /// member list itself cannot be read.

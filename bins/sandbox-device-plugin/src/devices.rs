@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use vfio_sandbox::config::{ResourceList, ResourceName};
 use vfio_sandbox::device::DeviceError;
-use vfio_sandbox::inventory::{Inventory, Skipped};
+use vfio_sandbox::inventory::{Inventory, SkipLog, Skipped};
 use vfio_sandbox::{Host, PciAddress};
 
 /// One advertised device.
@@ -53,8 +53,8 @@ pub type Snapshot = BTreeMap<ResourceName, Vec<DeviceState>>;
 #[derive(Debug, Default)]
 pub struct Tracker {
     known: BTreeMap<ResourceName, BTreeMap<PciAddress, DeviceState>>,
-    /// Skipped devices already logged, with the message logged.
-    reported: BTreeMap<PciAddress, String>,
+    /// Skipped devices already logged.
+    skip_log: SkipLog,
 }
 
 impl Tracker {
@@ -135,20 +135,11 @@ impl Tracker {
     /// The skipped devices not logged yet (or whose reason changed); a device that can
     /// be read again is forgotten, so it is logged again if it breaks again.
     fn note_skipped<'a>(&mut self, skipped: &'a [Skipped]) -> Vec<&'a Skipped> {
-        let mut new = Vec::new();
-        let mut reported = BTreeMap::new();
-        for s in skipped {
-            let message = s.to_string();
-            if self.reported.get(&s.address) != Some(&message) {
-                new.push(s);
-            }
-            reported.insert(s.address, message);
-        }
-        for address in self.reported.keys().filter(|a| !reported.contains_key(a)) {
+        let news = self.skip_log.note(skipped);
+        for address in news.recovered {
             tracing::info!(bdf = %address, "a device skipped before can be read again");
         }
-        self.reported = reported;
-        new
+        news.new
     }
 }
 
@@ -299,7 +290,7 @@ mod tests {
             health(&s),
             [("0000:01:00.0".into(), None), ("0000:02:00.0".into(), None)]
         );
-        assert!(t.reported.is_empty());
+        assert!(t.skip_log.is_empty());
     }
 
     #[test]

@@ -18,7 +18,7 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use vfio_sandbox::cli::parse_duration;
 use vfio_sandbox::error_chain;
-use vfio_sandbox::inventory::Inventory;
+use vfio_sandbox::inventory::{Inventory, SkipLog};
 use vfio_sandbox::io::write_atomic;
 use vfio_sandbox::kernel::SysKernel;
 use vfio_sandbox::module::kernel_release;
@@ -76,7 +76,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     };
     let inv = Inventory::scan(&ctx.host, &list)?;
     pt.prepare(&inv, &args.unload_modules)?;
-    let mut skipped = Reported::default();
+    let mut skipped = SkipLog::default();
     let mut converged = converge(&mut pt, &list, args, false, &mut skipped)?;
     // parse_duration caps the interval (cli::MAX_DURATION), so this cannot overflow.
     let mut next_resync = Instant::now() + args.resync_interval;
@@ -131,10 +131,6 @@ fn remove_ready_file(path: &std::path::Path) -> anyhow::Result<()> {
     }
 }
 
-/// Skipped devices already logged, with the reason logged: each is logged once, and
-/// again only when its reason changes.
-type Reported = std::collections::BTreeMap<vfio_sandbox::PciAddress, String>;
-
 /// One pass: rescan, bind what is not bound, keep the ready file true. Returns whether
 /// every readable selected device and companion is on its driver; `was` is the
 /// previous answer. A device that cannot be read is left out (its group with it) and
@@ -144,17 +140,12 @@ fn converge(
     list: &vfio_sandbox::config::ResourceList,
     args: &Args,
     was: bool,
-    reported: &mut Reported,
+    skip_log: &mut SkipLog,
 ) -> anyhow::Result<bool> {
     let inv = Inventory::scan(pt.host, list)?;
-    for s in &inv.skipped {
-        let why = s.to_string();
-        if reported.get(&s.address) != Some(&why) {
-            tracing::warn!(bdf = %s.address, reason = %why, "device left out: it cannot be read");
-            reported.insert(s.address, why);
-        }
+    for s in skip_log.note(&inv.skipped).new {
+        tracing::warn!(bdf = %s.address, reason = %s, "device left out: it cannot be read");
     }
-    reported.retain(|a, _| inv.skipped.iter().any(|s| s.address == *a));
     let needs_work = inv.entries.iter().any(|e| !e.is_bound());
     if needs_work {
         pt.load_modules(&target_drivers(&inv, &[]))?;
