@@ -450,7 +450,8 @@ impl Kernel for FakeKernel {
 /// What a [`FaultKernel`] does at its chosen point.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
-    /// The change fails (`EIO`) without taking effect; later ones succeed.
+    /// The change fails without taking effect (`EIO`; `ENOSPC` for a state save);
+    /// later ones succeed.
     Fail,
     /// The process stops right there, before the change: the call panics with
     /// [`Crashed`], which the test catches as a `kill -9`.
@@ -476,7 +477,8 @@ pub enum Point {
 /// module syscalls, state saves — failing or "crashing" at the chosen one.
 pub struct FaultKernel<'k> {
     inner: &'k dyn Kernel,
-    at: Option<(usize, Fault)>,
+    /// The point to fault at: its index among the points of one kind, or of all.
+    at: Option<(Option<Point>, usize, Fault)>,
     seen: RefCell<Vec<(Point, String)>>,
 }
 
@@ -485,7 +487,17 @@ impl<'k> FaultKernel<'k> {
     pub fn new(inner: &'k dyn Kernel, at: Option<(usize, Fault)>) -> Self {
         Self {
             inner,
-            at,
+            at: at.map(|(n, fault)| (None, n, fault)),
+            seen: RefCell::default(),
+        }
+    }
+
+    /// Passes everything through to `inner`, faulting at the `n`th (0-based) point of
+    /// kind `kind`, e.g. the second state save.
+    pub fn at_nth(inner: &'k dyn Kernel, kind: Point, n: usize, fault: Fault) -> Self {
+        Self {
+            inner,
+            at: Some((Some(kind), n, fault)),
             seen: RefCell::default(),
         }
     }
@@ -496,20 +508,32 @@ impl<'k> FaultKernel<'k> {
     }
 
     fn point(&self, kind: Point, what: String) -> Result<(), ()> {
-        let n = {
-            let mut seen = self.seen.borrow_mut();
+        let mut seen = self.seen.borrow_mut();
+        let Some((of, at, fault)) = self.at else {
             seen.push((kind, what));
-            seen.len() - 1
+            return Ok(());
         };
-        match self.at {
-            Some((at, Fault::Fail)) if at == n => Err(()),
-            Some((at, Fault::Crash)) if at == n => std::panic::panic_any(Crashed),
-            _ => Ok(()),
+        let n = match of {
+            None => seen.len(),
+            Some(k) if k == kind => seen.iter().filter(|(p, _)| *p == k).count(),
+            Some(_) => usize::MAX,
+        };
+        seen.push((kind, what));
+        drop(seen);
+        match fault {
+            _ if n != at => Ok(()),
+            Fault::Fail => Err(()),
+            Fault::Crash => std::panic::panic_any(Crashed),
         }
     }
 
     fn eio(path: &Path, action: Action) -> IoError {
         IoError::new(action, path, std::io::Error::from_raw_os_error(5))
+    }
+
+    /// A failed state save: `/run` is full.
+    fn enospc(path: &Path) -> IoError {
+        IoError::new(Action::Rename, path, std::io::Error::from_raw_os_error(28))
     }
 }
 
@@ -545,7 +569,7 @@ impl Kernel for FaultKernel<'_> {
 
     fn replace_file(&self, path: &Path, data: &[u8]) -> Result<(), IoError> {
         self.point(Point::Save, format!("save {}", path.display()))
-            .map_err(|()| Self::eio(path, Action::Rename))?;
+            .map_err(|()| Self::enospc(path))?;
         self.inner.replace_file(path, data)
     }
 

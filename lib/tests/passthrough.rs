@@ -6,7 +6,7 @@
 
 use vfio_sandbox::config::ResourceList;
 use vfio_sandbox::error_chain;
-use vfio_sandbox::fake::{FakeDevice, FakeKernel, FakeNode};
+use vfio_sandbox::fake::{FakeDevice, FakeKernel, FakeNode, Fault, FaultKernel, Point};
 use vfio_sandbox::inventory::Inventory;
 use vfio_sandbox::passthrough::Passthrough;
 use vfio_sandbox::state::StateFile;
@@ -414,41 +414,7 @@ fn rollback_restores_to_the_record_not_the_snapshot() {
 fn a_failed_save_mid_group_puts_the_group_back_and_says_so() {
     let mut b = bed();
     let inv = b.inv();
-    struct SecondSaveFails<'k>(&'k FakeKernel, std::cell::Cell<u32>);
-    impl vfio_sandbox::kernel::Kernel for SecondSaveFails<'_> {
-        fn write(&self, p: &std::path::Path, d: &str) -> Result<(), vfio_sandbox::io::IoError> {
-            self.0.write(p, d)
-        }
-        fn load_module(
-            &self,
-            n: &str,
-            f: &std::path::Path,
-        ) -> Result<(), vfio_sandbox::kernel::SyscallError> {
-            self.0.load_module(n, f)
-        }
-        fn unload_module(&self, n: &str) -> Result<(), vfio_sandbox::kernel::SyscallError> {
-            self.0.unload_module(n)
-        }
-        fn replace_file(
-            &self,
-            p: &std::path::Path,
-            d: &[u8],
-        ) -> Result<(), vfio_sandbox::io::IoError> {
-            self.1.set(self.1.get() + 1);
-            if self.1.get() == 2 {
-                return Err(vfio_sandbox::io::IoError::new(
-                    vfio_sandbox::io::Action::Rename,
-                    p,
-                    std::io::Error::from_raw_os_error(28),
-                ));
-            }
-            self.0.replace_file(p, d)
-        }
-        fn group_in_use(&self, n: &std::path::Path) -> Result<bool, vfio_sandbox::io::IoError> {
-            self.0.group_in_use(n)
-        }
-    }
-    let kernel = SecondSaveFails(&b.kernel, std::cell::Cell::new(0));
+    let kernel = FaultKernel::at_nth(&b.kernel, Point::Save, 1, Fault::Fail);
     let report = Passthrough {
         host: &b.node.host,
         kernel: &kernel,
