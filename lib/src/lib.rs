@@ -9,6 +9,8 @@
 pub mod address;
 #[cfg(feature = "cli")]
 pub mod cli;
+#[cfg(feature = "kube")]
+pub mod cluster;
 pub mod config;
 pub mod device;
 pub mod driver;

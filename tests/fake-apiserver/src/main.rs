@@ -1,0 +1,168 @@
+//! `fake-apiserver`: the stand-in API server as a process, for the real-kernel demo.
+//!
+//! `serve` answers until killed; `request` is a one-shot HTTP client so a shell
+//! script without curl can change objects (relabel a node, delete a DaemonSet).
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use fake_apiserver::{objects, paths, FakeApiServer};
+
+/// Command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "fake-apiserver",
+    version,
+    about = "A stand-in Kubernetes API server for tests and the demo"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve until killed.
+    Serve {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:6443")]
+        listen: SocketAddr,
+        /// Write a kubeconfig pointing at this server here.
+        #[arg(long, value_name = "FILE")]
+        kubeconfig: Option<std::path::PathBuf>,
+        /// A Node to serve (NAME).
+        #[arg(long)]
+        node: Option<String>,
+        /// A label of that Node (KEY=VALUE, repeatable).
+        #[arg(long = "label", value_name = "KEY=VALUE")]
+        labels: Vec<String>,
+        /// A DaemonSet (NAMESPACE/NAME) selecting nodes by the --selector labels.
+        #[arg(long, value_name = "NAMESPACE/NAME")]
+        daemonset: Option<String>,
+        /// The DaemonSet's node selector (KEY=VALUE, repeatable).
+        #[arg(long = "selector", value_name = "KEY=VALUE")]
+        selectors: Vec<String>,
+        /// A Pod (NAMESPACE/NAME) on the Node, owned by the DaemonSet.
+        #[arg(long, value_name = "NAMESPACE/NAME")]
+        pod: Option<String>,
+    },
+    /// Send one request and print the response body; exit 1 unless it is a 2xx.
+    Request {
+        /// The server, http://HOST:PORT.
+        #[arg(long, default_value = "http://127.0.0.1:6443")]
+        server: String,
+        /// GET, POST, PATCH, PUT or DELETE.
+        method: String,
+        /// The path, e.g. /api/v1/nodes/node-a.
+        path: String,
+        /// JSON body (a merge patch for PATCH).
+        body: Option<String>,
+    },
+}
+
+fn pairs(list: &[String]) -> anyhow::Result<Vec<(&str, &str)>> {
+    list.iter()
+        .map(|p| {
+            p.split_once('=')
+                .ok_or_else(|| anyhow::anyhow!("{p:?} is not KEY=VALUE"))
+        })
+        .collect()
+}
+
+fn split_ref(r: &str) -> anyhow::Result<(&str, &str)> {
+    r.split_once('/')
+        .ok_or_else(|| anyhow::anyhow!("{r:?} is not NAMESPACE/NAME"))
+}
+
+fn serve(cmd: &Command) -> anyhow::Result<()> {
+    let Command::Serve {
+        listen,
+        kubeconfig,
+        node,
+        labels,
+        daemonset,
+        selectors,
+        pod,
+    } = cmd
+    else {
+        unreachable!("serve is only called for Serve");
+    };
+    let server = FakeApiServer::start_on(*listen)?;
+    if let Some(node) = node {
+        server.put(&paths::node(node), objects::node(node, &pairs(labels)?));
+    }
+    if let Some(ds) = daemonset {
+        let (ns, name) = split_ref(ds)?;
+        server.put(
+            &paths::daemonset(ns, name),
+            objects::daemonset(ns, name, &pairs(selectors)?),
+        );
+        if let (Some(pod), Some(node)) = (pod, node) {
+            let (pns, pname) = split_ref(pod)?;
+            server.put(
+                &paths::pod(pns, pname),
+                objects::pod(pns, pname, node, name),
+            );
+        }
+    }
+    if let Some(path) = kubeconfig {
+        std::fs::write(path, fake_apiserver::kubeconfig(&server.url()))?;
+    }
+    eprintln!("fake-apiserver: serving {}", server.url());
+    loop {
+        std::thread::park();
+    }
+}
+
+fn request(server: &str, method: &str, path: &str, body: Option<&str>) -> anyhow::Result<bool> {
+    let host = server
+        .strip_prefix("http://")
+        .ok_or_else(|| anyhow::anyhow!("--server must be http://HOST:PORT, not {server:?}"))?
+        .trim_end_matches('/');
+    let mut stream = TcpStream::connect(host)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let body = body.unwrap_or("");
+    let content_type = if method.eq_ignore_ascii_case("PATCH") {
+        "application/merge-patch+json"
+    } else {
+        "application/json"
+    };
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let (head, payload) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let ok = head
+        .split_whitespace()
+        .nth(1)
+        .is_some_and(|code| code.starts_with('2'));
+    println!("{payload}");
+    Ok(ok)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        c @ Command::Serve { .. } => serve(c).map(|()| true),
+        Command::Request {
+            server,
+            method,
+            path,
+            body,
+        } => request(server, method, path, body.as_deref()),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("fake-apiserver: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
