@@ -86,7 +86,7 @@ impl CommonArgs {
 /// Prints `PROGRAM: error: <error and its sources>` to stderr and returns `code` as
 /// the process exit code.
 pub fn fail(program: &str, error: &dyn std::error::Error, code: u8) -> std::process::ExitCode {
-    eprintln!("{program}: error: {}", crate::error_chain(error));
+    crate::errln!("{program}: error: {}", crate::error_chain(error));
     std::process::ExitCode::from(code)
 }
 

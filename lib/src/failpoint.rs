@@ -20,7 +20,7 @@ pub(crate) use step;
 /// Says where the process stopped, then sleeps until killed.
 #[cfg(feature = "failpoints")]
 pub fn pause(step: &str) -> ! {
-    eprintln!("failpoint {step}: paused");
+    crate::errln!("failpoint {step}: paused");
     loop {
         std::thread::sleep(std::time::Duration::from_secs(3600));
     }

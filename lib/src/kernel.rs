@@ -175,7 +175,7 @@ impl DryRun {
     }
 
     fn plan(&self, line: String) {
-        println!("{line}");
+        crate::outln!("{line}");
         self.log.borrow_mut().push(line);
     }
 }

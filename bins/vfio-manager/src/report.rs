@@ -8,15 +8,15 @@ pub fn print_bind(report: &BindReport, dry: bool) -> bool {
     for (addr, previous) in &report.bound {
         let from = previous.as_deref().unwrap_or("no driver");
         match dry {
-            true => println!("would bind {addr} (now on {from})"),
-            false => println!("bound {addr} (was on {from})"),
+            true => vfio_sandbox::outln!("would bind {addr} (now on {from})"),
+            false => vfio_sandbox::outln!("bound {addr} (was on {from})"),
         }
     }
     for addr in &report.already {
-        println!("already bound {addr}");
+        vfio_sandbox::outln!("already bound {addr}");
     }
     for e in &report.failed {
-        eprintln!("vfio-manager: error: {}", chain(e));
+        vfio_sandbox::errln!("vfio-manager: error: {}", chain(e));
     }
     report.failed.is_empty()
 }
@@ -26,28 +26,28 @@ pub fn print_bind(report: &BindReport, dry: bool) -> bool {
 pub fn print_restore(report: &RestoreReport, dry: bool) -> bool {
     let verb = if dry { "would restore" } else { "restored" };
     for m in &report.reloaded {
-        println!(
+        vfio_sandbox::outln!(
             "{} module {m}",
             if dry { "would reload" } else { "reloaded" }
         );
     }
     for (addr, driver) in &report.restored {
-        println!(
+        vfio_sandbox::outln!(
             "{verb} {addr} to {}",
             driver.as_deref().unwrap_or("no driver")
         );
     }
     for (addr, group) in &report.in_use {
-        eprintln!(
+        vfio_sandbox::errln!(
             "vfio-manager: warning: skipped {addr}: /dev/vfio/{group} is open (a VM holds the group); \
              its record is kept, run unbind again once the VM has stopped"
         );
     }
     for addr in &report.gone {
-        eprintln!("vfio-manager: warning: {addr} no longer exists; dropped its record");
+        vfio_sandbox::errln!("vfio-manager: warning: {addr} no longer exists; dropped its record");
     }
     for e in &report.failed {
-        eprintln!("vfio-manager: error: {}", chain(e));
+        vfio_sandbox::errln!("vfio-manager: error: {}", chain(e));
     }
     report.failed.is_empty() && report.in_use.is_empty()
 }

@@ -18,7 +18,7 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
     let skipped_ok = !args.which.all || inv.skipped.is_empty();
     if args.which.all {
         for s in &inv.skipped {
-            eprintln!("vfio-manager: error: not binding {s}");
+            vfio_sandbox::errln!("vfio-manager: error: not binding {s}");
         }
     }
     if inv.entries.is_empty() {

@@ -87,7 +87,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
             let groups: Vec<_> = inv.groups.values().collect();
             let skipped: Vec<SkippedRow> = inv.skipped.iter().map(SkippedRow::from).collect();
             let doc = serde_json::json!({ "devices": rows, "groups": groups, "skipped": skipped });
-            println!("{}", serde_json::to_string_pretty(&doc)?);
+            vfio_sandbox::outln!("{}", serde_json::to_string_pretty(&doc)?);
         }
         OutputFormat::Table => print_table(&ctx.host, &rows, &inv),
     }
@@ -117,7 +117,7 @@ impl<'a> From<&'a Skipped> for SkippedRow<'a> {
 
 fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
     if rows.is_empty() && inv.skipped.is_empty() {
-        println!("no devices selected by the resource list");
+        vfio_sandbox::outln!("no devices selected by the resource list");
         return;
     }
     let dash = || "-".to_string();
@@ -192,7 +192,7 @@ fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
                 s.push_str(&format!("{c:<w$}  ", w = widths[i]));
             }
         }
-        println!("{}", s.trim_end());
+        vfio_sandbox::outln!("{}", s.trim_end());
     };
     line(&header.map(String::from));
     for r in &table {
@@ -200,13 +200,15 @@ fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
     }
     for v in inv.groups.values().filter(|v| !v.is_viable()) {
         for b in &v.blockers {
-            println!(
+            vfio_sandbox::outln!(
                 "group {} is not viable: {} is on {} (must be on a vfio driver, pci-stub or none)",
-                v.group, b.address, b.driver
+                v.group,
+                b.address,
+                b.driver
             );
         }
     }
     for s in &inv.skipped {
-        println!("skipped {s}");
+        vfio_sandbox::outln!("skipped {s}");
     }
 }
