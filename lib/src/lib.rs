@@ -22,7 +22,9 @@ pub mod inventory;
 pub mod io;
 pub mod kernel;
 pub mod module;
+pub mod out;
 pub mod passthrough;
+pub mod ready;
 pub mod state;
 pub mod uevent;
 

@@ -19,9 +19,6 @@ use checks::{validate, Report};
 
 const PROGRAM: &str = "sandbox-validator";
 
-/// Name of the ready file inside `--status-dir`.
-const READY_FILE: &str = "vfio-pci-ready";
-
 const LONG_ABOUT: &str = "\
 Checks what actually makes a VM start with the node's selected devices, each check by
 name with a reason and a hint: iommu, vfio-modules, vfio-container, devices-found,
@@ -57,7 +54,7 @@ struct Cli {
     #[arg(
         long,
         env = "VFIO_SANDBOX_STATUS_DIR",
-        default_value = "/run/vfio-sandbox/validations",
+        default_value = vfio_sandbox::ready::DEFAULT_STATUS_DIR,
         value_name = "DIR"
     )]
     status_dir: PathBuf,
@@ -74,7 +71,7 @@ fn main() -> ExitCode {
         Err(e) => return fail(PROGRAM, &e, EXIT_USAGE),
     };
     let host = cli.common.host();
-    let ready = cli.status_dir.join(READY_FILE);
+    let ready = vfio_sandbox::ready::validator_ready_file(&cli.status_dir);
     let start = Instant::now();
     let mut shown: Option<Report> = None;
     loop {
@@ -87,7 +84,7 @@ fn main() -> ExitCode {
         print_changes(&cli, shown.as_ref(), &report, done, start.elapsed());
         if done {
             if cli.wait && !passed {
-                eprintln!("sandbox-validator: still failing after {:?}", cli.timeout);
+                vfio_sandbox::errln!("sandbox-validator: still failing after {:?}", cli.timeout);
             }
             return if passed {
                 ExitCode::SUCCESS
@@ -144,7 +141,7 @@ fn print_changes(
                 "devices": report.devices,
                 "groups": report.groups,
             });
-            println!("{doc}");
+            vfio_sandbox::outln!("{doc}");
         }
         return;
     }
@@ -158,18 +155,18 @@ fn print_changes(
     };
     if !changed.is_empty() {
         if before.is_some() {
-            println!("-- changed after {:.1}s:", elapsed.as_secs_f64());
+            vfio_sandbox::outln!("-- changed after {:.1}s:", elapsed.as_secs_f64());
         }
         print_table(&changed);
     }
     if done {
         let failed = report.checks.iter().filter(|c| !c.passed).count();
         match failed {
-            0 => println!(
+            0 => vfio_sandbox::outln!(
                 "node is ready for VFIO passthrough ({} device(s))",
                 report.devices.len()
             ),
-            n => println!("node is NOT ready: {n} check(s) failed"),
+            n => vfio_sandbox::outln!("node is NOT ready: {n} check(s) failed"),
         }
     }
 }
@@ -177,12 +174,12 @@ fn print_changes(
 fn print_table(checks: &[&checks::Check]) {
     // Fixed to the longest check name, so updates line up with the first table.
     let width = "vfio-container".len();
-    println!("{:<width$}  RESULT  DETAIL", "CHECK");
+    vfio_sandbox::outln!("{:<width$}  RESULT  DETAIL", "CHECK");
     for c in checks {
         let result = if c.passed { "ok" } else { "FAIL" };
-        println!("{:<width$}  {result:<6}  {}", c.name, c.reason);
+        vfio_sandbox::outln!("{:<width$}  {result:<6}  {}", c.name, c.reason);
         if let Some(h) = &c.hint {
-            println!("{:<width$}          hint: {h}", "");
+            vfio_sandbox::outln!("{:<width$}          hint: {h}", "");
         }
     }
 }

@@ -7,11 +7,13 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use vfio_sandbox::cli::{CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
 use vfio_sandbox::host::DEFAULT_MODULES_ROOT;
+use vfio_sandbox::ready::{DEFAULT_STATUS_DIR, MANAGER_READY_FILE};
 use vfio_sandbox::state::{StateFile, DEFAULT_STATE_FILE};
 use vfio_sandbox::Host;
 
 mod commands;
 mod report;
+mod side;
 
 const LONG_ABOUT: &str = "\
 Moves the PCI devices selected by the resource list (and every other member of their
@@ -45,6 +47,14 @@ struct ManagerArgs {
     /// Where vfio-manager records what it changed (keep it on /run: it must vanish on reboot).
     #[arg(long, env = "VFIO_MANAGER_STATE_FILE", global = true, default_value = DEFAULT_STATE_FILE, value_name = "FILE")]
     state_file: PathBuf,
+    /// `run`'s ready file: written (JSON) once every selected device is bound, removed
+    /// otherwise and on exit; `ready` checks it.
+    #[arg(long, env = "VFIO_MANAGER_READY_FILE", global = true, default_value = MANAGER_READY_FILE, value_name = "FILE")]
+    ready_file: PathBuf,
+    /// The validator's status directory: its ready file (vfio-pci-ready) is removed
+    /// before devices are restored, since the node is no longer ready for VMs.
+    #[arg(long, env = "VFIO_SANDBOX_STATUS_DIR", global = true, default_value = DEFAULT_STATUS_DIR, value_name = "DIR")]
+    validator_status_dir: PathBuf,
 }
 
 #[derive(Debug, Subcommand)]
@@ -57,6 +67,9 @@ enum Command {
     Unbind(commands::ChangeArgs),
     /// DaemonSet main: load modules, bind all, keep the node converged, restore on SIGTERM.
     Run(commands::run::Args),
+    /// Readiness probe: exit 0 only when `run` has bound every selected device and they
+    /// are still bound (checks the ready file and the devices it lists).
+    Ready,
 }
 
 /// What the commands share.
@@ -67,6 +80,10 @@ pub struct Context {
     pub common: CommonArgs,
     /// The state file path.
     pub state_file: PathBuf,
+    /// `run`'s ready file.
+    pub ready_file: PathBuf,
+    /// The validator's status directory.
+    pub validator_status_dir: PathBuf,
 }
 
 impl Context {
@@ -93,12 +110,15 @@ fn main() -> ExitCode {
         host,
         common: cli.common,
         state_file: cli.manager.state_file,
+        ready_file: cli.manager.ready_file,
+        validator_status_dir: cli.manager.validator_status_dir,
     };
     let result = match cli.command {
         Command::Status(args) => commands::status::run(&ctx, &args),
         Command::Bind(args) => commands::bind::run(&ctx, &args),
         Command::Unbind(args) => commands::unbind::run(&ctx, &args),
         Command::Run(args) => commands::run::run(&ctx, &args),
+        Command::Ready => commands::ready::run(&ctx),
     };
     match result {
         Ok(code) => code,

@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod bind;
+pub mod ready;
 pub mod run;
 pub mod status;
 pub mod unbind;

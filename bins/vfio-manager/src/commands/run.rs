@@ -3,13 +3,14 @@
 //! Load the vfio modules, optionally unload native driver modules, bind everything
 //! selected, write the ready file, then keep the node converged — a device that
 //! appears later (hot-plug, PCI rescan, VFs enabled) is bound too — until SIGTERM,
-//! SIGINT or SIGHUP, then restore like `unbind --all` unless `--keep-bound-on-exit`.
+//! SIGINT or SIGHUP. Then, unless `--keep-bound-on-exit`, it asks the API server
+//! whether the node stays in VM mode (a rollout: leave the devices bound for the next
+//! pod) or leaves it (restore like `unbind --all`); see `vfio_sandbox::cluster`.
 //!
 //! The loop sleeps in `poll(2)` on a signalfd and a kernel uevent socket, so an idle
 //! node costs nothing; a periodic resync covers a uevent socket we could not open.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -17,6 +18,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use vfio_sandbox::cli::parse_duration;
+use vfio_sandbox::cluster::{Identity, Verdict};
 use vfio_sandbox::error_chain;
 use vfio_sandbox::inventory::{Inventory, SkipLog};
 use vfio_sandbox::io::write_atomic;
@@ -24,6 +26,7 @@ use vfio_sandbox::kernel::SysKernel;
 use vfio_sandbox::module::kernel_release;
 use vfio_sandbox::passthrough::{target_drivers, Passthrough};
 
+use crate::side::{NodeEvent, Side};
 use crate::{report, Context};
 
 /// Flags of `run`.
@@ -36,14 +39,17 @@ pub struct Args {
     /// On SIGTERM/SIGINT/SIGHUP leave the devices on vfio (default: restore like `unbind --all`).
     #[arg(long, env = "VFIO_MANAGER_KEEP_BOUND_ON_EXIT")]
     keep_bound_on_exit: bool,
-    /// Written (JSON) once every selected device is bound; removed on exit.
-    #[arg(
-        long,
-        env = "VFIO_MANAGER_READY_FILE",
-        default_value = "/run/vfio-manager/ready",
-        value_name = "FILE"
-    )]
-    ready_file: PathBuf,
+    /// This node's name (downward API `spec.nodeName`). With API access (in-cluster
+    /// service account or KUBECONFIG) a stop keeps the devices bound while the
+    /// DaemonSet still selects this node; without, a stop always restores.
+    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+    node_name: Option<String>,
+    /// This pod's name (downward API `metadata.name`), to find its DaemonSet.
+    #[arg(long, env = "POD_NAME", value_name = "NAME")]
+    pod_name: Option<String>,
+    /// This pod's namespace (downward API `metadata.namespace`).
+    #[arg(long, env = "POD_NAMESPACE", value_name = "NAMESPACE")]
+    pod_namespace: Option<String>,
     /// Full rescan period, besides reacting to kernel uevents (90s, 5m, 500ms, seconds).
     #[arg(long, env = "VFIO_MANAGER_RESYNC_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     resync_interval: Duration,
@@ -59,7 +65,10 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     let signals = block_signals()?;
     let list = ctx.common.resource_list()?;
     // A ready file left by a killed predecessor must not vouch for this process.
-    remove_ready_file(&args.ready_file)?;
+    remove_ready_file(&ctx.ready_file)?;
+    // After block_signals: the side thread inherits the blocked mask, so the
+    // signalfd sees every stop signal.
+    let side = Side::start(identity(args))?;
     let uevents = match vfio_sandbox::uevent::socket_nonblocking() {
         Ok(s) => Some(s),
         Err(e) => {
@@ -76,8 +85,14 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     };
     let inv = Inventory::scan(&ctx.host, &list)?;
     pt.prepare(&inv, &args.unload_modules)?;
-    let mut skipped = SkipLog::default();
-    let mut converged = converge(&mut pt, &list, args, false, &mut skipped)?;
+    let mut pass = Pass {
+        ready_file: &ctx.ready_file,
+        side: &side,
+        converged: false,
+        skipped: SkipLog::default(),
+        last_failure: None,
+    };
+    pass.converge(&mut pt, &list)?;
     // parse_duration caps the interval (cli::MAX_DURATION), so this cannot overflow.
     let mut next_resync = Instant::now() + args.resync_interval;
     let mut pending: Option<Instant> = None;
@@ -96,28 +111,134 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         if pending.is_some_and(|p| now >= p) || now >= next_resync {
             pending = None;
             next_resync = now + args.resync_interval;
-            match converge(&mut pt, &list, args, converged, &mut skipped) {
-                Ok(c) => converged = c,
-                // A device vanishing mid-scan, a module that fails to load: log it and
-                // try again soon. The daemon only stops on a signal.
-                Err(e) => {
-                    tracing::error!(error = %error_chain(e.as_ref()), "resync failed; retrying");
-                    pending = Some(now + RETRY);
-                }
+            // A device vanishing mid-scan, a module that fails to load: log it and
+            // try again soon. The daemon only stops on a signal.
+            if let Err(e) = pass.converge(&mut pt, &list) {
+                tracing::error!(error = %error_chain(e.as_ref()), "resync failed; retrying");
+                pending = Some(now + RETRY);
             }
         }
     }
-    remove_ready_file(&args.ready_file)?;
+    remove_ready_file(&ctx.ready_file)?;
+    let recorded = pt.state.state().devices.len();
     if args.keep_bound_on_exit {
         tracing::info!("leaving devices bound (--keep-bound-on-exit)");
+        side.finish();
         return Ok(ExitCode::SUCCESS);
     }
-    let ok = report::print_restore(&pt.restore(&[]), false);
+    match side.stop_verdict() {
+        Some(Verdict::Keep(reason)) => {
+            tracing::info!(%reason, devices = recorded, "the node stays in VM mode; leaving the devices bound for the next vfio-manager");
+            side.event(NodeEvent {
+                warning: false,
+                reason: "DevicesKept",
+                action: "Keep",
+                note: format!("kept {recorded} device(s) on vfio for the next vfio-manager: {reason}"),
+            });
+            side.finish();
+            return Ok(ExitCode::SUCCESS);
+        }
+        Some(Verdict::Restore(reason)) => {
+            tracing::info!(%reason, "the node leaves VM mode; restoring");
+        }
+        None => tracing::info!("no API access; restoring (set NODE_NAME and give the pod API access to keep devices bound across rollouts)"),
+    }
+    let ok = restore_all(ctx, &mut pt, &side);
+    side.finish();
     Ok(if ok {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
     })
+}
+
+/// The cluster identity from the downward API; `None` (said at start) without a
+/// node name.
+fn identity(args: &Args) -> Option<Identity> {
+    let Some(node) = args.node_name.clone().filter(|n| !n.is_empty()) else {
+        tracing::warn!("NODE_NAME is not set, so the API server is not asked: a stop restores every device, and each rollout bounces idle devices");
+        return None;
+    };
+    let pod = match (&args.pod_namespace, &args.pod_name) {
+        (Some(ns), Some(name)) if !ns.is_empty() && !name.is_empty() => {
+            Some((ns.clone(), name.clone()))
+        }
+        _ => None,
+    };
+    Some(Identity {
+        node,
+        pod,
+        controller: "vfio-manager".into(),
+    })
+}
+
+/// Restores every recorded device (the node leaves VM mode): the validator's ready
+/// file goes first, then the devices; Events say what happened. True when all went
+/// back.
+pub fn restore_all(ctx: &Context, pt: &mut Passthrough<'_>, side: &Side) -> bool {
+    clear_validator_ready_file(ctx);
+    let report = pt.restore(&[]);
+    if !report.restored.is_empty() {
+        side.event(NodeEvent {
+            warning: false,
+            reason: "DevicesRestored",
+            action: "Restore",
+            note: format!(
+                "restored {} device(s) to their native drivers: {}",
+                report.restored.len(),
+                listing(report.restored.iter().map(|(a, _)| a))
+            ),
+        });
+    }
+    let mut held: Vec<u32> = report.in_use.iter().map(|(_, g)| *g).collect();
+    held.dedup();
+    for g in held {
+        let devices = report
+            .in_use
+            .iter()
+            .filter(|(_, x)| *x == g)
+            .map(|(a, _)| a);
+        side.event(NodeEvent {
+            warning: true,
+            reason: "GroupHeld",
+            action: "Restore",
+            note: format!(
+                "IOMMU group {g} ({}) is held by a VM (/dev/vfio/{g} is open): left on vfio, record kept; run `vfio-manager unbind --all` once the VM has stopped",
+                listing(devices)
+            ),
+        });
+    }
+    if let Some(e) = report.failed.first() {
+        side.event(NodeEvent {
+            warning: true,
+            reason: "RestoreFailed",
+            action: "Restore",
+            note: format!(
+                "{} device(s) not restored: {}",
+                report.failed.len(),
+                error_chain(e)
+            ),
+        });
+    }
+    report::print_restore(&report, false)
+}
+
+/// Removes the validator's ready file: it vouches for a node in VM mode.
+pub fn clear_validator_ready_file(ctx: &Context) {
+    let path = vfio_sandbox::ready::validator_ready_file(&ctx.validator_status_dir);
+    match vfio_sandbox::ready::remove(&path) {
+        Ok(()) => tracing::debug!(file = %path.display(), "removed the validator's ready file"),
+        Err(e) => tracing::warn!(error = %e, "the validator's ready file stays"),
+    }
+}
+
+/// Up to ten addresses, then a count.
+fn listing<'a>(addrs: impl Iterator<Item = &'a vfio_sandbox::PciAddress>) -> String {
+    let all: Vec<String> = addrs.map(ToString::to_string).collect();
+    match all.len() {
+        0..=10 => all.join(", "),
+        n => format!("{}, and {} more", all[..10].join(", "), n - 10),
+    }
 }
 
 fn remove_ready_file(path: &std::path::Path) -> anyhow::Result<()> {
@@ -131,57 +252,94 @@ fn remove_ready_file(path: &std::path::Path) -> anyhow::Result<()> {
     }
 }
 
-/// One pass: rescan, bind what is not bound, keep the ready file true. Returns whether
-/// every readable selected device and companion is on its driver; `was` is the
-/// previous answer. A device that cannot be read is left out (its group with it) and
-/// logged once; the validator names it too.
-fn converge(
-    pt: &mut Passthrough<'_>,
-    list: &vfio_sandbox::config::ResourceList,
-    args: &Args,
-    was: bool,
-    skip_log: &mut SkipLog,
-) -> anyhow::Result<bool> {
-    let inv = Inventory::scan(pt.host, list)?;
-    for s in skip_log.note(&inv.skipped).new {
-        tracing::warn!(bdf = %s.address, reason = %s, "device left out: it cannot be read");
-    }
-    let needs_work = inv.entries.iter().any(|e| !e.is_bound());
-    if needs_work {
-        pt.load_modules(&target_drivers(&inv, &[]))?;
-        let bind = pt.bind(&inv, &[]);
-        for e in &bind.failed {
-            tracing::error!(error = %error_chain(e), "bind failed; will retry");
+/// What the passes of `run` carry from one to the next.
+struct Pass<'a> {
+    ready_file: &'a std::path::Path,
+    side: &'a Side,
+    /// Whether the last pass found every device bound.
+    converged: bool,
+    skipped: SkipLog,
+    /// The last bind failure reported as an Event (repeats are not re-sent).
+    last_failure: Option<String>,
+}
+
+impl Pass<'_> {
+    /// One pass: rescan, bind what is not bound, keep the ready file true. A device
+    /// that cannot be read is left out (its group with it) and logged once; the
+    /// validator names it too.
+    fn converge(
+        &mut self,
+        pt: &mut Passthrough<'_>,
+        list: &vfio_sandbox::config::ResourceList,
+    ) -> anyhow::Result<()> {
+        let inv = Inventory::scan(pt.host, list)?;
+        for s in self.skipped.note(&inv.skipped).new {
+            tracing::warn!(bdf = %s.address, reason = %s, "device left out: it cannot be read");
         }
-    }
-    let inv = if needs_work {
-        Inventory::scan(pt.host, list)?
-    } else {
-        inv
-    };
-    let converged = inv.entries.iter().all(|e| e.is_bound());
-    if converged {
-        let devices: Vec<String> = inv
-            .entries
-            .iter()
-            .map(|e| e.device.address.to_string())
-            .collect();
-        let doc = serde_json::json!({
-            "devices": devices,
-            "groups": inv.groups.keys().collect::<Vec<_>>(),
-            "time": unix_now(),
-        });
-        write_atomic(&args.ready_file, format!("{doc}\n").as_bytes())?;
-        if !was {
-            tracing::info!(file = %args.ready_file.display(), devices = devices.len(), "every selected device is bound; wrote ready file");
+        let needs_work = inv.entries.iter().any(|e| !e.is_bound());
+        if needs_work {
+            pt.load_modules(&target_drivers(&inv, &[]))?;
+            let bind = pt.bind(&inv, &[]);
+            for e in &bind.failed {
+                tracing::error!(error = %error_chain(e), "bind failed; will retry");
+            }
+            if !bind.bound.is_empty() {
+                self.side.event(NodeEvent {
+                    warning: false,
+                    reason: "DevicesBound",
+                    action: "Bind",
+                    note: format!(
+                        "bound {} device(s) to vfio: {}",
+                        bind.bound.len(),
+                        listing(bind.bound.iter().map(|(a, _)| a))
+                    ),
+                });
+            }
+            let failure = bind.failed.first().map(|e| error_chain(e));
+            if failure.is_some() && failure != self.last_failure {
+                self.side.event(NodeEvent {
+                    warning: true,
+                    reason: "BindFailed",
+                    action: "Bind",
+                    note: format!(
+                        "{} group(s) not bound (retrying): {}",
+                        bind.failed.len(),
+                        failure.clone().unwrap_or_default()
+                    ),
+                });
+            }
+            self.last_failure = failure;
         }
-    } else {
-        remove_ready_file(&args.ready_file)?;
-        if was {
-            tracing::warn!(file = %args.ready_file.display(), "a selected device is not bound; removed ready file");
+        let inv = if needs_work {
+            Inventory::scan(pt.host, list)?
+        } else {
+            inv
+        };
+        let converged = inv.entries.iter().all(|e| e.is_bound());
+        if converged {
+            let devices: Vec<String> = inv
+                .entries
+                .iter()
+                .map(|e| e.device.address.to_string())
+                .collect();
+            let doc = serde_json::json!({
+                "devices": devices,
+                "groups": inv.groups.keys().collect::<Vec<_>>(),
+                "time": unix_now(),
+            });
+            write_atomic(self.ready_file, format!("{doc}\n").as_bytes())?;
+            if !self.converged {
+                tracing::info!(file = %self.ready_file.display(), devices = devices.len(), "every selected device is bound; wrote ready file");
+            }
+        } else {
+            remove_ready_file(self.ready_file)?;
+            if self.converged {
+                tracing::warn!(file = %self.ready_file.display(), "a selected device is not bound; removed ready file");
+            }
         }
+        self.converged = converged;
+        Ok(())
     }
-    Ok(converged)
 }
 
 fn unix_now() -> u64 {

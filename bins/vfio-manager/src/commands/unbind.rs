@@ -1,5 +1,6 @@
 //! `vfio-manager unbind`: put back what the state file records.
 //!
+//! The validator's ready file goes first: the node is leaving VM mode.
 //! It needs no resource list: a broken ConfigMap must never stop a node from leaving
 //! VM mode.
 
@@ -18,10 +19,13 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .filter(|a| !recorded.contains_key(a))
         {
-            println!("{addr} is not in {path}; nothing to restore");
+            vfio_sandbox::outln!("{addr} is not in {path}; nothing to restore");
         }
         if recorded.is_empty() {
-            println!("nothing recorded in {path}; no device to restore");
+            vfio_sandbox::outln!("nothing recorded in {path}; no device to restore");
+        } else if !args.dry_run {
+            // Devices leave vfio: the validator's verdict on the node no longer holds.
+            super::run::clear_validator_ready_file(ctx);
         }
         Ok(report::print_restore(
             &pt.restore(&args.which.devices),

@@ -1,0 +1,154 @@
+//! The side thread: a small tokio runtime for what talks to the network (the API
+//! server), so the main loop stays a `poll(2)` loop that no slow server can hold up.
+//!
+//! The main thread sends it Events to post (fire and forget) and asks it, on a stop,
+//! whether the node stays in VM mode. Without API access ([`Side::start`] with no
+//! identity, or a client that cannot be built) every question answers "restore" and
+//! Events go nowhere, which is how vfio-manager behaved before it could ask.
+
+use std::sync::mpsc as std_mpsc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use vfio_sandbox::cluster::{Cluster, Identity, Verdict, EVENT_TIMEOUT, STOP_LOOKUP_TIMEOUT};
+use vfio_sandbox::error_chain;
+
+/// An Event about the Node.
+#[derive(Debug, Clone)]
+pub struct NodeEvent {
+    /// Warning (else Normal).
+    pub warning: bool,
+    /// Why, in CamelCase (`DevicesBound`).
+    pub reason: &'static str,
+    /// What was done (`Bind`, `Restore`, `Keep`).
+    pub action: &'static str,
+    /// For people.
+    pub note: String,
+}
+
+enum Msg {
+    Event(NodeEvent),
+    Verdict(std_mpsc::Sender<Verdict>),
+    Flush(std_mpsc::Sender<()>),
+}
+
+/// Handle of the side thread.
+pub struct Side {
+    tx: Option<mpsc::UnboundedSender<Msg>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Side {
+    /// Starts the thread. With `identity` it connects to the API server (in-cluster
+    /// service account, or KUBECONFIG) and reads the Node once to say at start
+    /// whether a rollout will keep the devices bound.
+    pub fn start(identity: Option<Identity>) -> anyhow::Result<Self> {
+        let Some(identity) = identity else {
+            return Ok(Self {
+                tx: None,
+                thread: None,
+            });
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let thread = std::thread::Builder::new()
+            .name("vfio-manager-api".into())
+            .spawn(move || rt.block_on(serve(identity, rx)))?;
+        Ok(Self {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Posts an Event about the Node, if the API server is reachable; never waits.
+    pub fn event(&self, event: NodeEvent) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(Msg::Event(event));
+        }
+    }
+
+    /// Keep or restore? `None` without API access.
+    pub fn stop_verdict(&self) -> Option<Verdict> {
+        let tx = self.tx.as_ref()?;
+        let (reply, answer) = std_mpsc::channel();
+        if tx.send(Msg::Verdict(reply)).is_err() {
+            return Some(Verdict::Restore("the API client stopped".into()));
+        }
+        // The side thread bounds its lookup by STOP_LOOKUP_TIMEOUT; allow for a
+        // connect still in progress on top.
+        Some(
+            answer
+                .recv_timeout(STOP_LOOKUP_TIMEOUT + Duration::from_secs(5))
+                .unwrap_or_else(|_| {
+                    Verdict::Restore("the API client did not answer in time".into())
+                }),
+        )
+    }
+
+    /// Waits (bounded) until the Events sent so far are posted, then stops the thread.
+    pub fn finish(mut self) {
+        if let Some(tx) = self.tx.take() {
+            let (reply, done) = std_mpsc::channel();
+            if tx.send(Msg::Flush(reply)).is_ok() {
+                let _ = done.recv_timeout(EVENT_TIMEOUT + Duration::from_secs(1));
+            }
+        }
+        // The thread ends once its channel is closed (dropped above); do not wait
+        // on a server that hangs past the flush bound.
+        if let Some(t) = self.thread.take() {
+            if t.is_finished() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+async fn serve(identity: Identity, mut rx: mpsc::UnboundedReceiver<Msg>) {
+    let node = identity.node.clone();
+    let cluster = match Cluster::connect(identity).await {
+        Ok(c) => Some(c),
+        Err(e) => {
+            tracing::warn!(error = %error_chain(&e), "no API access: a stop restores every device, so each rollout of this DaemonSet bounces idle devices");
+            None
+        }
+    };
+    if let Some(c) = &cluster {
+        match c.node().await {
+            Ok(_) => {
+                tracing::info!(node = %node, "API access: on a stop, devices stay bound while the DaemonSet still selects this node")
+            }
+            Err(e) => {
+                tracing::warn!(node = %node, error = %error_chain(&e), "cannot read this Node now; a stop restores unless the API server answers then")
+            }
+        }
+    }
+    let mut posting = tokio::task::JoinSet::new();
+    while let Some(msg) = rx.recv().await {
+        match msg {
+            Msg::Event(ev) => {
+                if let Some(c) = cluster.clone() {
+                    posting.spawn(async move {
+                        if let Err(e) = c.node_event(ev.warning, ev.reason, ev.action, &ev.note).await {
+                            tracing::warn!(reason = ev.reason, error = %error_chain(&e), "could not post a Node event");
+                        }
+                    });
+                }
+            }
+            Msg::Verdict(reply) => {
+                let v = match &cluster {
+                    Some(c) => c.stop_verdict().await,
+                    None => Verdict::Restore("no API access".into()),
+                };
+                let _ = reply.send(v);
+            }
+            Msg::Flush(reply) => {
+                while posting.join_next().await.is_some() {}
+                let _ = reply.send(());
+            }
+        }
+        // Reap finished posts so the set does not grow.
+        while posting.try_join_next().is_some() {}
+    }
+}
