@@ -8,6 +8,8 @@ echo "==== cargo fmt --check"
 cargo fmt --all -- --check
 echo "==== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "==== manifests: render, validate (Kubernetes, KubeVirt), coexistence, shellcheck, yamllint, hadolint"
+scripts/check-manifests.sh
 echo "==== cargo test"
 cargo test --workspace --locked
 echo "==== fault injection: fail and crash at every kernel write, module syscall and state save"
