@@ -277,3 +277,27 @@ fn a_malformed_device_is_named_and_does_not_hide_the_good_one() {
         "{found}"
     );
 }
+
+#[test]
+fn a_closed_stdout_never_kills_the_validator() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    node(dir.path());
+    // `sandbox-validator | head` after head has exited: writes get EPIPE.
+    for (args, want) in [
+        (&["--help"][..], 0),
+        (&["--version"][..], 0),
+        (&[][..], 1),
+        (&["--output", "json"][..], 1),
+    ] {
+        let (read, write) = nix::unistd::pipe().unwrap();
+        drop(read);
+        let status = cmd(dir.path(), args)
+            .stdout(Stdio::from(write))
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert_eq!(status.signal(), None, "{args:?} was killed by a signal: {status:?}");
+        assert_eq!(status.code(), Some(want), "{args:?}: {status:?}");
+    }
+}

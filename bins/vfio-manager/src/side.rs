@@ -114,17 +114,16 @@ async fn serve(identity: Identity, mut rx: mpsc::UnboundedReceiver<Msg>) {
             None
         }
     };
-    if let Some(c) = &cluster {
-        match c.node().await {
-            Ok(_) => {
-                tracing::info!(node = %node, "API access: on a stop, devices stay bound while the DaemonSet still selects this node")
-            }
-            Err(e) => {
-                tracing::warn!(node = %node, error = %error_chain(&e), "cannot read this Node now; a stop restores unless the API server answers then")
-            }
-        }
-    }
     let mut posting = tokio::task::JoinSet::new();
+    // Checked beside the message loop, so a slow server never delays a stop.
+    if let Some(c) = cluster.clone() {
+        posting.spawn(async move {
+            match c.node().await {
+                Ok(_) => tracing::info!(node = %node, "API access: on a stop, devices stay bound while the DaemonSet still selects this node"),
+                Err(e) => tracing::warn!(node = %node, error = %error_chain(&e), "cannot read this Node now; a stop restores unless the API server answers then"),
+            }
+        });
+    }
     while let Some(msg) = rx.recv().await {
         match msg {
             Msg::Event(ev) => {

@@ -1,0 +1,329 @@
+//! The real `vfio-manager run` asking a stand-in API server, over HTTP, whether a
+//! stop is a rollout (keep the devices bound) or the node leaving VM mode (restore),
+//! and telling the cluster what it did with Node events. The fake sysfs tree does
+//! not rebind anything, so a restore shows as its first sysfs write (the override
+//! cleared) and a kept device as no write at all; the real kernel restores in the
+//! test bed's demo.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+mod common;
+use common::command;
+use fake_apiserver::{objects, paths, FakeApiServer};
+use serde_json::json;
+use vfio_sandbox::fake::{FakeDevice, FakeNode};
+
+const NS: &str = "vfio-sandbox";
+const DS: &str = "vfio-manager";
+const POD: &str = "vfio-manager-abcde";
+const NODE: &str = "node-a";
+const LABEL: &str = "rebellions.ai/npu.workload.config";
+const BDF: &str = "0000:01:00.0";
+
+/// A node where a previous `run` moved one NIC from e1000e to vfio-pci.
+fn node(dir: &Path) -> FakeNode {
+    let node = FakeNode::new(dir);
+    node.add_driver("vfio-pci");
+    node.add_driver("e1000e");
+    node.add_module("vfio");
+    node.add_module("vfio_iommu_type1");
+    node.add_device(
+        &FakeDevice::new(BDF, 0x8086, 0x10d3, 0x02_0000)
+            .driver("vfio-pci")
+            .group(4),
+    );
+    std::fs::write(
+        node.host
+            .device_dir(&BDF.parse().unwrap())
+            .join("driver_override"),
+        "vfio-pci\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("list.json"),
+        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#,
+    )
+    .unwrap();
+    std::fs::create_dir_all(dir.join("run/validations")).unwrap();
+    let state = json!({"version": 1, "devices": {BDF: {
+        "original_driver": "e1000e", "original_override": null, "driver": "vfio-pci",
+        "role": "selected", "resource": "example.com/NIC_PT", "group": 4}}});
+    std::fs::write(dir.join("run/state.json"), state.to_string()).unwrap();
+    std::fs::write(dir.join("run/validations/vfio-pci-ready"), "{}").unwrap();
+    node
+}
+
+fn cluster() -> FakeApiServer {
+    let s = FakeApiServer::start().unwrap();
+    s.put(
+        &paths::node(NODE),
+        objects::node(NODE, &[(LABEL, "vm-passthrough")]),
+    );
+    s.put(
+        &paths::daemonset(NS, DS),
+        objects::daemonset(NS, DS, &[(LABEL, "vm-passthrough")]),
+    );
+    s.put(&paths::pod(NS, POD), objects::pod(NS, POD, NODE, DS));
+    s
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Starts `run` against `server` (or with no API access) and waits for its ready file.
+fn start(dir: &Path, server: Option<&FakeApiServer>) -> Child {
+    let mut c = command(dir);
+    c.args(["--ready-file", &dir.join("run/ready").to_string_lossy()])
+        .args([
+            "--validator-status-dir",
+            &dir.join("run/validations").to_string_lossy(),
+        ])
+        .args(["run", "--resync-interval", "1h"])
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("NODE_NAME")
+        .env_remove("POD_NAME")
+        .env_remove("POD_NAMESPACE")
+        .env("HOME", dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(s) = server {
+        c.env("KUBECONFIG", s.write_kubeconfig(dir).unwrap())
+            .env("NODE_NAME", NODE)
+            .env("POD_NAME", POD)
+            .env("POD_NAMESPACE", NS);
+    } else {
+        c.env("KUBECONFIG", dir.join("no-such-kubeconfig"));
+    }
+    let mut child = c.spawn().unwrap();
+    let ready = dir.join("run/ready");
+    wait_until("the ready file", || {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("run exited early: {status:?}\n{}", output(&mut child).1);
+        }
+        ready.exists()
+    });
+    child
+}
+
+fn output(child: &mut Child) -> (String, String) {
+    let mut out = String::new();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    (out, err)
+}
+
+/// SIGTERM, wait, and return (exit code, stdout, stderr).
+fn stop(mut child: Child) -> (Option<i32>, String, String) {
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "run ignored SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (out, err) = output(&mut child);
+    (status.code(), out, err)
+}
+
+fn override_of(node: &FakeNode) -> String {
+    std::fs::read_to_string(
+        node.host
+            .device_dir(&BDF.parse().unwrap())
+            .join("driver_override"),
+    )
+    .unwrap()
+}
+
+fn event_reasons(s: &FakeApiServer) -> Vec<String> {
+    s.list(&paths::events("default"))
+        .iter()
+        .map(|e| e["reason"].as_str().unwrap_or("").to_owned())
+        .collect()
+}
+
+#[test]
+fn a_rollout_leaves_the_devices_bound_and_says_so() {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let node = node(dir.path());
+    let server = cluster();
+    let child = start(dir.path(), Some(&server));
+    let (code, _, err) = stop(child);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("the node stays in VM mode"), "{err}");
+    assert!(
+        err.contains("still selected by DaemonSet vfio-sandbox/vfio-manager"),
+        "{err}"
+    );
+    assert_eq!(
+        override_of(&node),
+        "vfio-pci\n",
+        "a kept device is not touched"
+    );
+    let state = std::fs::read_to_string(dir.path().join("run/state.json")).unwrap();
+    assert!(
+        state.contains(BDF),
+        "the record stays for the next pod: {state}"
+    );
+    assert!(
+        dir.path().join("run/validations/vfio-pci-ready").exists(),
+        "the node is still ready for VMs"
+    );
+    assert!(
+        !dir.path().join("run/ready").exists(),
+        "run's own ready file goes with the process"
+    );
+    assert_eq!(event_reasons(&server), ["DevicesKept"]);
+    let kept = &server.list(&paths::events("default"))[0];
+    assert_eq!(kept["regarding"]["name"], NODE);
+    assert!(
+        kept["note"]
+            .as_str()
+            .unwrap()
+            .starts_with("kept 1 device(s) on vfio"),
+        "{kept}"
+    );
+}
+
+/// The node leaving VM mode in each way the cluster can say it.
+fn assert_leaving_restores(change: impl FnOnce(&FakeApiServer), why: &str) {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let node = node(dir.path());
+    let server = cluster();
+    let child = start(dir.path(), Some(&server));
+    change(&server);
+    let (_, _, err) = stop(child);
+    assert!(err.contains("the node leaves VM mode; restoring"), "{err}");
+    assert!(err.contains(why), "expected {why:?} in:\n{err}");
+    assert_ne!(
+        override_of(&node),
+        "vfio-pci\n",
+        "restore starts by clearing the override:\n{err}"
+    );
+    assert!(
+        !dir.path().join("run/validations/vfio-pci-ready").exists(),
+        "the validator's ready file must go when the node leaves VM mode"
+    );
+}
+
+#[test]
+fn the_label_removed_restores() {
+    assert_leaving_restores(
+        |s| {
+            let mut n = s.get(&paths::node(NODE)).unwrap();
+            fake_apiserver::merge_patch(&mut n, &json!({"metadata": {"labels": {LABEL: null}}}));
+            s.put(&paths::node(NODE), n);
+        },
+        "label rebellions.ai/npu.workload.config is gone",
+    );
+}
+
+#[test]
+fn the_label_set_to_container_restores() {
+    assert_leaving_restores(
+        |s| {
+            let mut n = s.get(&paths::node(NODE)).unwrap();
+            fake_apiserver::merge_patch(
+                &mut n,
+                &json!({"metadata": {"labels": {LABEL: "container"}}}),
+            );
+            s.put(&paths::node(NODE), n);
+        },
+        "label rebellions.ai/npu.workload.config=container",
+    );
+}
+
+#[test]
+fn the_daemonset_deleted_restores() {
+    assert_leaving_restores(
+        |s| assert!(s.remove(&paths::daemonset(NS, DS))),
+        "DaemonSet vfio-sandbox/vfio-manager was deleted",
+    );
+}
+
+#[test]
+fn an_api_server_that_fails_on_the_stop_restores() {
+    // 500 is not retried by the client (503 and 429 are, within the 10 s bound).
+    assert_leaving_restores(|s| s.fail_next(100, 500), "the API server could not tell");
+}
+
+#[test]
+fn without_api_access_it_says_so_at_start_and_restores() {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let node = node(dir.path());
+    let child = start(dir.path(), None);
+    let (_, _, err) = stop(child);
+    assert!(err.contains("NODE_NAME is not set"), "{err}");
+    assert!(err.contains("no API access; restoring"), "{err}");
+    assert_ne!(override_of(&node), "vfio-pci\n");
+    assert!(!dir.path().join("run/validations/vfio-pci-ready").exists());
+}
+
+#[test]
+fn with_a_node_name_but_no_reachable_server_it_warns_at_start_and_restores() {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    node(dir.path());
+    let gone = FakeApiServer::start().unwrap();
+    let kubeconfig = gone.write_kubeconfig(dir.path()).unwrap();
+    drop(gone);
+    let mut child = command(dir.path())
+        .args([
+            "--ready-file",
+            &dir.path().join("run/ready").to_string_lossy(),
+        ])
+        .args([
+            "--validator-status-dir",
+            &dir.path().join("run/validations").to_string_lossy(),
+        ])
+        .args(["run", "--resync-interval", "1h", "--node-name", NODE])
+        .env("KUBECONFIG", kubeconfig)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("POD_NAME")
+        .env_remove("POD_NAMESPACE")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until("the ready file", || {
+        dir.path().join("run/ready").exists() || child.try_wait().unwrap().is_some()
+    });
+    // Give the start-up Node read its moment to fail and say so.
+    std::thread::sleep(Duration::from_millis(500));
+    let (_, _, err) = stop(child);
+    assert!(err.contains("cannot read this Node now"), "{err}");
+    assert!(err.contains("the node leaves VM mode; restoring"), "{err}");
+}
+
+#[test]
+fn node_events_say_what_was_restored() {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    node(dir.path());
+    let server = cluster();
+    let child = start(dir.path(), Some(&server));
+    server.remove(&paths::daemonset(NS, DS));
+    let (code, _, err) = stop(child);
+    // The fake tree never rebinds, so the restore fails (exit 1) and says so.
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(event_reasons(&server), ["RestoreFailed"], "{err}");
+    let e = &server.list(&paths::events("default"))[0];
+    assert_eq!(e["type"], "Warning");
+    assert!(e["note"].as_str().unwrap().contains(BDF), "{e}");
+}

@@ -1,0 +1,147 @@
+//! `vfio-manager ready` (the readiness probe) and output to a closed pipe.
+
+#![allow(clippy::unwrap_used)]
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+mod common;
+use common::command;
+use vfio_sandbox::fake::{FakeDevice, FakeNode};
+
+fn node(dir: &Path, driver: &str) -> FakeNode {
+    let node = FakeNode::new(dir);
+    node.add_driver("vfio-pci");
+    node.add_driver("e1000e");
+    node.add_module("vfio");
+    node.add_module("vfio_iommu_type1");
+    node.add_device(
+        &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
+            .driver(driver)
+            .group(4),
+    );
+    std::fs::write(
+        dir.join("list.json"),
+        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#,
+    )
+    .unwrap();
+    std::fs::create_dir_all(dir.join("run")).unwrap();
+    node
+}
+
+fn ready(dir: &Path) -> (Option<i32>, String) {
+    let out = command(dir)
+        .args([
+            "--ready-file",
+            &dir.join("run/ready").to_string_lossy(),
+            "ready",
+        ])
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+#[test]
+fn ready_needs_the_ready_file_and_the_devices_still_bound() {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    node(dir.path(), "vfio-pci");
+    let (code, out) = ready(dir.path());
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("run/ready does not exist"), "{out}");
+
+    std::fs::write(
+        dir.path().join("run/ready"),
+        r#"{"devices":["0000:01:00.0"],"groups":[4],"time":1}"#,
+    )
+    .unwrap();
+    let (code, out) = ready(dir.path());
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("ready: 1 device(s) bound"), "{out}");
+
+    for junk in [
+        "",
+        "not json",
+        "{}",
+        r#"{"devices":[1]}"#,
+        r#"{"devices":["zz:zz"]}"#,
+    ] {
+        std::fs::write(dir.path().join("run/ready"), junk).unwrap();
+        let (code, out) = ready(dir.path());
+        assert_eq!(code, Some(1), "{junk:?}: {out}");
+        assert!(out.contains("is not a ready file"), "{junk:?}: {out}");
+    }
+    std::fs::remove_file(dir.path().join("run/ready")).unwrap();
+    std::fs::create_dir(dir.path().join("run/ready")).unwrap();
+    let (code, out) = ready(dir.path());
+    assert_eq!(code, Some(1), "a directory is not a ready file: {out}");
+}
+
+#[test]
+fn ready_fails_when_a_listed_device_left_vfio() {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    node(dir.path(), "e1000e");
+    std::fs::write(
+        dir.path().join("run/ready"),
+        r#"{"devices":["0000:01:00.0"],"groups":[4],"time":1}"#,
+    )
+    .unwrap();
+    let (code, out) = ready(dir.path());
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("0000:01:00.0 is on e1000e, not vfio-pci"),
+        "{out}"
+    );
+
+    std::fs::write(
+        dir.path().join("run/ready"),
+        r#"{"devices":["0000:09:00.0"],"groups":[],"time":1}"#,
+    )
+    .unwrap();
+    let (code, out) = ready(dir.path());
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("0000:09:00.0 (listed in"), "{out}");
+}
+
+/// Runs `cmd` with stdout a pipe nobody reads (`| head` after head exited).
+fn with_closed_stdout(mut cmd: Command) -> std::process::ExitStatus {
+    let (read, write) = nix::unistd::pipe().unwrap();
+    drop(read);
+    cmd.stdout(Stdio::from(write))
+        .stderr(Stdio::null())
+        .status()
+        .unwrap()
+}
+
+#[test]
+fn a_closed_stdout_never_kills_a_command() {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    node(dir.path(), "e1000e");
+    let cases: [(&[&str], i32); 7] = [
+        (&["--help"], 0),
+        (&["--version"], 0),
+        (&["status"], 0),
+        (&["status", "--output", "json"], 0),
+        (&["bind", "--all", "--dry-run"], 0),
+        (&["unbind", "--all", "--dry-run"], 0),
+        (&["ready"], 1),
+    ];
+    for (args, want) in cases {
+        let mut c = command(dir.path());
+        c.args(args);
+        let status = with_closed_stdout(c);
+        assert_eq!(
+            status.signal(),
+            None,
+            "vfio-manager {args:?} was killed by a signal: {status:?}"
+        );
+        assert_eq!(
+            status.code(),
+            Some(want),
+            "vfio-manager {args:?}: {status:?}"
+        );
+    }
+}
