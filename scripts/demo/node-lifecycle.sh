@@ -6,6 +6,11 @@
 export VFIO_SANDBOX_CONFIG=/etc/vfio-sandbox.json
 echo '{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}' >"$VFIO_SANDBOX_CONFIG"
 D=/var/lib/kubelet/device-plugins
+# still_running PID: alive and not a zombie waiting to be reaped.
+still_running() {
+    _st=$(awk '/^State:/ { print $2 }' "/proc/$1/status" 2>/dev/null)
+    [ -n "$_st" ] && [ "$_st" != Z ]
+}
 mkdir -p "$D"
 
 note "the resource list"
@@ -15,7 +20,20 @@ run_logged vfio-manager status
 run_logged sandbox-validator
 
 note "2. the node is labelled for VM passthrough: vfio-manager run lands (the DaemonSet main)"
-vfio-manager run >/tmp/manager.log 2>&1 &
+# The cluster, as far as vfio-manager sees it: a stand-in API server on the
+# guest's loopback serving this Node (labelled vm-passthrough), the DaemonSet of
+# the standalone overlay (it selects on that one label) and the pod it runs.
+ifconfig lo 127.0.0.1 up 2>/dev/null || ip link set lo up
+LABEL=rebellions.ai/npu.workload.config
+API=/apis/apps/v1/namespaces/vfio-sandbox
+fake-apiserver serve --listen 127.0.0.1:6443 --kubeconfig /tmp/kubeconfig \
+    --node demo-node --label "$LABEL=vm-passthrough" \
+    --daemonset vfio-sandbox/vfio-manager --selector "$LABEL=vm-passthrough" \
+    --pod vfio-sandbox/vfio-manager-pod1 >/tmp/apiserver.log 2>&1 &
+wait_for "the stand-in API server serves" 10 -- test -s /tmp/kubeconfig
+# What the DaemonSet's downward API and service account give the pod.
+export KUBECONFIG=/tmp/kubeconfig NODE_NAME=demo-node POD_NAMESPACE=vfio-sandbox
+POD_NAME=vfio-manager-pod1 vfio-manager run >/tmp/manager.log 2>&1 &
 manager=$!
 wait_for "vfio-manager wrote its ready file" 30 -- test -e /run/vfio-manager/ready
 run_logged cat /tmp/manager.log
@@ -44,12 +62,44 @@ run_logged kubelet-peer --dir "$D" watch --endpoint "$EP" \
     --expect "$SOLO_NIC=Unhealthy" --within-ms 1000
 expect_eq "Unhealthy within 1 s" "$?" 0
 
-note "7. the label goes back to container: the DaemonSets get SIGTERM, devices go home"
+note "7. a rollout (new image, edited resource list): the pod is replaced, the node keeps its label"
+# A watcher on the plugin's ListAndWatch stream: it succeeds only if the card
+# turns Unhealthy, which is what a restore-and-rebind would show kubelet.
+kubelet-peer --dir "$D" watch --endpoint "$EP" --after true \
+    --expect "$CARD_FN0=Unhealthy" --within-ms 60000 >/tmp/watch.log 2>&1 &
+watcher=$!
+sleep 1
+kill -TERM "$manager"
+wait "$manager"
+expect_eq "the old vfio-manager exits 0" "$?" 0
+run_logged tail -n 2 /tmp/manager.log
+expect_contains "it found the node still selected" "$(cat /tmp/manager.log)" "the node stays in VM mode"
+expect_driver "card stays on vfio-pci" "$CARD_FN0" vfio-pci
+expect_driver "lone NIC stays on vfio-pci" "$SOLO_NIC" vfio-pci
+# The new pod: its object, then its process.
+fake-apiserver request POST /api/v1/namespaces/vfio-sandbox/pods \
+    '{"apiVersion":"v1","kind":"Pod","metadata":{"name":"vfio-manager-pod2","namespace":"vfio-sandbox","ownerReferences":[{"apiVersion":"apps/v1","kind":"DaemonSet","name":"vfio-manager","uid":"uid-ds-vfio-manager","controller":true}]},"spec":{"nodeName":"demo-node","containers":[{"name":"vfio-manager","image":"localhost/vfio-sandbox:0.1.1"}]}}' >/dev/null
+POD_NAME=vfio-manager-pod2 vfio-manager run >/tmp/manager2.log 2>&1 &
+manager=$!
+wait_for "the new vfio-manager is Ready (its readiness probe)" 30 -- vfio-manager ready
+run_logged vfio-manager ready
+run_logged cat /tmp/manager2.log
+expect_not_contains "the new pod had nothing to bind" "$(cat /tmp/manager2.log)" "bound 0000"
+sleep 1
+step "kubelet never saw the card turn Unhealthy during the rollout" still_running "$watcher"
+kill "$watcher" 2>/dev/null
+wait "$watcher" 2>/dev/null
+run_logged fake-apiserver request GET /apis/events.k8s.io/v1/namespaces/default/events
+
+note "8. the label goes back to container: the DaemonSets get SIGTERM, devices go home"
+run_logged fake-apiserver request PATCH /api/v1/nodes/demo-node "{\"metadata\":{\"labels\":{\"$LABEL\":\"container\"}}}"
 kill -TERM "$plugin"
 wait "$plugin"
 kill -TERM "$manager"
 wait "$manager"
-run_logged tail -n 6 /tmp/manager.log
+run_logged tail -n 6 /tmp/manager2.log
+expect_contains "it found the node no longer selected" "$(cat /tmp/manager2.log)" "$LABEL=container"
+step "the validator's ready file is gone with VM mode" sh -c "! test -e /run/vfio-sandbox/validations/vfio-pci-ready"
 run_logged vfio-manager status
 expect_driver "card back on e1000e" "$CARD_FN0" e1000e
 expect_driver "companion back on e1000e" "$CARD_FN1" e1000e
