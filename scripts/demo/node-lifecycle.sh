@@ -73,7 +73,7 @@ kill -TERM "$manager"
 wait "$manager"
 expect_eq "the old vfio-manager exits 0" "$?" 0
 run_logged tail -n 2 /tmp/manager.log
-expect_contains "it found the node still selected" "$(cat /tmp/manager.log)" "the node stays in VM mode"
+expect_contains "it found the node still selected" /tmp/manager.log "the node stays in VM mode"
 expect_driver "card stays on vfio-pci" "$CARD_FN0" vfio-pci
 expect_driver "lone NIC stays on vfio-pci" "$SOLO_NIC" vfio-pci
 # The new pod: its object, then its process.
@@ -84,7 +84,7 @@ manager=$!
 wait_for "the new vfio-manager is Ready (its readiness probe)" 30 -- vfio-manager ready
 run_logged vfio-manager ready
 run_logged cat /tmp/manager2.log
-expect_not_contains "the new pod had nothing to bind" "$(cat /tmp/manager2.log)" "bound 0000"
+expect_not_contains "the new pod had nothing to bind" /tmp/manager2.log "bound 0000"
 sleep 1
 step "kubelet never saw the card turn Unhealthy during the rollout" still_running "$watcher"
 kill "$watcher" 2>/dev/null
@@ -98,7 +98,7 @@ wait "$plugin"
 kill -TERM "$manager"
 wait "$manager"
 run_logged tail -n 6 /tmp/manager2.log
-expect_contains "it found the node no longer selected" "$(cat /tmp/manager2.log)" "$LABEL=container"
+expect_contains "it found the node no longer selected" /tmp/manager2.log "$LABEL=container"
 step "the validator's ready file is gone with VM mode" sh -c "! test -e /run/vfio-sandbox/validations/vfio-pci-ready"
 run_logged vfio-manager status
 expect_driver "card back on e1000e" "$CARD_FN0" e1000e
