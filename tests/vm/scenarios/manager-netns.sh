@@ -64,7 +64,7 @@ note "the device plugin in its own network namespace"
 step "vfio-manager bind --all" -- vfio-manager bind --all
 kubelet-peer --dir "$D" serve >/tmp/regs.log 2>&1 &
 peer=$!
-unshare -n sandbox-device-plugin --resync-interval 1h >/tmp/plugin.log 2>&1 &
+unshare -n sandbox-device-plugin --resync-interval 1h --metrics-address 127.0.0.1:9403 >/tmp/plugin.log 2>&1 &
 plugin=$!
 wait_for "plugin registers example.com/NIC_PT" 10 -- grep -q "registered example.com/NIC_PT" /tmp/regs.log
 in_own_netns "sandbox-device-plugin" "$plugin" sandbox-device-plugin
@@ -86,6 +86,30 @@ for round in 1 2; do
     run_logged cat "$TB_OUT"
 done
 step "/dev/vfio/$CARD_GROUP stayed throughout" -- test -c "/dev/vfio/$CARD_GROUP"
+
+note "its metrics, inside its network namespace only"
+# metrics_show TEXT -- a scrape from inside the plugin's namespace contains TEXT.
+metrics_show() {
+    nsenter -t "$plugin" -n wget -q -O /tmp/metrics.txt http://127.0.0.1:9403/metrics &&
+        grep -qF "$1" /tmp/metrics.txt
+}
+# A fresh network namespace has its loopback down; a pod's runtime brings it up.
+step "loopback up in the plugin's namespace" -- nsenter -t "$plugin" -n ip link set lo up
+wait_for "metrics: three healthy NIC_PT devices" 2 -- \
+    metrics_show 'vfio_sandbox_devices{resource="example.com/NIC_PT",state="healthy"} 3'
+expect_contains "metrics: none unhealthy" /tmp/metrics.txt \
+    'vfio_sandbox_devices{resource="example.com/NIC_PT",state="unhealthy"} 0'
+# Each ListAndWatch stream the peer closes leads to a new registration.
+expect_contains "metrics: registrations counted" /tmp/metrics.txt \
+    'vfio_sandbox_registrations_total{resource="example.com/NIC_PT",result="ok"} '
+expect_not_contains "metrics: not zero of them" /tmp/metrics.txt \
+    'vfio_sandbox_registrations_total{resource="example.com/NIC_PT",result="ok"} 0'
+run_logged grep -v "^#" /tmp/metrics.txt
+step "loopback up in the host's namespace" -- ip link set lo up
+# (Not wget -T: Debian 12's static busybox 1.35 wget crashes with it.)
+expect_fail "the metrics port is not open in the host's network namespace" nonzero -- \
+    wget -q -O /tmp/host-metrics.txt http://127.0.0.1:9403/metrics
+expect_contains "refused there, not unreachable" "$TB_OUT" "refused"
 
 note "control: a network namespace owned by a separate user namespace"
 # Since Linux 4.18 the kernel broadcasts uevents only into network namespaces
