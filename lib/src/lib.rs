@@ -21,6 +21,8 @@ pub mod host;
 pub mod inventory;
 pub mod io;
 pub mod kernel;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 pub mod module;
 pub mod out;
 pub mod passthrough;

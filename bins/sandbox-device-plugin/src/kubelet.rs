@@ -20,6 +20,7 @@ use vfio_sandbox::config::ResourceName;
 
 use crate::authority::AuthorityFix;
 use crate::devices::Snapshot;
+use crate::metrics::{Metrics, ResourceMetrics};
 use crate::service::{options, PluginService, Streams};
 
 /// What a resource task is told to do.
@@ -55,6 +56,8 @@ pub struct Settings {
     pub iommufd: bool,
     /// Our live sockets.
     pub sockets: Sockets,
+    /// The plugin's metrics.
+    pub metrics: Arc<Metrics>,
 }
 
 /// A socket name unique to this process, resource and start: the resource's short
@@ -164,6 +167,7 @@ pub async fn serve_resource(
     settings: Settings,
     mut commands: mpsc::UnboundedReceiver<Command>,
 ) {
+    let metrics = settings.metrics.resource(&resource);
     let mut serial = 0;
     loop {
         serial += 1;
@@ -171,7 +175,9 @@ pub async fn serve_resource(
         let path = settings.dir.join(&name);
         let (ended_tx, ended) = mpsc::unbounded_channel();
         let streams = Arc::new(Streams::new(ended_tx));
-        let Some(stop_server) = start_server(&resource, &settings, &path, streams.clone()) else {
+        let Some(stop_server) =
+            start_server(&resource, &settings, &path, streams.clone(), &metrics)
+        else {
             // Could not bind (directory missing?): try again shortly.
             match wait_or_command(&mut commands, BACKOFF.1).await {
                 Some(Command::Stop) => return,
@@ -190,7 +196,14 @@ pub async fn serve_resource(
             ended,
             registered_with: None,
         };
-        let end = run(&resource, &settings.dir, &mut served, &mut commands).await;
+        let end = run(
+            &resource,
+            &settings.dir,
+            &mut served,
+            &mut commands,
+            &metrics,
+        )
+        .await;
         settings.sockets.lock().map(|mut m| m.remove(&name)).ok();
         let _ = stop_server.send(());
         let _ = std::fs::remove_file(&path);
@@ -215,6 +228,7 @@ async fn run(
     dir: &Path,
     served: &mut Served,
     commands: &mut mpsc::UnboundedReceiver<Command>,
+    metrics: &ResourceMetrics,
 ) -> End {
     let mut delay = BACKOFF.0;
     loop {
@@ -242,6 +256,7 @@ async fn run(
         };
         match result {
             Some(Ok(())) => {
+                metrics.registered.inc();
                 tracing::info!(resource = %resource, endpoint = %served.name, "registered with kubelet");
                 served.registered_with = target;
                 delay = BACKOFF.0;
@@ -251,6 +266,7 @@ async fn run(
                 }
             }
             Some(Err(e)) => {
+                metrics.register_failed.inc();
                 tracing::warn!(resource = %resource, error = %e, retry_in = ?delay, "cannot register with kubelet");
                 match wait_or_command(commands, delay).await {
                     None => delay = (delay * 2).min(BACKOFF.1),
@@ -334,6 +350,7 @@ fn start_server(
     settings: &Settings,
     path: &Path,
     streams: Arc<Streams>,
+    metrics: &ResourceMetrics,
 ) -> Option<oneshot::Sender<()>> {
     let _ = std::fs::remove_file(path);
     let listener = match tokio::net::UnixListener::bind(path) {
@@ -348,6 +365,7 @@ fn start_server(
         snapshot: settings.snapshot.clone(),
         iommufd: settings.iommufd,
         streams,
+        metrics: metrics.clone(),
     };
     let (tx, rx) = oneshot::channel::<()>();
     // grpc-core clients send the socket path as :authority, which the HTTP/2 layer

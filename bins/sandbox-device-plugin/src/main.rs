@@ -13,11 +13,13 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{mpsc, watch};
 use vfio_sandbox::cli::{fail, parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
 use vfio_sandbox::config::ResourceName;
+use vfio_sandbox::metrics::{self as endpoint, ListenAddress};
 
 mod allocate;
 mod authority;
 mod devices;
 mod kubelet;
+mod metrics;
 mod service;
 mod watchers;
 
@@ -32,7 +34,8 @@ kubelet after it starts serving. Each VFIO-bound device is advertised with its B
 and its NUMA node; health follows the node within a second (kernel uevents, inotify on
 /dev/vfio, and a periodic resync). Allocate returns KubeVirt's PCI_RESOURCE_<NAME> env var
 and the /dev/vfio nodes. A kubelet restart is noticed and answered by serving on a new
-socket and registering again. SIGTERM, SIGINT and SIGHUP stop serving and remove the
+socket and registering again. With --metrics-address, Prometheus metrics are served at
+http://ADDR/metrics. SIGTERM, SIGINT and SIGHUP stop serving and remove the
 sockets.
 
 Exit codes: 0 stopped by a signal, 1 the node could not be read, 2 bad usage or config.";
@@ -54,6 +57,12 @@ struct Cli {
     /// Also hand out /dev/iommu and /dev/vfio/devices/vfioN (iommufd) in Allocate.
     #[arg(long, env = "VFIO_SANDBOX_IOMMUFD")]
     iommufd: bool,
+    /// Serve Prometheus metrics (OpenMetrics text) at http://ADDR/metrics: devices
+    /// per resource and health, registrations, Allocate calls and latency,
+    /// ListAndWatch updates. ADDR is IP:PORT (0.0.0.0:9403, [::]:9403,
+    /// 127.0.0.1:9403) or :PORT for every address. Default: off, no port opened.
+    #[arg(long, env = "VFIO_SANDBOX_METRICS_ADDRESS", value_name = "ADDR", value_parser = endpoint::parse_address)]
+    metrics_address: Option<ListenAddress>,
 }
 
 fn main() -> ExitCode {
@@ -88,12 +97,20 @@ async fn run(cli: Cli, list: vfio_sandbox::config::ResourceList) -> anyhow::Resu
     if first.is_empty() {
         tracing::warn!("no selected device is bound to its vfio driver yet; waiting");
     }
+    let mut registry = endpoint::registry();
+    let metrics = Arc::new(metrics::Metrics::new(&mut registry));
+    if let Some(address) = &cli.metrics_address {
+        let listener = endpoint::bind(address).await?;
+        tracing::info!(address = %listener.local_addr()?, "serving metrics at /metrics");
+        tokio::spawn(endpoint::serve(listener, Arc::new(registry)));
+    }
     let (publish, mut snapshot) = watch::channel(Arc::new(first));
     let settings = Settings {
         dir: cli.kubelet_dir.clone(),
         snapshot: snapshot.clone(),
         iommufd: cli.iommufd,
         sockets: Default::default(),
+        metrics: metrics.clone(),
     };
     tokio::spawn(watchers::watch_node(
         host,
@@ -115,7 +132,11 @@ async fn run(cli: Cli, list: vfio_sandbox::config::ResourceList) -> anyhow::Resu
     > = BTreeMap::new();
     loop {
         // A resource whose first device got bound later gets its server now.
-        let resources: Vec<ResourceName> = snapshot.borrow_and_update().keys().cloned().collect();
+        let resources: Vec<ResourceName> = {
+            let current = snapshot.borrow_and_update();
+            metrics.set_devices(&current);
+            current.keys().cloned().collect()
+        };
         for r in resources {
             tasks.entry(r.clone()).or_insert_with(|| {
                 let (tx, rx) = mpsc::unbounded_channel();

@@ -19,6 +19,7 @@ use vfio_sandbox::config::ResourceName;
 
 use crate::allocate::{allocate, preferred};
 use crate::devices::{DeviceState, Snapshot};
+use crate::metrics::ResourceMetrics;
 
 /// The options we register with: preferred allocation is implemented, no pre-start.
 pub fn options() -> DevicePluginOptions {
@@ -61,12 +62,32 @@ pub struct PluginService {
     pub iommufd: bool,
     /// Stream bookkeeping shared with the registrar.
     pub streams: Arc<Streams>,
+    /// This resource's metrics.
+    pub metrics: ResourceMetrics,
 }
 
 impl PluginService {
     /// The current snapshot (an `Arc`: no copy of the device list).
     fn snapshot(&self) -> Arc<Snapshot> {
         self.snapshot.borrow().clone()
+    }
+
+    /// Allocate's answer, every container or an error naming the refused IDs.
+    fn answer_allocate(&self, request: AllocateRequest) -> Result<AllocateResponse, Status> {
+        let snapshot = self.snapshot();
+        let devices = devices_of(&snapshot, &self.resource);
+        let mut container_responses = Vec::new();
+        for c in &request.container_requests {
+            let r =
+                allocate(&self.resource, devices, &c.devices_ids, self.iommufd).map_err(|e| {
+                    tracing::warn!(resource = %self.resource, error = %e, "Allocate refused");
+                    Status::invalid_argument(format!("{}: {e}", self.resource))
+                })?;
+            container_responses.push(r);
+        }
+        Ok(AllocateResponse {
+            container_responses,
+        })
     }
 }
 
@@ -115,6 +136,7 @@ impl DevicePlugin for PluginService {
         let mut snapshot = self.snapshot.clone();
         let resource = self.resource.clone();
         let streams = self.streams.clone();
+        let updates = self.metrics.updates.clone();
         let generation = streams.generation.load(Ordering::SeqCst);
         streams.active.fetch_add(1, Ordering::SeqCst);
         tracing::info!(resource = %resource, "kubelet opened ListAndWatch");
@@ -130,6 +152,7 @@ impl DevicePlugin for PluginService {
                     if tx.send(Ok(msg.clone())).await.is_err() {
                         break;
                     }
+                    updates.inc();
                     last = Some(msg);
                 }
                 tokio::select! {
@@ -186,20 +209,16 @@ impl DevicePlugin for PluginService {
         &self,
         request: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
-        let snapshot = self.snapshot();
-        let devices = devices_of(&snapshot, &self.resource);
-        let mut container_responses = Vec::new();
-        for c in &request.into_inner().container_requests {
-            let r =
-                allocate(&self.resource, devices, &c.devices_ids, self.iommufd).map_err(|e| {
-                    tracing::warn!(resource = %self.resource, error = %e, "Allocate refused");
-                    Status::invalid_argument(format!("{}: {e}", self.resource))
-                })?;
-            container_responses.push(r);
-        }
-        Ok(Response::new(AllocateResponse {
-            container_responses,
-        }))
+        let start = std::time::Instant::now();
+        let answer = self.answer_allocate(request.into_inner());
+        self.metrics
+            .allocate_seconds
+            .observe(start.elapsed().as_secs_f64());
+        match &answer {
+            Ok(_) => self.metrics.allocated.inc(),
+            Err(_) => self.metrics.allocate_failed.inc(),
+        };
+        answer.map(Response::new)
     }
 
     async fn pre_start_container(
