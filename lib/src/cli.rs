@@ -98,7 +98,10 @@ pub fn init_logging(format: LogFormat, filter: &str) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false);
+        .with_target(false)
+        // Its fallback for a failed write is eprintln!, which panics on a closed
+        // stderr (`run 2>&1 | head`): a log line that cannot be written is dropped.
+        .log_internal_errors(false);
     let _ = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),

@@ -297,7 +297,11 @@ fn a_closed_stdout_never_kills_the_validator() {
             .stderr(Stdio::null())
             .status()
             .unwrap();
-        assert_eq!(status.signal(), None, "{args:?} was killed by a signal: {status:?}");
+        assert_eq!(
+            status.signal(),
+            None,
+            "{args:?} was killed by a signal: {status:?}"
+        );
         assert_eq!(status.code(), Some(want), "{args:?}: {status:?}");
     }
 }

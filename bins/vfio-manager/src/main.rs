@@ -12,6 +12,7 @@ use vfio_sandbox::state::{StateFile, DEFAULT_STATE_FILE};
 use vfio_sandbox::Host;
 
 mod commands;
+mod metrics;
 mod report;
 mod side;
 

@@ -7,11 +7,13 @@
 //! Events go nowhere, which is how vfio-manager behaved before it could ask.
 
 use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 use vfio_sandbox::cluster::{Cluster, Identity, Verdict, EVENT_TIMEOUT, STOP_LOOKUP_TIMEOUT};
 use vfio_sandbox::error_chain;
+use vfio_sandbox::metrics::{self as endpoint, ListenAddress, Registry};
 
 /// An Event about the Node.
 #[derive(Debug, Clone)]
@@ -34,29 +36,54 @@ enum Msg {
 
 /// Handle of the side thread.
 pub struct Side {
+    /// Whether an identity was given (else only metrics are served).
+    asks: bool,
     tx: Option<mpsc::UnboundedSender<Msg>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Side {
-    /// Starts the thread. With `identity` it connects to the API server (in-cluster
-    /// service account, or KUBECONFIG) and reads the Node once to say at start
-    /// whether a rollout will keep the devices bound.
-    pub fn start(identity: Option<Identity>) -> anyhow::Result<Self> {
-        let Some(identity) = identity else {
+    /// Starts the thread when there is something for it to do. With `identity` it
+    /// connects to the API server (in-cluster service account, or KUBECONFIG) and
+    /// reads the Node once to say at start whether a rollout will keep the devices
+    /// bound. With `metrics` it serves the registry there; a listener that cannot be
+    /// bound is an error now, not a silent gap later.
+    pub fn start(
+        identity: Option<Identity>,
+        metrics: Option<(ListenAddress, Registry)>,
+    ) -> anyhow::Result<Self> {
+        if identity.is_none() && metrics.is_none() {
             return Ok(Self {
+                asks: false,
                 tx: None,
                 thread: None,
             });
-        };
+        }
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
+        let endpoint = match metrics {
+            Some((address, registry)) => {
+                let listener = rt.block_on(endpoint::bind(&address))?;
+                tracing::info!(address = %listener.local_addr()?, "serving metrics at /metrics");
+                Some((listener, Arc::new(registry)))
+            }
+            None => None,
+        };
+        let asks = identity.is_some();
         let (tx, rx) = mpsc::unbounded_channel();
         let thread = std::thread::Builder::new()
-            .name("vfio-manager-api".into())
-            .spawn(move || rt.block_on(serve(identity, rx)))?;
+            .name("vfio-manager-side".into())
+            .spawn(move || {
+                rt.block_on(async move {
+                    if let Some((listener, registry)) = endpoint {
+                        tokio::spawn(endpoint::serve(listener, registry));
+                    }
+                    serve(identity, rx).await;
+                });
+            })?;
         Ok(Self {
+            asks,
             tx: Some(tx),
             thread: Some(thread),
         })
@@ -72,6 +99,9 @@ impl Side {
     /// Keep or restore? `None` without API access.
     pub fn stop_verdict(&self) -> Option<Verdict> {
         let tx = self.tx.as_ref()?;
+        if !self.asks {
+            return None;
+        }
         let (reply, answer) = std_mpsc::channel();
         if tx.send(Msg::Verdict(reply)).is_err() {
             return Some(Verdict::Restore("the API client stopped".into()));
@@ -105,11 +135,19 @@ impl Side {
     }
 }
 
-async fn serve(identity: Identity, mut rx: mpsc::UnboundedReceiver<Msg>) {
-    let node = identity.node.clone();
-    let cluster = match Cluster::connect(identity).await {
-        Ok(c) => Some(c),
-        Err(e) => {
+async fn serve(identity: Option<Identity>, mut rx: mpsc::UnboundedReceiver<Msg>) {
+    let node = identity
+        .as_ref()
+        .map(|i| i.node.clone())
+        .unwrap_or_default();
+    let connected = match identity {
+        Some(identity) => Some(Cluster::connect(identity).await),
+        None => None,
+    };
+    let cluster = match connected {
+        None => None,
+        Some(Ok(c)) => Some(c),
+        Some(Err(e)) => {
             tracing::warn!(error = %error_chain(&e), "no API access: a stop restores every device, so each rollout of this DaemonSet bounces idle devices");
             None
         }

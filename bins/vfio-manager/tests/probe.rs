@@ -145,3 +145,39 @@ fn a_closed_stdout_never_kills_a_command() {
         );
     }
 }
+
+#[test]
+fn a_closed_stderr_never_kills_run() {
+    // `vfio-manager run 2>&1 | head -1`: logs go to a pipe that closed.
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    node(dir.path(), "vfio-pci");
+    let ready_file = dir.path().join("run/ready");
+    let (read, write) = nix::unistd::pipe().unwrap();
+    drop(read);
+    let mut child = command(dir.path())
+        .args([
+            "--ready-file",
+            &ready_file.to_string_lossy(),
+            "run",
+            "--log-level",
+            "debug",
+        ])
+        .env_remove("NODE_NAME")
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(write))
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while !ready_file.exists() {
+        if let Some(s) = child.try_wait().unwrap() {
+            panic!("run died with its stderr closed: {s:?}");
+        }
+        assert!(start.elapsed() < std::time::Duration::from_secs(10));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), None, "{status:?}");
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}

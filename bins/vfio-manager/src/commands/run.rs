@@ -26,6 +26,7 @@ use vfio_sandbox::kernel::SysKernel;
 use vfio_sandbox::module::kernel_release;
 use vfio_sandbox::passthrough::{target_drivers, Passthrough};
 
+use crate::metrics::Metrics;
 use crate::side::{NodeEvent, Side};
 use crate::{report, Context};
 
@@ -50,6 +51,11 @@ pub struct Args {
     /// This pod's namespace (downward API `metadata.namespace`).
     #[arg(long, env = "POD_NAMESPACE", value_name = "NAMESPACE")]
     pod_namespace: Option<String>,
+    /// Serve Prometheus metrics (OpenMetrics text) at http://ADDR/metrics: devices
+    /// bound, not bound and held by a VM; binds, restores and stops with their
+    /// outcome. ADDR is HOST:PORT, [IPV6]:PORT or :PORT (all addresses). Off by default.
+    #[arg(long, env = "VFIO_SANDBOX_METRICS_ADDRESS", value_name = "ADDR", value_parser = vfio_sandbox::metrics::parse_address)]
+    metrics_address: Option<vfio_sandbox::metrics::ListenAddress>,
     /// Full rescan period, besides reacting to kernel uevents (90s, 5m, 500ms, seconds).
     #[arg(long, env = "VFIO_MANAGER_RESYNC_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     resync_interval: Duration,
@@ -68,7 +74,12 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     remove_ready_file(&ctx.ready_file)?;
     // After block_signals: the side thread inherits the blocked mask, so the
     // signalfd sees every stop signal.
-    let side = Side::start(identity(args))?;
+    let mut registry = vfio_sandbox::metrics::registry();
+    let metrics = Metrics::new(&mut registry);
+    let side = Side::start(
+        identity(args),
+        args.metrics_address.map(|a| (a, registry)),
+    )?;
     let uevents = match vfio_sandbox::uevent::socket_nonblocking() {
         Ok(s) => Some(s),
         Err(e) => {
@@ -88,6 +99,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     let mut pass = Pass {
         ready_file: &ctx.ready_file,
         side: &side,
+        metrics: &metrics,
         converged: false,
         skipped: SkipLog::default(),
         last_failure: None,
@@ -123,6 +135,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     let recorded = pt.state.state().devices.len();
     if args.keep_bound_on_exit {
         tracing::info!("leaving devices bound (--keep-bound-on-exit)");
+        metrics.stop("keep");
         side.finish();
         return Ok(ExitCode::SUCCESS);
     }
@@ -135,6 +148,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
                 action: "Keep",
                 note: format!("kept {recorded} device(s) on vfio for the next vfio-manager: {reason}"),
             });
+            metrics.stop("keep");
             side.finish();
             return Ok(ExitCode::SUCCESS);
         }
@@ -143,7 +157,8 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         }
         None => tracing::info!("no API access; restoring (set NODE_NAME and give the pod API access to keep devices bound across rollouts)"),
     }
-    let ok = restore_all(ctx, &mut pt, &side);
+    metrics.stop("restore");
+    let ok = restore_all(ctx, &mut pt, &side, Some(&metrics));
     side.finish();
     Ok(if ok {
         ExitCode::SUCCESS
@@ -175,9 +190,17 @@ fn identity(args: &Args) -> Option<Identity> {
 /// Restores every recorded device (the node leaves VM mode): the validator's ready
 /// file goes first, then the devices; Events say what happened. True when all went
 /// back.
-pub fn restore_all(ctx: &Context, pt: &mut Passthrough<'_>, side: &Side) -> bool {
+pub fn restore_all(
+    ctx: &Context,
+    pt: &mut Passthrough<'_>,
+    side: &Side,
+    metrics: Option<&Metrics>,
+) -> bool {
     clear_validator_ready_file(ctx);
     let report = pt.restore(&[]);
+    if let Some(m) = metrics {
+        m.restore(&report);
+    }
     if !report.restored.is_empty() {
         side.event(NodeEvent {
             warning: false,
@@ -256,6 +279,7 @@ fn remove_ready_file(path: &std::path::Path) -> anyhow::Result<()> {
 struct Pass<'a> {
     ready_file: &'a std::path::Path,
     side: &'a Side,
+    metrics: &'a Metrics,
     /// Whether the last pass found every device bound.
     converged: bool,
     skipped: SkipLog,
@@ -280,6 +304,7 @@ impl Pass<'_> {
         if needs_work {
             pt.load_modules(&target_drivers(&inv, &[]))?;
             let bind = pt.bind(&inv, &[]);
+            self.metrics.bind(&bind);
             for e in &bind.failed {
                 tracing::error!(error = %error_chain(e), "bind failed; will retry");
             }
@@ -315,6 +340,7 @@ impl Pass<'_> {
         } else {
             inv
         };
+        self.metrics.observe(&inv);
         let converged = inv.entries.iter().all(|e| e.is_bound());
         if converged {
             let devices: Vec<String> = inv
