@@ -11,7 +11,9 @@
 #                last build (target/<arch>-unknown-linux-gnu/release/
 #                static-bins.list), which may be stale
 #   --keep-logs  keep console logs of earlier runs in target/vm-logs/ (by
-#                default the directory is emptied first) and keep the
+#                default the directory of each kernel run, target/vm-logs/
+#                <kernel>/, is emptied first; other kernels' logs, e.g.
+#                of an earlier run on x86 kernels, stay) and keep the
 #                assembled initramfs images in target/vm-work/
 #   -j N         boot up to N VMs at once (default: VM_JOBS or 2)
 #   --timeout S  hard per-scenario timeout in seconds (default: VM_TIMEOUT or
@@ -161,7 +163,7 @@ done
 # ---- kernels and base initramfs images --------------------------------------------
 mkdir -p "$work_dir" "$log_dir"
 if ((keep_logs == 0)); then
-    rm -rf "${log_dir:?}"/*
+    for k in "${kernels[@]}"; do rm -rf "${log_dir:?}/$k"; done
 fi
 run_dir="$(mktemp -d "$work_dir/run.XXXXXX")"
 cleanup() {
