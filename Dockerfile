@@ -1,27 +1,60 @@
-# Container image for the vfio-sandbox node agents (vfio-manager, and later
+# Container image for the vfio-sandbox node agents (vfio-manager,
 # sandbox-validator and sandbox-device-plugin), one image for all of them.
+#
+# Multi-arch: linux/amd64 and linux/arm64 (Grace-based nodes, where
+# nvgrace_gpu_vfio_pci lives). Both runtime targets are FROM scratch plus
+# COPY, so no stage ever runs a foreign binary and no emulation is needed.
 #
 # Two ways to build the same FROM-scratch runtime image:
 #
-#   1. Everything inside the build (default target `runtime`):
-#        docker build -t vfio-sandbox .
+#   1. Everything inside the build (default target `runtime`). The builder
+#      runs on the build machine's platform ($BUILDPLATFORM) and
+#      cross-compiles for $TARGETARCH with Debian's cross gcc when the two
+#      differ:
+#        docker buildx build --platform linux/amd64,linux/arm64 -t vfio-sandbox .
 #
 #   2. From static binaries already built on the host (target
 #      `runtime-prebuilt`), for machines that cannot pull the Rust builder
-#      image. The build context is a directory holding `bin/<binary>`:
-#        scripts/build-static.sh           # prints target/x86_64-unknown-linux-gnu/release
-#        mkdir -p ctx/bin && cp <the binaries it lists> ctx/bin/
-#        docker build -f Dockerfile --target runtime-prebuilt -t vfio-sandbox ctx
-#      scripts/image.sh does exactly this with buildah and then runs the image.
+#      image. The build context is a directory holding
+#      `bin/<TARGETARCH>/<binary>` (`bin/amd64/`, `bin/arm64/`):
+#        scripts/build-static.sh --arch x86_64    # prints target/x86_64-unknown-linux-gnu/release
+#        scripts/build-static.sh --arch aarch64   # prints target/aarch64-unknown-linux-gnu/release
+#        mkdir -p ctx/bin/amd64 ctx/bin/arm64     # copy the binaries each one lists
+#        docker buildx build --platform linux/amd64,linux/arm64 \
+#            --target runtime-prebuilt -t vfio-sandbox ctx
+#      scripts/image.sh does exactly this with buildah (one build per
+#      platform, joined in a manifest list) and then checks the images.
 #
 # The binaries are static (glibc, +crt-static), so the runtime stage needs no
 # libc, no shell and no modprobe: vfio-manager loads kernel modules itself with
 # finit_module(2) from the host's /lib/modules, mounted into the container.
 
 ############################################################################
-# Builder: every binary of the workspace, statically linked.
+# Builder: every node agent, statically linked for $TARGETARCH.
 ############################################################################
-FROM rust:1-bookworm AS builder
+FROM --platform=$BUILDPLATFORM rust:1-bookworm AS builder
+
+ARG TARGETARCH
+ARG BUILDARCH
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# Cross toolchain when the target differs from the build machine: Debian's
+# gcc for the target links the binaries and compiles C code of dependencies
+# (ring, with rustls); its libc.a links them statically. The versions come
+# with the builder image's Debian release.
+# hadolint ignore=DL3008
+RUN case "$TARGETARCH" in \
+        amd64) gnu=x86_64 ;; \
+        arm64) gnu=aarch64 ;; \
+        *) echo "unsupported TARGETARCH=$TARGETARCH" >&2; exit 1 ;; \
+    esac \
+ && rustup target add "$gnu-unknown-linux-gnu" \
+ && if [ "$TARGETARCH" != "$BUILDARCH" ]; then \
+        apt-get update \
+     && apt-get install -y --no-install-recommends \
+            "gcc-${gnu//_/-}-linux-gnu" "libc6-dev-$TARGETARCH-cross" \
+     && rm -rf /var/lib/apt/lists/*; \
+    fi
 
 WORKDIR /src
 COPY . .
@@ -30,12 +63,19 @@ COPY . .
 # to build scripts and proc macros, which run on the build machine).
 # Only the node agents are built and gathered in /out/bin; the workspace's test
 # tools (kubelet-peer, plugin-bench) stay out of the image.
-RUN RUSTFLAGS="-C target-feature=+crt-static" \
-        cargo build --release --locked --target x86_64-unknown-linux-gnu \
+RUN case "$TARGETARCH" in amd64) gnu=x86_64 ;; arm64) gnu=aarch64 ;; esac \
+ && target="$gnu-unknown-linux-gnu" \
+ && if [ "$TARGETARCH" != "$BUILDARCH" ]; then \
+        tvar="${target//-/_}" \
+     && export "CARGO_TARGET_${tvar^^}_LINKER=$gnu-linux-gnu-gcc" \
+            "CC_$tvar=$gnu-linux-gnu-gcc" "AR_$tvar=$gnu-linux-gnu-ar"; \
+    fi \
+ && RUSTFLAGS="-C target-feature=+crt-static" \
+        cargo build --release --locked --target "$target" \
         -p vfio-manager -p sandbox-validator -p sandbox-device-plugin \
  && mkdir -p /out/bin \
  && for b in vfio-manager sandbox-validator sandbox-device-plugin; do \
-        cp "target/x86_64-unknown-linux-gnu/release/$b" /out/bin/; \
+        cp "target/$target/release/$b" /out/bin/; \
     done \
  && ls -l /out/bin
 
@@ -61,16 +101,20 @@ ENV PATH=/usr/bin
 # kernel modules (finit_module / delete_module need CAP_SYS_MODULE) and
 # creates its state under the host's /run; the device plugin serves a socket
 # in kubelet's root-owned device-plugins directory. None of that works as an
-# unprivileged user, so say it explicitly instead of relying on a default.
+# unprivileged user, so say it explicitly instead of relying on a default
+# (hence no DL3002 from hadolint).
+# hadolint ignore=DL3002
 USER 0
 
 CMD ["vfio-manager", "--help"]
 
 ############################################################################
-# Runtime from host-built binaries: context directory with bin/<binary>.
+# Runtime from host-built binaries: context directory with
+# bin/<TARGETARCH>/<binary>.
 ############################################################################
 FROM runtime-base AS runtime-prebuilt
-COPY bin/ /usr/bin/
+ARG TARGETARCH
+COPY bin/${TARGETARCH}/ /usr/bin/
 
 ############################################################################
 # Runtime from the builder stage (default target: last in the file).

@@ -1,21 +1,50 @@
 #!/usr/bin/env bash
-# Build the workspace binaries as static executables for the VM test bed.
+# Build the workspace binaries as static executables for the VM test bed and
+# the container image.
+#
+#   scripts/build-static.sh [--arch x86_64|aarch64]
 #
 #   RUSTFLAGS="-C target-feature=+crt-static" \
-#     cargo build --release --target x86_64-unknown-linux-gnu --bins
+#     cargo build --release --target <arch>-unknown-linux-gnu --bins
 #
-# The explicit --target keeps these artifacts (and the RUSTFLAGS) apart from
-# the normal target/release build cache.
+# --arch (env STATIC_ARCH; also amd64/arm64) picks the target; the default is
+# x86_64. The explicit --target keeps these artifacts (and the RUSTFLAGS)
+# apart from the normal target/release build cache; build scripts and proc
+# macros are host code and shared between both targets.
 #
-# Prints the output directory (target/x86_64-unknown-linux-gnu/release) on
+# aarch64 is cross-compiled with Debian's cross toolchain
+# (gcc-aarch64-linux-gnu for linking and for C code of dependencies,
+# libc6-dev-arm64-cross for the static glibc), installed with apt-get when
+# missing, like the rust target (rustup target add). The linker and the
+# target's C compiler and archiver are set through
+# CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER, CC_aarch64_unknown_linux_gnu
+# and AR_aarch64_unknown_linux_gnu unless already set.
+#
+# Prints the output directory (target/<arch>-unknown-linux-gnu/release) on
 # stdout. Writes <output dir>/static-bins.list with the absolute path of every
 # binary this build produced or found up to date, one per line. With
 # --keep-going, binaries that compile are listed even when another one fails;
-# the script then exits non-zero but the list is still valid.
+# the script then exits non-zero but the list is still valid. A binary that
+# is not static or not of the asked architecture (checked with `file`) fails
+# the build.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-target="x86_64-unknown-linux-gnu"
+arch="${STATIC_ARCH:-x86_64}"
+while (($#)); do
+    case "$1" in
+        --arch) arch="${2:?--arch needs x86_64 or aarch64}"; shift 2 ;;
+        --arch=*) arch="${1#*=}"; shift ;;
+        -h | --help) sed -n '2,/^set -euo/{/^#/!d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+        *) printf 'build-static: error: unknown argument %s (see --help)\n' "$1" >&2; exit 2 ;;
+    esac
+done
+case "$arch" in
+    x86_64 | amd64) arch=x86_64 deb_arch=amd64 file_arch='x86-64' ;;
+    aarch64 | arm64) arch=aarch64 deb_arch=arm64 file_arch='ARM aarch64' ;;
+    *) printf 'build-static: error: --arch wants x86_64 or aarch64, got %s\n' "$arch" >&2; exit 2 ;;
+esac
+target="$arch-unknown-linux-gnu"
 target_dir="${CARGO_TARGET_DIR:-$repo_root/target}"
 out_dir="$target_dir/$target/release"
 list="$out_dir/static-bins.list"
@@ -23,11 +52,30 @@ list="$out_dir/static-bins.list"
 log() { printf 'build-static: %s\n' "$*" >&2; }
 
 command -v cargo >/dev/null || { log "error: cargo not found"; exit 1; }
-# Static glibc linking needs libc.a (libc6-dev).
-if [[ ! -e /usr/lib/x86_64-linux-gnu/libc.a ]] && command -v apt-get >/dev/null; then
-    log "installing libc6-dev (static glibc)"
+apt_install() {
+    command -v apt-get >/dev/null || { log "error: $* missing and no apt-get to install it"; exit 1; }
+    log "installing $*"
     DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libc6-dev >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=300 "$@" >&2
+}
+if [[ "$arch" == "$(uname -m)" ]]; then
+    # Static glibc linking needs libc.a (libc6-dev).
+    if [[ ! -e "/usr/lib/$arch-linux-gnu/libc.a" ]] && command -v apt-get >/dev/null; then
+        apt_install libc6-dev
+    fi
+else
+    # Cross build: Debian's cross gcc links and compiles C code for the
+    # target (ring, with kube-rs/rustls, builds C); its libc.a links statically.
+    cross="$arch-linux-gnu"
+    missing=()
+    command -v "$cross-gcc" >/dev/null || missing+=("gcc-$cross")
+    [[ -e "/usr/$cross/lib/libc.a" ]] || missing+=("libc6-dev-$deb_arch-cross")
+    ((${#missing[@]} == 0)) || apt_install "${missing[@]}"
+    tvar="${target//-/_}"
+    linker_var="CARGO_TARGET_${tvar^^}_LINKER"
+    export "$linker_var=${!linker_var:-$cross-gcc}"
+    cc_var="CC_$tvar" ar_var="AR_$tvar"
+    export "$cc_var=${!cc_var:-$cross-gcc}" "$ar_var=${!ar_var:-$cross-ar}"
 fi
 if command -v rustup >/dev/null && ! rustup target list --installed 2>/dev/null | grep -qx "$target"; then
     log "adding rust target $target"
@@ -73,11 +121,18 @@ fi
 mv "$list.tmp" "$list"
 
 if [[ -s "$list" ]]; then
+    command -v file >/dev/null || apt_install file
     while read -r bin; do
-        if command -v file >/dev/null && ! file -L "$bin" | grep -Eq 'statically linked|static-pie'; then
-            log "warning: $bin does not look statically linked"
+        desc="$(file -L "$bin")"
+        if ! grep -Eq 'statically linked|static-pie' <<<"$desc"; then
+            log "error: $bin is not statically linked: $desc"
+            rc=1
+        elif ! grep -q "$file_arch" <<<"$desc"; then
+            log "error: $bin is not an $file_arch executable: $desc"
+            rc=1
+        else
+            log "built $(basename "$bin") (static, $file_arch)"
         fi
-        log "built $(basename "$bin")"
     done <"$list"
 else
     log "no binaries built"

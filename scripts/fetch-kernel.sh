@@ -10,11 +10,19 @@
 #
 # The suite (KERNEL_SUITE) defaults to the machine's own release, resolved
 # through the machine's apt configuration. Another suite (e.g. trixie on a
-# bookworm machine) goes through a private apt configuration under
-# .cache/kernel/<suite>/apt/ (its own sources.list, package lists and cache,
-# passed with -o Dir::...); the machine's sources are never edited. Its
-# archive is the one the machine's own apt sources use for its release
-# (KERNEL_MIRROR overrides), signed by the machine's Debian archive keyring.
+# bookworm machine) or another architecture (KERNEL_ARCH=arm64 on an amd64
+# machine) goes through a private apt configuration under
+# <cache dir>/apt/ (its own sources.list, package lists and cache, and the
+# architecture, passed with -o Dir::... and -o APT::Architecture...); the
+# machine's sources are never edited. Its archive is the one the machine's
+# own apt sources use for its release (KERNEL_MIRROR overrides), signed by
+# the machine's Debian archive keyring.
+#
+# For an architecture other than the machine's, the guest's userland must be
+# of that architecture too: the same private configuration downloads
+# busybox-static and kmod (with the shared libraries kmod needs) of the
+# kernel's suite and architecture and unpacks them under
+# <cache dir>/userland/ (KERNEL_BUSYBOX, KERNEL_KMOD, KERNEL_USERLAND below).
 #
 # Usage:  eval "$(scripts/fetch-kernel.sh)"
 #
@@ -33,6 +41,12 @@
 #                       usr/lib/modules/... for merged-usr packages)
 #   KERNEL_CONFIG       path of the kernel's config file
 #   KERNEL_SUITE        the Debian suite the kernel came from
+#   KERNEL_ARCH         its Debian architecture (amd64, arm64)
+#   KERNEL_BUSYBOX      static busybox of KERNEL_ARCH, or empty: use the
+#                       machine's own (same architecture)
+#   KERNEL_KMOD         kmod binary of KERNEL_ARCH, or empty: the machine's
+#   KERNEL_USERLAND     root of the unpacked userland packages (the shared
+#                       libraries of KERNEL_KMOD), or empty
 # The same lines are written to <cache dir>/kernel.env.
 #
 # Environment:
@@ -40,8 +54,12 @@
 #                       machine's release, VERSION_CODENAME of /etc/os-release)
 #   KERNEL_MIRROR       archive URI for a private suite (default: the one the
 #                       machine's apt sources use for its own release)
-#   KERNEL_CACHE_DIR    cache dir (default: <repo>/.cache/kernel/<suite>)
-#   KERNEL_META_PKG     meta package to resolve (default: linux-image-amd64)
+#   KERNEL_ARCH         Debian architecture of the kernel (default: the
+#                       machine's, dpkg --print-architecture)
+#   KERNEL_CACHE_DIR    cache dir (default: <repo>/.cache/kernel/<suite>, or
+#                       <suite>-<arch> for another architecture)
+#   KERNEL_META_PKG     meta package to resolve (default:
+#                       linux-image-<arch>)
 #   KERNEL_PKG, KERNEL_PKG_VERSION   pin an exact package instead of resolving
 set -euo pipefail
 
@@ -50,8 +68,16 @@ host_suite="$(sed -n 's/^VERSION_CODENAME=//p' /etc/os-release 2>/dev/null | tr 
 suite="${KERNEL_SUITE:-$host_suite}"
 [[ "$suite" =~ ^[a-z][a-z0-9-]*$ ]] ||
     { printf 'fetch-kernel: error: no Debian suite (set KERNEL_SUITE; /etc/os-release names none)\n' >&2; exit 1; }
-cache_dir="${KERNEL_CACHE_DIR:-$repo_root/.cache/kernel/$suite}"
-meta_pkg="${KERNEL_META_PKG:-linux-image-amd64}"
+host_arch="$(dpkg --print-architecture 2>/dev/null || echo amd64)"
+arch="${KERNEL_ARCH:-$host_arch}"
+[[ "$arch" =~ ^[a-z0-9]+$ ]] ||
+    { printf 'fetch-kernel: error: bad KERNEL_ARCH %s\n' "$arch" >&2; exit 1; }
+if [[ "$arch" == "$host_arch" ]]; then
+    cache_dir="${KERNEL_CACHE_DIR:-$repo_root/.cache/kernel/$suite}"
+else
+    cache_dir="${KERNEL_CACHE_DIR:-$repo_root/.cache/kernel/$suite-$arch}"
+fi
+meta_pkg="${KERNEL_META_PKG:-linux-image-$arch}"
 
 log() { printf 'fetch-kernel: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -128,11 +154,12 @@ host_archive() {
     done
 }
 
-# apt options: none for the machine's own suite; a private configuration
-# (sources, lists, cache under the kernel cache) for any other suite.
+# apt options: none for the machine's own suite and architecture; a private
+# configuration (sources, lists, cache under the kernel cache, architecture)
+# for any other.
 apt_opts=()
 apt_private=0
-if [[ "$suite" != "$host_suite" ]]; then
+if [[ "$suite" != "$host_suite" || "$arch" != "$host_arch" ]]; then
     apt_private=1
     read -r mirror keyring < <(host_archive "$host_suite" | head -n 1) || true
     mirror="${KERNEL_MIRROR:-${mirror:-}}"
@@ -144,9 +171,9 @@ if [[ "$suite" != "$host_suite" ]]; then
     apt_dir="$cache_dir/apt"
     mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial"
     if [[ -f "$keyring" ]]; then
-        printf 'deb [signed-by=%s] %s %s main\n' "$keyring" "$mirror" "$suite"
+        printf 'deb [arch=%s signed-by=%s] %s %s main\n' "$arch" "$keyring" "$mirror" "$suite"
     else
-        printf 'deb %s %s main\n' "$mirror" "$suite"
+        printf 'deb [arch=%s] %s %s main\n' "$arch" "$mirror" "$suite"
     fi >"$apt_dir/sources.list"
     apt_opts=(
         -o "Dir::Etc::SourceList=$apt_dir/sources.list"
@@ -155,6 +182,8 @@ if [[ "$suite" != "$host_suite" ]]; then
         -o "Dir::Cache=$apt_dir/cache"
         -o Dir::Etc::Preferences=/dev/null
         -o Dir::Etc::PreferencesParts=/dev/null
+        -o "APT::Architecture=$arch"
+        -o "APT::Architectures=$arch"
     )
 fi
 
@@ -338,6 +367,56 @@ if [[ ! -f "$dest/.complete" ]]; then
     fi
 fi
 [[ -f "$moddir/modules.dep" ]] || die "no modules.dep in $moddir"
+
+# The guest userland of a foreign architecture: busybox-static, kmod, and
+# the libraries kmod links or dlopens (libkmod opens liblzma and libzstd for
+# compressed modules only when it needs them, so they are named here), with
+# every "lib*" package they depend on. Unpacked (dpkg -x) into one root.
+userland="" busybox="" kmod=""
+userland_pkgs() {
+    local queue=(busybox-static kmod liblzma5 libzstd1) seen=" " p deps
+    while ((${#queue[@]})); do
+        p="${queue[0]}"
+        queue=("${queue[@]:1}")
+        [[ "$seen" == *" $p "* ]] && continue
+        seen+="$p "
+        printf '%s\n' "$p"
+        deps="$(apt-cache "${apt_opts[@]}" show --no-all-versions "$p" 2>/dev/null |
+            awk -F': ' '$1 == "Depends" || $1 == "Pre-Depends" {
+                n = split($2, d, /, */)
+                for (i = 1; i <= n; i++) { split(d[i], w, /[ :|(]+/); print w[1] }
+            }')" || return 1
+        for p in $deps; do
+            [[ "$p" == lib* || "$p" == zlib* ]] && queue+=("$p")
+        done
+    done
+}
+if [[ "$arch" != "$host_arch" ]]; then
+    userland="$cache_dir/userland"
+    if [[ ! -f "$userland/.complete" ]]; then
+        mapfile -t upkgs < <(userland_pkgs)
+        ((${#upkgs[@]} > 4)) || { apt_update_once; mapfile -t upkgs < <(userland_pkgs); }
+        log "downloading the $arch userland: ${upkgs[*]}"
+        rm -rf "$userland" "$userland.tmp" "$cache_dir/userland-debs"
+        mkdir -p "$userland.tmp" "$cache_dir/userland-debs"
+        if id _apt >/dev/null 2>&1; then chown _apt "$cache_dir/userland-debs" 2>/dev/null || true; fi
+        (cd "$cache_dir/userland-debs" && apt-get "${apt_opts[@]}" download -q "${upkgs[@]}" >&2) ||
+            die "apt-get download of the $arch userland failed"
+        for f in "$cache_dir/userland-debs"/*.deb; do
+            dpkg -x "$f" "$userland.tmp"
+        done
+        rm -rf "$cache_dir/userland-debs"
+        touch "$userland.tmp/.complete"
+        mv "$userland.tmp" "$userland"
+    fi
+    for f in "$userland"/bin/busybox "$userland"/usr/bin/busybox; do
+        [[ -f "$f" && ! -L "$f" ]] && { busybox="$f"; break; }
+    done
+    for f in "$userland"/bin/kmod "$userland"/usr/bin/kmod; do
+        [[ -f "$f" && ! -L "$f" ]] && { kmod="$f"; break; }
+    done
+    [[ -n "$busybox" && -n "$kmod" ]] || die "no busybox or kmod in $userland"
+fi
 vmlinux=""
 [[ -f "$dest/vmlinux" ]] && vmlinux="$dest/vmlinux"
 pvh=0
@@ -359,7 +438,11 @@ env_out="$(
     printf 'KERNEL_MODULES=%q\n' "$moddir"
     printf 'KERNEL_CONFIG=%q\n' "$config"
     printf 'KERNEL_SUITE=%q\n' "$suite"
+    printf 'KERNEL_ARCH=%q\n' "$arch"
+    printf 'KERNEL_BUSYBOX=%q\n' "$busybox"
+    printf 'KERNEL_KMOD=%q\n' "$kmod"
+    printf 'KERNEL_USERLAND=%q\n' "$userland"
 )"
 printf '%s\n' "$env_out" >"$cache_dir/kernel.env"
-log "kernel $kver ($pkg $ver, $suite)"
+log "kernel $kver ($pkg $ver, $suite, $arch)"
 printf '%s\n' "$env_out"

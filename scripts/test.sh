@@ -24,3 +24,4 @@ echo "==== VM harness self-test (stall watchdog, fake QEMU)"
 tests/vm/harness-selftest.sh
 echo "==== real-kernel scenarios (QEMU) on Debian 12 and 13 kernels, and the demo so it cannot rot"
 scripts/vm/run.sh --kernel bookworm,trixie tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
+echo "==== the same on Debian 13's arm64 kernel (qemu-system-aarch64, SMMUv3) with cross-built aarch64 binaries" && scripts/vm/run.sh --kernel trixie-arm64 tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh

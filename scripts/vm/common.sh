@@ -32,3 +32,12 @@ VM_HOST_PACKAGES=(
     cpio:cpio
     xz-utils:xz
 )
+
+# What arm64 kernels (--kernel <suite>-arm64) need in addition: the aarch64
+# system emulator and readelf (the initramfs asks it for kmod's interpreter).
+# The cross toolchain is installed by scripts/build-static.sh.
+# shellcheck disable=SC2034  # used by run.sh
+VM_HOST_PACKAGES_ARM64=(
+    qemu-system-arm:qemu-system-aarch64
+    binutils:readelf
+)

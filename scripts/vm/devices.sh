@@ -38,11 +38,29 @@ VM_GPU_FN0=0000:04:00.0
 # shellcheck disable=SC2034
 VM_GPU_AUDIO=0000:04:00.1
 
-# vm_device_args IOMMU -- print the QEMU device options, one per line.
-# IOMMU is 1 for an emulated VT-d (intel-iommu) or 0 for no IOMMU at all.
+# On arm64 (qemu-system-aarch64 -machine virt) the same root ports and
+# devices sit on the virt machine's PCIe host bridge (also pcie.0, bus 00),
+# so every BDF above is the same; the IOMMU is the machine's SMMUv3.
+
+# vm_machine_args_arm64 IOMMU MEM -- print the qemu-system-aarch64 command
+# line up to the devices, one word per line: the virt machine under TCG with
+# an emulated SMMUv3 (IOMMU 1) or none (0), a Cortex-A57 (-cpu max would
+# also emulate pointer authentication, which is slow under TCG), and the
+# same console and reset handling as on x86.
+vm_machine_args_arm64() {
+    local machine=virt,accel=tcg
+    [[ "$1" == 1 ]] && machine+=",iommu=smmuv3"
+    printf '%s\n' qemu-system-aarch64 -machine "$machine" -cpu cortex-a57 -m "$2" -smp 1 \
+        -nodefaults -no-user-config -display none -serial stdio -no-reboot
+}
+
+# vm_device_args IOMMU [ARCH] -- print the QEMU device options, one per line.
+# IOMMU is 1 for an emulated IOMMU or 0 for no IOMMU at all. ARCH (x86_64,
+# the default, or aarch64) selects how: an intel-iommu device on x86; on
+# aarch64 the SMMUv3 is part of the machine (vm_machine_args_arm64).
 vm_device_args() {
-    local iommu="$1"
-    if [[ "$iommu" == 1 ]]; then
+    local iommu="$1" arch="${2:-x86_64}"
+    if [[ "$iommu" == 1 && "$arch" == x86_64 ]]; then
         # Must come before the PCI devices it translates for.
         printf '%s\n' -device intel-iommu,intremap=off
     fi

@@ -4,9 +4,17 @@
 # Usage: scripts/vm/initramfs.sh OUTPUT.cpio [BINARY...]
 #
 # Needs KERNEL_VERSION and KERNEL_MODULES in the environment (as printed by
-# scripts/fetch-kernel.sh; fetched here when unset). The archive holds:
-#   /bin/busybox + applet links      static busybox (busybox-static)
-#   /bin/kmod + modprobe, insmod...  the host's kmod with its shared libraries
+# scripts/fetch-kernel.sh; fetched here when unset). For a kernel of another
+# architecture (arm64 on an amd64 host) also KERNEL_BUSYBOX, KERNEL_KMOD and
+# KERNEL_USERLAND: the guest then gets that architecture's busybox, kmod and
+# shared libraries instead of the host's. The archive holds:
+#   /bin/busybox + applet links      static busybox (busybox-static; the links
+#                                    are those of the host's busybox, which
+#                                    cannot run a foreign busybox to ask it)
+#   /bin/kmod + modprobe, insmod...  kmod with its shared libraries (the
+#                                    host's, or every shared library of the
+#                                    foreign userland: libkmod dlopens the
+#                                    compression libraries)
 #                                    (busybox modprobe ignores softdeps such as
 #                                    vfio -> vfio_iommu_type1)
 #   /lib/modules/<ver>/...           the modules listed in VM_MODULES and all
@@ -39,15 +47,17 @@ if [[ -z "${KERNEL_VERSION:-}" || -z "${KERNEL_MODULES:-}" ]]; then
 fi
 [[ -f "$KERNEL_MODULES/modules.dep" ]] || vm_die "no modules.dep in $KERNEL_MODULES"
 
-busybox=/bin/busybox
-if [[ ! -x "$busybox" ]] || ldd "$busybox" >/dev/null 2>&1; then
+host_busybox=/bin/busybox
+busybox="${KERNEL_BUSYBOX:-$host_busybox}"
+if [[ ! -x "$host_busybox" ]] || ldd "$host_busybox" >/dev/null 2>&1; then
     # Missing, or the dynamically linked busybox package: install the static one.
     DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static >&2
-    ldd "$busybox" >/dev/null 2>&1 && vm_die "$busybox is not statically linked"
+    ldd "$host_busybox" >/dev/null 2>&1 && vm_die "$host_busybox is not statically linked"
 fi
+[[ -f "$busybox" ]] || vm_die "busybox $busybox not found"
 
-kmod_bin="$(command -v kmod || true)"
+kmod_bin="${KERNEL_KMOD:-$(command -v kmod || true)}"
 [[ -n "$kmod_bin" ]] || kmod_bin=/bin/kmod
 [[ -x "$kmod_bin" ]] || vm_die "kmod not found"
 depmod_bin="$(command -v depmod || echo /sbin/depmod)"
@@ -64,7 +74,7 @@ while read -r applet; do
     [[ -n "$applet" && "$applet" != bin/busybox ]] || continue
     mkdir -p "$stage/$(dirname "$applet")"
     ln -sf /bin/busybox "$stage/$applet"
-done < <("$busybox" --list-full)
+done < <("$host_busybox" --list-full)
 
 # ---- kmod and the shared libraries it needs ------------------------------------
 copy_with_libs() {
@@ -77,7 +87,28 @@ copy_with_libs() {
         [[ -e "$stage/$lib" ]] || cp -L "$lib" "$stage/$lib"
     done < <(ldd "$bin" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }')
 }
-copy_with_libs "$kmod_bin" bin/kmod
+if [[ -n "${KERNEL_KMOD:-}" ]]; then
+    # Foreign architecture: the host's ldd cannot run the binary. Copy every
+    # shared library of the unpacked userland (its multiarch directories,
+    # symlinks kept; libkmod dlopens liblzma and libzstd) and the program
+    # interpreter at the path the binary asks for.
+    [[ -d "${KERNEL_USERLAND:-}" ]] || vm_die "KERNEL_KMOD without KERNEL_USERLAND"
+    cp "$kmod_bin" "$stage/bin/kmod"
+    for d in "$KERNEL_USERLAND"/lib/*-linux-gnu* "$KERNEL_USERLAND"/usr/lib/*-linux-gnu*; do
+        [[ -d "$d" ]] || continue
+        mkdir -p "$stage/lib/$(basename "$d")"
+        find "$d" -maxdepth 1 \( -name '*.so' -o -name '*.so.*' \) -exec cp -a -t "$stage/lib/$(basename "$d")" {} +
+    done
+    interp="$(readelf -l "$kmod_bin" | sed -n 's/.*Requesting program interpreter: \(.*\)]$/\1/p')"
+    if [[ -n "$interp" && ! -e "$stage$interp" ]]; then
+        found="$(find "$stage/lib" -name "$(basename "$interp")" -print -quit)"
+        [[ -n "$found" ]] || vm_die "no $(basename "$interp") in $KERNEL_USERLAND"
+        mkdir -p "$stage$(dirname "$interp")"
+        ln -s "${found#"$stage"}" "$stage$interp"
+    fi
+else
+    copy_with_libs "$kmod_bin" bin/kmod
+fi
 for tool in modprobe insmod rmmod lsmod modinfo depmod; do
     ln -sf /bin/kmod "$stage/sbin/$tool"
 done

@@ -8,17 +8,24 @@
 #                path to a scenario file; default: every
 #                tests/vm/scenarios/*.sh
 #   --no-build   do not build the static binaries; use those listed by the
-#                last build (target/x86_64-unknown-linux-gnu/release/
+#                last build (target/<arch>-unknown-linux-gnu/release/
 #                static-bins.list), which may be stale
 #   --keep-logs  keep console logs of earlier runs in target/vm-logs/ (by
-#                default the directory is emptied first) and keep the
+#                default the directory of each kernel run, target/vm-logs/
+#                <kernel>/, is emptied first; other kernels' logs, e.g.
+#                of an earlier run on x86 kernels, stay) and keep the
 #                assembled initramfs images in target/vm-work/
 #   -j N         boot up to N VMs at once (default: VM_JOBS or 2)
 #   --timeout S  hard per-scenario timeout in seconds (default: VM_TIMEOUT or
 #                240; a scenario header may set its own)
 #   --kernel LIST  Debian kernels to run every scenario on, comma-separated
 #                suites: bookworm (6.1), trixie (6.12), or "all" for both
-#                (default: VM_KERNEL or bookworm)
+#                (default: VM_KERNEL or bookworm). A suite with "-arm64"
+#                (trixie-arm64) boots that suite's arm64 kernel in
+#                qemu-system-aarch64 (virt machine, emulated SMMUv3) with
+#                aarch64 binaries (cross-built) and an arm64 userland; its
+#                timeouts are VM_ARM64_TIMEOUT_FACTOR (default 2) times the
+#                x86 ones
 #   --stall-timeout S  a guest whose console shows no new output for S
 #                seconds before its scenario started is killed and booted
 #                again, once (default: VM_STALL_TIMEOUT or 90); a second
@@ -74,14 +81,24 @@ done
 [[ "$default_timeout" =~ ^[1-9][0-9]*$ ]] || vm_die "--timeout wants seconds, got '$default_timeout'"
 [[ "$stall_timeout" =~ ^[1-9][0-9]*$ ]] || vm_die "--stall-timeout wants seconds, got '$stall_timeout'"
 [[ "$kernel_list" == all ]] && kernel_list=bookworm,trixie
+arm64_factor="${VM_ARM64_TIMEOUT_FACTOR:-2}"
+[[ "$arm64_factor" =~ ^[1-9][0-9]*$ ]] || vm_die "VM_ARM64_TIMEOUT_FACTOR wants a positive number, got '$arm64_factor'"
 kernels=()
+# Per kernel name: Debian suite, Debian architecture, rust arch, timeout factor.
+declare -A k_suite=() k_arch=() k_factor=() arch_bins=()
 IFS=, read -r -a kernel_args <<<"$kernel_list"
 for k in "${kernel_args[@]}"; do
-    [[ "$k" =~ ^[a-z][a-z0-9-]*$ ]] || vm_die "--kernel wants Debian suite names such as bookworm,trixie; got '$k'"
+    [[ "$k" =~ ^[a-z][a-z0-9-]*$ ]] || vm_die "--kernel wants Debian suite names such as bookworm,trixie,trixie-arm64; got '$k'"
     for m in "${kernels[@]}"; do
         [[ "$m" != "$k" ]] || vm_die "kernel $k given twice"
     done
     kernels+=("$k")
+    case "$k" in
+        *-arm64) k_suite[$k]="${k%-arm64}" k_arch[$k]=aarch64 k_factor[$k]=$arm64_factor ;;
+        *-amd64) k_suite[$k]="${k%-amd64}" k_arch[$k]=x86_64 k_factor[$k]=1 ;;
+        *) k_suite[$k]="$k" k_arch[$k]=x86_64 k_factor[$k]=1 ;;
+    esac
+    arch_bins[${k_arch[$k]}]=""
 done
 ((${#kernels[@]})) || vm_die "--kernel names no kernel"
 
@@ -109,29 +126,44 @@ else
 fi
 
 vm_ensure_packages "${VM_HOST_PACKAGES[@]}"
+[[ -v "arch_bins[aarch64]" ]] && vm_ensure_packages "${VM_HOST_PACKAGES_ARM64[@]}"
 
 # ---- static binaries ----------------------------------------------------------
-bin_list="$repo_root/target/x86_64-unknown-linux-gnu/release/static-bins.list"
-if ((build)); then
-    vm_log "building static binaries"
-    if ! "$repo_root/scripts/build-static.sh" >/dev/null; then
-        vm_log "warning: the static build failed; only the binaries it did build go into the guest"
+# One static build per architecture in use; arch_bins[ARCH] holds the binary
+# paths separated by newlines.
+for arch in x86_64 aarch64; do
+    [[ -v "arch_bins[$arch]" ]] || continue
+    bin_list="$repo_root/target/$arch-unknown-linux-gnu/release/static-bins.list"
+    if ((build)); then
+        if [[ "$arch" == x86_64 ]]; then
+            vm_log "building static binaries"
+        else
+            vm_log "building static binaries for $arch"
+        fi
+        if ! "$repo_root/scripts/build-static.sh" --arch "$arch" >/dev/null; then
+            vm_log "warning: the static build failed; only the binaries it did build go into the guest"
+        fi
     fi
-fi
-binaries=()
-if [[ -f "$bin_list" ]]; then
-    while read -r b; do
-        [[ -n "$b" && -f "$b" ]] && binaries+=("$b")
-    done <"$bin_list"
-fi
-bin_names=()
-for b in "${binaries[@]}"; do bin_names+=("$(basename "$b")"); done
-vm_log "project binaries in the guest: ${bin_names[*]:-(none)}"
+    names=()
+    if [[ -f "$bin_list" ]]; then
+        while read -r b; do
+            if [[ -n "$b" && -f "$b" ]]; then
+                arch_bins[$arch]+="$b"$'\n'
+                names+=("$(basename "$b")")
+            fi
+        done <"$bin_list"
+    fi
+    if [[ "$arch" == x86_64 ]]; then
+        vm_log "project binaries in the guest: ${names[*]:-(none)}"
+    else
+        vm_log "project binaries in the $arch guest: ${names[*]:-(none)}"
+    fi
+done
 
 # ---- kernels and base initramfs images --------------------------------------------
 mkdir -p "$work_dir" "$log_dir"
 if ((keep_logs == 0)); then
-    rm -rf "${log_dir:?}"/*
+    for k in "${kernels[@]}"; do rm -rf "${log_dir:?}/$k"; done
 fi
 run_dir="$(mktemp -d "$work_dir/run.XXXXXX")"
 cleanup() {
@@ -150,14 +182,17 @@ trap cleanup EXIT
 trap 'vm_log "interrupted"; exit 130' INT TERM
 
 declare -A k_version=() k_boot=() k_base=()
-# prepare_kernel SUITE -- fetch the kernel of SUITE and assemble its base
-# initramfs (fetch-kernel.sh's assignments stay local to this function).
+# prepare_kernel NAME -- fetch the kernel NAME (suite, architecture) and
+# assemble its base initramfs (fetch-kernel.sh's assignments stay local to
+# this function).
 prepare_kernel() {
-    local k="$1" t0 env_text
+    local k="$1" t0 env_text deb_arch=amd64 binaries=()
     # shellcheck disable=SC2034  # assigned by the eval below; only some are used
     local KERNEL_PKG KERNEL_PKG_VERSION KERNEL_VERSION KERNEL_IMAGE KERNEL_VMLINUX \
-        KERNEL_PVH KERNEL_MODULES KERNEL_CONFIG KERNEL_SUITE
-    env_text="$(KERNEL_SUITE="$k" "$repo_root/scripts/fetch-kernel.sh")" ||
+        KERNEL_PVH KERNEL_MODULES KERNEL_CONFIG KERNEL_SUITE KERNEL_ARCH \
+        KERNEL_BUSYBOX KERNEL_KMOD KERNEL_USERLAND
+    [[ "${k_arch[$k]}" == aarch64 ]] && deb_arch=arm64
+    env_text="$(KERNEL_SUITE="${k_suite[$k]}" KERNEL_ARCH="$deb_arch" "$repo_root/scripts/fetch-kernel.sh")" ||
         vm_die "cannot fetch the $k kernel"
     eval "$env_text"
     k_version[$k]="$KERNEL_VERSION"
@@ -170,7 +205,9 @@ prepare_kernel() {
     mkdir -p "$run_dir/$k" "$log_dir/$k"
     k_base[$k]="$run_dir/$k/base.cpio"
     t0=$(date +%s.%N)
+    mapfile -t binaries < <(printf '%s' "${arch_bins[${k_arch[$k]}]}")
     KERNEL_VERSION="$KERNEL_VERSION" KERNEL_MODULES="$KERNEL_MODULES" \
+        KERNEL_BUSYBOX="$KERNEL_BUSYBOX" KERNEL_KMOD="$KERNEL_KMOD" KERNEL_USERLAND="$KERNEL_USERLAND" \
         "$here/initramfs.sh" "${k_base[$k]}" "${binaries[@]}"
     vm_log "[$k] kernel $KERNEL_VERSION, booting $(basename "${k_boot[$k]}"), base initramfs in $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
 }
@@ -180,9 +217,12 @@ done
 
 # ---- per-scenario run ---------------------------------------------------------------
 
+# has_binary ARCH NAME -- true when the static build for ARCH produced NAME.
 has_binary() {
-    local n
-    for n in "${bin_names[@]}"; do [[ "$n" == "$1" ]] && return 0; done
+    local b
+    while read -r b; do
+        [[ -n "$b" && "$(basename "$b")" == "$2" ]] && return 0
+    done <<<"${arch_bins[$1]}"
     return 1
 }
 
@@ -244,7 +284,7 @@ run_scenario() {
     [[ "$timeout" =~ ^[1-9][0-9]*$ ]] || errors+=("bad timeout '$timeout'")
     local b
     for b in "${needs[@]}"; do
-        has_binary "$b" || errors+=("needs project binary '$b', which was not built")
+        has_binary "${k_arch[$kernel]}" "$b" || errors+=("needs project binary '$b', which was not built")
     done
     if ((${#errors[@]})); then
         printf 'scenario not started: %s\n' "${errors[@]}" >"$log"
@@ -255,6 +295,12 @@ run_scenario() {
         echo "0 ${#errors[@]} 0" >"$kdir/$name.counts"
         return 0
     fi
+
+    # An emulated aarch64 guest runs slower under TCG: scale its timeouts.
+    # The local stall_timeout is the one boot_vm and the report below see.
+    local factor="${k_factor[$kernel]}"
+    local stall_timeout=$((stall_timeout * factor))
+    [[ "$timeout" =~ ^[1-9][0-9]*$ ]] && timeout=$((timeout * factor))
 
     # Per-scenario archive: /scenario.sh and /testbed.env.
     local guest_timeout=$((timeout > 40 ? timeout - 20 : timeout / 2))
@@ -271,22 +317,42 @@ run_scenario() {
         cpio -o -H newc -R 0:0 --quiet) >"$kdir/$name.cpio"
     cat "${k_base[$kernel]}" "$kdir/$name.cpio" >"$kdir/$name.initrd"
 
-    # no_timer_check: under TCG on a loaded host the kernel's early check that
-    # the 8254 timer reaches the IO-APIC can stall the boot ("MP-BIOS bug:
-    # 8254 timer not connected to IO-APIC").
-    local cmdline="console=ttyS0 panic=-1 quiet cryptomgr.notests no_timer_check"
-    if ((iommu)); then
-        cmdline+=" intel_iommu=on iommu=pt"
+    local cmdline qemu=()
+    if [[ "${k_arch[$kernel]}" == aarch64 ]]; then
+        # The virt machine's PL011 is the console. Its SMMUv3 (iommu=smmuv3
+        # in -machine) is built into Debian's arm64 kernel, so it is up
+        # before the PCI devices probe; iommu.passthrough=1 is the
+        # counterpart of iommu=pt: identity domains for the native drivers,
+        # translated ones for vfio.
+        # pci=config_acs: Linux enables ACS on a port only when an IOMMU
+        # driver asked for it (pci_request_acs) before the port was
+        # enumerated. ACPI's IORT (real arm64 servers) asks early; with a
+        # devicetree SMMU (virt with -kernel) the request comes with the
+        # first driver probe, after the root ports were set up, so their ACS
+        # stays off and every device behind them shares one group with its
+        # port. config_acs (Linux 6.11+) sets Source Validation, Request and
+        # Completion Redirect and Upstream Forwarding on QEMU's root ports
+        # (1b36:000c), as the kernel would, giving the x86 grouping.
+        cmdline="console=ttyAMA0 panic=-1 quiet cryptomgr.notests"
+        ((iommu)) && cmdline+=" iommu.passthrough=1 pci=config_acs=111x1@pci:1b36:000c"
+        mapfile -t qemu < <(vm_machine_args_arm64 "$iommu" "$mem")
+    else
+        # no_timer_check: under TCG on a loaded host the kernel's early check that
+        # the 8254 timer reaches the IO-APIC can stall the boot ("MP-BIOS bug:
+        # 8254 timer not connected to IO-APIC").
+        cmdline="console=ttyS0 panic=-1 quiet cryptomgr.notests no_timer_check"
+        if ((iommu)); then
+            cmdline+=" intel_iommu=on iommu=pt"
+        fi
+        # shellcheck disable=SC2054  # commas belong to QEMU option values
+        qemu=(
+            qemu-system-x86_64
+            -machine q35,accel=tcg -cpu max -m "$mem" -smp 1
+            -nodefaults -no-user-config -display none -serial stdio -no-reboot
+        )
     fi
     ((${#extra_cmdline[@]})) && cmdline+=" ${extra_cmdline[*]}"
-
-    # shellcheck disable=SC2054  # commas belong to QEMU option values
-    local qemu=(
-        qemu-system-x86_64
-        -machine q35,accel=tcg -cpu max -m "$mem" -smp 1
-        -nodefaults -no-user-config -display none -serial stdio -no-reboot
-    )
-    mapfile -t -O "${#qemu[@]}" qemu < <(vm_device_args "$iommu")
+    mapfile -t -O "${#qemu[@]}" qemu < <(vm_device_args "$iommu" "${k_arch[$kernel]}")
     qemu+=(-kernel "${k_boot[$kernel]}" -initrd "$kdir/$name.initrd" -append "$cmdline")
     local a
     for a in "${qemu[@]}"; do

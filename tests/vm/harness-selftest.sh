@@ -12,7 +12,10 @@
 #   stall-after-start  stalls after "TESTBED START": never retried, fails on
 #                      its hard timeout (a retry could hide a real bug)
 # Checks each report, how often the fake was booted per scenario, the loud
-# retry messages and the totals. Takes about 10 s.
+# retry messages and the totals. Then runs stall-once and stall-after-start
+# once more on the arm64 kernel (trixie-arm64, fake qemu-system-aarch64),
+# whose timeouts run.sh doubles: the stall bound becomes 6 s, the hard
+# timeout 16 s. Takes about 30 s.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -53,6 +56,7 @@ case "$name" in
 esac
 FAKE
 chmod +x "$tmp/bin/qemu-system-x86_64"
+ln -s qemu-system-x86_64 "$tmp/bin/qemu-system-aarch64"
 
 for s in slow-boot stall-once stall-always stall-after-start; do
     printf '# Harness self-test scenario; the fake QEMU plays the guest.\n' >"$tmp/scenarios/$s.sh"
@@ -70,11 +74,11 @@ check() { # check NAME CONDITION-STATUS
 }
 has() { grep -qF -- "$2" <<<"$1" && echo 0 || echo 1; }
 lacks() { grep -qF -- "$2" <<<"$1" && echo 1 || echo 0; }
-# section NAME -- the report of one scenario in the run's output.
+# section NAME [KERNEL [OUT]] -- the report of one scenario in a run's output.
 section() {
-    awk -v h="vm[bookworm]: scenario $1" '$0 == h { on = 1; next } /^vm[:[]/ { on = 0 } on' "$tmp/out"
+    awk -v h="vm[${2:-bookworm}]: scenario $1" '$0 == h { on = 1; next } /^vm[:[]/ { on = 0 } on' "${3:-$tmp/out}"
 }
-boots() { cat "$tmp/state/$1.count" 2>/dev/null || echo 0; }
+boots() { cat "${2:-$tmp/state}/$1.count" 2>/dev/null || echo 0; }
 
 echo "selftest: running scripts/vm/run.sh with a fake QEMU (stall timeout 3 s)"
 rc=0
@@ -115,11 +119,31 @@ check "summary names the retried boots" \
 check "per-kernel total" "$(has "$all" "vm[bookworm]: 3 passed, 3 failed")"
 check "final total" "$([[ $(tail -n 1 "$tmp/out") == "vm: 3 passed, 3 failed" ]]; echo $?)"
 
+echo "selftest: the same watchdog on the arm64 kernel (timeouts doubled: stall 6 s, hard 16 s)"
+mkdir -p "$tmp/state-arm64"
+rc=0
+PATH="$tmp/bin:$PATH" FAKE_QEMU_STATE="$tmp/state-arm64" VM_LOG_DIR="$tmp/logs" \
+    "$repo_root/scripts/vm/run.sh" --no-build --kernel trixie-arm64 --stall-timeout 3 -j 2 \
+    "$tmp"/scenarios/stall-once.sh "$tmp"/scenarios/stall-after-start.sh >"$tmp/out-arm64" 2>"$tmp/err-arm64" || rc=$?
+check "arm64: run.sh fails (stall-after-start must fail)" "$([[ $rc != 0 ]]; echo $?)"
+out="$(section stall-once trixie-arm64 "$tmp/out-arm64")"
+check "arm64 stall-once: booted exactly twice" "$([[ $(boots stall-once "$tmp/state-arm64") == 2 ]]; echo $?)"
+check "arm64 stall-once: retried after the doubled stall bound" \
+    "$(has "$out" "RETRY no progress for 6 s before the scenario started; booted again once")"
+check "arm64 stall-once: passes on the second boot" "$(has "$out" "PASS  fake step")"
+check "arm64 stall-once: no failure" "$(lacks "$out" FAIL)"
+out="$(section stall-after-start trixie-arm64 "$tmp/out-arm64")"
+check "arm64 stall-after-start: booted once" "$([[ $(boots stall-after-start "$tmp/state-arm64") == 1 ]]; echo $?)"
+check "arm64 stall-after-start: fails on its doubled timeout" "$(has "$out" "FAIL  timeout: no end after 16 s")"
+check "arm64 per-kernel total" "$(has "$(cat "$tmp/out-arm64")" "vm[trixie-arm64]: 2 passed, 1 failed")"
+check "arm64: the guest is qemu-system-aarch64 with an SMMUv3" \
+    "$(grep -q '^# qemu-system-aarch64 -machine virt,accel=tcg,iommu=smmuv3 ' "$tmp/logs/trixie-arm64/stall-once.log"; echo $?)"
+
 if ((failures)); then
     # The run's own output, to see what went wrong (it shows expected FAIL
     # lines too, so it is only printed when a check failed).
     echo "selftest: output of run.sh:"
-    sed 's/^/  | /' "$tmp/out" "$tmp/err"
+    sed 's/^/  | /' "$tmp/out" "$tmp/err" "$tmp/out-arm64" "$tmp/err-arm64"
     echo "selftest: $failures check(s) failed"
     exit 1
 fi
