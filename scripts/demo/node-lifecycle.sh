@@ -25,7 +25,6 @@ note "2. the node is labelled for VM passthrough: vfio-manager run lands (the Da
 # the standalone overlay (it selects on that one label) and the pod it runs.
 ifconfig lo 127.0.0.1 up 2>/dev/null || ip link set lo up
 LABEL=rebellions.ai/npu.workload.config
-API=/apis/apps/v1/namespaces/vfio-sandbox
 fake-apiserver serve --listen 127.0.0.1:6443 --kubeconfig /tmp/kubeconfig \
     --node demo-node --label "$LABEL=vm-passthrough" \
     --daemonset vfio-sandbox/vfio-manager --selector "$LABEL=vm-passthrough" \
