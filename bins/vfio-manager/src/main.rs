@@ -24,6 +24,11 @@ virtual machines, and puts them back when the node leaves VM mode.
 Every change is recorded in the state file before it is made, so `unbind` restores the
 original drivers even after a crash. Devices a running VM holds are never unbound.
 
+In a cluster, `run` keeps the devices bound across a rollout: on SIGTERM it asks the API
+server (NODE_NAME, POD_NAME, POD_NAMESPACE and the pod's service account) whether its
+DaemonSet still selects this node, and restores only when it does not (label removed or
+flipped, DaemonSet deleted) or when that cannot be shown. `ready` is its readiness probe.
+
 Exit codes: 0 the node is in the asked state, 1 it is not (see the messages),
 2 bad usage or bad configuration (nothing was touched).";
 
