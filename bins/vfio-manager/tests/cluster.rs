@@ -15,7 +15,7 @@ mod common;
 use common::command;
 use fake_apiserver::{objects, paths, FakeApiServer};
 use serde_json::json;
-use vfio_sandbox::fake::{FakeDevice, FakeNode};
+use vfio_sandbox::fake::FakeNode;
 
 const NS: &str = "vfio-sandbox";
 const DS: &str = "vfio-manager";
@@ -26,26 +26,12 @@ const BDF: &str = "0000:01:00.0";
 
 /// A node where a previous `run` moved one NIC from e1000e to vfio-pci.
 fn node(dir: &Path) -> FakeNode {
-    let node = FakeNode::new(dir);
-    node.add_driver("vfio-pci");
-    node.add_driver("e1000e");
-    node.add_module("vfio");
-    node.add_module("vfio_iommu_type1");
-    node.add_device(
-        &FakeDevice::new(BDF, 0x8086, 0x10d3, 0x02_0000)
-            .driver("vfio-pci")
-            .group(4),
-    );
+    let node = common::nic_node(dir, &[(BDF, "vfio-pci", 4)]);
     std::fs::write(
         node.host
             .device_dir(&BDF.parse().unwrap())
             .join("driver_override"),
         "vfio-pci\n",
-    )
-    .unwrap();
-    std::fs::write(
-        dir.join("list.json"),
-        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#,
     )
     .unwrap();
     std::fs::create_dir_all(dir.join("run/validations")).unwrap();

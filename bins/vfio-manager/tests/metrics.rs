@@ -10,31 +10,17 @@ use std::time::{Duration, Instant};
 
 mod common;
 use common::command;
-use vfio_sandbox::fake::{FakeDevice, FakeNode};
+use vfio_sandbox::fake::FakeNode;
 
 fn node(dir: &Path) -> FakeNode {
-    let node = FakeNode::new(dir);
-    node.add_driver("vfio-pci");
-    node.add_driver("e1000e");
-    node.add_module("vfio");
-    node.add_module("vfio_iommu_type1");
-    node.add_device(
-        &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
-            .driver("vfio-pci")
-            .group(4),
-    );
-    // The fake tree never rebinds, so binding this one fails every pass.
-    node.add_device(
-        &FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000)
-            .driver("e1000e")
-            .group(5),
-    );
-    std::fs::write(
-        dir.join("list.json"),
-        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#,
+    // The fake tree never rebinds, so binding the second one fails every pass.
+    common::nic_node(
+        dir,
+        &[
+            ("0000:01:00.0", "vfio-pci", 4),
+            ("0000:02:00.0", "e1000e", 5),
+        ],
     )
-    .unwrap();
-    node
 }
 
 fn free_port() -> u16 {

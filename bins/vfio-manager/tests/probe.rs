@@ -8,24 +8,10 @@ use std::process::{Command, Stdio};
 
 mod common;
 use common::command;
-use vfio_sandbox::fake::{FakeDevice, FakeNode};
+use vfio_sandbox::fake::FakeNode;
 
 fn node(dir: &Path, driver: &str) -> FakeNode {
-    let node = FakeNode::new(dir);
-    node.add_driver("vfio-pci");
-    node.add_driver("e1000e");
-    node.add_module("vfio");
-    node.add_module("vfio_iommu_type1");
-    node.add_device(
-        &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
-            .driver(driver)
-            .group(4),
-    );
-    std::fs::write(
-        dir.join("list.json"),
-        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#,
-    )
-    .unwrap();
+    let node = common::nic_node(dir, &[("0000:01:00.0", driver, 4)]);
     std::fs::create_dir_all(dir.join("run")).unwrap();
     node
 }

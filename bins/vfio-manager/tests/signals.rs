@@ -13,19 +13,7 @@ use std::time::{Duration, Instant};
 use vfio_sandbox::fake::{FakeDevice, FakeNode};
 
 fn node(dir: &Path) -> FakeNode {
-    let node = FakeNode::new(dir);
-    node.add_driver("vfio-pci");
-    node.add_module("vfio");
-    node.add_module("vfio_iommu_type1");
-    node.add_device(
-        &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
-            .driver("vfio-pci")
-            .group(4),
-    );
-    let list =
-        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
-    std::fs::write(dir.join("list.json"), list).unwrap();
-    node
+    common::nic_node(dir, &[("0000:01:00.0", "vfio-pci", 4)])
 }
 
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {

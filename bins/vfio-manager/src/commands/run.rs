@@ -76,10 +76,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     // signalfd sees every stop signal.
     let mut registry = vfio_sandbox::metrics::registry();
     let metrics = Metrics::new(&mut registry);
-    let side = Side::start(
-        identity(args),
-        args.metrics_address.map(|a| (a, registry)),
-    )?;
+    let side = Side::start(identity(args), args.metrics_address.map(|a| (a, registry)))?;
     let uevents = match vfio_sandbox::uevent::socket_nonblocking() {
         Ok(s) => Some(s),
         Err(e) => {

@@ -18,3 +18,29 @@ pub fn command(dir: &Path) -> Command {
         .env_remove("VFIO_SANDBOX_CONFIG");
     c
 }
+
+/// The resource list of [`nic_node`]: Intel 82574L NICs stand in for NPUs.
+pub const NIC_LIST: &str =
+    r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
+
+/// A fake node under `dir` with vfio-pci and e1000e registered, the vfio modules
+/// loaded, `list.json` selecting 8086:10d3, and one such NIC per `(BDF, driver,
+/// IOMMU group)`.
+#[allow(dead_code)] // not every test binary uses every helper
+pub fn nic_node(dir: &Path, nics: &[(&str, &str, u32)]) -> vfio_sandbox::fake::FakeNode {
+    use vfio_sandbox::fake::{FakeDevice, FakeNode};
+    let node = FakeNode::new(dir);
+    node.add_driver("vfio-pci");
+    node.add_driver("e1000e");
+    node.add_module("vfio");
+    node.add_module("vfio_iommu_type1");
+    for (bdf, driver, group) in nics {
+        node.add_device(
+            &FakeDevice::new(bdf, 0x8086, 0x10d3, 0x02_0000)
+                .driver(driver)
+                .group(*group),
+        );
+    }
+    std::fs::write(dir.join("list.json"), NIC_LIST).expect("write list.json");
+    node
+}
