@@ -99,60 +99,10 @@ ensure_tools() {
     fi
 }
 
-# host_archive SUITE -- print "URI KEYRING" of the first "deb" entry of the
-# machine's apt sources (deb822 *.sources or one-line *.list) that serves
-# SUITE; KEYRING is its signed-by file, or "-".
-host_archive() {
-    local want="$1" f
-    for f in /etc/apt/sources.list.d/*.sources; do
-        [[ -f "$f" ]] || continue
-        awk -v want="$want" '
-            function flush(   n, i, s, u) {
-                if (!found && types ~ /(^|[ \t])deb([ \t]|$)/ && enabled != "no") {
-                    n = split(suites, s, /[ \t]+/)
-                    for (i = 1; i <= n; i++) {
-                        if (s[i] == want) {
-                            split(uris, u, /[ \t]+/)
-                            print u[1], (signed ~ /^\// ? signed : "-")
-                            found = 1
-                            break
-                        }
-                    }
-                }
-                types = uris = suites = signed = enabled = ""
-            }
-            /^[ \t]*#/ { next }
-            /^[ \t]*$/ { flush(); next }
-            /^[A-Za-z-]+:/ {
-                k = tolower(substr($0, 1, index($0, ":") - 1))
-                v = substr($0, index($0, ":") + 1)
-                gsub(/^[ \t]+|[ \t]+$/, "", v)
-                if (k == "types") types = v
-                else if (k == "uris") uris = v
-                else if (k == "suites") suites = v
-                else if (k == "signed-by") signed = v
-                else if (k == "enabled") enabled = tolower(v)
-            }
-            END { flush() }
-        ' "$f"
-    done
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
-        [[ -f "$f" ]] || continue
-        awk -v want="$want" '
-            $1 != "deb" { next }
-            {
-                line = $0; signed = "-"
-                if (match(line, /\[[^]]*\]/)) {
-                    opts = substr(line, RSTART + 1, RLENGTH - 2)
-                    line = substr(line, 1, RSTART - 1) substr(line, RSTART + RLENGTH)
-                    if (match(opts, /signed-by=[^ \t]+/)) signed = substr(opts, RSTART + 10, RLENGTH - 10)
-                }
-                split(line, w, /[ \t]+/)
-                if (w[3] == want) { print w[2], signed; exit }
-            }
-        ' "$f"
-    done
-}
+# The private apt configuration (sources, lists, cache, architecture) for a
+# suite or architecture other than the machine's.
+# shellcheck source=scripts/lib/private-apt.sh
+source "$repo_root/scripts/lib/private-apt.sh"
 
 # apt options: none for the machine's own suite and architecture; a private
 # configuration (sources, lists, cache under the kernel cache, architecture)
@@ -161,30 +111,11 @@ apt_opts=()
 apt_private=0
 if [[ "$suite" != "$host_suite" || "$arch" != "$host_arch" ]]; then
     apt_private=1
-    read -r mirror keyring < <(host_archive "$host_suite" | head -n 1) || true
-    mirror="${KERNEL_MIRROR:-${mirror:-}}"
-    [[ -n "$mirror" ]] ||
-        die "cannot find the Debian archive for $host_suite in the machine's apt sources; set KERNEL_MIRROR"
-    if [[ -z "${keyring:-}" || "$keyring" == - ]]; then
-        keyring=/usr/share/keyrings/debian-archive-keyring.gpg
-    fi
     apt_dir="$cache_dir/apt"
-    mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial"
-    if [[ -f "$keyring" ]]; then
-        printf 'deb [arch=%s signed-by=%s] %s %s main\n' "$arch" "$keyring" "$mirror" "$suite"
-    else
-        printf 'deb [arch=%s] %s %s main\n' "$arch" "$mirror" "$suite"
-    fi >"$apt_dir/sources.list"
-    apt_opts=(
-        -o "Dir::Etc::SourceList=$apt_dir/sources.list"
-        -o Dir::Etc::SourceParts=/dev/null
-        -o "Dir::State::Lists=$apt_dir/lists"
-        -o "Dir::Cache=$apt_dir/cache"
-        -o Dir::Etc::Preferences=/dev/null
-        -o Dir::Etc::PreferencesParts=/dev/null
-        -o "APT::Architecture=$arch"
-        -o "APT::Architectures=$arch"
-    )
+    PRIVATE_APT_MIRROR="${KERNEL_MIRROR:-${PRIVATE_APT_MIRROR:-}}" \
+        private_apt_setup "$suite" "$apt_dir" main "$arch" ||
+        die "set KERNEL_MIRROR to the Debian archive to fetch $suite from"
+    apt_opts=("${PRIVATE_APT_OPTS[@]}")
 fi
 
 apt_updated=0

@@ -7,14 +7,14 @@
 # the same keyring, so no archive host is named here.
 #
 #   source scripts/lib/private-apt.sh
-#   private_apt_setup SUITE DIR [COMPONENTS]   # fills the array PRIVATE_APT_OPTS
+#   private_apt_setup SUITE DIR [COMPONENTS [ARCH]]  # fills the array PRIVATE_APT_OPTS
 #   apt-get "${PRIVATE_APT_OPTS[@]}" update
 #   apt-get "${PRIVATE_APT_OPTS[@]}" download PACKAGE
 #
 # PRIVATE_APT_MIRROR overrides the archive URI.
 #
-# This is the mechanism scripts/fetch-kernel.sh uses for the trixie kernel,
-# in a form other scripts can source.
+# scripts/fetch-kernel.sh (kernels of other suites and architectures) and
+# scripts/check-manifests.sh (kubectl) both use it.
 
 # private_apt_host_archive SUITE -- print "URI KEYRING" of the first "deb"
 # entry of the machine's apt sources (deb822 *.sources or one-line *.list)
@@ -71,12 +71,13 @@ private_apt_host_archive() {
     done
 }
 
-# private_apt_setup SUITE DIR [COMPONENTS] -- write DIR/sources.list for
-# SUITE (default component: main), create DIR/lists and DIR/cache, and set
+# private_apt_setup SUITE DIR [COMPONENTS [ARCH]] -- write DIR/sources.list
+# for SUITE (default component: main; ARCH: a Debian architecture such as
+# arm64, else the machine's), create DIR/lists and DIR/cache, and set
 # PRIVATE_APT_OPTS. Returns 1 (with a message on stderr) when the machine's
 # apt sources name no archive for its own release.
 private_apt_setup() {
-    local suite="$1" dir="$2" components="${3:-main}" host_suite mirror="" keyring=""
+    local suite="$1" dir="$2" components="${3:-main}" arch="${4:-}" host_suite mirror="" keyring="" opts=""
     host_suite="$(sed -n 's/^VERSION_CODENAME=//p' /etc/os-release 2>/dev/null | tr -d '"' | head -n 1)"
     read -r mirror keyring < <(private_apt_host_archive "$host_suite" | head -n 1) || true
     mirror="${PRIVATE_APT_MIRROR:-${mirror:-}}"
@@ -89,11 +90,9 @@ private_apt_setup() {
         keyring=/usr/share/keyrings/debian-archive-keyring.gpg
     fi
     mkdir -p "$dir/lists/partial" "$dir/cache/archives/partial"
-    if [[ -f "$keyring" ]]; then
-        printf 'deb [signed-by=%s] %s %s %s\n' "$keyring" "$mirror" "$suite" "$components"
-    else
-        printf 'deb %s %s %s\n' "$mirror" "$suite" "$components"
-    fi >"$dir/sources.list"
+    [[ -n "$arch" ]] && opts="arch=$arch"
+    [[ -f "$keyring" ]] && opts="${opts:+$opts }signed-by=$keyring"
+    printf 'deb %s%s %s %s\n' "${opts:+[$opts] }" "$mirror" "$suite" "$components" >"$dir/sources.list"
     # shellcheck disable=SC2034  # read by the script that sources this
     PRIVATE_APT_OPTS=(
         -o "Dir::Etc::SourceList=$dir/sources.list"
@@ -103,4 +102,7 @@ private_apt_setup() {
         -o Dir::Etc::Preferences=/dev/null
         -o Dir::Etc::PreferencesParts=/dev/null
     )
+    if [[ -n "$arch" ]]; then
+        PRIVATE_APT_OPTS+=(-o "APT::Architecture=$arch" -o "APT::Architectures=$arch")
+    fi
 }
