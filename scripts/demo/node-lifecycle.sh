@@ -6,6 +6,12 @@
 export VFIO_SANDBOX_CONFIG=/etc/vfio-sandbox.json
 echo '{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}' >"$VFIO_SANDBOX_CONFIG"
 D=/var/lib/kubelet/device-plugins
+# node_events: reason and note of every Event the stand-in API server holds.
+node_events() {
+    echo "+ fake-apiserver request GET /apis/events.k8s.io/v1/namespaces/default/events"
+    fake-apiserver request GET /apis/events.k8s.io/v1/namespaces/default/events |
+        grep -o '"note":"[^"]*"\|"reason":"[^"]*"' | sed 's/^/  /'
+}
 # still_running PID: alive and not a zombie waiting to be reaped.
 still_running() {
     _st=$(awk '/^State:/ { print $2 }' "/proc/$1/status" 2>/dev/null)
@@ -88,7 +94,8 @@ sleep 1
 step "kubelet never saw the card turn Unhealthy during the rollout" still_running "$watcher"
 kill "$watcher" 2>/dev/null
 wait "$watcher" 2>/dev/null
-run_logged fake-apiserver request GET /apis/events.k8s.io/v1/namespaces/default/events
+note "   what the cluster was told (Node events)"
+node_events
 
 note "8. the label goes back to container: the DaemonSets get SIGTERM, devices go home"
 run_logged fake-apiserver request PATCH /api/v1/nodes/demo-node "{\"metadata\":{\"labels\":{\"$LABEL\":\"container\"}}}"
@@ -96,7 +103,8 @@ kill -TERM "$plugin"
 wait "$plugin"
 kill -TERM "$manager"
 wait "$manager"
-run_logged tail -n 6 /tmp/manager2.log
+run_logged grep -E 'stopping|VM mode|restored' /tmp/manager2.log
+node_events
 expect_contains "it found the node no longer selected" /tmp/manager2.log "$LABEL=container"
 step "the validator's ready file is gone with VM mode" sh -c "! test -e /run/vfio-sandbox/validations/vfio-pci-ready"
 run_logged vfio-manager status
