@@ -2,13 +2,15 @@
 # Build the workspace binaries as static executables for the VM test bed and
 # the container image.
 #
-#   scripts/build-static.sh [--arch x86_64|aarch64]
+#   scripts/build-static.sh [--arch x86_64|aarch64] [--profile release|testbed]
 #
 #   RUSTFLAGS="-C target-feature=+crt-static" \
-#     cargo build --release --target <arch>-unknown-linux-gnu --bins
+#     cargo build --profile <profile> --target <arch>-unknown-linux-gnu --bins
 #
 # --arch (env STATIC_ARCH; also amd64/arm64) picks the target; the default is
-# x86_64. The explicit --target keeps these artifacts (and the RUSTFLAGS)
+# x86_64. --profile (env STATIC_PROFILE, default release) picks the cargo
+# profile: `release` for the image, `testbed` (release without LTO, see
+# Cargo.toml) for the VM test bed. The explicit --target keeps these artifacts (and the RUSTFLAGS)
 # apart from the normal target/release build cache; build scripts and proc
 # macros are host code and shared between both targets.
 #
@@ -20,7 +22,7 @@
 # CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER, CC_aarch64_unknown_linux_gnu
 # and AR_aarch64_unknown_linux_gnu unless already set.
 #
-# Prints the output directory (target/<arch>-unknown-linux-gnu/release) on
+# Prints the output directory (target/<arch>-unknown-linux-gnu/<profile>) on
 # stdout. Writes <output dir>/static-bins.list with the absolute path of every
 # binary this build produced or found up to date, one per line. With
 # --keep-going, binaries that compile are listed even when another one fails;
@@ -31,8 +33,11 @@ set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 arch="${STATIC_ARCH:-x86_64}"
+profile="${STATIC_PROFILE:-release}"
 while (($#)); do
     case "$1" in
+        --profile) profile="${2:?--profile needs release or testbed}"; shift 2 ;;
+        --profile=*) profile="${1#*=}"; shift ;;
         --arch) arch="${2:?--arch needs x86_64 or aarch64}"; shift 2 ;;
         --arch=*) arch="${1#*=}"; shift ;;
         -h | --help) sed -n '2,/^set -euo/{/^#/!d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
@@ -46,7 +51,11 @@ case "$arch" in
 esac
 target="$arch-unknown-linux-gnu"
 target_dir="${CARGO_TARGET_DIR:-$repo_root/target}"
-out_dir="$target_dir/$target/release"
+case "$profile" in
+    release | testbed) ;;
+    *) printf 'build-static: error: --profile wants release or testbed, got %s\n' "$profile" >&2; exit 2 ;;
+esac
+out_dir="$target_dir/$target/$profile"
 list="$out_dir/static-bins.list"
 
 log() { printf 'build-static: %s\n' "$*" >&2; }
@@ -94,7 +103,7 @@ fp_bin="$out_dir/vfio-manager-failpoints"
 if (
     cd "$repo_root"
     RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C target-feature=+crt-static" \
-        cargo build --release --target "$target" -p vfio-manager --features failpoints \
+        cargo build --profile "$profile" --target "$target" -p vfio-manager --features failpoints \
         --message-format=json-render-diagnostics
 ) >"$json"; then
     exe="$(grep -o '"executable":"[^"]*vfio-manager"' "$json" | tail -n1 | sed 's/^"executable":"//; s/"$//')"
@@ -107,7 +116,7 @@ fi
 (
     cd "$repo_root"
     RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C target-feature=+crt-static" \
-        cargo build --release --target "$target" --bins --keep-going \
+        cargo build --profile "$profile" --target "$target" --bins --keep-going \
         --message-format=json-render-diagnostics
 ) >"$json" || rc=$?
 

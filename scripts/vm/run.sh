@@ -8,7 +8,7 @@
 #                path to a scenario file; default: every
 #                tests/vm/scenarios/*.sh
 #   --no-build   do not build the static binaries; use those listed by the
-#                last build (target/<arch>-unknown-linux-gnu/release/
+#                last build (target/<arch>-unknown-linux-gnu/<VM_PROFILE>/
 #                static-bins.list), which may be stale
 #   --keep-logs  keep console logs of earlier runs in target/vm-logs/ (by
 #                default the directory of each kernel run, target/vm-logs/
@@ -130,17 +130,20 @@ vm_ensure_packages "${VM_HOST_PACKAGES[@]}"
 
 # ---- static binaries ----------------------------------------------------------
 # One static build per architecture in use; arch_bins[ARCH] holds the binary
-# paths separated by newlines.
+# paths separated by newlines. Cargo profile `testbed` (VM_PROFILE): release
+# code without LTO, so a cold build takes minutes less; `release` tests the
+# image's exact binaries.
+profile="${VM_PROFILE:-testbed}"
 for arch in x86_64 aarch64; do
     [[ -v "arch_bins[$arch]" ]] || continue
-    bin_list="$repo_root/target/$arch-unknown-linux-gnu/release/static-bins.list"
+    bin_list="$repo_root/target/$arch-unknown-linux-gnu/$profile/static-bins.list"
     if ((build)); then
         if [[ "$arch" == x86_64 ]]; then
             vm_log "building static binaries"
         else
             vm_log "building static binaries for $arch"
         fi
-        if ! "$repo_root/scripts/build-static.sh" --arch "$arch" >/dev/null; then
+        if ! "$repo_root/scripts/build-static.sh" --arch "$arch" --profile "$profile" >/dev/null; then
             vm_log "warning: the static build failed; only the binaries it did build go into the guest"
         fi
     fi
