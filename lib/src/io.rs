@@ -163,6 +163,16 @@ fn absent_is_none(read: Result<String, IoError>) -> Result<Option<String>, IoErr
     }
 }
 
+/// Removes the file at `path`; one that is already gone is fine.
+pub fn remove_if_present(path: &Path) -> Result<(), IoError> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(IoError::new(Action::Remove, path, e))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Writes `data` to `path` atomically: a temporary file in the same directory, fsync,
 /// then rename over the target. Creates the parent directory if needed.
 pub fn write_atomic(path: &Path, data: &[u8]) -> Result<(), IoError> {

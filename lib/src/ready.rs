@@ -19,15 +19,3 @@ pub const VALIDATOR_READY_FILE: &str = "vfio-pci-ready";
 pub fn validator_ready_file(status_dir: &Path) -> PathBuf {
     status_dir.join(VALIDATOR_READY_FILE)
 }
-
-/// Removes `path`; a file already gone is fine. The error names the file.
-pub fn remove(path: &Path) -> Result<(), String> {
-    match std::fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(format!(
-            "failed to remove ready file {}: {e}",
-            path.display()
-        )),
-    }
-}

@@ -115,11 +115,7 @@ fn publish(ready: &Path, report: &Report) -> anyhow::Result<()> {
         });
         write_atomic(ready, format!("{doc:#}\n").as_bytes())?;
     } else {
-        match std::fs::remove_file(ready) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => anyhow::bail!("cannot remove {}: {e}", ready.display()),
-        }
+        vfio_sandbox::io::remove_if_present(ready)?;
     }
     Ok(())
 }

@@ -21,7 +21,7 @@ use vfio_sandbox::cli::parse_duration;
 use vfio_sandbox::cluster::{Identity, Verdict};
 use vfio_sandbox::error_chain;
 use vfio_sandbox::inventory::{Inventory, SkipLog};
-use vfio_sandbox::io::write_atomic;
+use vfio_sandbox::io::{remove_if_present, write_atomic};
 use vfio_sandbox::kernel::SysKernel;
 use vfio_sandbox::module::kernel_release;
 use vfio_sandbox::passthrough::{target_drivers, Passthrough};
@@ -71,7 +71,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     let signals = block_signals()?;
     let list = ctx.common.resource_list()?;
     // A ready file left by a killed predecessor must not vouch for this process.
-    remove_ready_file(&ctx.ready_file)?;
+    remove_if_present(&ctx.ready_file)?;
     // After block_signals: the side thread inherits the blocked mask, so the
     // signalfd sees every stop signal.
     let mut registry = vfio_sandbox::metrics::registry();
@@ -128,7 +128,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    remove_ready_file(&ctx.ready_file)?;
+    remove_if_present(&ctx.ready_file)?;
     let recorded = pt.state.state().devices.len();
     if args.keep_bound_on_exit {
         tracing::info!("leaving devices bound (--keep-bound-on-exit)");
@@ -155,7 +155,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         None => tracing::info!("no API access; restoring (set NODE_NAME and give the pod API access to keep devices bound across rollouts)"),
     }
     metrics.stop("restore");
-    let ok = restore_all(ctx, &mut pt, &side, Some(&metrics));
+    let ok = restore_all(ctx, &mut pt, &side, &metrics);
     side.finish();
     Ok(if ok {
         ExitCode::SUCCESS
@@ -191,13 +191,11 @@ pub fn restore_all(
     ctx: &Context,
     pt: &mut Passthrough<'_>,
     side: &Side,
-    metrics: Option<&Metrics>,
+    metrics: &Metrics,
 ) -> bool {
     clear_validator_ready_file(ctx);
     let report = pt.restore(&[]);
-    if let Some(m) = metrics {
-        m.restore(&report);
-    }
+    metrics.restore(&report);
     if !report.restored.is_empty() {
         side.event(NodeEvent {
             warning: false,
@@ -246,9 +244,9 @@ pub fn restore_all(
 /// Removes the validator's ready file: it vouches for a node in VM mode.
 pub fn clear_validator_ready_file(ctx: &Context) {
     let path = vfio_sandbox::ready::validator_ready_file(&ctx.validator_status_dir);
-    match vfio_sandbox::ready::remove(&path) {
+    match remove_if_present(&path) {
         Ok(()) => tracing::debug!(file = %path.display(), "removed the validator's ready file"),
-        Err(e) => tracing::warn!(error = %e, "the validator's ready file stays"),
+        Err(e) => tracing::warn!(error = %error_chain(&e), "the validator's ready file stays"),
     }
 }
 
@@ -258,17 +256,6 @@ fn listing<'a>(addrs: impl Iterator<Item = &'a vfio_sandbox::PciAddress>) -> Str
     match all.len() {
         0..=10 => all.join(", "),
         n => format!("{}, and {} more", all[..10].join(", "), n - 10),
-    }
-}
-
-fn remove_ready_file(path: &std::path::Path) -> anyhow::Result<()> {
-    match std::fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(anyhow::anyhow!(
-            "failed to remove ready file {}: {e}",
-            path.display()
-        )),
     }
 }
 
@@ -355,7 +342,7 @@ impl Pass<'_> {
                 tracing::info!(file = %self.ready_file.display(), devices = devices.len(), "every selected device is bound; wrote ready file");
             }
         } else {
-            remove_ready_file(self.ready_file)?;
+            remove_if_present(self.ready_file)?;
             if self.converged {
                 tracing::warn!(file = %self.ready_file.display(), "a selected device is not bound; removed ready file");
             }
