@@ -1,5 +1,5 @@
-//! The sysfs PCI model shared by `vfio-manager`, `sandbox-validator` and
-//! `sandbox-device-plugin`.
+//! The sysfs PCI model shared by `vfio-manager`, `sandbox-validator`,
+//! `sandbox-device-plugin` and `sandbox-dra-driver`.
 //!
 //! Every function that touches the node takes its roots from a [`Host`]: the real
 //! `/sys`, `/dev` and `/lib/modules` are only defaults, so the same code runs on fake
@@ -7,12 +7,16 @@
 //! [`kernel::Kernel`], so a dry run prints exactly the writes a real run makes.
 
 pub mod address;
+pub mod cdi;
+pub mod claims;
 #[cfg(feature = "cli")]
 pub mod cli;
 #[cfg(feature = "kube")]
 pub mod cluster;
 pub mod config;
 pub mod device;
+#[cfg(feature = "kube")]
+pub mod dra;
 pub mod driver;
 pub mod failpoint;
 pub mod fake;
