@@ -1,7 +1,29 @@
-//! Passthrough per ResourceClaim, for the DRA driver: the types the kubelet API, the
-//! API server and the engine share.
+//! Passthrough per ResourceClaim, for the DRA driver.
+//!
+//! [`Claims`] prepares and unprepares claims with the same whole-group engine as
+//! vfio-manager ([`Passthrough`]) and keeps the claim's life in the same state file,
+//! saved before each step:
+//!
+//! 1. prepare saves the claim as `preparing` with its devices and groups, before any
+//!    device is touched;
+//! 2. binds each group (every member recorded before it moves, never `new_id`, the
+//!    group node checked), then writes the claim's CDI spec and metadata files;
+//! 3. saves the claim as `prepared` and answers kubelet.
+//!
+//! Unprepare refuses a claim whose `/dev/vfio/<group>` is open, saves it as
+//! `unpreparing`, removes its files, restores every recorded member of its groups and
+//! only then forgets the claim. After a `kill -9` anywhere, [`Claims::recover`] rolls a
+//! `preparing` claim back and finishes an `unpreparing` one, so a later unprepare still
+//! restores the original drivers. A group belongs to at most one claim.
 
-use crate::PciAddress;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+
+use crate::cdi::{self, AttributeValue};
+use crate::inventory::{Inventory, Role};
+use crate::passthrough::{target_drivers, Passthrough};
+use crate::state::{ClaimDevice, ClaimPhase, ClaimRecord};
+use crate::{error_chain, Host, PciAddress};
 
 /// A claim as kubelet names it in `NodePrepareResources`.
 #[derive(
@@ -57,6 +79,578 @@ pub fn parse_device_name(name: &str) -> Option<PciAddress> {
     let text = format!("{domain}:{bus}:{dev}.{func}");
     let address: PciAddress = text.parse().ok()?;
     (device_name(&address) == name).then_some(address)
+}
+
+impl std::fmt::Display for ClaimRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{} (uid {})", self.namespace, self.name, self.uid)
+    }
+}
+
+/// Why a claim could not be prepared or unprepared. Each names the claim.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// The request cannot be served as asked; nothing was touched.
+    #[error("claim {claim}: {reason}")]
+    Refused {
+        /// The claim.
+        claim: String,
+        /// Why.
+        reason: String,
+    },
+    /// A VM still holds a group of the claim; nothing was touched; retry later.
+    #[error(
+        "claim {claim}: {} still open (a VM holds it); not giving the devices back yet",
+        group_nodes(groups)
+    )]
+    InUse {
+        /// The claim.
+        claim: String,
+        /// The held groups.
+        groups: Vec<u32>,
+    },
+    /// A step failed. What was moved is put back where possible; the claim's record
+    /// stays while anything of it is still on vfio, so a retry or a restart goes on.
+    #[error("claim {claim}: {step}: {detail}")]
+    Failed {
+        /// The claim.
+        claim: String,
+        /// The step.
+        step: &'static str,
+        /// What failed and what was done about it.
+        detail: String,
+    },
+}
+
+fn group_nodes(groups: &[u32]) -> String {
+    let nodes: Vec<String> = groups.iter().map(|g| format!("/dev/vfio/{g}")).collect();
+    nodes.join(", ")
+}
+
+/// Where a claim's files go, and how devices are handed to containers.
+#[derive(Debug, Clone)]
+pub struct Files {
+    /// The DRA driver's name (the CDI vendor).
+    pub driver: String,
+    /// The CDI spec directory.
+    pub cdi_dir: PathBuf,
+    /// The device metadata directory.
+    pub metadata_dir: PathBuf,
+    /// Give containers the iommufd nodes too.
+    pub iommufd: bool,
+}
+
+/// What [`Claims::recover`] did after a restart.
+#[derive(Debug, Default)]
+pub struct Recovery {
+    /// Claims found half-prepared and rolled back.
+    pub rolled_back: Vec<String>,
+    /// Claims found half-unprepared and finished.
+    pub finished: Vec<String>,
+    /// Device records that belonged to no claim, restored.
+    pub orphans: Vec<PciAddress>,
+    /// What could not be done (kept for a later unprepare or restart).
+    pub failed: Vec<String>,
+}
+
+/// Prepares and unprepares claims on one node.
+pub struct Claims<'a> {
+    /// The passthrough engine, with the driver's state file.
+    pub pt: Passthrough<'a>,
+    /// This node's pool name.
+    pub pool: &'a str,
+    /// Where the claim files go.
+    pub files: &'a Files,
+}
+
+impl Claims<'_> {
+    /// Prepares `claim` for the devices the scheduler allocated to it, on `inv` (a
+    /// fresh scan). Idempotent: a claim already prepared with the same devices gets
+    /// the same answer without touching the node.
+    pub fn prepare(
+        &mut self,
+        claim: &ClaimRef,
+        allocations: &[Allocation],
+        inv: &Inventory,
+    ) -> Result<Vec<PreparedDevice>, ClaimError> {
+        let refuse = |reason: String| ClaimError::Refused {
+            claim: claim.to_string(),
+            reason,
+        };
+        let devices = self.resolve(claim, allocations, inv)?;
+        // Refuse names no file can be made of before anything is touched.
+        self.files_for(claim, &devices, inv).map_err(&refuse)?;
+        if let Some(existing) = self.pt.state.state().claims.get(&claim.uid) {
+            if existing.namespace != claim.namespace || existing.name != claim.name {
+                return Err(refuse(format!(
+                    "its uid is prepared for {}/{}",
+                    existing.namespace, existing.name
+                )));
+            }
+            if existing.devices != devices {
+                return Err(refuse(format!(
+                    "it was prepared with {}, and its allocation now names {}; unprepare it first",
+                    device_list(&existing.devices),
+                    device_list(&devices)
+                )));
+            }
+            match existing.phase {
+                ClaimPhase::Prepared => return self.answer(claim, &devices, inv),
+                ClaimPhase::Unpreparing => {
+                    return Err(refuse("it is being unprepared; retry after that".into()))
+                }
+                // A failed earlier attempt left it: go through the steps again.
+                ClaimPhase::Preparing => {}
+            }
+        }
+        let record = ClaimRecord {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            phase: ClaimPhase::Preparing,
+            devices,
+        };
+        let fail = |step: &'static str, detail: String| ClaimError::Failed {
+            claim: claim.to_string(),
+            step,
+            detail,
+        };
+        self.pt
+            .state
+            .set_claim(self.pt.kernel, &claim.uid, record.clone())
+            .map_err(|e| {
+                fail(
+                    "saving the claim before touching its devices",
+                    error_chain(&e),
+                )
+            })?;
+        crate::failpoint::step!("prepare-after-save");
+        let groups = record.groups();
+        let result = self.move_groups(inv, &groups).and_then(|()| {
+            let files = self
+                .files_for(claim, &record.devices, inv)
+                .map_err(|e| ("writing its files", e))?;
+            for (path, text) in std::iter::once(&files.cdi).chain(files.metadata.iter()) {
+                self.pt
+                    .kernel
+                    .replace_file(path, text.as_bytes())
+                    .map_err(|e| ("writing its files", error_chain(&e)))?;
+            }
+            Ok(files)
+        });
+        let files = match result {
+            Ok(files) => files,
+            Err((step, detail)) => {
+                let undo = self.undo(&claim.uid, &record);
+                return Err(fail(step, format!("{detail}; {undo}")));
+            }
+        };
+        let prepared = ClaimRecord {
+            phase: ClaimPhase::Prepared,
+            ..record.clone()
+        };
+        if let Err(e) = self
+            .pt
+            .state
+            .set_claim(self.pt.kernel, &claim.uid, prepared)
+        {
+            let undo = self.undo(&claim.uid, &record);
+            return Err(fail(
+                "saving the prepared claim",
+                format!("{}; {undo}", error_chain(&e)),
+            ));
+        }
+        Ok(answer(&record.devices, &files))
+    }
+
+    /// Gives every device of claim `uid` back to the driver it had before prepare
+    /// (the whole group, overrides restored) and removes the claim's files. A claim
+    /// not prepared here is done already.
+    pub fn unprepare(&mut self, claim: &ClaimRef) -> Result<(), ClaimError> {
+        let Some(record) = self.pt.state.state().claims.get(&claim.uid).cloned() else {
+            return Ok(());
+        };
+        let shown = ClaimRef {
+            uid: claim.uid.clone(),
+            namespace: record.namespace.clone(),
+            name: record.name.clone(),
+        };
+        let held: Vec<u32> = record
+            .groups()
+            .into_iter()
+            .filter(|g| {
+                self.pt
+                    .kernel
+                    .group_in_use(&self.pt.host.vfio_group_node(*g))
+                    .unwrap_or(false)
+            })
+            .collect();
+        if !held.is_empty() {
+            return Err(ClaimError::InUse {
+                claim: shown.to_string(),
+                groups: held,
+            });
+        }
+        self.finish_unprepare(&shown, record)
+    }
+
+    /// Converges after a restart: rolls back claims caught half-prepared, finishes
+    /// claims caught half-unprepared, and restores device records no claim owns.
+    pub fn recover(&mut self) -> Recovery {
+        let mut out = Recovery::default();
+        let claims = self.pt.state.state().claims.clone();
+        for (uid, record) in &claims {
+            let claim = ClaimRef {
+                uid: uid.clone(),
+                namespace: record.namespace.clone(),
+                name: record.name.clone(),
+            };
+            match record.phase {
+                ClaimPhase::Prepared => {}
+                ClaimPhase::Preparing => {
+                    let undo = self.undo(uid, record);
+                    if self.pt.state.state().claims.contains_key(uid) {
+                        out.failed.push(format!("claim {claim}: {undo}"));
+                    } else {
+                        out.rolled_back.push(claim.to_string());
+                    }
+                }
+                ClaimPhase::Unpreparing => match self.finish_unprepare(&claim, record.clone()) {
+                    Ok(()) => out.finished.push(claim.to_string()),
+                    Err(e) => out.failed.push(error_chain(&e)),
+                },
+            }
+        }
+        let owned: BTreeSet<u32> = self
+            .pt
+            .state
+            .state()
+            .claims
+            .values()
+            .flat_map(|c| c.groups())
+            .collect();
+        let orphans: Vec<PciAddress> = self
+            .pt
+            .state
+            .state()
+            .devices
+            .iter()
+            .filter(|(_, r)| !owned.contains(&r.group))
+            .map(|(a, _)| *a)
+            .collect();
+        if !orphans.is_empty() {
+            let report = self.pt.restore(&orphans);
+            out.orphans.extend(report.restored.iter().map(|(a, _)| *a));
+            out.orphans.extend(report.gone);
+            out.failed
+                .extend(report.failed.iter().map(|e| error_chain(e)));
+            for (a, g) in report.in_use {
+                out.failed
+                    .push(format!("{a}: /dev/vfio/{g} is open; its record is kept"));
+            }
+        }
+        out
+    }
+
+    /// Checks the allocation against this node and the other claims; nothing touched.
+    fn resolve(
+        &self,
+        claim: &ClaimRef,
+        allocations: &[Allocation],
+        inv: &Inventory,
+    ) -> Result<Vec<ClaimDevice>, ClaimError> {
+        let refuse = |reason: String| ClaimError::Refused {
+            claim: claim.to_string(),
+            reason,
+        };
+        if claim.uid.is_empty() {
+            return Err(refuse("kubelet sent no uid".into()));
+        }
+        if allocations.is_empty() {
+            return Err(refuse(
+                "no device of this driver is allocated to it on this node".into(),
+            ));
+        }
+        let mut devices = Vec::with_capacity(allocations.len());
+        for a in allocations {
+            if a.pool != self.pool {
+                return Err(refuse(format!(
+                    "device {} is in pool {:?}, not this node's pool {:?}",
+                    a.device, a.pool, self.pool
+                )));
+            }
+            let Some(address) = parse_device_name(&a.device) else {
+                return Err(refuse(format!(
+                    "device {:?} is not a device this driver publishes",
+                    a.device
+                )));
+            };
+            let entry = inv
+                .get(&address)
+                .filter(|e| matches!(e.role, Role::Selected { .. }));
+            let Some(entry) = entry else {
+                let why = match inv.skipped(&address) {
+                    Some(s) => format!("it is left out ({s})"),
+                    None => "the resource list does not select it on this node".into(),
+                };
+                return Err(refuse(format!("device {} ({address}): {why}", a.device)));
+            };
+            let Some(group) = entry.device.iommu_group else {
+                return Err(refuse(format!(
+                    "device {} ({address}) has no IOMMU group",
+                    a.device
+                )));
+            };
+            if let Some((uid, other)) =
+                self.pt.state.state().claims.iter().find(|(uid, c)| {
+                    **uid != claim.uid && c.devices.iter().any(|d| d.group == group)
+                })
+            {
+                return Err(refuse(format!(
+                    "device {} ({address}) is in IOMMU group {group}, which is prepared for claim {}/{} (uid {uid})",
+                    a.device, other.namespace, other.name
+                )));
+            }
+            devices.push(ClaimDevice {
+                request_names: a.request_names.clone(),
+                pool: a.pool.clone(),
+                device: a.device.clone(),
+                address,
+                group,
+            });
+        }
+        Ok(devices)
+    }
+
+    /// Loads the drivers' modules and binds `groups` whole.
+    fn move_groups(
+        &mut self,
+        inv: &Inventory,
+        groups: &[u32],
+    ) -> Result<(), (&'static str, String)> {
+        self.pt
+            .load_modules(&target_drivers(inv, groups))
+            .map_err(|e| ("loading the vfio modules", error_chain(&e)))?;
+        let report = self.pt.bind(inv, groups);
+        if !report.failed.is_empty() {
+            let why: Vec<String> = report.failed.iter().map(|e| error_chain(e)).collect();
+            return Err(("moving its IOMMU groups to vfio", why.join("; ")));
+        }
+        for &g in groups {
+            let node = self.pt.host.vfio_group_node(g);
+            if !self.pt.kernel.is_dry_run() && !Host::exists(&node) {
+                return Err((
+                    "checking the group nodes",
+                    format!("{} is missing", node.display()),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The claim's files, as prepare writes them.
+    fn files_for(
+        &self,
+        claim: &ClaimRef,
+        devices: &[ClaimDevice],
+        inv: &Inventory,
+    ) -> Result<cdi::ClaimFiles, String> {
+        let devices: Vec<cdi::ClaimDevice> = devices
+            .iter()
+            .map(|d| {
+                let mut attributes = BTreeMap::new();
+                attributes.insert(
+                    PCI_BUS_ID.to_owned(),
+                    AttributeValue::String(d.address.to_string()),
+                );
+                if let Some(r) = inv.get(&d.address).and_then(|e| e.resource()) {
+                    attributes.insert(
+                        "resourceName".to_owned(),
+                        AttributeValue::String(r.to_string()),
+                    );
+                }
+                cdi::ClaimDevice {
+                    device_name: d.device.clone(),
+                    request_names: d.request_names.clone(),
+                    address: d.address,
+                    group: d.group,
+                    attributes,
+                    iommufd_node: self
+                        .files
+                        .iommufd
+                        .then(|| vfio_dev_node(self.pt.host, &d.address))
+                        .flatten(),
+                }
+            })
+            .collect();
+        cdi::claim_files(
+            &self.files.driver,
+            &self.files.cdi_dir,
+            &self.files.metadata_dir,
+            &self.pt.host.dev,
+            claim,
+            &devices,
+        )
+        .map_err(|e| error_chain(&e))
+    }
+
+    /// The answer for a claim already prepared.
+    fn answer(
+        &self,
+        claim: &ClaimRef,
+        devices: &[ClaimDevice],
+        inv: &Inventory,
+    ) -> Result<Vec<PreparedDevice>, ClaimError> {
+        let files = self
+            .files_for(claim, devices, inv)
+            .map_err(|detail| ClaimError::Failed {
+                claim: claim.to_string(),
+                step: "naming its CDI devices",
+                detail,
+            })?;
+        Ok(answer(devices, &files))
+    }
+
+    /// Puts a half-prepared claim back: its files removed, its groups restored, the
+    /// claim forgotten once nothing of it is left on vfio. Says what happened.
+    fn undo(&mut self, uid: &str, record: &ClaimRecord) -> String {
+        let claim = ClaimRef {
+            uid: uid.to_owned(),
+            namespace: record.namespace.clone(),
+            name: record.name.clone(),
+        };
+        match self.finish_unprepare(&claim, record.clone()) {
+            Ok(()) => "its devices were put back".into(),
+            Err(e) => format!(
+                "putting it back failed too ({}); it is kept for a retry",
+                error_chain(&e)
+            ),
+        }
+    }
+
+    /// Removes the claim's files, restores its groups and forgets it.
+    fn finish_unprepare(
+        &mut self,
+        claim: &ClaimRef,
+        record: ClaimRecord,
+    ) -> Result<(), ClaimError> {
+        let fail = |step: &'static str, detail: String| ClaimError::Failed {
+            claim: claim.to_string(),
+            step,
+            detail,
+        };
+        if record.phase != ClaimPhase::Unpreparing {
+            let next = ClaimRecord {
+                phase: ClaimPhase::Unpreparing,
+                ..record.clone()
+            };
+            self.pt
+                .state
+                .set_claim(self.pt.kernel, &claim.uid, next)
+                .map_err(|e| {
+                    fail(
+                        "saving the claim before giving its devices back",
+                        error_chain(&e),
+                    )
+                })?;
+        }
+        crate::failpoint::step!("unprepare-after-save");
+        for path in self.file_paths(claim, &record.devices) {
+            crate::io::remove_if_present(&path)
+                .map_err(|e| fail("removing its files", error_chain(&e)))?;
+        }
+        let groups = record.groups();
+        let members: Vec<PciAddress> = self
+            .pt
+            .state
+            .state()
+            .devices
+            .iter()
+            .filter(|(_, r)| groups.contains(&r.group))
+            .map(|(a, _)| *a)
+            .collect();
+        if !members.is_empty() {
+            let report = self.pt.restore(&members);
+            let mut why: Vec<String> = report.failed.iter().map(|e| error_chain(e)).collect();
+            if !report.in_use.is_empty() {
+                let held: BTreeSet<u32> = report.in_use.iter().map(|(_, g)| *g).collect();
+                let held: Vec<u32> = held.into_iter().collect();
+                why.push(format!("{} is open", group_nodes(&held)));
+            }
+            if !why.is_empty() {
+                return Err(fail("giving its devices back", why.join("; ")));
+            }
+        }
+        self.pt
+            .state
+            .drop_claim(self.pt.kernel, &claim.uid)
+            .map_err(|e| fail("forgetting the claim", error_chain(&e)))
+    }
+
+    /// The files prepare may have written for the claim.
+    fn file_paths(&self, claim: &ClaimRef, devices: &[ClaimDevice]) -> Vec<PathBuf> {
+        let devices: Vec<cdi::ClaimDevice> = devices
+            .iter()
+            .map(|d| cdi::ClaimDevice {
+                device_name: d.device.clone(),
+                request_names: d.request_names.clone(),
+                address: d.address,
+                group: d.group,
+                attributes: BTreeMap::new(),
+                iommufd_node: None,
+            })
+            .collect();
+        match cdi::claim_files(
+            &self.files.driver,
+            &self.files.cdi_dir,
+            &self.files.metadata_dir,
+            &self.pt.host.dev,
+            claim,
+            &devices,
+        ) {
+            Ok(files) => std::iter::once(files.cdi.0)
+                .chain(files.metadata.into_iter().map(|(p, _)| p))
+                .collect(),
+            // A uid no file can be named after never had files.
+            Err(_) => Vec::new(),
+        }
+    }
+}
+
+/// The standard attribute holding a PCI function's address.
+pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
+
+fn answer(devices: &[ClaimDevice], files: &cdi::ClaimFiles) -> Vec<PreparedDevice> {
+    devices
+        .iter()
+        .map(|d| PreparedDevice {
+            request_names: d.request_names.clone(),
+            pool_name: d.pool.clone(),
+            device_name: d.device.clone(),
+            cdi_device_ids: files.device_ids.get(&d.device).cloned().unwrap_or_default(),
+        })
+        .collect()
+}
+
+fn device_list(devices: &[ClaimDevice]) -> String {
+    let names: Vec<String> = devices
+        .iter()
+        .map(|d| format!("{} ({})", d.device, d.address))
+        .collect();
+    names.join(", ")
+}
+
+/// The `vfioN` character device name of a function bound to vfio-pci with iommufd
+/// (`<device>/vfio-dev/vfioN`), if the kernel made one.
+fn vfio_dev_node(host: &Host, address: &PciAddress) -> Option<String> {
+    let dir = host.device_dir(address).join("vfio-dev");
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("vfio"))
+        .collect();
+    names.sort();
+    names.into_iter().next()
 }
 
 #[cfg(test)]

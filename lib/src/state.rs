@@ -109,6 +109,63 @@ pub struct State {
     pub devices: BTreeMap<PciAddress, Record>,
     /// Native driver modules we unloaded, to reload on restore.
     pub unloaded_modules: Vec<String>,
+    /// ResourceClaims prepared (or being prepared or unprepared) by the DRA driver,
+    /// by claim UID. vfio-manager never writes any; an absent key is an empty map.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub claims: BTreeMap<String, ClaimRecord>,
+}
+
+/// Where a claim is in its life; saved before each step, so a restart knows what to
+/// finish or undo.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClaimPhase {
+    /// Prepare has started: its devices may be partly moved. A restart rolls it back.
+    Preparing,
+    /// Every group is on vfio and the claim's files are written.
+    Prepared,
+    /// Unprepare has started. A restart finishes it.
+    Unpreparing,
+}
+
+/// One device of a claim.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimDevice {
+    /// The request(s) it satisfies.
+    pub request_names: Vec<String>,
+    /// Its pool.
+    pub pool: String,
+    /// Its ResourceSlice device name.
+    pub device: String,
+    /// Its address.
+    pub address: PciAddress,
+    /// Its IOMMU group, which moves with it.
+    pub group: u32,
+}
+
+/// A claim the DRA driver holds devices for.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimRecord {
+    /// The claim's namespace.
+    pub namespace: String,
+    /// The claim's name.
+    pub name: String,
+    /// Where it is.
+    pub phase: ClaimPhase,
+    /// Its devices, in allocation order.
+    pub devices: Vec<ClaimDevice>,
+}
+
+impl ClaimRecord {
+    /// The distinct IOMMU groups of its devices, ascending.
+    pub fn groups(&self) -> Vec<u32> {
+        let mut groups: Vec<u32> = self.devices.iter().map(|d| d.group).collect();
+        groups.sort_unstable();
+        groups.dedup();
+        groups
+    }
 }
 
 /// The file as written, before its addresses are made canonical.
@@ -119,6 +176,8 @@ struct OnDisk {
     devices: BTreeMap<String, Record>,
     #[serde(default)]
     unloaded_modules: Vec<String>,
+    #[serde(default)]
+    claims: BTreeMap<String, ClaimRecord>,
 }
 
 impl State {
@@ -189,6 +248,7 @@ impl State {
             version: VERSION,
             devices,
             unloaded_modules,
+            claims: disk.claims,
         })
     }
 }
@@ -321,6 +381,31 @@ impl StateFile {
             return Ok(());
         }
         self.change(kernel, |s| s.unloaded_modules.clear())
+    }
+
+    /// Saves `record` as the claim `uid`'s, replacing any earlier one.
+    pub fn set_claim(
+        &mut self,
+        kernel: &dyn Kernel,
+        uid: &str,
+        record: ClaimRecord,
+    ) -> Result<(), StateError> {
+        if self.state.claims.get(uid) == Some(&record) {
+            return Ok(());
+        }
+        self.change(kernel, |s| {
+            s.claims.insert(uid.to_owned(), record);
+        })
+    }
+
+    /// Drops the claim `uid`: only once its devices are back (or were never moved).
+    pub fn drop_claim(&mut self, kernel: &dyn Kernel, uid: &str) -> Result<(), StateError> {
+        if !self.state.claims.contains_key(uid) {
+            return Ok(());
+        }
+        self.change(kernel, |s| {
+            s.claims.remove(uid);
+        })
     }
 
     /// Applies `f` to a copy, saves the copy, and only then keeps it.
