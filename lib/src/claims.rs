@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
-use crate::cdi::{self, AttributeValue};
+use crate::cdi::{self, AttributeValue, PCI_BUS_ID};
 use crate::inventory::{Inventory, Role};
 use crate::passthrough::{target_drivers, Passthrough};
 use crate::state::{ClaimDevice, ClaimPhase, ClaimRecord};
@@ -167,9 +167,13 @@ impl Claims<'_> {
     /// Prepares `claim` for the devices the scheduler allocated to it, on `inv` (a
     /// fresh scan). Idempotent: a claim already prepared with the same devices gets
     /// the same answer without touching the node.
+    ///
+    /// `pod_claim_name` is the claim's `resource.kubernetes.io/pod-claim-name`
+    /// annotation (a claim made from a template), which places its metadata file.
     pub fn prepare(
         &mut self,
         claim: &ClaimRef,
+        pod_claim_name: Option<&str>,
         allocations: &[Allocation],
         inv: &Inventory,
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
@@ -179,7 +183,8 @@ impl Claims<'_> {
         };
         let devices = self.resolve(claim, allocations, inv)?;
         // Refuse names no file can be made of before anything is touched.
-        self.files_for(claim, &devices, inv).map_err(&refuse)?;
+        self.files_for(claim, pod_claim_name, &devices, inv)
+            .map_err(&refuse)?;
         if let Some(existing) = self.pt.state.state().claims.get(&claim.uid) {
             if existing.namespace != claim.namespace || existing.name != claim.name {
                 return Err(refuse(format!(
@@ -195,7 +200,7 @@ impl Claims<'_> {
                 )));
             }
             match existing.phase {
-                ClaimPhase::Prepared => return self.answer(claim, &devices, inv),
+                ClaimPhase::Prepared => return self.answer(claim, pod_claim_name, &devices, inv),
                 ClaimPhase::Unpreparing => {
                     return Err(refuse("it is being unprepared; retry after that".into()))
                 }
@@ -227,9 +232,17 @@ impl Claims<'_> {
         let groups = record.groups();
         let result = self.move_groups(inv, &groups).and_then(|()| {
             let files = self
-                .files_for(claim, &record.devices, inv)
+                .files_for(claim, pod_claim_name, &record.devices, inv)
                 .map_err(|e| ("writing its files", e))?;
             for (path, text) in std::iter::once(&files.cdi).chain(files.metadata.iter()) {
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir).map_err(|e| {
+                        (
+                            "writing its files",
+                            format!("cannot create {}: {e}", dir.display()),
+                        )
+                    })?;
+                }
                 self.pt
                     .kernel
                     .replace_file(path, text.as_bytes())
@@ -451,6 +464,7 @@ impl Claims<'_> {
     fn files_for(
         &self,
         claim: &ClaimRef,
+        pod_claim_name: Option<&str>,
         devices: &[ClaimDevice],
         inv: &Inventory,
     ) -> Result<cdi::ClaimFiles, String> {
@@ -470,6 +484,7 @@ impl Claims<'_> {
                 }
                 cdi::ClaimDevice {
                     device_name: d.device.clone(),
+                    pool: d.pool.clone(),
                     request_names: d.request_names.clone(),
                     address: d.address,
                     group: d.group,
@@ -488,6 +503,7 @@ impl Claims<'_> {
             &self.files.metadata_dir,
             &self.pt.host.dev,
             claim,
+            pod_claim_name,
             &devices,
         )
         .map_err(|e| error_chain(&e))
@@ -497,11 +513,12 @@ impl Claims<'_> {
     fn answer(
         &self,
         claim: &ClaimRef,
+        pod_claim_name: Option<&str>,
         devices: &[ClaimDevice],
         inv: &Inventory,
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
         let files = self
-            .files_for(claim, devices, inv)
+            .files_for(claim, pod_claim_name, devices, inv)
             .map_err(|detail| ClaimError::Failed {
                 claim: claim.to_string(),
                 step: "naming its CDI devices",
@@ -554,10 +571,8 @@ impl Claims<'_> {
                 })?;
         }
         crate::failpoint::step!("unprepare-after-save");
-        for path in self.file_paths(claim, &record.devices) {
-            crate::io::remove_if_present(&path)
-                .map_err(|e| fail("removing its files", error_chain(&e)))?;
-        }
+        self.remove_files(claim)
+            .map_err(|e| fail("removing its files", e))?;
         let groups = record.groups();
         let members: Vec<PciAddress> = self
             .pt
@@ -586,38 +601,23 @@ impl Claims<'_> {
             .map_err(|e| fail("forgetting the claim", error_chain(&e)))
     }
 
-    /// The files prepare may have written for the claim.
-    fn file_paths(&self, claim: &ClaimRef, devices: &[ClaimDevice]) -> Vec<PathBuf> {
-        let devices: Vec<cdi::ClaimDevice> = devices
-            .iter()
-            .map(|d| cdi::ClaimDevice {
-                device_name: d.device.clone(),
-                request_names: d.request_names.clone(),
-                address: d.address,
-                group: d.group,
-                attributes: BTreeMap::new(),
-                iommufd_node: None,
-            })
-            .collect();
-        match cdi::claim_files(
-            &self.files.driver,
-            &self.files.cdi_dir,
-            &self.files.metadata_dir,
-            &self.pt.host.dev,
-            claim,
-            &devices,
-        ) {
-            Ok(files) => std::iter::once(files.cdi.0)
-                .chain(files.metadata.into_iter().map(|(p, _)| p))
-                .collect(),
-            // A uid no file can be named after never had files.
-            Err(_) => Vec::new(),
+    /// Removes the files prepare may have written for the claim.
+    fn remove_files(&self, claim: &ClaimRef) -> Result<(), String> {
+        let f = &self.files;
+        // A uid no file can be named after never had files.
+        if let Ok(spec) = cdi::cdi_spec_path(&f.driver, &f.cdi_dir, &claim.uid) {
+            crate::io::remove_if_present(&spec).map_err(|e| error_chain(&e))?;
         }
+        if let Ok(dir) = cdi::metadata_claim_dir(&f.driver, &f.metadata_dir, &claim.uid) {
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(format!("cannot remove {}: {e}", dir.display())),
+            }
+        }
+        Ok(())
     }
 }
-
-/// The standard attribute holding a PCI function's address.
-pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 
 fn answer(devices: &[ClaimDevice], files: &cdi::ClaimFiles) -> Vec<PreparedDevice> {
     devices

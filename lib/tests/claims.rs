@@ -160,7 +160,7 @@ impl Node {
         bdfs: &[&str],
     ) -> Result<Vec<String>, String> {
         self.process(kernel, |cl, inv| {
-            cl.prepare(c, &alloc(bdfs), inv)
+            cl.prepare(c, None, &alloc(bdfs), inv)
                 .map(|devs| devs.into_iter().flat_map(|d| d.cdi_device_ids).collect())
                 .map_err(|e| error_chain(&e))
         })
@@ -229,7 +229,13 @@ fn a_claim_moves_its_whole_group_and_gives_it_back() {
     let n = node();
     let before = n.snapshot();
     let ids = n.prepare(&n.kernel, &claim("a"), &A).unwrap();
-    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert_eq!(
+        ids,
+        [
+            "vfio-sandbox.example.com/vfio=pci-0000-01-00-0-uid-a",
+            "vfio-sandbox.example.com/vfio=metadata-npu-uid-a"
+        ]
+    );
     assert!(
         n.on_vfio(&["0000:01:00.0", "0000:01:00.1"]),
         "the companion moves too"
@@ -314,7 +320,7 @@ fn hostile_claims_are_refused_without_touching_the_node() {
     let n = node();
     let before = n.snapshot();
     let bad = |c: ClaimRef, allocs: Vec<Allocation>| {
-        n.process(&n.kernel, |cl, inv| cl.prepare(&c, &allocs, inv))
+        n.process(&n.kernel, |cl, inv| cl.prepare(&c, None, &allocs, inv))
             .map(|_| ())
             .map_err(|e| error_chain(&e))
             .unwrap_err()
@@ -360,7 +366,7 @@ fn hostile_claims_are_refused_without_touching_the_node() {
                 ..claim("x")
             },
             alloc(&A),
-            "cannot be used",
+            "invalid claim UID",
         ),
     ];
     for (c, allocs, want) in cases {
