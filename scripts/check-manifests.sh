@@ -2,9 +2,14 @@
 # Check what ships: every kustomize overlay (and each component on top of
 # each overlay) renders, every rendered object is valid Kubernetes API,
 # the nvidia and Rebellions instances can share a cluster and a node, the
-# KubeVirt examples are valid KubeVirt API, and the repository's shell
-# scripts, YAML and Dockerfile pass their linters at warning level. Any
-# failure fails the script; every check runs, so one run lists them all.
+# DRA overlay installs beside them and deploys no VM-mode agent, the
+# examples are valid KubeVirt (and Kubernetes) API, and the repository's
+# shell scripts, YAML and Dockerfile pass their linters at warning level.
+# Any failure fails the script; every check runs, so one run lists them all.
+#
+# resource.k8s.io/v1 (the DRA overlay's DeviceClasses, the examples'
+# ResourceClaimTemplate) is served from Kubernetes 1.34 on: those objects
+# are validated against the newer versions only, and each skip is printed.
 #
 # Installs what it needs, on a fresh Debian 12 machine too (apt-get needs
 # root; nothing of the machine's apt sources is changed):
@@ -202,19 +207,40 @@ validate_k8s() {
 }
 
 coexistence() {
-    local r="$cache/render" rc=0 other
-    for other in rebellions standalone; do
-        [[ -f "$r/$other.yaml" && -f "$r/nvidia.yaml" ]] || { echo "FAIL $other or nvidia did not render"; rc=1; continue; }
-        "$py" scripts/manifests/check.py coexist "$r/$other.yaml" "$r/nvidia.yaml" || rc=1
+    local r="$cache/render" rc=0 a b
+    for pair in rebellions:nvidia standalone:nvidia dra:rebellions dra:standalone dra:nvidia; do
+        a="${pair%%:*}" b="${pair#*:}"
+        [[ -f "$r/$a.yaml" && -f "$r/$b.yaml" ]] || { echo "FAIL $a or $b did not render"; rc=1; continue; }
+        "$py" scripts/manifests/check.py coexist "$r/$a.yaml" "$r/$b.yaml" || rc=1
     done
     return "$rc"
 }
 
-validate_kubevirt() {
+# The DRA overlay (alone and with every component) runs the DRA driver and
+# no VM-mode agent, stays off every node a vfio-manager of the other
+# overlays is scheduled on, and only reads vfio-manager's state.
+dra_overlay() {
+    local r="$cache/render" rc=0 f others=()
+    for f in rebellions standalone nvidia; do
+        [[ -f "$r/$f.yaml" ]] || { echo "FAIL $f did not render"; rc=1; continue; }
+        others+=("$r/$f.yaml")
+    done
+    [[ -f "$r/dra.yaml" ]] || { echo "FAIL dra did not render"; return 1; }
+    for f in "$r/dra.yaml" "$r"/dra+*.yaml; do
+        [[ -f "$f" ]] || continue
+        "$py" scripts/manifests/check.py dra "$f" "${others[@]}" || rc=1
+    done
+    return "$rc"
+}
+
+# Every example: KubeVirt objects (and KubeVirt CR patches) against
+# KubeVirt's schema, the rest (the DRA example's ResourceClaimTemplate and
+# DeviceClass) against Kubernetes like the rendered manifests.
+validate_examples() {
     [[ -n "${kubevirt_schema:-}" && -f "$kubevirt_schema" ]] ||
         { echo "FAIL no KubeVirt schema ($kubevirt_api_pkg@$kubevirt_api_version could not be fetched)"; return 1; }
     echo "schema: $kubevirt_api_pkg@$kubevirt_api_version (KubeVirt's OpenAPI models)"
-    "$py" scripts/manifests/check.py kubevirt "$kubevirt_schema" manifests/examples/kubevirt/*.yaml
+    "$py" scripts/manifests/check.py examples "$kubevirt_schema" "$k8s_versions" manifests/examples/*/*.yaml
 }
 
 # Every shell script the repository tracks: *.sh and anything with a
@@ -263,8 +289,9 @@ log "tools ready in $((SECONDS - t0))s: $("$kubectl" version --client 2>/dev/nul
 
 check "render overlays and components (kubectl kustomize)" render_all
 check "Kubernetes API validation, strict ($k8s_versions)" validate_k8s
-check "nvidia beside rebellions/standalone: names and host paths" coexistence
-check "KubeVirt examples against KubeVirt's API schema" validate_kubevirt
+check "overlays side by side (nvidia, rebellions, standalone, dra): names and host paths" coexistence
+check "DRA overlay: the driver, no VM-mode agent, never beside vfio-manager" dra_overlay
+check "examples against KubeVirt's API schema and Kubernetes" validate_examples
 check "shellcheck" run_shellcheck
 check "yamllint" run_yamllint
 check "hadolint" run_hadolint
