@@ -1,4 +1,12 @@
-//! Generates the v1beta1 messages and both services from api.proto.
+//! Generates the messages and services of our transcribed kubelet APIs: the
+//! device-plugin API (`api.proto`), plugin registration and both DRA versions.
+
+const PROTOS: &[&str] = &[
+    "api.proto",
+    "pluginregistration/v1/api.proto",
+    "dra/v1/api.proto",
+    "dra/v1beta1/api.proto",
+];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
@@ -7,7 +15,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
-        .compile_with_config(config, &["api.proto"], &["."])?;
-    println!("cargo:rerun-if-changed=api.proto");
+        .compile_with_config(config, PROTOS, &["."])?;
+    for p in PROTOS {
+        println!("cargo:rerun-if-changed={p}");
+    }
     Ok(())
 }

@@ -1,12 +1,37 @@
-//! The kubelet device-plugin API, version `v1beta1`, generated from our transcription
-//! in `api.proto`: messages, the `Registration` service kubelet serves, and the
-//! `DevicePlugin` service a plugin serves.
+//! kubelet's gRPC APIs for node plugins, generated from our transcriptions of the
+//! upstream protos:
+//! - the device-plugin API, version `v1beta1` (`api.proto`): messages, the
+//!   `Registration` service kubelet serves and the `DevicePlugin` service a plugin
+//!   serves ([`v1beta1`]);
+//! - plugin registration (`pluginregistration/v1/api.proto`): the `Registration`
+//!   service every plugin of kubelet's plugin watcher serves on its registration
+//!   socket ([`pluginregistration`]);
+//! - Dynamic Resource Allocation (`dra/v1/api.proto`, `dra/v1beta1/api.proto`): the
+//!   `DRAPlugin` service a DRA driver serves ([`dra::v1`], [`dra::v1beta1`]).
 
 #![allow(missing_docs, clippy::all)]
 
-/// Package `v1beta1`.
+/// Package `v1beta1`: the device-plugin API.
 pub mod v1beta1 {
     tonic::include_proto!("v1beta1");
+}
+
+/// Package `pluginregistration`: plugin registration with kubelet's plugin watcher.
+pub mod pluginregistration {
+    tonic::include_proto!("pluginregistration");
+}
+
+/// The Dynamic Resource Allocation API kubelet calls on a driver's endpoint.
+pub mod dra {
+    /// Package `k8s.io.kubelet.pkg.apis.dra.v1` (kubelet 1.34 and later).
+    pub mod v1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+    }
+    /// Package `k8s.io.kubelet.pkg.apis.dra.v1beta1` (kubelet 1.32 and later);
+    /// field for field the same messages as [`v1`].
+    pub mod v1beta1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+    }
 }
 
 /// The API version a plugin sends in `RegisterRequest.version`.
@@ -20,7 +45,24 @@ pub const KUBELET_SOCKET: &str = "kubelet.sock";
 /// The device-plugins directory on a node.
 pub const DEFAULT_KUBELET_DIR: &str = "/var/lib/kubelet/device-plugins";
 
-/// A gRPC channel over the Unix socket at `path`, the transport of both services.
+/// `PluginInfo.type` of a DRA driver's kubelet plugin.
+pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
+/// `PluginInfo.supported_versions` entry for the [`dra::v1`] service.
+pub const DRA_V1_SERVICE: &str = "v1.DRAPlugin";
+/// `PluginInfo.supported_versions` entry for the [`dra::v1beta1`] service.
+pub const DRA_V1BETA1_SERVICE: &str = "v1beta1.DRAPlugin";
+/// The directory kubelet's plugin watcher scans for registration sockets.
+pub const DEFAULT_REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
+/// The directory under which plugins keep their service sockets
+/// (`<dir>/<driver>/dra.sock` for a DRA driver).
+pub const DEFAULT_PLUGINS_DIR: &str = "/var/lib/kubelet/plugins";
+/// A DRA driver's registration socket name in the registry directory:
+/// `<driver>-reg.sock`.
+pub const DRA_REGISTRATION_SUFFIX: &str = "-reg.sock";
+/// A DRA driver's service socket name inside `<plugins dir>/<driver>/`.
+pub const DRA_SERVICE_SOCKET: &str = "dra.sock";
+
+/// A gRPC channel over the Unix socket at `path`, the transport of every service here.
 pub async fn unix_channel(
     path: impl Into<std::path::PathBuf>,
 ) -> Result<tonic::transport::Channel, tonic::transport::Error> {

@@ -14,6 +14,11 @@
 //! Every `Register` call is recorded, accepted or not ([`Kubelet::calls`]). Tests
 //! use [`Kubelet::plugin`] to call `ListAndWatch`, `Allocate` and
 //! `GetPreferredAllocation` as kubelet would.
+//!
+//! The [`dra`] module plays kubelet's side of DRA plugin registration and of the
+//! `DRAPlugin` service.
+
+pub mod dra;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};

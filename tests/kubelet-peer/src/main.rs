@@ -7,7 +7,17 @@
 //! kubelet-peer allocate --dir D --endpoint E ID...    # env and device specs
 //! kubelet-peer watch    --dir D --endpoint E --after CMD --expect ID=Health --within 1s
 //! kubelet-peer fake-node --root R                     # a fake node for the plugin under R
+//!
+//! kubelet-peer dra register  --registry D [--timeout 10s]          # PluginInfo as JSON
+//! kubelet-peer dra prepare   --registry D [--version v1|v1beta1] --claim NS/NAME/UID...
+//! kubelet-peer dra unprepare --registry D [--version v1|v1beta1] --claim NS/NAME/UID...
 //! ```
+//!
+//! The `dra` commands print one line of JSON (maps sorted by claim uid):
+//! `{"claims":{UID:{"devices":[...],"error":""}}}` for prepare, `{"claims":{UID:
+//! {"error":""}}}` for unprepare, and exit 0 when kubelet would take the answer
+//! (every claim answered, none failed, nothing extra), 1 otherwise (the reasons on
+//! stderr), 2 on any other error.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -17,8 +27,10 @@ use clap::{Parser, Subcommand};
 use deviceplugin::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, Empty, ListAndWatchResponse,
 };
+use kubelet_peer::dra::{self, Dra, Version};
 use kubelet_peer::{connect, Kubelet};
 use tokio_stream::StreamExt;
+use vfio_sandbox::claims::ClaimRef;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -72,6 +84,86 @@ enum Cmd {
         #[arg(long)]
         root: PathBuf,
     },
+    /// Play kubelet's side of DRA: registration and the DRAPlugin service.
+    #[command(subcommand)]
+    Dra(DraCmd),
+}
+
+#[derive(Debug, clap::Args)]
+struct Registry {
+    /// kubelet's plugin registry directory, scanned for `*-reg.sock`.
+    #[arg(long, default_value = deviceplugin::DEFAULT_REGISTRY_DIR)]
+    registry: PathBuf,
+    /// How long to wait for a registration socket to appear.
+    #[arg(long, default_value = "10s", value_parser = vfio_sandbox::cli::parse_duration_or_zero)]
+    timeout: Duration,
+}
+
+#[derive(Debug, clap::Args)]
+struct Calls {
+    #[command(flatten)]
+    registry: Registry,
+    /// The API version to call (default: the one kubelet picks from PluginInfo).
+    #[arg(long)]
+    version: Option<Version>,
+    /// A claim, as NAMESPACE/NAME/UID (repeat for several; order is kept).
+    #[arg(long = "claim", value_parser = dra::parse_claim, required = true)]
+    claims: Vec<ClaimRef>,
+}
+
+#[derive(Debug, Subcommand)]
+enum DraCmd {
+    /// Find the registration socket, GetInfo, check it as kubelet does, notify;
+    /// print the PluginInfo (and the version kubelet picks) as JSON.
+    Register(Registry),
+    /// Register, then NodePrepareResources for the claims; print the answer as JSON.
+    Prepare(Calls),
+    /// Register, then NodeUnprepareResources for the claims; print the answer as JSON.
+    Unprepare(Calls),
+}
+
+/// Registers and connects in the requested (or kubelet's) version.
+async fn dra_client(calls: &Calls) -> anyhow::Result<Dra> {
+    let r = dra::register(&calls.registry.registry, calls.registry.timeout).await?;
+    let version = calls.version.unwrap_or(r.chosen);
+    if !r.supported_versions.iter().any(|v| v == version.service()) {
+        anyhow::bail!(
+            "{} does not list {} in {:?}",
+            r.name,
+            version.service(),
+            r.supported_versions
+        );
+    }
+    Dra::connect(&r.endpoint_path(), version).await
+}
+
+/// Prints the answer and its problems; true when there are none.
+fn report<T: serde::Serialize + dra::ClaimError>(
+    answer: &dra::Answer<T>,
+    asked: &[ClaimRef],
+) -> bool {
+    println!("{}", answer.to_json());
+    let problems = answer.problems(asked);
+    problems.iter().for_each(|p| eprintln!("kubelet-peer: {p}"));
+    problems.is_empty()
+}
+
+async fn run_dra(cmd: DraCmd) -> anyhow::Result<bool> {
+    match cmd {
+        DraCmd::Register(r) => {
+            let registered = dra::register(&r.registry, r.timeout).await?;
+            println!("{}", serde_json::to_string(&registered)?);
+            Ok(true)
+        }
+        DraCmd::Prepare(calls) => {
+            let answer = dra_client(&calls).await?.prepare(&calls.claims).await?;
+            Ok(report(&answer, &calls.claims))
+        }
+        DraCmd::Unprepare(calls) => {
+            let answer = dra_client(&calls).await?.unprepare(&calls.claims).await?;
+            Ok(report(&answer, &calls.claims))
+        }
+    }
 }
 
 fn lines(msg: &ListAndWatchResponse) -> Vec<String> {
@@ -96,6 +188,7 @@ fn lines(msg: &ListAndWatchResponse) -> Vec<String> {
 
 async fn run(cli: Cli) -> anyhow::Result<bool> {
     match cli.command {
+        Cmd::Dra(cmd) => run_dra(cmd).await,
         Cmd::FakeNode { root } => {
             kubelet_peer::fake_node(&root)?;
             Ok(true)

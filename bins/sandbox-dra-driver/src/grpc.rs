@@ -1,0 +1,710 @@
+//! The kubelet-facing gRPC side: plugin registration and the `DRAPlugin` service.
+//!
+//! Two sockets, both ours for the life of the process:
+//! - `<registry-dir>/<driver>-reg.sock` serves `pluginregistration.Registration`.
+//!   kubelet's plugin watcher finds it (on start, and whenever it appears), calls
+//!   `GetInfo` and answers with `NotifyRegistrationStatus`;
+//! - `<plugins-dir>/<driver>/dra.sock` serves `DRAPlugin` in both versions kubelet
+//!   speaks (`k8s.io.kubelet.pkg.apis.dra.v1` and `.v1beta1`), mapped onto one
+//!   [`Driver`].
+//!
+//! A kubelet restart needs nothing from us: its watcher rediscovers the sockets in
+//! the registry directory. What does need us is a socket file that disappears (an
+//! operator or a cleanup empties the directory): inotify on both directories tells
+//! us at once, a slow resync catches what inotify cannot see, and a missing socket
+//! is bound again, which makes kubelet register the driver anew.
+//!
+//! ```no_run
+//! # async fn example(driver: std::sync::Arc<dyn Driver>) -> anyhow::Result<()> {
+//! let cfg = GrpcConfig::new("vfio-sandbox.rebellions.ai", "/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins");
+//! serve(cfg, driver, async { let _ = tokio::signal::ctrl_c().await; }).await
+//! # }
+//! ```
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ffi::OsString;
+use std::future::Future;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use deviceplugin::dra::{v1, v1beta1};
+use deviceplugin::pluginregistration::registration_server::{Registration, RegistrationServer};
+use deviceplugin::pluginregistration::{
+    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+};
+use inotify::{EventMask, Inotify, WatchMask};
+use tokio::net::UnixListener;
+use tokio::sync::oneshot;
+use tokio_stream::StreamExt;
+use tonic::transport::Server;
+use tonic::{Request, Response, Status};
+use vfio_sandbox::claims::{ClaimRef, PreparedDevice};
+
+/// What the gRPC side asks of the driver. Both calls are idempotent (kubelet
+/// retries) and answer for every claim they are given.
+#[tonic::async_trait]
+pub trait Driver: Send + Sync + 'static {
+    /// Prepares each claim; one entry per claim uid: the devices, or an error message.
+    async fn prepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>>;
+    /// Unprepares each claim; one entry per claim uid.
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>>;
+}
+
+/// Where to serve, and under which driver name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrpcConfig {
+    /// The DRA driver name (`PluginInfo.name`, and part of both socket paths).
+    pub driver_name: String,
+    /// kubelet's plugin registry directory (`/var/lib/kubelet/plugins_registry`).
+    pub registry_dir: PathBuf,
+    /// kubelet's plugins directory (`/var/lib/kubelet/plugins`).
+    pub plugins_dir: PathBuf,
+}
+
+impl GrpcConfig {
+    /// A configuration for `driver_name` with the given directories.
+    pub fn new(
+        driver_name: impl Into<String>,
+        registry_dir: impl Into<PathBuf>,
+        plugins_dir: impl Into<PathBuf>,
+    ) -> Self {
+        Self {
+            driver_name: driver_name.into(),
+            registry_dir: registry_dir.into(),
+            plugins_dir: plugins_dir.into(),
+        }
+    }
+
+    /// `<registry-dir>/<driver>-reg.sock`.
+    pub fn registration_socket(&self) -> PathBuf {
+        self.registry_dir.join(format!(
+            "{}{}",
+            self.driver_name,
+            deviceplugin::DRA_REGISTRATION_SUFFIX
+        ))
+    }
+
+    /// `<plugins-dir>/<driver>/dra.sock`, the endpoint kubelet calls.
+    pub fn service_socket(&self) -> PathBuf {
+        self.plugins_dir
+            .join(&self.driver_name)
+            .join(deviceplugin::DRA_SERVICE_SOCKET)
+    }
+
+    /// What `GetInfo` answers: type `DRAPlugin`, the driver name, the service
+    /// socket, and both versions, v1 first (kubelet picks the first it knows).
+    pub fn plugin_info(&self) -> PluginInfo {
+        PluginInfo {
+            r#type: deviceplugin::DRA_PLUGIN_TYPE.into(),
+            name: self.driver_name.clone(),
+            endpoint: self.service_socket().to_string_lossy().into_owned(),
+            supported_versions: vec![
+                deviceplugin::DRA_V1_SERVICE.into(),
+                deviceplugin::DRA_V1BETA1_SERVICE.into(),
+            ],
+        }
+    }
+
+    /// The driver name must be one path component (it names a socket and a directory).
+    fn check(&self) -> anyhow::Result<()> {
+        let n = &self.driver_name;
+        anyhow::ensure!(
+            !n.is_empty() && n != "." && n != ".." && !n.contains(['/', '\0']),
+            "driver name {n:?} cannot name a socket: it must be one path component"
+        );
+        Ok(())
+    }
+}
+
+/// Events that arrive together are handled as one check.
+const SETTLE: Duration = Duration::from_millis(20);
+/// Resync for what inotify cannot see, and the polling period without inotify.
+const RESYNC: (Duration, Duration) = (Duration::from_secs(5), Duration::from_millis(500));
+
+/// Serves registration and both DRA versions until `shutdown` completes, then
+/// removes our sockets (registration first, so kubelet stops using the driver
+/// before its endpoint goes).
+///
+/// Errors when a socket cannot be bound at start (a directory that cannot be made,
+/// a file that is not a socket at a socket path); later failures to bind again are
+/// logged and retried.
+pub async fn serve(
+    cfg: GrpcConfig,
+    driver: Arc<dyn Driver>,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    cfg.check()?;
+    let dirs = [
+        cfg.registry_dir.clone(),
+        cfg.plugins_dir.join(&cfg.driver_name),
+    ];
+    // The endpoint first: kubelet may call it as soon as it sees the registration.
+    let mut service = Socket::new(cfg.service_socket(), Kind::Dra(driver));
+    let mut registration = Socket::new(cfg.registration_socket(), Kind::Registration(cfg));
+    service.bind()?;
+    if let Err(e) = registration.bind() {
+        service.close();
+        return Err(e);
+    }
+    let mut events = dir_events(&dirs);
+    tokio::pin!(shutdown);
+    loop {
+        let resync = if events.is_some() { RESYNC.0 } else { RESYNC.1 };
+        tokio::select! {
+            _ = &mut shutdown => break,
+            _ = tokio::time::sleep(resync) => {}
+            ev = next_event(&mut events) => {
+                if ev.is_none() {
+                    events = None; // a directory went away: watch anew below
+                }
+                tokio::time::sleep(SETTLE).await;
+            }
+        }
+        let rebound = service.repair() | registration.repair();
+        if rebound || events.is_none() {
+            events = dir_events(&dirs);
+            // A deletion between the check and the new watch is caught here.
+            if service.repair() | registration.repair() {
+                events = dir_events(&dirs);
+            }
+        }
+    }
+    registration.close();
+    service.close();
+    Ok(())
+}
+
+/// What a socket serves.
+enum Kind {
+    /// Both DRAPlugin versions.
+    Dra(Arc<dyn Driver>),
+    /// Registration, answering with this configuration's PluginInfo.
+    Registration(GrpcConfig),
+}
+
+/// One socket we serve, and the server behind it.
+struct Socket {
+    path: PathBuf,
+    kind: Kind,
+    /// Device and inode of the file we bound, to tell ours from a replacement.
+    bound: Option<(u64, u64)>,
+    stop: Option<oneshot::Sender<()>>,
+    /// Logged that the path is not ours any more (only once).
+    warned: bool,
+}
+
+impl Socket {
+    fn new(path: PathBuf, kind: Kind) -> Self {
+        Self {
+            path,
+            kind,
+            bound: None,
+            stop: None,
+            warned: false,
+        }
+    }
+
+    fn what(&self) -> &'static str {
+        match self.kind {
+            Kind::Dra(_) => "DRA service",
+            Kind::Registration(_) => "registration",
+        }
+    }
+
+    /// Binds a fresh socket at the path and serves it; the previous server (if any)
+    /// finishes its calls in flight and stops.
+    fn bind(&mut self) -> anyhow::Result<()> {
+        let listener = listen(&self.path)?;
+        let meta = std::fs::symlink_metadata(&self.path)
+            .with_context(|| format!("cannot stat {}", self.path.display()))?;
+        self.bound = Some((meta.dev(), meta.ino()));
+        self.warned = false;
+        let stop = match &self.kind {
+            Kind::Dra(driver) => spawn_dra(listener, driver.clone()),
+            Kind::Registration(cfg) => spawn_registration(listener, cfg.plugin_info()),
+        };
+        if let Some(old) = self.stop.replace(stop) {
+            let _ = old.send(());
+        }
+        tracing::info!(socket = %self.path.display(), "serving {}", self.what());
+        Ok(())
+    }
+
+    /// Binds again when our socket file is gone. Returns whether it did.
+    ///
+    /// A socket someone else put at the path (a second instance of the driver) is
+    /// left alone: taking it back would start a tug of war.
+    fn repair(&mut self) -> bool {
+        match std::fs::symlink_metadata(&self.path) {
+            Ok(m) if Some((m.dev(), m.ino())) == self.bound => false,
+            Ok(_) => {
+                if !self.warned {
+                    tracing::warn!(socket = %self.path.display(), "our {} socket was replaced by another file; leaving it", self.what());
+                    self.warned = true;
+                }
+                false
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                tracing::warn!(socket = %self.path.display(), "our {} socket was deleted; serving it again", self.what());
+                match self.bind() {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::error!(socket = %self.path.display(), error = %format!("{e:#}"), "cannot serve {} again; retrying", self.what());
+                        false
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(socket = %self.path.display(), error = %e, "cannot check our {} socket", self.what());
+                false
+            }
+        }
+    }
+
+    /// Stops serving and removes the socket file, if it is still ours.
+    fn close(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let ours = std::fs::symlink_metadata(&self.path)
+            .map(|m| Some((m.dev(), m.ino())) == self.bound)
+            .unwrap_or(false);
+        if ours {
+            if let Err(e) = std::fs::remove_file(&self.path) {
+                tracing::warn!(socket = %self.path.display(), error = %e, "cannot remove our socket");
+            }
+        }
+        tracing::info!(socket = %self.path.display(), "stopped serving {}", self.what());
+    }
+}
+
+/// Makes the socket's directory, removes a stale socket file and listens.
+/// Anything but a socket at the path is refused, never deleted.
+fn listen(path: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create directory {}", dir.display()))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)
+            .with_context(|| format!("cannot remove stale socket {}", path.display()))?,
+        Ok(m) => anyhow::bail!(
+            "refusing to replace {}: it is {}, not a socket",
+            path.display(),
+            file_kind(&m.file_type())
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("cannot stat {}", path.display())),
+    }
+    UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))
+}
+
+fn file_kind(t: &std::fs::FileType) -> &'static str {
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else if t.is_file() {
+        "a regular file"
+    } else {
+        "a special file"
+    }
+}
+
+fn spawn_dra(listener: UnixListener, driver: Arc<dyn Driver>) -> oneshot::Sender<()> {
+    let service = DraService { driver };
+    let router = Server::builder()
+        .add_service(v1::dra_plugin_server::DraPluginServer::new(service.clone()))
+        .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(service));
+    spawn_router(listener, router, "DRA service")
+}
+
+fn spawn_registration(listener: UnixListener, info: PluginInfo) -> oneshot::Sender<()> {
+    let router =
+        Server::builder().add_service(RegistrationServer::new(RegistrationService { info }));
+    spawn_router(listener, router, "registration")
+}
+
+fn spawn_router(
+    listener: UnixListener,
+    router: tonic::transport::server::Router,
+    what: &'static str,
+) -> oneshot::Sender<()> {
+    let (tx, rx) = oneshot::channel::<()>();
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    tokio::spawn(async move {
+        let stopped = async {
+            let _ = rx.await;
+        };
+        if let Err(e) = router.serve_with_incoming_shutdown(incoming, stopped).await {
+            tracing::error!(error = %e, "{what} gRPC server failed");
+        }
+    });
+    tx
+}
+
+/// `pluginregistration.Registration`.
+struct RegistrationService {
+    info: PluginInfo,
+}
+
+#[tonic::async_trait]
+impl Registration for RegistrationService {
+    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
+        tracing::debug!("kubelet asked for our plugin info");
+        Ok(Response::new(self.info.clone()))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        request: Request<RegistrationStatus>,
+    ) -> Result<Response<RegistrationStatusResponse>, Status> {
+        let status = request.into_inner();
+        if status.plugin_registered {
+            tracing::info!(driver = %self.info.name, "registered with kubelet");
+        } else {
+            tracing::error!(driver = %self.info.name, error = %status.error, "kubelet refused the registration");
+        }
+        Ok(Response::new(RegistrationStatusResponse {}))
+    }
+}
+
+/// The claims of one request, checked: each uid once for the driver, and the
+/// answers already settled without it.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Batch {
+    claims: Vec<ClaimRef>,
+    refused: BTreeMap<String, String>,
+}
+
+/// Sorts a request's claims: an empty uid is refused, a uid repeated with the same
+/// namespace and name counts once, a uid repeated with another namespace or name
+/// is refused (which of them would the answer be for?).
+fn batch(claims: impl IntoIterator<Item = ClaimRef>) -> Batch {
+    let mut seen: HashMap<String, ClaimRef> = HashMap::new();
+    let mut order = Vec::new();
+    let mut refused = BTreeMap::new();
+    for c in claims {
+        if c.uid.is_empty() {
+            refused.insert(
+                String::new(),
+                format!("claim {}/{} has no uid", c.namespace, c.name),
+            );
+            continue;
+        }
+        match seen.get(&c.uid) {
+            None => {
+                order.push(c.uid.clone());
+                seen.insert(c.uid.clone(), c);
+            }
+            Some(first) if *first == c => {}
+            Some(first) => {
+                refused.insert(
+                    c.uid.clone(),
+                    format!(
+                        "claim uid {} is named twice in one request, as {}/{} and {}/{}",
+                        c.uid, first.namespace, first.name, c.namespace, c.name
+                    ),
+                );
+            }
+        }
+    }
+    let claims = order
+        .into_iter()
+        .filter(|uid| !refused.contains_key(uid))
+        .filter_map(|uid| seen.remove(&uid))
+        .collect();
+    Batch { claims, refused }
+}
+
+type Answers<T> = BTreeMap<String, Result<T, String>>;
+
+/// Runs the driver on a batch and completes its answers: one per requested uid,
+/// none for a uid kubelet did not ask about (kubelet fails the whole call on
+/// either). The driver runs in its own task, so a call kubelet gives up on does
+/// not cut a prepare or unprepare off halfway.
+async fn answer<T, F>(batch: Batch, call: impl FnOnce(Vec<ClaimRef>) -> F) -> Answers<T>
+where
+    T: Send + 'static,
+    F: Future<Output = Answers<T>> + Send + 'static,
+{
+    let Batch { claims, refused } = batch;
+    let asked: HashSet<String> = claims.iter().map(|c| c.uid.clone()).collect();
+    let mut answers = if claims.is_empty() {
+        BTreeMap::new()
+    } else {
+        match tokio::spawn(call(claims)).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::error!(error = %e, "the driver failed on a request");
+                BTreeMap::new()
+            }
+        }
+    };
+    answers.retain(|uid, _| {
+        let keep = asked.contains(uid);
+        if !keep {
+            tracing::warn!(uid = %uid, "the driver answered for a claim not asked about; dropped");
+        }
+        keep
+    });
+    for uid in asked {
+        answers
+            .entry(uid)
+            .or_insert_with(|| Err("the driver gave no answer for this claim".into()));
+    }
+    answers.extend(refused.into_iter().map(|(uid, e)| (uid, Err(e))));
+    answers
+}
+
+/// `DRAPlugin`, both versions, on one [`Driver`].
+#[derive(Clone)]
+struct DraService {
+    driver: Arc<dyn Driver>,
+}
+
+impl DraService {
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> Answers<Vec<PreparedDevice>> {
+        let n = claims.len();
+        let driver = self.driver.clone();
+        let answers = answer(
+            batch(claims),
+            move |c| async move { driver.prepare(c).await },
+        )
+        .await;
+        log_answers("NodePrepareResources", n, &answers);
+        answers
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> Answers<()> {
+        let n = claims.len();
+        let driver = self.driver.clone();
+        let answers = answer(
+            batch(claims),
+            move |c| async move { driver.unprepare(c).await },
+        )
+        .await;
+        log_answers("NodeUnprepareResources", n, &answers);
+        answers
+    }
+}
+
+fn log_answers<T>(call: &str, asked: usize, answers: &Answers<T>) {
+    let failed = answers.values().filter(|a| a.is_err()).count();
+    tracing::info!(claims = asked, failed, "{call}");
+    for (uid, e) in answers
+        .iter()
+        .filter_map(|(u, a)| a.as_ref().err().map(|e| (u, e)))
+    {
+        tracing::warn!(uid = %uid, error = %e, "{call}: claim failed");
+    }
+}
+
+/// The same service for each generated version: the messages are field for field
+/// identical, only their types differ.
+macro_rules! dra_version {
+    ($v:ident) => {
+        #[tonic::async_trait]
+        impl $v::dra_plugin_server::DraPlugin for DraService {
+            async fn node_prepare_resources(
+                &self,
+                request: Request<$v::NodePrepareResourcesRequest>,
+            ) -> Result<Response<$v::NodePrepareResourcesResponse>, Status> {
+                let claims = request.into_inner().claims.into_iter().map(|c| ClaimRef {
+                    uid: c.uid,
+                    namespace: c.namespace,
+                    name: c.name,
+                });
+                let answers = self.prepare(claims.collect()).await;
+                let claims = answers
+                    .into_iter()
+                    .map(|(uid, a)| {
+                        let r = match a {
+                            Ok(devices) => $v::NodePrepareResourceResponse {
+                                devices: devices
+                                    .into_iter()
+                                    .map(|d| $v::Device {
+                                        request_names: d.request_names,
+                                        pool_name: d.pool_name,
+                                        device_name: d.device_name,
+                                        cdi_device_ids: d.cdi_device_ids,
+                                    })
+                                    .collect(),
+                                error: String::new(),
+                            },
+                            Err(error) => $v::NodePrepareResourceResponse {
+                                devices: Vec::new(),
+                                error: nonempty(error),
+                            },
+                        };
+                        (uid, r)
+                    })
+                    .collect();
+                Ok(Response::new($v::NodePrepareResourcesResponse { claims }))
+            }
+
+            async fn node_unprepare_resources(
+                &self,
+                request: Request<$v::NodeUnprepareResourcesRequest>,
+            ) -> Result<Response<$v::NodeUnprepareResourcesResponse>, Status> {
+                let claims = request.into_inner().claims.into_iter().map(|c| ClaimRef {
+                    uid: c.uid,
+                    namespace: c.namespace,
+                    name: c.name,
+                });
+                let answers = self.unprepare(claims.collect()).await;
+                let claims = answers
+                    .into_iter()
+                    .map(|(uid, a)| {
+                        let error = a.err().map(nonempty).unwrap_or_default();
+                        (uid, $v::NodeUnprepareResourceResponse { error })
+                    })
+                    .collect();
+                Ok(Response::new($v::NodeUnprepareResourcesResponse { claims }))
+            }
+        }
+    };
+}
+
+dra_version!(v1);
+dra_version!(v1beta1);
+
+/// An error message kubelet will see as an error: an empty one would read as success.
+fn nonempty(e: String) -> String {
+    if e.is_empty() {
+        "failed (no reason given)".into()
+    } else {
+        e
+    }
+}
+
+type Events =
+    Pin<Box<dyn tokio_stream::Stream<Item = std::io::Result<inotify::Event<OsString>>> + Send>>;
+
+/// Deletions and moves in our socket directories (and of the directories
+/// themselves), `None` when a directory cannot be watched.
+fn dir_events(dirs: &[PathBuf]) -> Option<Events> {
+    let inotify = Inotify::init().ok()?;
+    let mask =
+        WatchMask::DELETE | WatchMask::MOVED_FROM | WatchMask::DELETE_SELF | WatchMask::MOVE_SELF;
+    for d in dirs {
+        if let Err(e) = inotify.watches().add(d, mask) {
+            tracing::warn!(dir = %d.display(), error = %e, "cannot watch; checking our sockets by polling");
+            return None;
+        }
+    }
+    inotify
+        .into_event_stream(vec![0u8; 4096])
+        .ok()
+        .map(|s| Box::pin(s) as Events)
+}
+
+/// The next event; `None` when the stream ended or a watched directory went away.
+async fn next_event(events: &mut Option<Events>) -> Option<inotify::Event<OsString>> {
+    match events {
+        Some(s) => match s.next().await {
+            Some(Ok(ev))
+                if !ev.mask.intersects(
+                    EventMask::IGNORED | EventMask::DELETE_SELF | EventMask::MOVE_SELF,
+                ) =>
+            {
+                Some(ev)
+            }
+            _ => None,
+        },
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(uid: &str, ns: &str, name: &str) -> ClaimRef {
+        ClaimRef {
+            uid: uid.into(),
+            namespace: ns.into(),
+            name: name.into(),
+        }
+    }
+
+    #[test]
+    fn a_batch_has_each_uid_once_and_refuses_empty_and_conflicting_ones() {
+        let b = batch([
+            claim("a", "ns", "one"),
+            claim("", "ns", "nouid"),
+            claim("a", "ns", "one"),
+            claim("b", "ns", "two"),
+            claim("c", "ns", "three"),
+            claim("c", "other", "three"),
+        ]);
+        assert_eq!(
+            b.claims,
+            vec![claim("a", "ns", "one"), claim("b", "ns", "two")]
+        );
+        assert_eq!(b.refused.len(), 2);
+        assert_eq!(b.refused[""], "claim ns/nouid has no uid");
+        assert!(
+            b.refused["c"].contains("ns/three and other/three"),
+            "{}",
+            b.refused["c"]
+        );
+    }
+
+    #[tokio::test]
+    async fn answers_cover_every_uid_asked_and_nothing_else() {
+        let b = batch([
+            claim("a", "ns", "x"),
+            claim("b", "ns", "y"),
+            claim("", "ns", "z"),
+        ]);
+        let answers = answer(b, |claims| async move {
+            assert_eq!(claims.len(), 2);
+            let mut m: Answers<()> = BTreeMap::new();
+            m.insert("a".into(), Ok(()));
+            m.insert("stranger".into(), Ok(()));
+            m
+        })
+        .await;
+        let keys: Vec<_> = answers.keys().cloned().collect();
+        assert_eq!(keys, ["", "a", "b"]);
+        assert_eq!(answers["a"], Ok(()));
+        assert_eq!(
+            answers["b"],
+            Err("the driver gave no answer for this claim".into())
+        );
+    }
+
+    #[tokio::test]
+    async fn a_panicking_driver_gives_errors_not_a_crash() {
+        let answers: Answers<()> = answer(batch([claim("a", "ns", "x")]), |_| async move {
+            panic!("driver bug");
+        })
+        .await;
+        assert!(answers["a"].is_err());
+    }
+
+    #[test]
+    fn driver_names_must_be_one_path_component() {
+        for bad in ["", ".", "..", "a/b", "x\0"] {
+            assert!(GrpcConfig::new(bad, "/r", "/p").check().is_err(), "{bad:?}");
+        }
+        let cfg = GrpcConfig::new("vfio-sandbox.rebellions.ai", "/r", "/p");
+        cfg.check().expect("valid name");
+        assert_eq!(
+            cfg.registration_socket(),
+            Path::new("/r/vfio-sandbox.rebellions.ai-reg.sock")
+        );
+        assert_eq!(
+            cfg.service_socket(),
+            Path::new("/p/vfio-sandbox.rebellions.ai/dra.sock")
+        );
+    }
+}

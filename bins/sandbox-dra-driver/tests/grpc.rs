@@ -1,0 +1,471 @@
+//! The kubelet-facing gRPC side over real Unix sockets: the kubelet-like peer
+//! registers the driver and calls both DRA versions; the driver behind the service
+//! is a recording double (the engine is tested on its own).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[allow(dead_code)]
+#[path = "../src/grpc.rs"]
+mod grpc;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use grpc::{Driver, GrpcConfig};
+use kubelet_peer::dra::{self, Dra, Version};
+use tokio::sync::oneshot;
+use vfio_sandbox::claims::{ClaimRef, PreparedDevice};
+
+const DRIVER: &str = "vfio-sandbox.rebellions.ai";
+const WAIT: Duration = Duration::from_secs(5);
+
+/// Prepares a claim into one device named after it; a claim whose name starts with
+/// `fail` fails. Records every call's claims.
+#[derive(Default)]
+struct Recorder {
+    prepared: Mutex<Vec<Vec<ClaimRef>>>,
+    unprepared: Mutex<Vec<Vec<ClaimRef>>>,
+}
+
+fn device(c: &ClaimRef) -> PreparedDevice {
+    PreparedDevice {
+        request_names: vec!["vm".into()],
+        pool_name: "node-a".into(),
+        device_name: format!("pci-0000-01-00-{}", c.name.len() % 8),
+        cdi_device_ids: vec![
+            format!("rebellions.ai/vfio={}", c.uid),
+            format!("k8s.{DRIVER}/claim={}", c.uid),
+        ],
+    }
+}
+
+#[tonic::async_trait]
+impl Driver for Recorder {
+    async fn prepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>> {
+        self.prepared.lock().unwrap().push(claims.clone());
+        claims
+            .iter()
+            .map(|c| {
+                let r = if c.name.starts_with("fail") {
+                    Err(format!("cannot prepare {}/{}", c.namespace, c.name))
+                } else {
+                    Ok(vec![device(c)])
+                };
+                (c.uid.clone(), r)
+            })
+            .collect()
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
+        self.unprepared.lock().unwrap().push(claims.clone());
+        claims
+            .iter()
+            .map(|c| {
+                let r = if c.name.starts_with("fail") {
+                    Err(format!("/dev/vfio/5 of {} is still open", c.name))
+                } else {
+                    Ok(())
+                };
+                (c.uid.clone(), r)
+            })
+            .collect()
+    }
+}
+
+/// A served driver in a scratch directory.
+struct Served {
+    _dir: tempfile::TempDir,
+    cfg: GrpcConfig,
+    driver: Arc<Recorder>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Served {
+    async fn start() -> Self {
+        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+        let cfg = GrpcConfig::new(
+            DRIVER,
+            dir.path().join("plugins_registry"),
+            dir.path().join("plugins"),
+        );
+        let driver = Arc::new(Recorder::default());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(grpc::serve(cfg.clone(), driver.clone(), async {
+            let _ = stopped.await;
+        }));
+        wait_for(&cfg.registration_socket(), WAIT).await;
+        Served {
+            _dir: dir,
+            cfg,
+            driver,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    async fn client(&self, version: Version) -> Dra {
+        Dra::connect(&self.cfg.service_socket(), version)
+            .await
+            .unwrap()
+    }
+
+    async fn stop(mut self) -> anyhow::Result<()> {
+        let _ = self.stop.take().unwrap().send(());
+        tokio::time::timeout(WAIT, &mut self.task)
+            .await
+            .expect("serve stops")
+            .expect("serve task")
+    }
+}
+
+/// Waits until `path` exists; how long that took.
+async fn wait_for(path: &Path, timeout: Duration) -> Duration {
+    let start = Instant::now();
+    while !path.exists() {
+        assert!(
+            start.elapsed() < timeout,
+            "{} did not appear within {timeout:?}",
+            path.display()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    start.elapsed()
+}
+
+fn claim(ns: &str, name: &str, uid: &str) -> ClaimRef {
+    ClaimRef {
+        uid: uid.into(),
+        namespace: ns.into(),
+        name: name.into(),
+    }
+}
+
+#[tokio::test]
+async fn the_peer_finds_the_registration_socket_and_gets_exact_plugin_info() {
+    let s = Served::start().await;
+    let r = dra::register(&s.cfg.registry_dir, WAIT).await.unwrap();
+    assert_eq!(r.socket, s.cfg.registration_socket());
+    assert_eq!(
+        r.socket.file_name().unwrap(),
+        "vfio-sandbox.rebellions.ai-reg.sock"
+    );
+    assert_eq!(r.kind, "DRAPlugin");
+    assert_eq!(r.name, DRIVER);
+    assert_eq!(
+        PathBuf::from(&r.endpoint),
+        s.cfg
+            .plugins_dir
+            .join("vfio-sandbox.rebellions.ai/dra.sock")
+    );
+    assert_eq!(r.supported_versions, ["v1.DRAPlugin", "v1beta1.DRAPlugin"]);
+    assert_eq!(r.chosen, Version::V1, "kubelet picks the first it knows");
+    // kubelet also reports refusals; the plugin accepts those notifications too.
+    dra::notify(
+        &r.socket,
+        deviceplugin::pluginregistration::RegistrationStatus {
+            plugin_registered: false,
+            error: "some reason".into(),
+        },
+    )
+    .await
+    .unwrap();
+    s.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn prepare_and_unprepare_come_back_intact_over_both_versions() {
+    let s = Served::start().await;
+    let r = dra::register(&s.cfg.registry_dir, WAIT).await.unwrap();
+    for version in Version::ALL {
+        let ok = claim("vms", "gpu-claim", &format!("uid-ok-{version:?}"));
+        let bad = claim("vms", "fail-claim", &format!("uid-bad-{version:?}"));
+        let asked = [
+            ok.clone(),
+            bad.clone(),
+            ok.clone(),
+            claim("vms", "nouid", ""),
+        ];
+        let mut client = Dra::connect(&r.endpoint_path(), version).await.unwrap();
+        assert_eq!(client.version(), version);
+
+        let before = s.driver.prepared.lock().unwrap().len();
+        let answer = client.prepare(&asked).await.unwrap();
+        let calls = s.driver.prepared.lock().unwrap()[before..].to_vec();
+        assert_eq!(
+            calls,
+            [vec![ok.clone(), bad.clone()]],
+            "one call, each uid once, no empty uid"
+        );
+        assert_eq!(answer.claims.len(), 3, "{answer:?}");
+        assert_eq!(answer.claims[&ok.uid].devices, [device(&ok)]);
+        assert_eq!(answer.claims[&ok.uid].error, "");
+        assert!(answer.claims[&bad.uid].devices.is_empty());
+        assert_eq!(
+            answer.claims[&bad.uid].error,
+            "cannot prepare vms/fail-claim"
+        );
+        assert_eq!(answer.claims[""].error, "claim vms/nouid has no uid");
+        assert_eq!(
+            answer.problems(&asked),
+            [
+                "claim : claim vms/nouid has no uid".to_string(),
+                format!("claim {}: cannot prepare vms/fail-claim", bad.uid),
+            ]
+        );
+        assert_eq!(
+            answer.problems(std::slice::from_ref(&ok)).len(),
+            2,
+            "answers for claims not asked about"
+        );
+        let json = answer.to_json();
+        assert!(
+            json.starts_with(
+                r#"{"claims":{"":{"devices":[],"error":"claim vms/nouid has no uid"},"#
+            ),
+            "{json}"
+        );
+
+        let answer = client.unprepare(&[ok.clone(), bad.clone()]).await.unwrap();
+        assert_eq!(
+            s.driver.unprepared.lock().unwrap().last().unwrap(),
+            &vec![ok.clone(), bad.clone()]
+        );
+        assert_eq!(answer.claims.len(), 2);
+        assert_eq!(answer.claims[&ok.uid].error, "");
+        assert_eq!(
+            answer.claims[&bad.uid].error,
+            "/dev/vfio/5 of fail-claim is still open"
+        );
+        assert_eq!(
+            answer.problems(&[ok.clone(), bad.clone()]),
+            [format!(
+                "claim {}: /dev/vfio/5 of fail-claim is still open",
+                bad.uid
+            )]
+        );
+        let ok_only = client.unprepare(std::slice::from_ref(&ok)).await.unwrap();
+        assert!(ok_only.problems(std::slice::from_ref(&ok)).is_empty());
+    }
+    s.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_thousand_claims_in_one_call_each_get_their_answer() {
+    let s = Served::start().await;
+    let claims: Vec<ClaimRef> = (0..1000)
+        .map(|i| {
+            let name = if i % 7 == 0 { "fail" } else { "vm" };
+            claim("ns", &format!("{name}-{i}"), &format!("uid-{i:04}"))
+        })
+        .collect();
+    for version in Version::ALL {
+        let mut client = s.client(version).await;
+        let answer = client.prepare(&claims).await.unwrap();
+        assert_eq!(answer.claims.len(), 1000);
+        for c in &claims {
+            let a = &answer.claims[&c.uid];
+            if c.name.starts_with("fail") {
+                assert_eq!(a.error, format!("cannot prepare ns/{}", c.name));
+            } else {
+                assert_eq!(a.devices, [device(c)], "{}", c.uid);
+            }
+        }
+        assert_eq!(answer.problems(&claims).len(), 143);
+        let answer = client.unprepare(&claims).await.unwrap();
+        assert_eq!(answer.claims.len(), 1000);
+    }
+    let prepared = s.driver.prepared.lock().unwrap().clone();
+    assert_eq!(prepared.len(), 2, "one driver call per request");
+    assert!(prepared.iter().all(|c| c == &claims));
+    s.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn deleted_sockets_are_served_again_within_a_second() {
+    let s = Served::start().await;
+    let reg = s.cfg.registration_socket();
+    dra::register(&s.cfg.registry_dir, WAIT).await.unwrap();
+
+    std::fs::remove_file(&reg).unwrap();
+    let took = wait_for(&reg, WAIT).await;
+    assert!(
+        took < Duration::from_secs(1),
+        "registration socket back after {took:?}"
+    );
+    let r = dra::register(&s.cfg.registry_dir, WAIT).await.unwrap();
+    assert_eq!(r.name, DRIVER);
+
+    let service = s.cfg.service_socket();
+    std::fs::remove_file(&service).unwrap();
+    let took = wait_for(&service, WAIT).await;
+    assert!(
+        took < Duration::from_secs(1),
+        "service socket back after {took:?}"
+    );
+    let c = claim("ns", "vm", "uid-1");
+    let answer = s
+        .client(Version::V1)
+        .await
+        .prepare(std::slice::from_ref(&c))
+        .await
+        .unwrap();
+    assert_eq!(answer.claims[&c.uid].devices, [device(&c)]);
+
+    // The whole plugins directory of the driver, as an operator's cleanup does.
+    std::fs::remove_dir_all(service.parent().unwrap()).unwrap();
+    let took = wait_for(&service, WAIT).await;
+    assert!(
+        took < Duration::from_secs(1),
+        "service directory back after {took:?}"
+    );
+    // The registry directory, emptied by kubelet or an operator.
+    std::fs::remove_dir_all(&s.cfg.registry_dir).unwrap();
+    let took = wait_for(&reg, WAIT).await;
+    assert!(
+        took < Duration::from_secs(1),
+        "registry directory back after {took:?}"
+    );
+    dra::register(&s.cfg.registry_dir, WAIT).await.unwrap();
+    let answer = s
+        .client(Version::V1beta1)
+        .await
+        .prepare(std::slice::from_ref(&c))
+        .await
+        .unwrap();
+    assert_eq!(answer.claims[&c.uid].devices, [device(&c)]);
+    s.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_removes_our_sockets() {
+    let s = Served::start().await;
+    let (reg, service) = (s.cfg.registration_socket(), s.cfg.service_socket());
+    assert!(service.exists());
+    s.stop().await.unwrap();
+    assert!(!reg.exists());
+    assert!(!service.exists());
+}
+
+#[tokio::test]
+async fn a_stale_socket_is_replaced_and_anything_else_refused() {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let cfg = GrpcConfig::new(DRIVER, dir.path().join("reg"), dir.path().join("plugins"));
+    let driver: Arc<dyn Driver> = Arc::new(Recorder::default());
+
+    // A socket left behind by a killed instance: replaced.
+    std::fs::create_dir_all(&cfg.registry_dir).unwrap();
+    drop(std::os::unix::net::UnixListener::bind(cfg.registration_socket()).unwrap());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(grpc::serve(cfg.clone(), driver.clone(), async {
+        let _ = stopped.await;
+    }));
+    let r = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Ok(r) = dra::register_socket(&cfg.registration_socket()).await {
+                break r;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("registers over the replaced stale socket");
+    assert_eq!(r.name, DRIVER);
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
+
+    // A regular file where a socket goes: refused, with the path, and kept.
+    std::fs::write(cfg.registration_socket(), "not a socket").unwrap();
+    let err = grpc::serve(cfg.clone(), driver.clone(), async {})
+        .await
+        .unwrap_err();
+    let msg = format!("{err:#}");
+    assert!(msg.contains("not a socket"), "{msg}");
+    assert!(msg.contains("a regular file"), "{msg}");
+    assert!(
+        msg.contains(&cfg.registration_socket().display().to_string()),
+        "{msg}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(cfg.registration_socket()).unwrap(),
+        "not a socket"
+    );
+    assert!(
+        !cfg.service_socket().exists(),
+        "a failed start leaves no service socket behind"
+    );
+    std::fs::remove_file(cfg.registration_socket()).unwrap();
+
+    // A directory at the service socket path.
+    std::fs::create_dir_all(cfg.service_socket()).unwrap();
+    let err = grpc::serve(cfg.clone(), driver.clone(), async {})
+        .await
+        .unwrap_err();
+    assert!(
+        format!("{err:#}").contains("a directory, not a socket"),
+        "{err:#}"
+    );
+    assert!(cfg.service_socket().is_dir());
+
+    // A driver name that is not one path component.
+    let bad = GrpcConfig::new(
+        "../escape",
+        dir.path().join("reg"),
+        dir.path().join("plugins"),
+    );
+    let err = grpc::serve(bad, driver, async {}).await.unwrap_err();
+    assert!(format!("{err:#}").contains("one path component"), "{err:#}");
+}
+
+/// Not a NodePrepareResourcesRequest: field 1 holds bytes that do not decode as a
+/// Claim.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Garbage {
+    #[prost(bytes = "vec", tag = "1")]
+    claims: Vec<u8>,
+}
+
+#[tokio::test]
+async fn a_request_that_is_not_protobuf_gets_a_grpc_error_and_the_server_lives_on() {
+    let s = Served::start().await;
+    let channel = deviceplugin::unix_channel(s.cfg.service_socket())
+        .await
+        .unwrap();
+    for path in [
+        "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
+        "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources",
+    ] {
+        let mut grpc = tonic::client::Grpc::new(channel.clone());
+        grpc.ready().await.unwrap();
+        let codec = tonic_prost::ProstCodec::<
+            Garbage,
+            deviceplugin::dra::v1::NodePrepareResourcesResponse,
+        >::default();
+        let status = grpc
+            .unary(
+                tonic::Request::new(Garbage {
+                    claims: vec![0xff, 0xff, 0xff, 0x0f, 0x12],
+                }),
+                path.parse().unwrap(),
+                codec,
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Internal, "{path}: {status:?}");
+    }
+    assert!(s.driver.prepared.lock().unwrap().is_empty());
+    let c = claim("ns", "vm", "uid-after");
+    let answer = s
+        .client(Version::V1)
+        .await
+        .prepare(std::slice::from_ref(&c))
+        .await
+        .unwrap();
+    assert_eq!(answer.claims[&c.uid].devices, [device(&c)]);
+    s.stop().await.unwrap();
+}

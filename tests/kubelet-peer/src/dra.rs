@@ -1,0 +1,534 @@
+//! kubelet's side of DRA plugin registration and of the `DRAPlugin` service.
+//!
+//! As kubelet does:
+//! - its plugin watcher scans the registry directory for sockets (here: files named
+//!   `*-reg.sock`), calls `GetInfo` on each, checks the answer (type `DRAPlugin`, a
+//!   name, a service version it knows, picking the first listed that it knows) and
+//!   reports the verdict with `NotifyRegistrationStatus` ([`register`]);
+//! - its DRA manager then calls `NodePrepareResources` / `NodeUnprepareResources`
+//!   on the endpoint from `PluginInfo`, in the chosen version, and treats an answer
+//!   for a claim it did not ask about, a claim left out, or a non-empty `error` as a
+//!   failure ([`Dra`], [`PrepareResult::problems`]).
+//!
+//! Results serialize to stable JSON (maps sorted by claim uid) for shell scenarios.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use deviceplugin::dra::{v1, v1beta1};
+use deviceplugin::pluginregistration::registration_client::RegistrationClient;
+use deviceplugin::pluginregistration::{InfoRequest, PluginInfo, RegistrationStatus};
+use tonic::transport::Channel;
+use vfio_sandbox::claims::{ClaimRef, PreparedDevice};
+
+/// A DRA service version kubelet speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Version {
+    /// `k8s.io.kubelet.pkg.apis.dra.v1` (kubelet 1.34 and later).
+    V1,
+    /// `k8s.io.kubelet.pkg.apis.dra.v1beta1` (kubelet 1.32 and later).
+    V1beta1,
+}
+
+impl Version {
+    /// Both, in kubelet's order of preference.
+    pub const ALL: [Version; 2] = [Version::V1, Version::V1beta1];
+
+    /// The name a plugin lists in `PluginInfo.supported_versions`.
+    pub fn service(self) -> &'static str {
+        match self {
+            Version::V1 => deviceplugin::DRA_V1_SERVICE,
+            Version::V1beta1 => deviceplugin::DRA_V1BETA1_SERVICE,
+        }
+    }
+}
+
+impl std::str::FromStr for Version {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "v1" | "v1.DRAPlugin" => Ok(Version::V1),
+            "v1beta1" | "v1beta1.DRAPlugin" => Ok(Version::V1beta1),
+            _ => Err(format!("unknown DRA version {s:?} (v1 or v1beta1)")),
+        }
+    }
+}
+
+/// A plugin kubelet accepted.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Registered {
+    /// The registration socket it was found at.
+    pub socket: PathBuf,
+    /// `PluginInfo.type`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// `PluginInfo.name`.
+    pub name: String,
+    /// `PluginInfo.endpoint`.
+    pub endpoint: String,
+    /// `PluginInfo.supported_versions`, as listed.
+    pub supported_versions: Vec<String>,
+    /// The version kubelet would use: the first listed that it knows.
+    pub chosen: Version,
+}
+
+impl Registered {
+    /// The service socket: the endpoint, or the registration socket when empty.
+    pub fn endpoint_path(&self) -> PathBuf {
+        if self.endpoint.is_empty() {
+            self.socket.clone()
+        } else {
+            PathBuf::from(&self.endpoint)
+        }
+    }
+}
+
+/// Checks `info` as kubelet's DRA handler does; the version kubelet would use.
+pub fn check_info(info: &PluginInfo) -> Result<Version, String> {
+    if info.r#type != deviceplugin::DRA_PLUGIN_TYPE {
+        return Err(format!(
+            "plugin type {:?} is not {:?}",
+            info.r#type,
+            deviceplugin::DRA_PLUGIN_TYPE
+        ));
+    }
+    if info.name.is_empty() {
+        return Err("empty plugin name".into());
+    }
+    if info.supported_versions.is_empty() {
+        return Err("empty list of supported gRPC services (aka supported versions)".into());
+    }
+    info.supported_versions
+        .iter()
+        .find_map(|s| Version::ALL.into_iter().find(|v| v.service() == s))
+        .ok_or_else(|| {
+            format!(
+                "none of the services the plugin supports ({:?}) are known",
+                info.supported_versions
+            )
+        })
+}
+
+/// The registration sockets (`*-reg.sock`) in `dir` now, sorted.
+pub fn registration_sockets(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    use std::os::unix::fs::FileTypeExt;
+    let mut found = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let name = e.file_name();
+        let is_reg = name.to_str().is_some_and(|n| {
+            n.ends_with(deviceplugin::DRA_REGISTRATION_SUFFIX) && !n.starts_with('.')
+        });
+        if is_reg && e.file_type()?.is_socket() {
+            found.push(e.path());
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// Waits up to `timeout` for a registration socket in `dir`; the first, sorted.
+pub async fn find_registration_socket(dir: &Path, timeout: Duration) -> anyhow::Result<PathBuf> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Ok(found) = registration_sockets(dir) {
+            if let Some(first) = found.into_iter().next() {
+                return Ok(first);
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!(
+                "no *{} socket in {} within {timeout:?}",
+                deviceplugin::DRA_REGISTRATION_SUFFIX,
+                dir.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn registration_client(socket: &Path) -> anyhow::Result<RegistrationClient<Channel>> {
+    let channel = deviceplugin::unix_channel(socket)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot connect to {}: {e}", socket.display()))?;
+    Ok(RegistrationClient::new(channel))
+}
+
+/// `GetInfo` on a registration socket.
+pub async fn get_info(socket: &Path) -> anyhow::Result<PluginInfo> {
+    let mut client = registration_client(socket).await?;
+    let info = client
+        .get_info(InfoRequest {})
+        .await
+        .map_err(|e| anyhow::anyhow!("GetInfo on {}: {e}", socket.display()))?;
+    Ok(info.into_inner())
+}
+
+/// `NotifyRegistrationStatus` on a registration socket.
+pub async fn notify(socket: &Path, status: RegistrationStatus) -> anyhow::Result<()> {
+    let mut client = registration_client(socket).await?;
+    client
+        .notify_registration_status(status)
+        .await
+        .map_err(|e| anyhow::anyhow!("NotifyRegistrationStatus on {}: {e}", socket.display()))?;
+    Ok(())
+}
+
+/// Registers the plugin at `socket` as kubelet does: `GetInfo`, check, notify
+/// (accepted, or refused with the reason, which is then the error).
+pub async fn register_socket(socket: &Path) -> anyhow::Result<Registered> {
+    let info = get_info(socket).await?;
+    match check_info(&info) {
+        Ok(chosen) => {
+            notify(
+                socket,
+                RegistrationStatus {
+                    plugin_registered: true,
+                    error: String::new(),
+                },
+            )
+            .await?;
+            Ok(Registered {
+                socket: socket.to_owned(),
+                kind: info.r#type,
+                name: info.name,
+                endpoint: info.endpoint,
+                supported_versions: info.supported_versions,
+                chosen,
+            })
+        }
+        Err(why) => {
+            let error = format!("plugin at {} refused: {why}", socket.display());
+            notify(
+                socket,
+                RegistrationStatus {
+                    plugin_registered: false,
+                    error: error.clone(),
+                },
+            )
+            .await?;
+            anyhow::bail!(error)
+        }
+    }
+}
+
+/// Finds a registration socket in `registry` (waiting up to `timeout`) and
+/// registers the plugin behind it.
+pub async fn register(registry: &Path, timeout: Duration) -> anyhow::Result<Registered> {
+    let socket = find_registration_socket(registry, timeout).await?;
+    register_socket(&socket).await
+}
+
+/// What a claim's prepare came back with.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Prepared {
+    /// The devices, as listed.
+    pub devices: Vec<PreparedDevice>,
+    /// Empty on success.
+    pub error: String,
+}
+
+/// What a claim's unprepare came back with.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Unprepared {
+    /// Empty on success.
+    pub error: String,
+}
+
+/// A response's claims by uid, sorted, with kubelet's verdict on them.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Answer<T> {
+    /// The response's entries, keyed by claim uid.
+    pub claims: BTreeMap<String, T>,
+}
+
+/// A prepare response.
+pub type PrepareResult = Answer<Prepared>;
+/// An unprepare response.
+pub type UnprepareResult = Answer<Unprepared>;
+
+/// An entry's error message, whatever the call.
+pub trait ClaimError {
+    /// Empty on success.
+    fn error(&self) -> &str;
+}
+
+impl ClaimError for Prepared {
+    fn error(&self) -> &str {
+        &self.error
+    }
+}
+
+impl ClaimError for Unprepared {
+    fn error(&self) -> &str {
+        &self.error
+    }
+}
+
+impl<T: ClaimError> Answer<T> {
+    /// Why kubelet would fail the call for these `asked` claims: an entry for a uid
+    /// not asked about, an asked uid left out, a claim whose error is set. Empty
+    /// when every claim succeeded.
+    pub fn problems(&self, asked: &[ClaimRef]) -> Vec<String> {
+        let mut out = Vec::new();
+        for (uid, a) in &self.claims {
+            if !asked.iter().any(|c| &c.uid == uid) {
+                out.push(format!(
+                    "answer for claim uid {uid:?} that was not asked about"
+                ));
+            } else if !a.error().is_empty() {
+                out.push(format!("claim {uid}: {}", a.error()));
+            }
+        }
+        let mut left_out: Vec<&str> = asked
+            .iter()
+            .map(|c| c.uid.as_str())
+            .filter(|u| !self.claims.contains_key(*u))
+            .collect();
+        left_out.sort();
+        left_out.dedup();
+        out.extend(
+            left_out
+                .into_iter()
+                .map(|u| format!("claim {u} left out of the answer")),
+        );
+        out
+    }
+
+    /// The answer as one line of JSON, maps sorted.
+    pub fn to_json(&self) -> String
+    where
+        T: serde::Serialize,
+    {
+        serde_json::to_string(self)
+            .unwrap_or_else(|e| format!("{{\"json_error\":{:?}}}", e.to_string()))
+    }
+}
+
+/// A `DRAPlugin` client in one version.
+#[derive(Debug, Clone)]
+pub enum Dra {
+    /// Speaks v1.
+    V1(v1::dra_plugin_client::DraPluginClient<Channel>),
+    /// Speaks v1beta1.
+    V1beta1(v1beta1::dra_plugin_client::DraPluginClient<Channel>),
+}
+
+macro_rules! to_wire {
+    ($v:ident, $claims:expr) => {
+        $claims
+            .iter()
+            .map(|c| $v::Claim {
+                namespace: c.namespace.clone(),
+                uid: c.uid.clone(),
+                name: c.name.clone(),
+            })
+            .collect()
+    };
+}
+
+macro_rules! prepared {
+    ($resp:expr) => {
+        $resp
+            .claims
+            .into_iter()
+            .map(|(uid, r)| {
+                let devices = r
+                    .devices
+                    .into_iter()
+                    .map(|d| PreparedDevice {
+                        request_names: d.request_names,
+                        pool_name: d.pool_name,
+                        device_name: d.device_name,
+                        cdi_device_ids: d.cdi_device_ids,
+                    })
+                    .collect();
+                (
+                    uid,
+                    Prepared {
+                        devices,
+                        error: r.error,
+                    },
+                )
+            })
+            .collect()
+    };
+}
+
+impl Dra {
+    /// Connects to the service socket at `endpoint`, speaking `version`.
+    pub async fn connect(endpoint: &Path, version: Version) -> anyhow::Result<Self> {
+        let channel = deviceplugin::unix_channel(endpoint)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot connect to {}: {e}", endpoint.display()))?;
+        Ok(match version {
+            Version::V1 => Dra::V1(v1::dra_plugin_client::DraPluginClient::new(channel)),
+            Version::V1beta1 => {
+                Dra::V1beta1(v1beta1::dra_plugin_client::DraPluginClient::new(channel))
+            }
+        })
+    }
+
+    /// The version this client speaks.
+    pub fn version(&self) -> Version {
+        match self {
+            Dra::V1(_) => Version::V1,
+            Dra::V1beta1(_) => Version::V1beta1,
+        }
+    }
+
+    /// `NodePrepareResources` for `claims`, in the order given.
+    pub async fn prepare(&mut self, claims: &[ClaimRef]) -> Result<PrepareResult, tonic::Status> {
+        let claims = match self {
+            Dra::V1(c) => {
+                let r = c
+                    .node_prepare_resources(v1::NodePrepareResourcesRequest {
+                        claims: to_wire!(v1, claims),
+                    })
+                    .await?
+                    .into_inner();
+                prepared!(r)
+            }
+            Dra::V1beta1(c) => {
+                let r = c
+                    .node_prepare_resources(v1beta1::NodePrepareResourcesRequest {
+                        claims: to_wire!(v1beta1, claims),
+                    })
+                    .await?
+                    .into_inner();
+                prepared!(r)
+            }
+        };
+        Ok(Answer { claims })
+    }
+
+    /// `NodeUnprepareResources` for `claims`, in the order given.
+    pub async fn unprepare(
+        &mut self,
+        claims: &[ClaimRef],
+    ) -> Result<UnprepareResult, tonic::Status> {
+        let claims = match self {
+            Dra::V1(c) => c
+                .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+                    claims: to_wire!(v1, claims),
+                })
+                .await?
+                .into_inner()
+                .claims
+                .into_iter()
+                .map(|(uid, r)| (uid, Unprepared { error: r.error }))
+                .collect(),
+            Dra::V1beta1(c) => c
+                .node_unprepare_resources(v1beta1::NodeUnprepareResourcesRequest {
+                    claims: to_wire!(v1beta1, claims),
+                })
+                .await?
+                .into_inner()
+                .claims
+                .into_iter()
+                .map(|(uid, r)| (uid, Unprepared { error: r.error }))
+                .collect(),
+        };
+        Ok(Answer { claims })
+    }
+}
+
+/// Parses `NAMESPACE/NAME/UID` (the command line's claim spelling).
+pub fn parse_claim(s: &str) -> Result<ClaimRef, String> {
+    let mut parts = s.splitn(3, '/');
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(namespace), Some(name), Some(uid)) => Ok(ClaimRef {
+            uid: uid.into(),
+            namespace: namespace.into(),
+            name: name.into(),
+        }),
+        _ => Err(format!("claim {s:?} is not NAMESPACE/NAME/UID")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(kind: &str, versions: &[&str]) -> PluginInfo {
+        PluginInfo {
+            r#type: kind.into(),
+            name: "d".into(),
+            endpoint: "/p/d/dra.sock".into(),
+            supported_versions: versions.iter().map(|v| v.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn kubelet_picks_the_first_version_it_knows() {
+        assert_eq!(
+            check_info(&info("DRAPlugin", &["v1.DRAPlugin", "v1beta1.DRAPlugin"])),
+            Ok(Version::V1)
+        );
+        assert_eq!(
+            check_info(&info(
+                "DRAPlugin",
+                &["v2.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAPlugin"]
+            )),
+            Ok(Version::V1beta1)
+        );
+        assert!(check_info(&info("DRAPlugin", &[])).is_err());
+        assert!(check_info(&info("DRAPlugin", &["v1alpha4.DRAPlugin"])).is_err());
+        assert!(check_info(&info("CSIPlugin", &["v1.DRAPlugin"])).is_err());
+    }
+
+    #[test]
+    fn problems_are_what_kubelet_fails_on() {
+        let asked = [
+            parse_claim("ns/a/uid-a").unwrap(),
+            parse_claim("ns/b/uid-b").unwrap(),
+            parse_claim("ns/c/uid-c").unwrap(),
+        ];
+        let mut claims = BTreeMap::new();
+        claims.insert(
+            "uid-a".to_string(),
+            Unprepared {
+                error: String::new(),
+            },
+        );
+        claims.insert(
+            "uid-b".to_string(),
+            Unprepared {
+                error: "busy".into(),
+            },
+        );
+        claims.insert(
+            "uid-x".to_string(),
+            Unprepared {
+                error: String::new(),
+            },
+        );
+        let a = Answer { claims };
+        assert_eq!(
+            a.problems(&asked),
+            [
+                "claim uid-b: busy",
+                "answer for claim uid \"uid-x\" that was not asked about",
+                "claim uid-c left out of the answer"
+            ]
+        );
+        assert_eq!(
+            a.to_json(),
+            r#"{"claims":{"uid-a":{"error":""},"uid-b":{"error":"busy"},"uid-x":{"error":""}}}"#
+        );
+    }
+
+    #[test]
+    fn claims_are_namespace_name_uid() {
+        let c = parse_claim("ns/name/1234-ab").unwrap();
+        assert_eq!(
+            (c.namespace.as_str(), c.name.as_str(), c.uid.as_str()),
+            ("ns", "name", "1234-ab")
+        );
+        assert!(parse_claim("ns/name").is_err());
+        assert_eq!(parse_claim("ns/name/").unwrap().uid, "");
+    }
+}
