@@ -242,6 +242,23 @@ pub enum ClusterError {
     Timeout(String, Duration),
 }
 
+/// The configuration of the in-cluster service account, or `KUBECONFIG` /
+/// `~/.kube/config` outside a cluster.
+pub async fn infer_config() -> Result<kube::Config, ClusterError> {
+    kube::Config::infer()
+        .await
+        .map_err(|e| ClusterError::Config(e.to_string()))
+}
+
+/// A client for `config` with the agents' short connect, read and write timeouts
+/// (a node agent never waits long on the API server).
+pub fn client(mut config: kube::Config) -> Result<Client, ClusterError> {
+    config.connect_timeout = Some(Duration::from_secs(3));
+    config.read_timeout = Some(Duration::from_secs(5));
+    config.write_timeout = Some(Duration::from_secs(5));
+    Client::try_from(config).map_err(ClusterError::Client)
+}
+
 /// A connection to the API server for one agent.
 #[derive(Clone)]
 pub struct Cluster {
@@ -262,18 +279,12 @@ impl Cluster {
     /// Connects with the in-cluster service account, or `KUBECONFIG` /
     /// `~/.kube/config` outside a cluster. No request is made yet.
     pub async fn connect(identity: Identity) -> Result<Self, ClusterError> {
-        let config = kube::Config::infer()
-            .await
-            .map_err(|e| ClusterError::Config(e.to_string()))?;
-        Self::with_config(identity, config)
+        Self::with_config(identity, infer_config().await?)
     }
 
     /// Connects with `config` (tests point it at a stand-in server).
-    pub fn with_config(identity: Identity, mut config: kube::Config) -> Result<Self, ClusterError> {
-        config.connect_timeout = Some(Duration::from_secs(3));
-        config.read_timeout = Some(Duration::from_secs(5));
-        config.write_timeout = Some(Duration::from_secs(5));
-        let client = Client::try_from(config).map_err(ClusterError::Client)?;
+    pub fn with_config(identity: Identity, config: kube::Config) -> Result<Self, ClusterError> {
+        let client = client(config)?;
         let reporter = Reporter {
             controller: identity.controller.clone(),
             instance: identity.pod.as_ref().map(|(_, n)| n.clone()),

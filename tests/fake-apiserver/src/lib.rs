@@ -1,16 +1,30 @@
 //! A stand-in for the Kubernetes API server, over real HTTP/1.1 on loopback.
 //!
 //! It stores JSON objects under their REST paths (`/api/v1/nodes/node-a`,
-//! `/apis/apps/v1/namespaces/ns/daemonsets/ds`) and answers the verbs a node agent
-//! uses: `GET` of an object or a collection, `POST` to a collection (the name comes
-//! from `metadata.name`), `PATCH` (a JSON merge patch, RFC 7386), `PUT` and `DELETE`.
-//! Unknown paths get a `404` with a `Status` body, as the real server sends. Tests can
-//! make the next requests fail (`fail_next`) and read back every request made.
+//! `/apis/resource.k8s.io/v1/resourceslices/s`) and answers the verbs a node agent
+//! uses as the real server does for the resources it serves (Node, Pod, DaemonSet,
+//! Event, ResourceSlice, ResourceClaim, DeviceClass):
 //!
-//! It is generic on purpose: kube-rs builds the paths, so a client that asks for the
-//! wrong object finds nothing here, just as it would in a cluster.
+//! - `GET` of an object, or of a collection with `fieldSelector` (only the field
+//!   labels the real server supports for that resource; others are a 400) and
+//!   equality-based `labelSelector`;
+//! - `POST` to a collection, named by `metadata.name` or `metadata.generateName`
+//!   (409 `AlreadyExists` when taken); the server sets uid, creationTimestamp and
+//!   resourceVersion, and drops `status` where a status subresource owns it;
+//! - `PUT` of an object with optimistic concurrency: a stale `resourceVersion` is a
+//!   409 `Conflict`; `PUT .../status` writes only the status;
+//! - `PATCH` (a JSON merge patch, RFC 7386);
+//! - `DELETE` of an object (404 when absent, 409 when its preconditions fail) or of
+//!   a collection by selector.
+//!
+//! Every request is checked: an unknown path is a 404 `Status`, a verb the path
+//! does not take a 405, a body of the wrong `apiVersion`/`kind` or namespace a 400.
+//! Tests can make the next requests fail (`fail_next`), have another writer change
+//! an object just before a request (`race_next`), and read back every request.
+//!
+//! kube-rs builds the paths, so a client that asks for the wrong object finds
+//! nothing here, just as it would in a cluster.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -20,13 +34,18 @@ use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Value};
 
-/// Objects by path, requests seen, failures armed.
+mod query;
+mod rest;
+
+use rest::{status, Objects, Route};
+
+/// Objects, requests seen, failures armed.
 #[derive(Debug, Default)]
 struct Store {
-    objects: BTreeMap<String, Value>,
+    objects: Objects,
     requests: Vec<(String, String)>,
-    fail: Option<(u32, u16)>,
-    resource_version: u64,
+    fail: Option<(u32, u16, Option<Method>)>,
+    race: Option<(Method, u32)>,
 }
 
 /// A running fake API server; it stops when dropped.
@@ -91,38 +110,65 @@ impl FakeApiServer {
         self.addr
     }
 
-    /// Stores `object` at `path` (replacing what was there).
+    /// Stores `object` at `path` (replacing what was there) with a fresh
+    /// resourceVersion, and a uid and creationTimestamp when it has none. No
+    /// checks: this is how a test sets the scene, or plays another writer.
     pub fn put(&self, path: &str, object: Value) {
-        let mut s = lock(&self.store);
-        s.resource_version += 1;
-        let rv = s.resource_version.to_string();
-        s.objects
-            .insert(path.to_owned(), with_resource_version(object, &rv));
+        lock(&self.store).objects.store(path, object);
     }
 
     /// The object at `path`.
     pub fn get(&self, path: &str) -> Option<Value> {
-        lock(&self.store).objects.get(path).cloned()
+        lock(&self.store).objects.map.get(path).cloned()
     }
 
     /// Removes the object at `path`; whether there was one.
     pub fn remove(&self, path: &str) -> bool {
-        lock(&self.store).objects.remove(path).is_some()
+        lock(&self.store).objects.map.remove(path).is_some()
     }
 
-    /// Every object stored under the collection `path`.
+    /// Every object stored directly under the collection `path`.
     pub fn list(&self, path: &str) -> Vec<Value> {
-        children(&lock(&self.store).objects, path)
+        let prefix = format!("{}/", path.trim_end_matches('/'));
+        lock(&self.store)
+            .objects
+            .map
+            .iter()
+            .filter(|(k, _)| {
+                k.strip_prefix(&prefix)
+                    .is_some_and(|rest| !rest.contains('/'))
+            })
+            .map(|(_, v)| v.clone())
+            .collect()
     }
 
-    /// Every request so far: method and path (with query).
+    /// Every request so far: method and path (with query, as sent).
     pub fn requests(&self) -> Vec<(String, String)> {
         lock(&self.store).requests.clone()
     }
 
+    /// Forgets the requests seen so far.
+    pub fn clear_requests(&self) {
+        lock(&self.store).requests.clear();
+    }
+
     /// The next `n` requests get HTTP `status` (with a `Status` body).
     pub fn fail_next(&self, n: u32, status: u16) {
-        lock(&self.store).fail = (n > 0).then_some((n, status));
+        lock(&self.store).fail = (n > 0).then_some((n, status, None));
+    }
+
+    /// The next `n` requests with `method` get HTTP `status`; others are served.
+    pub fn fail_next_on(&self, method: &str, n: u32, status: u16) {
+        let method = Method::from_bytes(method.as_bytes()).ok();
+        lock(&self.store).fail = (n > 0 && method.is_some()).then_some((n, status, method));
+    }
+
+    /// The next `n` requests with `method` find their object changed by another
+    /// writer just before they arrive (its resourceVersion moves on), so a write
+    /// carrying the resourceVersion it read gets the real 409 `Conflict`.
+    pub fn race_next(&self, method: &str, n: u32) {
+        let method = Method::from_bytes(method.as_bytes()).unwrap_or(Method::PUT);
+        lock(&self.store).race = (n > 0).then_some((method, n));
     }
 
     /// Writes a kubeconfig for this server into `dir` and returns its path.
@@ -179,107 +225,63 @@ async fn accept_loop(listener: tokio::net::TcpListener, store: Arc<Mutex<Store>>
 async fn handle(store: &Mutex<Store>, req: Request<Incoming>) -> Response<Full<Bytes>> {
     let method = req.method().clone();
     let path = req.uri().path().trim_end_matches('/').to_owned();
+    let query = req.uri().query().unwrap_or("").to_owned();
     let with_query = req
         .uri()
         .path_and_query()
         .map_or_else(|| path.clone(), |p| p.as_str().to_owned());
     let body = match req.into_body().collect().await {
         Ok(b) => b.to_bytes(),
-        Err(e) => return status(StatusCode::BAD_REQUEST, &format!("body: {e}")),
+        Err(e) => {
+            return respond(status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                &format!("body: {e}"),
+            ))
+        }
     };
     let mut s = lock(store);
     s.requests.push((method.to_string(), with_query));
-    if let Some((n, code)) = s.fail {
-        s.fail = (n > 1).then_some((n - 1, code));
+    if let Some((n, code, only)) = s
+        .fail
+        .clone()
+        .filter(|(_, _, m)| m.as_ref().is_none_or(|m| *m == method))
+    {
+        s.fail = (n > 1).then_some((n - 1, code, only));
         let code = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        return status(code, "failure injected by the test");
+        let reason = match code {
+            StatusCode::CONFLICT => "Conflict",
+            StatusCode::NOT_FOUND => "NotFound",
+            StatusCode::FORBIDDEN => "Forbidden",
+            StatusCode::TOO_MANY_REQUESTS => "TooManyRequests",
+            StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailable",
+            _ => "InternalError",
+        };
+        return respond(status(code, reason, "failure injected by the test"));
+    }
+    if let Some((m, n)) = s.race.clone() {
+        if m == method {
+            s.race = (n > 1).then_some((m, n - 1));
+            if let Some(current) = s.objects.map.get(&path).cloned() {
+                s.objects.store(&path, current);
+            }
+        }
     }
     let parsed = if body.is_empty() {
         None
     } else {
         match serde_json::from_slice::<Value>(&body) {
             Ok(v) => Some(v),
-            Err(e) => return status(StatusCode::BAD_REQUEST, &format!("invalid JSON: {e}")),
+            Err(e) => {
+                return respond(status(
+                    StatusCode::BAD_REQUEST,
+                    "BadRequest",
+                    &format!("invalid JSON: {e}"),
+                ))
+            }
         }
     };
-    s.resource_version += 1;
-    let rv = s.resource_version.to_string();
-    match (method, parsed) {
-        (Method::GET, _) => match s.objects.get(&path) {
-            Some(o) => ok(StatusCode::OK, o),
-            None if looks_like_collection(&path) => ok(
-                StatusCode::OK,
-                &json!({"kind": "List", "apiVersion": "v1", "metadata": {}, "items": children(&s.objects, &path)}),
-            ),
-            None => not_found(&path),
-        },
-        (Method::POST, Some(obj)) => {
-            let Some(name) = obj.pointer("/metadata/name").and_then(Value::as_str) else {
-                return status(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "metadata.name is required",
-                );
-            };
-            let at = format!("{path}/{name}");
-            if s.objects.contains_key(&at) {
-                return status(StatusCode::CONFLICT, &format!("{at} already exists"));
-            }
-            let obj = with_resource_version(obj, &rv);
-            s.objects.insert(at, obj.clone());
-            ok(StatusCode::CREATED, &obj)
-        }
-        (Method::PUT, Some(obj)) => {
-            let obj = with_resource_version(obj, &rv);
-            s.objects.insert(path, obj.clone());
-            ok(StatusCode::OK, &obj)
-        }
-        (Method::PATCH, Some(patch)) => match s.objects.get_mut(&path) {
-            Some(obj) => {
-                merge_patch(obj, &patch);
-                let merged = with_resource_version(obj.clone(), &rv);
-                *obj = merged.clone();
-                ok(StatusCode::OK, &merged)
-            }
-            None => not_found(&path),
-        },
-        (Method::DELETE, _) => match s.objects.remove(&path) {
-            Some(o) => ok(StatusCode::OK, &o),
-            None => not_found(&path),
-        },
-        (m, _) => status(
-            StatusCode::METHOD_NOT_ALLOWED,
-            &format!("{m} {path} is not served"),
-        ),
-    }
-}
-
-/// A collection path ends in a plural resource name: an even number of segments
-/// after `/api/v1` or `/apis/<group>/<version>`.
-fn looks_like_collection(path: &str) -> bool {
-    let segs: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
-    let rest = match segs.first() {
-        Some(&"api") => segs.len().saturating_sub(2),
-        Some(&"apis") => segs.len().saturating_sub(3),
-        _ => return false,
-    };
-    rest % 2 == 1
-}
-
-fn children(objects: &BTreeMap<String, Value>, path: &str) -> Vec<Value> {
-    let prefix = format!("{path}/");
-    objects
-        .range(prefix.clone()..)
-        .take_while(|(k, _)| k.starts_with(&prefix))
-        .filter(|(k, _)| !k[prefix.len()..].contains('/'))
-        .map(|(_, v)| v.clone())
-        .collect()
-}
-
-fn with_resource_version(mut obj: Value, rv: &str) -> Value {
-    if let Some(meta) = obj.get_mut("metadata").and_then(Value::as_object_mut) {
-        meta.insert("resourceVersion".into(), Value::String(rv.to_owned()));
-    }
-    obj
+    respond(s.objects.handle(&method, &path, &query, parsed))
 }
 
 /// RFC 7386: objects merge key by key, `null` deletes, anything else replaces.
@@ -302,32 +304,44 @@ pub fn merge_patch(target: &mut Value, patch: &Value) {
     }
 }
 
-fn ok(code: StatusCode, body: &Value) -> Response<Full<Bytes>> {
-    respond(code, body.to_string())
+/// Whether `path` names a resource this server serves (a collection, an object or
+/// a status subresource).
+pub fn is_served(path: &str) -> bool {
+    Route::parse(path).is_some()
 }
 
-fn not_found(path: &str) -> Response<Full<Bytes>> {
-    status(StatusCode::NOT_FOUND, &format!("{path} not found"))
+/// Now, as the API server writes timestamps (`2025-01-31T12:00:00Z`).
+pub fn now_rfc3339() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    rfc3339(secs)
 }
 
-fn status(code: StatusCode, message: &str) -> Response<Full<Bytes>> {
-    let reason = match code {
-        StatusCode::NOT_FOUND => "NotFound",
-        StatusCode::CONFLICT => "AlreadyExists",
-        StatusCode::BAD_REQUEST => "BadRequest",
-        StatusCode::UNPROCESSABLE_ENTITY => "Invalid",
-        StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowed",
-        _ => "InternalError",
-    };
-    let body = json!({
-        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-        "message": message, "reason": reason, "code": code.as_u16(),
-    });
-    respond(code, body.to_string())
+/// `secs` since the epoch in RFC 3339, UTC, whole seconds.
+fn rfc3339(secs: u64) -> String {
+    let days = i64::try_from(secs / 86_400).unwrap_or(0);
+    let rem = secs % 86_400;
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
-fn respond(code: StatusCode, body: String) -> Response<Full<Bytes>> {
-    let mut r = Response::new(Full::new(Bytes::from(body)));
+fn respond((code, body): (StatusCode, Value)) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body.to_string())));
     *r.status_mut() = code;
     r.headers_mut().insert(
         http::header::CONTENT_TYPE,
@@ -353,6 +367,22 @@ pub mod paths {
     /// `/apis/events.k8s.io/v1/namespaces/<ns>/events`.
     pub fn events(ns: &str) -> String {
         format!("/apis/events.k8s.io/v1/namespaces/{ns}/events")
+    }
+    /// `/apis/resource.k8s.io/v1/resourceslices` (cluster-scoped).
+    pub fn resourceslices() -> String {
+        "/apis/resource.k8s.io/v1/resourceslices".to_owned()
+    }
+    /// `/apis/resource.k8s.io/v1/resourceslices/<name>`.
+    pub fn resourceslice(name: &str) -> String {
+        format!("/apis/resource.k8s.io/v1/resourceslices/{name}")
+    }
+    /// `/apis/resource.k8s.io/v1/namespaces/<ns>/resourceclaims`.
+    pub fn resourceclaims(ns: &str) -> String {
+        format!("/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims")
+    }
+    /// `/apis/resource.k8s.io/v1/namespaces/<ns>/resourceclaims/<name>`.
+    pub fn resourceclaim(ns: &str, name: &str) -> String {
+        format!("/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}")
     }
 }
 
@@ -396,6 +426,106 @@ pub mod objects {
         })
     }
 
+    /// One allocated device of a ResourceClaim (`status.allocation.devices.results[]`).
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct DeviceResult {
+        /// The claim's request it satisfies.
+        pub request: String,
+        /// The DRA driver.
+        pub driver: String,
+        /// The pool (a node-local driver's pool is the node's name).
+        pub pool: String,
+        /// The device's name in the pool.
+        pub device: String,
+    }
+
+    impl DeviceResult {
+        /// A result for `request` of `driver`'s device `pool`/`device`.
+        pub fn new(request: &str, driver: &str, pool: &str, device: &str) -> Self {
+            Self {
+                request: request.into(),
+                driver: driver.into(),
+                pool: pool.into(),
+                device: device.into(),
+            }
+        }
+
+        /// Parses `REQUEST:DRIVER:POOL:DEVICE`.
+        pub fn parse(text: &str) -> Option<Self> {
+            let mut it = text.splitn(4, ':');
+            Some(Self::new(it.next()?, it.next()?, it.next()?, it.next()?))
+        }
+    }
+
+    /// A ResourceClaim as the user writes it: one `exactly` request per distinct
+    /// request name of `results`, from DeviceClass `class`.
+    pub fn resource_claim_spec(
+        ns: &str,
+        name: &str,
+        class: &str,
+        results: &[DeviceResult],
+    ) -> Value {
+        let mut requests: Vec<&str> = results.iter().map(|r| r.request.as_str()).collect();
+        requests.dedup();
+        let requests: Vec<Value> = requests
+            .iter()
+            .map(|r| json!({"name": r, "exactly": {"deviceClassName": class, "allocationMode": "ExactCount", "count": 1}}))
+            .collect();
+        json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"devices": {"requests": requests}},
+        })
+    }
+
+    /// The `status` of a claim the scheduler allocated `results` to, reserved for
+    /// no one yet.
+    pub fn allocation_status(results: &[DeviceResult]) -> Value {
+        let results: Vec<Value> = results
+            .iter()
+            .map(|r| json!({"request": r.request, "driver": r.driver, "pool": r.pool, "device": r.device}))
+            .collect();
+        json!({"allocation": {"devices": {"results": results}}})
+    }
+
+    /// A stored ResourceClaim with uid `uid`: allocated `results` (unallocated when
+    /// `results` is `None`).
+    pub fn resource_claim(
+        ns: &str,
+        name: &str,
+        uid: &str,
+        results: Option<&[DeviceResult]>,
+    ) -> Value {
+        let mut claim = resource_claim_spec(ns, name, "vfio-sandbox", results.unwrap_or(&[]));
+        claim["metadata"]["uid"] = json!(uid);
+        if let Some(results) = results {
+            claim["status"] = allocation_status(results);
+        }
+        claim
+    }
+
+    /// A ResourceSlice of `driver` for `node`, pool `pool` at `generation`, with
+    /// devices named `devices` (no attributes).
+    pub fn resource_slice(
+        name: &str,
+        driver: &str,
+        node: &str,
+        pool: &str,
+        generation: i64,
+        devices: &[&str],
+    ) -> Value {
+        let devices: Vec<Value> = devices.iter().map(|d| json!({"name": d})).collect();
+        json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": name},
+            "spec": {
+                "driver": driver, "nodeName": node,
+                "pool": {"name": pool, "generation": generation, "resourceSliceCount": 1},
+                "devices": devices,
+            },
+        })
+    }
+
     /// A Pod on `node` owned by the DaemonSet `ds`.
     pub fn pod(ns: &str, name: &str, node: &str, ds: &str) -> Value {
         json!({
@@ -424,14 +554,9 @@ mod tests {
     }
 
     #[test]
-    fn collections_are_told_from_objects() {
-        assert!(looks_like_collection("/api/v1/nodes"));
-        assert!(!looks_like_collection("/api/v1/nodes/a"));
-        assert!(looks_like_collection(
-            "/apis/apps/v1/namespaces/x/daemonsets"
-        ));
-        assert!(!looks_like_collection(
-            "/apis/apps/v1/namespaces/x/daemonsets/y"
-        ));
+    fn timestamps_are_rfc3339_utc() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_735_689_599), "2024-12-31T23:59:59Z");
     }
 }

@@ -1,7 +1,9 @@
 //! `fake-apiserver`: the stand-in API server as a process, for the real-kernel demo.
 //!
 //! `serve` answers until killed; `request` is a one-shot HTTP client so a shell
-//! script without curl can change objects (relabel a node, delete a DaemonSet).
+//! script without curl can change objects (relabel a node, delete a DaemonSet);
+//! `claim` makes an allocated ResourceClaim the way the scheduler leaves one (a
+//! create, then a status update) and prints its uid.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -61,6 +63,22 @@ enum Command {
         /// JSON body (a merge patch for PATCH).
         body: Option<String>,
     },
+    /// Create a ResourceClaim and allocate it; print its uid (what kubelet names it by).
+    Claim {
+        /// The server, http://HOST:PORT.
+        #[arg(long, default_value = "http://127.0.0.1:6443")]
+        server: String,
+        /// The claim, NAMESPACE/NAME.
+        #[arg(value_name = "NAMESPACE/NAME")]
+        claim: String,
+        /// The DeviceClass its requests name.
+        #[arg(long, default_value = "vfio-sandbox")]
+        class: String,
+        /// An allocated device, REQUEST:DRIVER:POOL:DEVICE (repeatable; none leaves
+        /// the claim unallocated).
+        #[arg(long = "result", value_name = "REQUEST:DRIVER:POOL:DEVICE")]
+        results: Vec<String>,
+    },
 }
 
 fn pairs(list: &[String]) -> anyhow::Result<Vec<(&str, &str)>> {
@@ -118,6 +136,48 @@ fn serve(cmd: &Command) -> anyhow::Result<()> {
 }
 
 fn request(server: &str, method: &str, path: &str, body: Option<&str>) -> anyhow::Result<bool> {
+    let (ok, payload) = exchange(server, method, path, body)?;
+    println!("{payload}");
+    Ok(ok)
+}
+
+fn claim(server: &str, claim: &str, class: &str, results: &[String]) -> anyhow::Result<bool> {
+    let (ns, name) = split_ref(claim)?;
+    let results = results
+        .iter()
+        .map(|r| {
+            objects::DeviceResult::parse(r)
+                .ok_or_else(|| anyhow::anyhow!("{r:?} is not REQUEST:DRIVER:POOL:DEVICE"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let body = objects::resource_claim_spec(ns, name, class, &results).to_string();
+    let (ok, created) = exchange(server, "POST", &paths::resourceclaims(ns), Some(&body))?;
+    if !ok {
+        eprintln!("{created}");
+        return Ok(false);
+    }
+    let mut object: serde_json::Value = serde_json::from_str(&created)?;
+    let uid = object["metadata"]["uid"].as_str().unwrap_or("").to_owned();
+    if !results.is_empty() {
+        object["status"] = objects::allocation_status(&results);
+        let path = format!("{}/status", paths::resourceclaim(ns, name));
+        let (ok, updated) = exchange(server, "PUT", &path, Some(&object.to_string()))?;
+        if !ok {
+            eprintln!("{updated}");
+            return Ok(false);
+        }
+    }
+    println!("{uid}");
+    Ok(true)
+}
+
+/// One HTTP/1.1 exchange: whether the answer is a 2xx, and its body.
+fn exchange(
+    server: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> anyhow::Result<(bool, String)> {
     let host = server
         .strip_prefix("http://")
         .ok_or_else(|| anyhow::anyhow!("--server must be http://HOST:PORT, not {server:?}"))?
@@ -142,8 +202,7 @@ fn request(server: &str, method: &str, path: &str, body: Option<&str>) -> anyhow
         .split_whitespace()
         .nth(1)
         .is_some_and(|code| code.starts_with('2'));
-    println!("{payload}");
-    Ok(ok)
+    Ok((ok, payload.to_owned()))
 }
 
 fn main() -> ExitCode {
@@ -156,6 +215,12 @@ fn main() -> ExitCode {
             path,
             body,
         } => request(server, method, path, body.as_deref()),
+        Command::Claim {
+            server,
+            claim: c,
+            class,
+            results,
+        } => claim(server, c, class, results),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

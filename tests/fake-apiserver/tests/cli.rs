@@ -1,0 +1,89 @@
+//! The `fake-apiserver` command against an in-process server: `claim` leaves an
+//! allocated ResourceClaim the way the scheduler does, and prints its uid.
+
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+
+use fake_apiserver::{paths, FakeApiServer};
+
+fn run(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fake-apiserver"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn claim_creates_then_allocates_through_the_status_subresource() {
+    let s = FakeApiServer::start().unwrap();
+    let url = s.url();
+    let (ok, out, err) = run(&[
+        "claim",
+        "--server",
+        &url,
+        "vms/vm-a-gpu",
+        "--result",
+        "gpu:vfio-sandbox.rebellions.ai:node-a:pci-0000-01-00-0",
+        "--result",
+        "gpu2:vfio-sandbox.rebellions.ai:node-a:pci-0000-02-00-0",
+    ]);
+    assert!(ok, "{out}{err}");
+    let uid = out.trim();
+    let claim = s.get(&paths::resourceclaim("vms", "vm-a-gpu")).unwrap();
+    assert_eq!(claim["metadata"]["uid"], uid);
+    let results = claim["status"]["allocation"]["devices"]["results"]
+        .as_array()
+        .unwrap();
+    assert_eq!(results.len(), 2);
+    assert_eq!(results[1]["device"], "pci-0000-02-00-0");
+    assert_eq!(claim["spec"]["devices"]["requests"][0]["name"], "gpu");
+    let methods: Vec<String> = s
+        .requests()
+        .into_iter()
+        .map(|(m, p)| format!("{m} {p}"))
+        .collect();
+    assert_eq!(
+        methods,
+        [
+            "POST /apis/resource.k8s.io/v1/namespaces/vms/resourceclaims".to_owned(),
+            "PUT /apis/resource.k8s.io/v1/namespaces/vms/resourceclaims/vm-a-gpu/status".to_owned(),
+        ]
+    );
+    let (ok, _, err) = run(&["claim", "--server", &url, "vms/vm-a-gpu"]);
+    assert!(!ok, "a second claim of that name already exists");
+    assert!(err.contains("AlreadyExists"), "{err}");
+    let (ok, _, err) = run(&["claim", "--server", &url, "vms/x", "--result", "no-colons"]);
+    assert!(!ok && err.contains("REQUEST:DRIVER:POOL:DEVICE"), "{err}");
+}
+
+#[test]
+fn request_reports_the_real_status_codes() {
+    let s = FakeApiServer::start().unwrap();
+    let url = s.url();
+    let (ok, out, _) = run(&[
+        "request",
+        "--server",
+        &url,
+        "GET",
+        &paths::resourceslice("x"),
+    ]);
+    assert!(!ok);
+    assert!(out.contains("\"reason\":\"NotFound\""), "{out}");
+    let wrong = r#"{"apiVersion":"v1","kind":"Node","metadata":{"name":"x"}}"#;
+    let (ok, out, _) = run(&[
+        "request",
+        "--server",
+        &url,
+        "POST",
+        &paths::resourceslices(),
+        wrong,
+    ]);
+    assert!(!ok);
+    assert!(out.contains("\"code\":400"), "{out}");
+}
