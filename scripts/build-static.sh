@@ -96,21 +96,30 @@ json="$(mktemp)"
 trap 'rm -f "$json"' EXIT
 
 rc=0
-# vfio-manager with its failpoints armed (FAILPOINTS env, `fail` crate), for the
-# crash scenario only. Built first: the normal build below puts the shipped
-# vfio-manager back in place (cargo keeps both variants cached).
-fp_bin="$out_dir/vfio-manager-failpoints"
+# vfio-manager and sandbox-dra-driver with their failpoints armed (FAILPOINTS env,
+# `fail` crate), for the crash scenarios only, shipped as <name>-failpoints. Built
+# first: the normal build below puts the shipped binaries back in place (cargo keeps
+# both variants cached).
+fp_bins=()
 if (
     cd "$repo_root"
     RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C target-feature=+crt-static" \
-        cargo build --profile "$profile" --target "$target" -p vfio-manager --features failpoints \
-        --message-format=json-render-diagnostics
+        cargo build --profile "$profile" --target "$target" -p vfio-manager -p sandbox-dra-driver \
+        --features failpoints --message-format=json-render-diagnostics
 ) >"$json"; then
-    exe="$(grep -o '"executable":"[^"]*vfio-manager"' "$json" | tail -n1 | sed 's/^"executable":"//; s/"$//')"
-    cp "$exe" "$fp_bin.tmp" && mv "$fp_bin.tmp" "$fp_bin"
+    for name in vfio-manager sandbox-dra-driver; do
+        exe="$(grep -o "\"executable\":\"[^\"]*/$name\"" "$json" | tail -n1 | sed 's/^"executable":"//; s/"$//')"
+        fp_bin="$out_dir/$name-failpoints"
+        if [[ -n "$exe" ]] && cp "$exe" "$fp_bin.tmp" && mv "$fp_bin.tmp" "$fp_bin"; then
+            fp_bins+=("$fp_bin")
+        else
+            log "error: $name --features failpoints built no binary"
+            rc=1
+        fi
+    done
 else
-    log "error: vfio-manager --features failpoints did not build"
-    rm -f "$fp_bin"
+    log "error: vfio-manager and sandbox-dra-driver --features failpoints did not build"
+    rm -f "$out_dir/vfio-manager-failpoints" "$out_dir/sandbox-dra-driver-failpoints"
     rc=1
 fi
 (
@@ -124,9 +133,9 @@ fi
 # current for this build (fresh or rebuilt).
 grep -o '"executable":"[^"]*"' "$json" | sed 's/^"executable":"//; s/"$//' |
     sort -u >"$list.tmp" || true
-if [[ -x "$fp_bin" ]]; then
+for fp_bin in "${fp_bins[@]}"; do
     printf '%s\n' "$fp_bin" >>"$list.tmp"
-fi
+done
 mv "$list.tmp" "$list"
 
 if [[ -s "$list" ]]; then

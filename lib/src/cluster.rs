@@ -297,6 +297,11 @@ impl Cluster {
         })
     }
 
+    /// The client, for the agent's own requests.
+    pub fn kube_client(&self) -> Client {
+        self.client.clone()
+    }
+
     /// Who this agent is.
     pub fn identity(&self) -> &Identity {
         &self.identity

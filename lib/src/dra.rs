@@ -691,6 +691,16 @@ fn first_few(names: &[String]) -> String {
     s
 }
 
+/// What prepare needs of a ResourceClaim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimAllocation {
+    /// Its devices of this driver in this pool, in result order.
+    pub allocations: Vec<Allocation>,
+    /// Its `resource.kubernetes.io/pod-claim-name` annotation: set when the claim was
+    /// made from a template, and part of the path the pod reads its metadata at.
+    pub pod_claim_name: Option<String>,
+}
+
 /// The devices of ResourceClaim `claim` allocated to `driver` in `pool`, read from
 /// the API server now.
 ///
@@ -704,7 +714,7 @@ pub async fn claim_allocation(
     claim: &ClaimRef,
     driver: &str,
     pool: &str,
-) -> Result<Vec<Allocation>, ClaimError> {
+) -> Result<ClaimAllocation, ClaimError> {
     let id = format!("{}/{}", claim.namespace, claim.name);
     let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &claim.namespace);
     let found = tokio::time::timeout(REQUEST_TIMEOUT, api.get_opt(&claim.name))
@@ -718,7 +728,15 @@ pub async fn claim_allocation(
             source,
         })?
         .ok_or_else(|| ClaimError::NotFound { claim: id.clone() })?;
-    allocation_of(&found, claim, driver, pool)
+    Ok(ClaimAllocation {
+        allocations: allocation_of(&found, claim, driver, pool)?,
+        pod_claim_name: found
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(crate::cdi::POD_CLAIM_NAME_ANNOTATION))
+            .cloned(),
+    })
 }
 
 /// [`claim_allocation`] on a claim already read.

@@ -22,6 +22,17 @@ pub fn socket_nonblocking() -> nix::Result<OwnedFd> {
     Ok(fd)
 }
 
+/// The uevent socket, registered with the tokio runtime (for the agents that run one).
+#[cfg(any(feature = "kube", feature = "metrics"))]
+pub fn async_socket() -> std::io::Result<tokio::io::unix::AsyncFd<OwnedFd>> {
+    let fd = socket_nonblocking()?;
+    // SAFETY: the OwnedFd is moved into the AsyncFd, which owns it from here on: it
+    // stays open, and as_raw_fd returns the same descriptor, until the AsyncFd drops.
+    #[allow(unsafe_code)]
+    let registered = unsafe { tokio::io::unix::AsyncFd::register(fd) };
+    registered.map_err(|e| e.into_parts().1)
+}
+
 /// True when a uevent message (`ACTION@DEVPATH\0KEY=VALUE\0...`) concerns the PCI bus.
 pub fn is_pci(msg: &[u8]) -> bool {
     msg.split(|b| *b == 0)

@@ -362,6 +362,7 @@ fn read(
         DRIVER,
         NODE,
     ))
+    .map(|a| a.allocations)
 }
 
 fn with_claim(name: &str, results: Option<&[DeviceResult]>) -> FakeApiServer {
@@ -395,6 +396,46 @@ fn claim_allocation_keeps_our_devices_in_our_pool() {
         s.requests(),
         [("GET".to_owned(), paths::resourceclaim(NS, "vm-a"))]
     );
+}
+
+#[test]
+fn a_template_claim_carries_its_pod_claim_name() {
+    let s = FakeApiServer::start().unwrap();
+    let mut claim = objects::resource_claim(
+        NS,
+        "vm-a-npu-x7k2",
+        UID,
+        Some(&[DeviceResult::new("npu", DRIVER, NODE, "pci-0000-01-00-0")]),
+    );
+    claim["metadata"]["annotations"] = json!({"resource.kubernetes.io/pod-claim-name": "npu"});
+    s.put(&paths::resourceclaim(NS, "vm-a-npu-x7k2"), claim);
+    let rt = rt();
+    let c = client(&rt, &s);
+    let got = rt
+        .block_on(dra::claim_allocation(
+            &c,
+            &claim_ref("vm-a-npu-x7k2", UID),
+            DRIVER,
+            NODE,
+        ))
+        .unwrap();
+    assert_eq!(got.pod_claim_name.as_deref(), Some("npu"));
+    assert_eq!(got.allocations.len(), 1);
+    // A claim made by hand has none.
+    let s = with_claim(
+        "vm-b",
+        Some(&[DeviceResult::new("npu", DRIVER, NODE, "pci-0000-01-00-0")]),
+    );
+    let c = client(&rt, &s);
+    let got = rt
+        .block_on(dra::claim_allocation(
+            &c,
+            &claim_ref("vm-b", UID),
+            DRIVER,
+            NODE,
+        ))
+        .unwrap();
+    assert_eq!(got.pod_claim_name, None);
 }
 
 #[test]

@@ -33,7 +33,7 @@ pub async fn watch_node(
     publish: watch::Sender<Arc<Snapshot>>,
     resync: Option<Duration>,
 ) {
-    let uevents = match uevent_fd() {
+    let uevents = match uevent::async_socket() {
         Ok(u) => Some(u),
         Err(e) => {
             tracing::warn!(error = %e, "no kernel uevents (needs the host network namespace); health follows the periodic resync");
@@ -96,16 +96,6 @@ pub async fn watch_node(
             }
         }
     }
-}
-
-/// The uevent socket, registered with the runtime.
-fn uevent_fd() -> std::io::Result<AsyncFd<OwnedFd>> {
-    let fd = uevent::socket_nonblocking()?;
-    // SAFETY: the OwnedFd is moved into the AsyncFd, which owns it from here on: it
-    // stays open, and as_raw_fd returns the same descriptor, until the AsyncFd drops.
-    #[allow(unsafe_code)]
-    let registered = unsafe { AsyncFd::register(fd) };
-    registered.map_err(|e| e.into_parts().1)
 }
 
 fn log_changes(old: &Snapshot, new: &Snapshot) {

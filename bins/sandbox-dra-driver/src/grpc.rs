@@ -15,6 +15,7 @@
 //! is bound again, which makes kubelet register the driver anew.
 //!
 //! ```no_run
+//! # use sandbox_dra_driver::grpc::{serve, Driver, GrpcConfig};
 //! # async fn example(driver: std::sync::Arc<dyn Driver>) -> anyhow::Result<()> {
 //! let cfg = GrpcConfig::new("vfio-sandbox.rebellions.ai", "/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins");
 //! serve(cfg, driver, async { let _ = tokio::signal::ctrl_c().await; }).await

@@ -1,8 +1,333 @@
 //! `sandbox-dra-driver`: VFIO passthrough per ResourceClaim through Dynamic Resource
-//! Allocation.
+//! Allocation. Publishes the node's selected PCI functions as a ResourceSlice, moves
+//! a claim's devices — whole IOMMU groups — to vfio-pci when kubelet prepares it, and
+//! gives them back when kubelet unprepares it, with the engine vfio-manager uses.
 
-// Not called from main yet: the command line and the engine come next.
-#[allow(dead_code)]
-mod grpc;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
-fn main() {}
+use clap::Parser;
+use tokio::signal::unix::{signal, SignalKind};
+use vfio_sandbox::cdi::{DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
+use vfio_sandbox::claims::{Claims, Files};
+use vfio_sandbox::cli::{fail, parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
+use vfio_sandbox::cluster::{Cluster, Identity, Verdict};
+use vfio_sandbox::host::DEFAULT_MODULES_ROOT;
+use vfio_sandbox::kernel::SysKernel;
+use vfio_sandbox::passthrough::Passthrough;
+use vfio_sandbox::state::{StateError, StateFile, DEFAULT_STATE_FILE};
+use vfio_sandbox::{error_chain, module};
+
+use sandbox_dra_driver::{grpc, publish, service, worker};
+
+const PROGRAM: &str = "sandbox-dra-driver";
+
+/// The default DRA driver name.
+pub const DEFAULT_DRIVER_NAME: &str = "vfio-sandbox.rebellions.ai";
+/// The default state file.
+pub const DEFAULT_DRA_STATE_FILE: &str = "/run/sandbox-dra-driver/state.json";
+
+const LONG_ABOUT: &str = "\
+A Dynamic Resource Allocation (DRA) driver for VFIO passthrough, one claim at a time.
+
+It publishes one ResourceSlice for this node (pool = node name) with one device per PCI
+function the resource list selects (companions are not offered: they travel with their
+IOMMU group), registers with kubelet's plugin watcher (<registry-dir>/<driver>-reg.sock)
+and serves the DRA kubelet API v1 and v1beta1 on <plugins-dir>/<driver>/dra.sock.
+
+NodePrepareResources reads each ResourceClaim from the API server, moves every IOMMU
+group of its devices to vfio-pci (each member recorded in the state file before it is
+touched; a failed group is put back), and writes a CDI spec and the device metadata file
+KubeVirt reads. NodeUnprepareResources gives every device back to the driver it had, and
+refuses while a VM holds /dev/vfio/<group> (kubelet retries). After a crash the next start
+rolls a half-prepared claim back and finishes a half-unprepared one.
+
+A node runs either vfio-manager or this driver: it refuses to start while vfio-manager's
+state file lists devices. SIGTERM/SIGINT stop serving; devices of prepared claims stay
+with their VMs. If the DaemonSet no longer selects this node (an uninstall), the
+ResourceSlice is deleted too.
+
+Exit codes: 0 stopped by a signal, 1 the node or the API server could not be used,
+2 bad usage or config (nothing touched).";
+
+/// Command line.
+#[derive(Debug, Parser)]
+#[command(name = PROGRAM, version, about = "DRA driver: VFIO passthrough of whole IOMMU groups per ResourceClaim", long_about = LONG_ABOUT)]
+struct Cli {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// This node's name (downward API spec.nodeName): the pool and the slice's node.
+    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+    node_name: String,
+    /// This pod's name (downward API), to find its DaemonSet at stop.
+    #[arg(long, env = "POD_NAME", value_name = "NAME")]
+    pod_name: Option<String>,
+    /// This pod's namespace (downward API).
+    #[arg(long, env = "POD_NAMESPACE", value_name = "NAMESPACE")]
+    pod_namespace: Option<String>,
+    /// The DRA driver name (a DNS subdomain) in ResourceSlices, DeviceClasses and CDI.
+    #[arg(long, env = "VFIO_SANDBOX_DRIVER_NAME", default_value = DEFAULT_DRIVER_NAME, value_name = "NAME")]
+    driver_name: String,
+    /// kubelet's plugin registration directory (the watcher finds <driver>-reg.sock here).
+    #[arg(
+        long,
+        env = "VFIO_SANDBOX_REGISTRY_DIR",
+        default_value = "/var/lib/kubelet/plugins_registry",
+        value_name = "DIR"
+    )]
+    registry_dir: PathBuf,
+    /// kubelet's plugins directory (the service socket is <dir>/<driver>/dra.sock).
+    #[arg(
+        long,
+        env = "VFIO_SANDBOX_PLUGINS_DIR",
+        default_value = "/var/lib/kubelet/plugins",
+        value_name = "DIR"
+    )]
+    plugins_dir: PathBuf,
+    /// Where CDI spec files go (one per prepared claim).
+    #[arg(long, env = "VFIO_SANDBOX_CDI_DIR", default_value = DEFAULT_CDI_DIR, value_name = "DIR")]
+    cdi_dir: PathBuf,
+    /// Where the device metadata files KubeVirt reads go.
+    #[arg(long, env = "VFIO_SANDBOX_METADATA_DIR", default_value = DEFAULT_METADATA_DIR, value_name = "DIR")]
+    metadata_dir: PathBuf,
+    /// The record of prepared claims and of every device moved (keep it on /run).
+    #[arg(long, env = "VFIO_SANDBOX_STATE_FILE", default_value = DEFAULT_DRA_STATE_FILE, value_name = "FILE")]
+    state_file: PathBuf,
+    /// vfio-manager's state file: while it lists devices this driver does not start.
+    #[arg(long, env = "VFIO_SANDBOX_MANAGER_STATE_FILE", default_value = DEFAULT_STATE_FILE, value_name = "FILE")]
+    manager_state_file: PathBuf,
+    /// Kernel modules tree holding <release>/modules.dep (vfio-pci is loaded from it).
+    #[arg(long, env = "VFIO_SANDBOX_MODULES_ROOT", default_value = DEFAULT_MODULES_ROOT, value_name = "DIR")]
+    modules_root: PathBuf,
+    /// Longest an RPC waits for one claim's prepare or unprepare (90s, 5m, 500ms,
+    /// seconds). A step that takes longer goes on; kubelet's retry gets its result.
+    #[arg(long, env = "VFIO_SANDBOX_PREPARE_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    prepare_timeout: Duration,
+    /// Full rescan period for the ResourceSlice beneath PCI uevents.
+    #[arg(long, env = "VFIO_SANDBOX_RESYNC_INTERVAL", default_value = "5m", value_parser = parse_duration)]
+    resync_interval: Duration,
+    /// Also give containers /dev/iommu and /dev/vfio/devices/vfioN (iommufd).
+    #[arg(long, env = "VFIO_SANDBOX_IOMMUFD")]
+    iommufd: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    cli.common.init_logging();
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
+    if cli.node_name.trim().is_empty() {
+        return fail(
+            PROGRAM,
+            &Usage("--node-name (NODE_NAME) is empty".into()),
+            EXIT_USAGE,
+        );
+    }
+    if cli.prepare_timeout.is_zero() || cli.resync_interval.is_zero() {
+        return fail(
+            PROGRAM,
+            &Usage("--prepare-timeout and --resync-interval must be above zero".into()),
+            EXIT_USAGE,
+        );
+    }
+    let list = match cli.common.resource_list() {
+        Ok(l) => l,
+        Err(e) => return fail(PROGRAM, &e, EXIT_USAGE),
+    };
+    if let Err(e) = check_no_manager(&cli.manager_state_file) {
+        return fail(PROGRAM, &Usage(e), EXIT_USAGE);
+    }
+    let mut host = cli.common.host();
+    host.modules = cli.modules_root.clone();
+    let files = Files {
+        driver: cli.driver_name.clone(),
+        cdi_dir: cli.cdi_dir.clone(),
+        metadata_dir: cli.metadata_dir.clone(),
+        iommufd: cli.iommufd,
+    };
+    let mut state = match StateFile::load(&cli.state_file, true) {
+        Ok(s) => s,
+        Err(StateError::Locked { lock }) => {
+            let e = Usage(format!(
+                "{} is locked by another {PROGRAM} on this node; not touching the node",
+                lock.display()
+            ));
+            return fail(PROGRAM, &e, EXIT_NOT_READY);
+        }
+        Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
+    };
+    let release = module::kernel_release();
+    // Finish what a killed predecessor left half-done before serving anything.
+    let recovery = Claims {
+        pt: Passthrough {
+            host: &host,
+            kernel: &SysKernel,
+            state: &mut state,
+            release: release.clone(),
+        },
+        pool: &cli.node_name,
+        files: &files,
+    }
+    .recover();
+    for c in &recovery.rolled_back {
+        tracing::warn!(claim = %c, "found half-prepared after a restart; rolled back (kubelet prepares it again)");
+    }
+    for c in &recovery.finished {
+        tracing::info!(claim = %c, "found half-unprepared after a restart; finished");
+    }
+    for a in &recovery.orphans {
+        tracing::warn!(bdf = %a, "restored a device no claim owned");
+    }
+    for f in &recovery.failed {
+        tracing::error!(error = %f, "could not finish after a restart; kept for a later unprepare");
+    }
+    let prepared = state.state().claims.len();
+    let worker = match worker::Worker::start(
+        worker::Setup {
+            host: host.clone(),
+            list: list.clone(),
+            state,
+            release,
+            pool: cli.node_name.clone(),
+            files,
+        },
+        cli.prepare_timeout,
+    ) {
+        Ok(w) => w,
+        Err(e) => return fail(PROGRAM, e.as_ref(), EXIT_NOT_READY),
+    };
+    if prepared > 0 {
+        tracing::info!(
+            claims = prepared,
+            "claims prepared before this start are kept"
+        );
+    }
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
+    };
+    match runtime.block_on(run(cli, host, list, worker)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(PROGRAM, e.as_ref(), EXIT_NOT_READY),
+    }
+}
+
+/// A usage or configuration problem, said as is.
+#[derive(Debug)]
+struct Usage(String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+/// A node runs vfio-manager or this driver, never both.
+fn check_no_manager(path: &std::path::Path) -> Result<(), String> {
+    let state = StateFile::load(path, false).map_err(|e| {
+        format!(
+            "cannot tell whether vfio-manager owns devices on this node: {}",
+            error_chain(&e)
+        )
+    })?;
+    let devices: Vec<String> = state
+        .state()
+        .devices
+        .keys()
+        .map(|a| a.to_string())
+        .collect();
+    if devices.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "vfio-manager owns {} device(s) on this node ({}, per {}): a node runs either vfio-manager \
+         (the whole node in VM mode) or {PROGRAM}, not both. Take the node out of vfio-manager's \
+         DaemonSet (it restores the devices on SIGTERM) before deploying {PROGRAM} here",
+        devices.len(),
+        devices.join(", "),
+        path.display()
+    ))
+}
+
+async fn run(
+    cli: Cli,
+    host: vfio_sandbox::Host,
+    list: vfio_sandbox::config::ResourceList,
+    worker: worker::Worker,
+) -> anyhow::Result<()> {
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sighup = signal(SignalKind::hangup())?;
+    let identity = Identity {
+        node: cli.node_name.clone(),
+        pod: cli.pod_namespace.clone().zip(cli.pod_name.clone()),
+        controller: PROGRAM.into(),
+    };
+    let cluster = Cluster::connect(identity)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot set up the API server client: {}", error_chain(&e)))?;
+    let publisher = publish::Publisher::new(
+        cluster.clone(),
+        cli.driver_name.clone(),
+        cli.node_name.clone(),
+        host,
+        list,
+        cli.resync_interval,
+    );
+    let publishing = tokio::spawn(publisher.clone().run());
+    let driver = Arc::new(service::Service::new(
+        cluster.clone(),
+        cli.driver_name.clone(),
+        cli.node_name.clone(),
+        worker,
+    ));
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(grpc::serve(
+        grpc::GrpcConfig {
+            driver_name: cli.driver_name.clone(),
+            registry_dir: cli.registry_dir.clone(),
+            plugins_dir: cli.plugins_dir.clone(),
+        },
+        driver,
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    tokio::pin!(serving);
+    let result = tokio::select! {
+        _ = sigterm.recv() => { tracing::info!(signal = "SIGTERM", "stopping"); Ok(()) }
+        _ = sigint.recv() => { tracing::info!(signal = "SIGINT", "stopping"); Ok(()) }
+        _ = sighup.recv() => { tracing::info!(signal = "SIGHUP", "stopping"); Ok(()) }
+        r = &mut serving => match r {
+            Ok(Ok(())) => Err(anyhow::anyhow!("the kubelet API server stopped")),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(anyhow::anyhow!("the kubelet API server task failed: {e}")),
+        },
+    };
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), &mut serving).await;
+    publishing.abort();
+    let claims = worker::prepared_claims(&cli.state_file);
+    if !claims.is_empty() {
+        tracing::info!(claims = %claims.join(", "), "prepared claims keep their devices on vfio until kubelet unprepares them");
+    }
+    match cluster.stop_verdict().await {
+        Verdict::Keep(why) => {
+            tracing::info!(reason = %why, "keeping this node's ResourceSlice for the next driver pod")
+        }
+        Verdict::Restore(why) => {
+            tracing::info!(reason = %why, "the driver leaves this node; deleting its ResourceSlice");
+            if let Err(e) = publisher.delete_all().await {
+                tracing::warn!(error = %e, "could not delete this node's ResourceSlice");
+            }
+        }
+    }
+    result
+}

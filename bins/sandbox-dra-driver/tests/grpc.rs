@@ -4,17 +4,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[allow(dead_code)]
-#[path = "../src/grpc.rs"]
-mod grpc;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use grpc::{Driver, GrpcConfig};
 use kubelet_peer::dra::{self, Dra, Version};
+use sandbox_dra_driver::grpc::{self, Driver, GrpcConfig};
 use tokio::sync::oneshot;
 use vfio_sandbox::claims::{ClaimRef, PreparedDevice};
 
