@@ -318,6 +318,10 @@ async fn run(
     if !claims.is_empty() {
         tracing::info!(claims = %claims.join(", "), "prepared claims keep their devices on vfio until kubelet unprepares them");
     }
+    if cli.pod_name.is_none() || cli.pod_namespace.is_none() {
+        tracing::info!("POD_NAME/POD_NAMESPACE are not set, so an uninstall cannot be told from a restart; keeping this node's ResourceSlice");
+        return result;
+    }
     match cluster.stop_verdict().await {
         Verdict::Keep(why) => {
             tracing::info!(reason = %why, "keeping this node's ResourceSlice for the next driver pod")

@@ -113,7 +113,7 @@ impl Publisher {
             .await
             .delete_all()
             .await
-            .map(|deleted| tracing::info!(slices = %deleted.join(", "), "deleted"))
+            .map(|_| ())
             .map_err(|e| error_chain(&e))
     }
 }
