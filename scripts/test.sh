@@ -12,8 +12,8 @@ echo "==== manifests: render, validate (Kubernetes, KubeVirt), coexistence, shel
 scripts/check-manifests.sh
 echo "==== cargo test"
 cargo test --workspace --locked
-echo "==== fault injection: fail and crash at every kernel write, module syscall and state save"
-cargo test -p vfio-sandbox --test faults --locked -- --nocapture
+echo "==== fault injection: fail and crash at every kernel write, module syscall and state save (a node's VM-mode life; two DRA claims' life)"
+cargo test -p vfio-sandbox --test faults --test claims --locked -- --nocapture
 echo "==== gRPC interop: a grpc-core client (Python grpcio from PyPI) against the device plugin"
 python3 -m venv .cache/grpc-venv
 .cache/grpc-venv/bin/pip install --quiet --disable-pip-version-check -r tests/grpc-interop/requirements.txt

@@ -1,0 +1,190 @@
+# sandbox-dra-driver on the real kernel: the stand-in API server and the
+# kubelet-like peer in the guest, the driver registered with the peer and its
+# ResourceSlice published; a claim for the two-function card moves both functions
+# (the whole IOMMU group) to vfio-pci with the group node, CDI spec and metadata
+# file in place, and unprepare gives them back to e1000e. Then: the card and a
+# second device prepared for two claims at once (v1beta1), a third claim on the
+# card's group refused, a held group refusing unprepare until it is let go,
+# kill -9 between steps and in the middle of a bind (failpoints build) followed
+# by a restart that converges, and a stop that keeps or deletes the slice.
+# vm: needs=sandbox-dra-driver,sandbox-dra-driver-failpoints,kubelet-peer,fake-apiserver
+# vm: timeout=300
+# shellcheck shell=sh
+
+export VFIO_SANDBOX_CONFIG=/tmp/list.json
+echo '{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}' >"$VFIO_SANDBOX_CONFIG"
+DRIVER=vfio-sandbox.rebellions.ai
+REG=/var/lib/kubelet/plugins_registry
+NODE=dra-node
+NS=vfio-sandbox-dra
+STATE=/run/sandbox-dra-driver/state.json
+CDI=/var/run/cdi
+META=/var/run/kubernetes.io/dra-device-attributes/$DRIVER
+LABEL=rebellions.ai/npu.deploy.sandbox-dra-driver
+dev_name() { echo "pci-$1" | tr ':.' '--'; }
+SOLO_GROUP=$(group_of "$SOLO_NIC")
+
+ifconfig lo 127.0.0.1 up 2>/dev/null || ip link set lo up
+fake-apiserver serve --listen 127.0.0.1:6443 --kubeconfig /tmp/kubeconfig \
+    --node "$NODE" --label "$LABEL=true" \
+    --daemonset "$NS/sandbox-dra-driver" --selector "$LABEL=true" \
+    --pod "$NS/dra-pod1" >/tmp/apiserver.log 2>&1 &
+wait_for "the stand-in API server serves" 10 -- test -s /tmp/kubeconfig
+export KUBECONFIG=/tmp/kubeconfig NODE_NAME=$NODE POD_NAMESPACE=$NS POD_NAME=dra-pod1
+
+# start_driver [BINARY [FLAGS...]]: start the driver (its log is $DLOG), wait
+# until it serves (a killed one leaves its socket files behind).
+starts=0
+start_driver() {
+    bin=${1:-sandbox-dra-driver}
+    [ $# -gt 0 ] && shift
+    starts=$((starts + 1))
+    DLOG=/tmp/dra.$starts.log
+    "$bin" --prepare-timeout 5s "$@" >"$DLOG" 2>&1 &
+    driver=$!
+    wait_for "$bin serves its registration socket" 20 -- grep -q "serving registration" "$DLOG"
+}
+peer() { kubelet-peer dra "$@" --registry "$REG"; }
+# claim NAME BDF...: an allocated ResourceClaim in namespace vms; prints its uid.
+claim() {
+    c_name=$1
+    shift
+    c_args=""
+    for b in "$@"; do c_args="$c_args --result nic:$DRIVER:$NODE:$(dev_name "$b")"; done
+    # shellcheck disable=SC2086
+    fake-apiserver claim "vms/$c_name" $c_args
+}
+slices() { fake-apiserver request GET /apis/resource.k8s.io/v1/resourceslices >/tmp/slices.json; }
+
+note "registration and the ResourceSlice"
+start_driver
+step "the peer registers the driver" -- peer register
+cp "$TB_OUT" /tmp/reg.json
+run_logged cat /tmp/reg.json
+expect_contains "GetInfo: a DRA plugin" /tmp/reg.json '"type":"DRAPlugin","name":"vfio-sandbox.rebellions.ai"'
+expect_contains "GetInfo: its endpoint" /tmp/reg.json "\"endpoint\":\"/var/lib/kubelet/plugins/$DRIVER/dra.sock\""
+expect_contains "GetInfo: v1 first, then v1beta1" /tmp/reg.json '"supported_versions":["v1.DRAPlugin","v1beta1.DRAPlugin"],"chosen":"v1"'
+wait_for "the ResourceSlice is published" 10 -- sh -c 'fake-apiserver request GET /apis/resource.k8s.io/v1/resourceslices | grep -q pci-0000'
+slices
+for b in "$CARD_FN0" "$CARD_FN1" "$SOLO_NIC"; do
+    expect_contains "slice offers $b" /tmp/slices.json "\"resource.kubernetes.io/pciBusID\":{\"string\":\"$b\"}"
+done
+expect_contains "slice: this node's pool" /tmp/slices.json "\"nodeName\":\"$NODE\""
+expect_contains "slice: the card's IOMMU group" /tmp/slices.json "\"iommuGroup\":{\"int\":$CARD_GROUP}"
+step "slice: the NVMe (not selected) is not offered" -- sh -c "! grep -q $NVME_PF /tmp/slices.json"
+
+note "prepare the card's claim (v1): the whole group moves"
+uid_card=$(claim vm-card "$CARD_FN0")
+t0=$(_tb_now_ms)
+step "NodePrepareResources v1 for vm-card" -- peer prepare --version v1 --claim "vms/vm-card/$uid_card"
+t1=$(_tb_now_ms)
+cp "$TB_OUT" /tmp/prep-card.json
+run_logged cat /tmp/prep-card.json
+note "prepare took $((t1 - t0)) ms (peer to answer)"
+expect_contains "answer: the device and its CDI id" /tmp/prep-card.json \
+    "\"device_name\":\"$(dev_name "$CARD_FN0")\",\"cdi_device_ids\":[\"$DRIVER/vfio=$(dev_name "$CARD_FN0")-$uid_card\""
+expect_driver "CARD_FN0 on vfio-pci" "$CARD_FN0" vfio-pci
+expect_driver "CARD_FN1 (companion) on vfio-pci" "$CARD_FN1" vfio-pci
+step "/dev/vfio/$CARD_GROUP is a char device" -- test -c "/dev/vfio/$CARD_GROUP"
+expect_driver "SOLO_NIC untouched" "$SOLO_NIC" e1000e
+spec=$CDI/$DRIVER-vfio_$uid_card.json
+run_logged cat "$spec"
+expect_contains "CDI spec gives /dev/vfio/vfio" "$spec" '"path": "/dev/vfio/vfio"'
+expect_contains "CDI spec gives the group node" "$spec" "\"path\": \"/dev/vfio/$CARD_GROUP\""
+expect_contains "CDI spec mounts the metadata file" "$spec" \
+    "\"containerPath\": \"/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm-card/nic/$DRIVER-metadata.json\""
+meta=$META/$uid_card/nic/metadata.json
+run_logged cat "$meta"
+expect_contains "metadata carries the pciBusID" "$meta" "\"string\": \"$CARD_FN0\""
+expect_contains "state: the claim is prepared" "$STATE" '"phase": "prepared"'
+step "prepare again (kubelet retries): the same answer" -- peer prepare --version v1 --claim "vms/vm-card/$uid_card"
+expect_eq "the same answer" "$(cat "$TB_OUT")" "$(cat /tmp/prep-card.json)"
+
+note "unprepare: back to e1000e"
+t0=$(_tb_now_ms)
+step "NodeUnprepareResources v1 for vm-card" -- peer unprepare --version v1 --claim "vms/vm-card/$uid_card"
+t1=$(_tb_now_ms)
+note "unprepare took $((t1 - t0)) ms (peer to answer)"
+expect_driver "CARD_FN0 back on e1000e" "$CARD_FN0" e1000e
+expect_driver "CARD_FN1 back on e1000e" "$CARD_FN1" e1000e
+step "CDI spec removed" -- sh -c "! test -e '$spec'"
+step "metadata removed" -- sh -c "! test -e '$META/$uid_card'"
+step "unprepare again: done already" -- peer unprepare --version v1 --claim "vms/vm-card/$uid_card"
+
+note "two claims at once (v1beta1), and a third on the card's group"
+uid_card=$(claim vm-card2 "$CARD_FN0")
+uid_solo=$(claim vm-solo "$SOLO_NIC")
+step "prepare vm-card2 and vm-solo in one call" -- peer prepare --version v1beta1 \
+    --claim "vms/vm-card2/$uid_card" --claim "vms/vm-solo/$uid_solo"
+run_logged cat "$TB_OUT"
+expect_driver "CARD_FN0 on vfio-pci" "$CARD_FN0" vfio-pci
+expect_driver "CARD_FN1 on vfio-pci" "$CARD_FN1" vfio-pci
+expect_driver "SOLO_NIC on vfio-pci" "$SOLO_NIC" vfio-pci
+step "/dev/vfio/$SOLO_GROUP is a char device" -- test -c "/dev/vfio/$SOLO_GROUP"
+uid_thief=$(claim vm-thief "$CARD_FN1")
+expect_fail "a claim on the card's other function is refused" 1 -- \
+    peer prepare --version v1 --claim "vms/vm-thief/$uid_thief"
+expect_contains "the refusal names the owner" "$TB_OUT" "which is prepared for claim vms/vm-card2"
+expect_fail "an unknown uid is refused" 1 -- peer prepare --version v1 --claim "vms/vm-solo/not-its-uid"
+expect_contains "the refusal names both uids" "$TB_OUT" "kubelet asked for not-its-uid"
+
+note "a VM holds the card's group: unprepare waits for it"
+sh -c "exec 3<>/dev/vfio/$CARD_GROUP; echo holding; sleep 600" >/tmp/holder.log 2>&1 &
+holder=$!
+wait_for "holder has the group open" 5 -- grep -q holding /tmp/holder.log
+expect_fail "unprepare vm-card2 fails while the group is held" 1 -- \
+    peer unprepare --version v1 --claim "vms/vm-card2/$uid_card"
+expect_contains "the error names the group node" "$TB_OUT" "/dev/vfio/$CARD_GROUP still open"
+expect_driver "held CARD_FN0 stays on vfio-pci" "$CARD_FN0" vfio-pci
+kill "$holder"
+wait "$holder" 2>/dev/null
+step "unprepare vm-card2 once the group is let go" -- peer unprepare --version v1 --claim "vms/vm-card2/$uid_card"
+expect_driver "CARD_FN0 back on e1000e" "$CARD_FN0" e1000e
+expect_driver "CARD_FN1 back on e1000e" "$CARD_FN1" e1000e
+
+note "kill -9 between steps: a restarted driver still restores"
+step "kill -9 the driver (vm-solo prepared)" -- kill -9 "$driver"
+wait "$driver" 2>/dev/null
+start_driver
+step "unprepare vm-solo after the restart" -- peer unprepare --version v1 --claim "vms/vm-solo/$uid_solo"
+expect_driver "SOLO_NIC back on e1000e" "$SOLO_NIC" e1000e
+
+note "kill -9 in the middle of a bind (after CARD_FN0's unbind)"
+kill -TERM "$driver"
+wait "$driver" 2>/dev/null
+FAILPOINTS=bind-after-unbind=return start_driver sandbox-dra-driver-failpoints
+uid_card=$(claim vm-card3 "$CARD_FN0")
+expect_fail "prepare is bounded: it answers after --prepare-timeout" 1 -- \
+    peer prepare --version v1 --claim "vms/vm-card3/$uid_card"
+expect_contains "the answer says what is still running" "$TB_OUT" "not done within 5s (preparing claim vms/vm-card3"
+wait_for "the driver stops after the unbind" 10 -- grep -q "failpoint bind-after-unbind: paused" "$DLOG"
+run_logged cat "$STATE"
+step "kill -9 the driver there" -- kill -9 "$driver"
+wait "$driver" 2>/dev/null
+expect_driver "CARD_FN0 is on no driver now" "$CARD_FN0" none
+start_driver
+wait_for "the restart rolled the claim back" 10 -- grep -q "found half-prepared after a restart; rolled back" "$DLOG"
+expect_driver "CARD_FN0 back on e1000e" "$CARD_FN0" e1000e
+expect_driver "CARD_FN1 back on e1000e" "$CARD_FN1" e1000e
+step "kubelet's retry prepares it" -- peer prepare --version v1 --claim "vms/vm-card3/$uid_card"
+expect_driver "CARD_FN0 on vfio-pci" "$CARD_FN0" vfio-pci
+step "and unprepares it" -- peer unprepare --version v1 --claim "vms/vm-card3/$uid_card"
+expect_driver "CARD_FN0 back on e1000e" "$CARD_FN0" e1000e
+expect_driver "CARD_FN1 back on e1000e" "$CARD_FN1" e1000e
+step "state: no claim, no device left" -- sh -c "! grep -q '\"claims\"' '$STATE' && grep -q '\"devices\": {}' '$STATE'"
+
+note "stop: a rollout keeps the slice, an uninstall deletes it"
+kill -TERM "$driver"
+wait "$driver"
+expect_eq "SIGTERM: exit 0" "$?" 0
+slices
+expect_contains "rollout: the slice stays" /tmp/slices.json "pci-0000"
+start_driver
+step "uninstall: the DaemonSet is deleted" -- \
+    fake-apiserver request DELETE "/apis/apps/v1/namespaces/$NS/daemonsets/sandbox-dra-driver"
+kill -TERM "$driver"
+wait "$driver"
+slices
+step "uninstall: no slice left" -- sh -c "! grep -q pci-0000 /tmp/slices.json"
+step "the sockets are gone" -- sh -c "! test -e '$REG/$DRIVER-reg.sock'"
+run_logged sh -c 'cat /tmp/dra.*.log | grep -E "prepared|unprepared|rolled back|ResourceSlice|stopping"'
