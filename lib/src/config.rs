@@ -86,6 +86,7 @@ mod driver;
 mod json;
 mod name;
 mod preset;
+mod selector;
 
 pub use driver::{check_vfio_driver, is_vfio_driver, KNOWN_VARIANTS, VARIANT_SUFFIX};
 
@@ -94,6 +95,7 @@ pub use preset::PRESETS;
 
 use json::Json;
 use preset::Naming;
+use selector::{ClassPrefix, Selector};
 
 /// The environment variable naming the resource-list file.
 pub const CONFIG_ENV: &str = "VFIO_SANDBOX_CONFIG";
@@ -502,106 +504,6 @@ impl fmt::Display for EntrySource {
         match self {
             Self::Preset(name) => write!(f, "preset {name:?}"),
             Self::Resource { index, name } => write!(f, "resources[{index}] ({name})"),
-        }
-    }
-}
-
-/// A class-code prefix of 2, 4 or 6 hex digits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct ClassPrefix {
-    value: u32,
-    digits: u32,
-}
-
-impl ClassPrefix {
-    fn matches(self, class: u32) -> bool {
-        (class & 0xff_ffff) >> (4 * (6 - self.digits)) == self.value
-    }
-
-    /// Whether some class code starts with both prefixes; returns the longer one.
-    fn meet(self, other: Self) -> Option<Self> {
-        let (short, long) = if self.digits <= other.digits {
-            (self, other)
-        } else {
-            (other, self)
-        };
-        (long.value >> (4 * (long.digits - short.digits)) == short.value).then_some(long)
-    }
-}
-
-impl fmt::Display for ClassPrefix {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let width = self.digits as usize;
-        write!(f, "{:0width$x}", self.value)?;
-        for _ in self.digits..6 {
-            f.write_str("x")?;
-        }
-        Ok(())
-    }
-}
-
-/// Which devices an entry selects.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Selector {
-    vendor: u16,
-    /// `None`: any device of the vendor.
-    devices: Option<Vec<u16>>,
-    /// `None`: any class.
-    classes: Option<Vec<ClassPrefix>>,
-}
-
-impl Selector {
-    fn matches(&self, ids: &DeviceIds) -> bool {
-        ids.vendor == self.vendor
-            && self
-                .devices
-                .as_ref()
-                .is_none_or(|devices| devices.contains(&ids.device))
-            && self
-                .classes
-                .as_ref()
-                .is_none_or(|classes| classes.iter().any(|c| c.matches(ids.class)))
-    }
-
-    /// When both selectors could match one device, describes such a device.
-    fn overlap(&self, other: &Self) -> Option<String> {
-        if self.vendor != other.vendor {
-            return None;
-        }
-        let device = match (&self.devices, &other.devices) {
-            (None, None) => None,
-            (Some(ids), None) | (None, Some(ids)) => ids.first().copied(),
-            (Some(a), Some(b)) => Some(*a.iter().find(|id| b.contains(id))?),
-        };
-        let class = match (&self.classes, &other.classes) {
-            (None, None) => None,
-            (Some(prefixes), None) | (None, Some(prefixes)) => prefixes.first().copied(),
-            (Some(a), Some(b)) => Some(a.iter().find_map(|x| b.iter().find_map(|y| x.meet(*y)))?),
-        };
-        let device = device.map_or_else(|| "any device".to_owned(), |d| format!("device {d:04x}"));
-        let class = class.map_or_else(|| "any class".to_owned(), |c| format!("class {c}"));
-        Some(format!("vendor {:04x}, {device}, {class}", self.vendor))
-    }
-}
-
-impl fmt::Display for Selector {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "vendor {:04x}, ", self.vendor)?;
-        match self.devices.as_deref() {
-            None => f.write_str("any device")?,
-            Some([one]) => write!(f, "device {one:04x}")?,
-            Some(ids) => {
-                let ids: Vec<String> = ids.iter().map(|id| format!("{id:04x}")).collect();
-                write!(f, "devices {}", ids.join(" "))?;
-            }
-        }
-        match self.classes.as_deref() {
-            None => f.write_str(", any class"),
-            Some([one]) => write!(f, ", class {one}"),
-            Some(prefixes) => {
-                let prefixes: Vec<String> = prefixes.iter().map(ToString::to_string).collect();
-                write!(f, ", classes {}", prefixes.join(" "))
-            }
         }
     }
 }
