@@ -4,6 +4,7 @@
 use std::fmt;
 
 use super::DeviceIds;
+use crate::address::PciAddress;
 
 /// A class-code prefix of 2, 4 or 6 hex digits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,10 +48,14 @@ pub(super) struct Selector {
     pub(super) devices: Option<Vec<u16>>,
     /// `None`: any class.
     pub(super) classes: Option<Vec<ClassPrefix>>,
+    /// `None`: any address.
+    pub(super) addresses: Option<Vec<PciAddress>>,
 }
 
 impl Selector {
-    pub(super) fn matches(&self, ids: &DeviceIds) -> bool {
+    /// Whether the function at `address` with `ids` is selected: every key given
+    /// must match.
+    pub(super) fn matches(&self, address: &PciAddress, ids: &DeviceIds) -> bool {
         ids.vendor == self.vendor
             && self
                 .devices
@@ -60,9 +65,19 @@ impl Selector {
                 .classes
                 .as_ref()
                 .is_none_or(|classes| classes.iter().any(|c| c.matches(ids.class)))
+            && self
+                .addresses
+                .as_ref()
+                .is_none_or(|addresses| addresses.contains(address))
     }
 
     /// When both selectors could match one device, describes such a device.
+    ///
+    /// Each key narrows independently, so two selectors overlap exactly when every key
+    /// leaves a common value: the same vendor, a common device id, a class code both
+    /// prefixes allow, and a common address. An absent key allows anything, so an
+    /// entry with `addresses` still overlaps one without them that matches the same
+    /// model; only lists of addresses with nothing in common keep them apart.
     pub(super) fn overlap(&self, other: &Self) -> Option<String> {
         if self.vendor != other.vendor {
             return None;
@@ -77,9 +92,18 @@ impl Selector {
             (Some(prefixes), None) | (None, Some(prefixes)) => prefixes.first().copied(),
             (Some(a), Some(b)) => Some(a.iter().find_map(|x| b.iter().find_map(|y| x.meet(*y)))?),
         };
+        let address = match (&self.addresses, &other.addresses) {
+            (None, None) => None,
+            (Some(list), None) | (None, Some(list)) => list.first().copied(),
+            (Some(a), Some(b)) => Some(*a.iter().find(|x| b.contains(x))?),
+        };
         let device = device.map_or_else(|| "any device".to_owned(), |d| format!("device {d:04x}"));
         let class = class.map_or_else(|| "any class".to_owned(), |c| format!("class {c}"));
-        Some(format!("vendor {:04x}, {device}, {class}", self.vendor))
+        let address = address.map_or_else(String::new, |a| format!(", address {a}"));
+        Some(format!(
+            "vendor {:04x}, {device}, {class}{address}",
+            self.vendor
+        ))
     }
 }
 
@@ -95,11 +119,19 @@ impl fmt::Display for Selector {
             }
         }
         match self.classes.as_deref() {
-            None => f.write_str(", any class"),
-            Some([one]) => write!(f, ", class {one}"),
+            None => f.write_str(", any class")?,
+            Some([one]) => write!(f, ", class {one}")?,
             Some(prefixes) => {
                 let prefixes: Vec<String> = prefixes.iter().map(ToString::to_string).collect();
-                write!(f, ", classes {}", prefixes.join(" "))
+                write!(f, ", classes {}", prefixes.join(" "))?;
+            }
+        }
+        match self.addresses.as_deref() {
+            None => Ok(()),
+            Some([one]) => write!(f, ", address {one}"),
+            Some(addresses) => {
+                let addresses: Vec<String> = addresses.iter().map(ToString::to_string).collect();
+                write!(f, ", addresses {}", addresses.join(" "))
             }
         }
     }
