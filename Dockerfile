@@ -1,5 +1,6 @@
 # Container image for the vfio-sandbox node agents (vfio-manager,
-# sandbox-validator and sandbox-device-plugin), one image for all of them.
+# sandbox-validator, sandbox-device-plugin and sandbox-dra-driver), one image
+# for all of them.
 #
 # Multi-arch: linux/amd64 and linux/arm64 (Grace-based nodes, where
 # nvgrace_gpu_vfio_pci lives). Both runtime targets are FROM scratch plus
@@ -73,8 +74,9 @@ RUN case "$TARGETARCH" in amd64) gnu=x86_64 ;; arm64) gnu=aarch64 ;; esac \
  && RUSTFLAGS="-C target-feature=+crt-static" \
         cargo build --release --locked --target "$target" \
         -p vfio-manager -p sandbox-validator -p sandbox-device-plugin \
+        -p sandbox-dra-driver \
  && mkdir -p /out/bin \
- && for b in vfio-manager sandbox-validator sandbox-device-plugin; do \
+ && for b in vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver; do \
         cp "target/$target/release/$b" /out/bin/; \
     done \
  && ls -l /out/bin
@@ -99,8 +101,9 @@ ENV PATH=/usr/bin
 # USER 0: these are privileged node agents. vfio-manager writes to
 # /sys/bus/pci (driver_override, unbind, drivers_probe), loads and unloads
 # kernel modules (finit_module / delete_module need CAP_SYS_MODULE) and
-# creates its state under the host's /run; the device plugin serves a socket
-# in kubelet's root-owned device-plugins directory. None of that works as an
+# creates its state under the host's /run; the device plugin and the DRA
+# driver serve sockets in kubelet's root-owned plugin directories, and the
+# DRA driver rebinds devices and writes CDI specs under /var/run/cdi. None of that works as an
 # unprivileged user, so say it explicitly instead of relying on a default
 # (hence no DL3002 from hadolint).
 # hadolint ignore=DL3002

@@ -95,13 +95,13 @@ for a in "${archs[@]}"; do
     while read -r bin; do
         # The node agents only: test tools (kubelet-peer, plugin-bench) stay out.
         case "$(basename "$bin")" in
-            vfio-manager | sandbox-validator | sandbox-device-plugin) ;;
+            vfio-manager | sandbox-validator | sandbox-device-plugin | sandbox-dra-driver) ;;
             *) continue ;;
         esac
         cp "$bin" "$ctx/bin/$a/"
         bins+=("$(basename "$bin")")
     done <"$list"
-    ((${#bins[@]} == 3)) || die "$a: expected 3 node agents, got: ${bins[*]}"
+    ((${#bins[@]} == 4)) || die "$a: expected 4 node agents, got: ${bins[*]}"
     arch_bins[$a]="${bins[*]}"
     log "$a binaries: ${bins[*]}"
 done

@@ -13,6 +13,8 @@
 //!   "preset": ["rebellions", "nvidia"],
 //!   "resources": [
 //!     { "name": "example.com/NIC_PT", "vendor": "8086", "devices": ["10d3"], "classes": ["0200"] },
+//!     { "name": "example.com/FPGA_PT", "vendor": "10ee", "devices": ["903f"],
+//!       "addresses": ["0000:3b:00.0", "5e:00.0"] },
 //!     { "name": "nvidia.com/GRACE_GPU", "vendor": "0x10de", "devices": ["2342"], "classes": ["0380"],
 //!       "driver": "nvgrace_gpu_vfio_pci" }
 //!   ]
@@ -33,14 +35,24 @@
 //!   - `classes`: class-code prefixes in hex: 2 digits match the base class (`"12"`
 //!     matches `0x12xxxx`), 4 digits base class and subclass (`"0300"`), 6 digits the
 //!     full class code. Absent means any class; an empty list is an error.
+//!   - `addresses`: PCI addresses (`"0000:3b:00.0"`, or `"3b:00.0"` for domain 0000);
+//!     the entry then selects only the functions at these addresses (that also match
+//!     `vendor`, `devices` and `classes`), so some devices of a model can be passed
+//!     through while the others stay with their usual driver. Absent means any
+//!     address; an empty list or an address listed twice is an error. A function
+//!     missing from the node is not an error: it is simply not selected.
 //!   - `driver`: the vfio driver to bind, default [`DEFAULT_DRIVER`]; a vfio-pci variant
 //!     driver such as `nvgrace_gpu_vfio_pci` is allowed, any other driver is an error
 //!     listing what is allowed (see [`is_vfio_driver`]).
 //!
-//! Unknown or repeated keys, `null` values, malformed ids, duplicate names and
-//! overlapping selectors (among the entries and the presets together) are errors that
-//! name the entry, e.g.
+//! Unknown or repeated keys, `null` values, malformed ids or addresses, duplicate names
+//! and overlapping selectors (among the entries and the presets together) are errors
+//! that name the entry, e.g.
 //! `resources[2] (example.com/NIC_PT): devices[1]: "10g3" is not a hex PCI id`.
+//! Two selectors overlap when one function could match both: entries of the same
+//! model are kept apart only by `addresses` lists with no address in common, so an
+//! entry with `addresses` cannot sit next to a preset or entry without them that
+//! takes the same model.
 //!
 //! # Presets
 //!
@@ -58,21 +70,26 @@
 //!
 //! ```
 //! use vfio_sandbox::config::{DeviceIds, ResourceList};
+//! use vfio_sandbox::PciAddress;
 //!
 //! let list = ResourceList::parse(r#"{
 //!     "preset": "rebellions",
 //!     "resources": [
-//!         { "name": "example.com/NIC_PT", "vendor": "8086", "devices": ["10d3"], "classes": ["0200"] }
+//!         { "name": "example.com/NIC_PT", "vendor": "8086", "devices": ["10d3"], "classes": ["0200"],
+//!           "addresses": ["3b:00.0"] }
 //!     ]
 //! }"#)?;
 //!
 //! let nic = DeviceIds { vendor: 0x8086, device: 0x10d3, class: 0x020000 };
-//! let selection = list.select(&nic).expect("the NIC is listed");
+//! let at: PciAddress = "0000:3b:00.0".parse().expect("an address");
+//! let selection = list.select(&at, &nic).expect("the NIC is listed");
 //! assert_eq!(selection.resource.as_str(), "example.com/NIC_PT");
 //! assert_eq!(selection.driver, "vfio-pci");
+//! let elsewhere: PciAddress = "0000:3c:00.0".parse().expect("an address");
+//! assert!(list.select(&elsewhere, &nic).is_none(), "same model, address not listed");
 //!
 //! let npu = DeviceIds { vendor: 0x1eff, device: 0x1220, class: 0x120000 };
-//! let selection = list.select(&npu).expect("the preset covers it");
+//! let selection = list.select(&elsewhere, &npu).expect("the preset covers it");
 //! assert_eq!(selection.resource.kubevirt_env_var(), "PCI_RESOURCE_REBELLIONS_AI_ATOM_CA22_PT");
 //! # Ok::<(), vfio_sandbox::config::ConfigError>(())
 //! ```
@@ -82,10 +99,13 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
+use crate::address::PciAddress;
+
 mod driver;
 mod json;
 mod name;
 mod preset;
+mod selector;
 
 pub use driver::{check_vfio_driver, is_vfio_driver, KNOWN_VARIANTS, VARIANT_SUFFIX};
 
@@ -94,6 +114,7 @@ pub use preset::PRESETS;
 
 use json::Json;
 use preset::Naming;
+use selector::{ClassPrefix, Selector};
 
 /// The environment variable naming the resource-list file.
 pub const CONFIG_ENV: &str = "VFIO_SANDBOX_CONFIG";
@@ -341,11 +362,15 @@ impl ResourceList {
         Self::parse(&text).map_err(|err| err.in_file(path))
     }
 
-    /// The selection for a device, or `None` when no entry matches.
-    pub fn select(&self, ids: &DeviceIds) -> Option<Selection> {
+    /// The selection for the function at `address` with `ids`, or `None` when no
+    /// entry matches.
+    ///
+    /// This is the one place that decides whether a function is selected: every
+    /// binary reaches it through [`Inventory::scan`](crate::inventory::Inventory::scan).
+    pub fn select(&self, address: &PciAddress, ids: &DeviceIds) -> Option<Selection> {
         self.entries
             .iter()
-            .find(|entry| entry.selector.matches(ids))
+            .find(|entry| entry.selector.matches(address, ids))
             .map(|entry| Selection {
                 resource: entry.naming.name_for(ids),
                 driver: entry.driver.clone(),
@@ -506,106 +531,6 @@ impl fmt::Display for EntrySource {
     }
 }
 
-/// A class-code prefix of 2, 4 or 6 hex digits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct ClassPrefix {
-    value: u32,
-    digits: u32,
-}
-
-impl ClassPrefix {
-    fn matches(self, class: u32) -> bool {
-        (class & 0xff_ffff) >> (4 * (6 - self.digits)) == self.value
-    }
-
-    /// Whether some class code starts with both prefixes; returns the longer one.
-    fn meet(self, other: Self) -> Option<Self> {
-        let (short, long) = if self.digits <= other.digits {
-            (self, other)
-        } else {
-            (other, self)
-        };
-        (long.value >> (4 * (long.digits - short.digits)) == short.value).then_some(long)
-    }
-}
-
-impl fmt::Display for ClassPrefix {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let width = self.digits as usize;
-        write!(f, "{:0width$x}", self.value)?;
-        for _ in self.digits..6 {
-            f.write_str("x")?;
-        }
-        Ok(())
-    }
-}
-
-/// Which devices an entry selects.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Selector {
-    vendor: u16,
-    /// `None`: any device of the vendor.
-    devices: Option<Vec<u16>>,
-    /// `None`: any class.
-    classes: Option<Vec<ClassPrefix>>,
-}
-
-impl Selector {
-    fn matches(&self, ids: &DeviceIds) -> bool {
-        ids.vendor == self.vendor
-            && self
-                .devices
-                .as_ref()
-                .is_none_or(|devices| devices.contains(&ids.device))
-            && self
-                .classes
-                .as_ref()
-                .is_none_or(|classes| classes.iter().any(|c| c.matches(ids.class)))
-    }
-
-    /// When both selectors could match one device, describes such a device.
-    fn overlap(&self, other: &Self) -> Option<String> {
-        if self.vendor != other.vendor {
-            return None;
-        }
-        let device = match (&self.devices, &other.devices) {
-            (None, None) => None,
-            (Some(ids), None) | (None, Some(ids)) => ids.first().copied(),
-            (Some(a), Some(b)) => Some(*a.iter().find(|id| b.contains(id))?),
-        };
-        let class = match (&self.classes, &other.classes) {
-            (None, None) => None,
-            (Some(prefixes), None) | (None, Some(prefixes)) => prefixes.first().copied(),
-            (Some(a), Some(b)) => Some(a.iter().find_map(|x| b.iter().find_map(|y| x.meet(*y)))?),
-        };
-        let device = device.map_or_else(|| "any device".to_owned(), |d| format!("device {d:04x}"));
-        let class = class.map_or_else(|| "any class".to_owned(), |c| format!("class {c}"));
-        Some(format!("vendor {:04x}, {device}, {class}", self.vendor))
-    }
-}
-
-impl fmt::Display for Selector {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "vendor {:04x}, ", self.vendor)?;
-        match self.devices.as_deref() {
-            None => f.write_str("any device")?,
-            Some([one]) => write!(f, "device {one:04x}")?,
-            Some(ids) => {
-                let ids: Vec<String> = ids.iter().map(|id| format!("{id:04x}")).collect();
-                write!(f, "devices {}", ids.join(" "))?;
-            }
-        }
-        match self.classes.as_deref() {
-            None => f.write_str(", any class"),
-            Some([one]) => write!(f, ", class {one}"),
-            Some(prefixes) => {
-                let prefixes: Vec<String> = prefixes.iter().map(ToString::to_string).collect();
-                write!(f, ", classes {}", prefixes.join(" "))
-            }
-        }
-    }
-}
-
 /// The `preset` value: a name or a list of names.
 fn parse_presets(value: &Json) -> Result<Vec<Entry>, ConfigError> {
     let names: Vec<&str> = match value {
@@ -660,7 +585,14 @@ fn parse_resources(value: &Json) -> Result<Vec<Entry>, ConfigError> {
         .collect()
 }
 
-const ENTRY_KEYS: [&str; 5] = ["name", "vendor", "devices", "classes", "driver"];
+const ENTRY_KEYS: [&str; 6] = [
+    "name",
+    "vendor",
+    "devices",
+    "classes",
+    "addresses",
+    "driver",
+];
 
 fn parse_entry(index: usize, item: &Json) -> Result<Entry, ConfigError> {
     let Json::Object(fields) = item else {
@@ -720,6 +652,10 @@ fn parse_entry(index: usize, item: &Json) -> Result<Entry, ConfigError> {
         None => None,
         Some(value) => Some(parse_classes(value).map_err(fail)?),
     };
+    let addresses = match values.get("addresses") {
+        None => None,
+        Some(value) => Some(parse_addresses(value).map_err(fail)?),
+    };
     let driver = match values.get("driver") {
         None => DEFAULT_DRIVER.to_owned(),
         Some(Json::String(driver)) => {
@@ -742,6 +678,7 @@ fn parse_entry(index: usize, item: &Json) -> Result<Entry, ConfigError> {
             vendor,
             devices,
             classes,
+            addresses,
         },
         naming: Naming::Fixed(name),
         driver,
@@ -815,6 +752,36 @@ fn parse_classes(value: &Json) -> Result<Vec<ClassPrefix>, String> {
         classes.push(prefix);
     }
     Ok(classes)
+}
+
+/// PCI addresses, `0000:3b:00.0` or short `3b:00.0` (domain 0000), each at most once.
+fn parse_addresses(value: &Json) -> Result<Vec<PciAddress>, String> {
+    let Json::Array(items) = value else {
+        return Err(format!(
+            "addresses: expected a list of PCI addresses, found {} (leave the key out to match any address)",
+            value.kind()
+        ));
+    };
+    if items.is_empty() {
+        return Err(
+            "addresses: the list is empty (leave the key out to match any address)".to_owned(),
+        );
+    }
+    let mut addresses: Vec<PciAddress> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let Json::String(text) = item else {
+            return Err(format!(
+                "addresses[{i}]: expected a PCI address such as \"0000:3b:00.0\", found {}",
+                item.kind()
+            ));
+        };
+        let address = PciAddress::from_str(text).map_err(|e| format!("addresses[{i}]: {e}"))?;
+        if addresses.contains(&address) {
+            return Err(format!("addresses[{i}]: {address} is listed twice"));
+        }
+        addresses.push(address);
+    }
+    Ok(addresses)
 }
 
 fn parse_class_prefix(value: &Json) -> Result<ClassPrefix, String> {

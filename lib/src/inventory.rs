@@ -165,7 +165,7 @@ impl Inventory {
                     continue;
                 }
             };
-            if let Some(sel) = list.select(&device.ids()) {
+            if let Some(sel) = list.select(&device.address, &device.ids()) {
                 if device.is_bridge() {
                     continue;
                 }
@@ -583,6 +583,43 @@ mod tests {
                 .contains("IOMMU group 6: failed to list"),
             "{}",
             inv.skipped[0]
+        );
+    }
+
+    #[test]
+    fn addresses_select_one_of_two_devices_of_a_model() {
+        let list = ResourceList::parse(
+            r#"{"resources":[{"name":"example.com/NPU_PT","vendor":"1eff","devices":["1220"],
+                "addresses":["3b:00.0"]}]}"#,
+        )
+        .unwrap();
+        let dir = tempfile::tempdir_in(crate::fake::scratch_root()).unwrap();
+        let node = FakeNode::new(dir.path());
+        node.add_device(
+            &FakeDevice::new("0000:3b:00.0", 0x1eff, 0x1220, 0x12_0000)
+                .driver("rebellions")
+                .group(10),
+        );
+        node.add_device(
+            &FakeDevice::new("0000:5e:00.0", 0x1eff, 0x1220, 0x12_0000)
+                .driver("rebellions")
+                .group(11),
+        );
+        let inv = Inventory::scan(&node.host, &list).unwrap();
+        assert_eq!(
+            addresses(inv.entries.iter().map(|e| &e.device.address)),
+            ["0000:3b:00.0"]
+        );
+        let Role::Selected { resource } = &inv.entries[0].role else {
+            panic!("{:?}", inv.entries[0].role);
+        };
+        assert_eq!(resource.as_str(), "example.com/NPU_PT");
+        assert_eq!(inv.groups.keys().copied().collect::<Vec<_>>(), [10]);
+        assert!(inv.skipped.is_empty(), "{:?}", inv.skipped);
+        assert_eq!(
+            inv.in_group(11).count(),
+            0,
+            "the unlisted one is left alone"
         );
     }
 

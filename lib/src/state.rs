@@ -15,6 +15,9 @@ use crate::PciAddress;
 /// Default state file.
 pub const DEFAULT_STATE_FILE: &str = "/run/vfio-manager/state.json";
 
+/// Default state file of sandbox-dra-driver: the same format, with its claims.
+pub const DEFAULT_DRA_STATE_FILE: &str = "/run/sandbox-dra-driver/state.json";
+
 /// The format version this build reads and writes.
 pub const VERSION: u32 = 1;
 

@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 use vfio_sandbox::cli::{CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
 use vfio_sandbox::host::DEFAULT_MODULES_ROOT;
 use vfio_sandbox::ready::{DEFAULT_STATUS_DIR, MANAGER_READY_FILE};
-use vfio_sandbox::state::{StateFile, DEFAULT_STATE_FILE};
+use vfio_sandbox::state::{StateFile, DEFAULT_DRA_STATE_FILE, DEFAULT_STATE_FILE};
 use vfio_sandbox::Host;
 
 mod commands;
@@ -23,6 +23,10 @@ virtual machines, and puts them back when the node leaves VM mode.
 
 Every change is recorded in the state file before it is made, so `unbind` restores the
 original drivers even after a crash. Devices a running VM holds are never unbound.
+
+A node runs either vfio-manager (the whole node in VM mode) or sandbox-dra-driver
+(devices moved per ResourceClaim), not both: `bind` and `run` refuse (exit 2) while the
+DRA driver's state file (--dra-state-file) lists claims or devices.
 
 In a cluster, `run` keeps the devices bound across a rollout: on SIGTERM it asks the API
 server (NODE_NAME, POD_NAME, POD_NAMESPACE and the pod's service account) whether its
@@ -61,6 +65,11 @@ struct ManagerArgs {
     /// before devices are restored, since the node is no longer ready for VMs.
     #[arg(long, env = "VFIO_SANDBOX_STATUS_DIR", global = true, default_value = DEFAULT_STATUS_DIR, value_name = "DIR")]
     validator_status_dir: PathBuf,
+    /// sandbox-dra-driver's state file: while it lists claims or devices, `bind` and
+    /// `run` refuse to move devices (a node runs vfio-manager or sandbox-dra-driver,
+    /// not both). Read only; absent means no DRA driver.
+    #[arg(long, env = "VFIO_SANDBOX_DRA_STATE_FILE", global = true, default_value = DEFAULT_DRA_STATE_FILE, value_name = "FILE")]
+    dra_state_file: PathBuf,
 }
 
 #[derive(Debug, Subcommand)]
@@ -90,6 +99,8 @@ pub struct Context {
     pub ready_file: PathBuf,
     /// The validator's status directory.
     pub validator_status_dir: PathBuf,
+    /// sandbox-dra-driver's state file, read to stay off its devices.
+    pub dra_state_file: PathBuf,
 }
 
 impl Context {
@@ -118,6 +129,7 @@ fn main() -> ExitCode {
         state_file: cli.manager.state_file,
         ready_file: cli.manager.ready_file,
         validator_status_dir: cli.manager.validator_status_dir,
+        dra_state_file: cli.manager.dra_state_file,
     };
     let result = match cli.command {
         Command::Status(args) => commands::status::run(&ctx, &args),

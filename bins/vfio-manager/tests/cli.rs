@@ -289,6 +289,10 @@ fn hostile_resync_intervals_exit_2_before_touching_anything() {
 fn run_with_config(dir: &Path, config: &Path, args: &[&str]) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_vfio-manager"))
         .args(["--sysfs-root", &dir.join("sys").to_string_lossy()])
+        .args([
+            "--dra-state-file",
+            &dir.join(common::DRA_STATE_FILE).to_string_lossy(),
+        ])
         .args(["--dev-root", &dir.join("dev").to_string_lossy()])
         .args(["--modules-root", &dir.join("lib/modules").to_string_lossy()])
         .args([
@@ -483,4 +487,110 @@ fn a_malformed_device_is_shown_by_status_and_left_out_of_bind() {
             "{case}: {t}"
         );
     }
+}
+
+/// sandbox-dra-driver's state file with one prepared claim holding the NIC pair.
+const DRA_STATE: &str = r#"{
+  "version": 1,
+  "devices": {
+    "0000:01:00.0": {"original_driver": "e1000e", "driver": "vfio-pci", "role": "selected",
+                     "resource": "example.com/NIC_PT", "group": 4},
+    "0000:01:00.1": {"original_driver": "e1000e", "driver": "vfio-pci", "role": "companion",
+                     "group": 4}
+  },
+  "unloaded_modules": [],
+  "claims": {
+    "7f3c1a52-0d5e-4c1b-9a43-2b8e6f0c9d11": {
+      "namespace": "vms", "name": "vm-a-nic", "phase": "prepared",
+      "devices": [{"request_names": ["nic"], "pool": "node-a", "device": "pci-0000-01-00-0",
+                   "address": "0000:01:00.0", "group": 4}]
+    }
+  }
+}"#;
+
+#[test]
+fn bind_and_run_refuse_a_node_of_sandbox_dra_driver() {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    node(dir.path());
+    let dra = dir.path().join(common::DRA_STATE_FILE);
+    std::fs::create_dir_all(dra.parent().unwrap()).unwrap();
+    let ready = dir.path().join("run/ready");
+    let ready_arg = ready.to_string_lossy().into_owned();
+    let dra_path = dra.display().to_string();
+    // A claim, devices, or both: each is enough to refuse.
+    let full: serde_json::Value = serde_json::from_str(DRA_STATE).unwrap();
+    let mut claims_only = full.clone();
+    claims_only["devices"] = serde_json::json!({});
+    let mut devices_only = full.clone();
+    devices_only.as_object_mut().unwrap().remove("claims");
+    for (what, doc, words) in [
+        (
+            "claims and devices",
+            &full,
+            &[
+                "1 claim(s): vms/vm-a-nic (7f3c1a52-0d5e-4c1b-9a43-2b8e6f0c9d11)",
+                "2 device(s): 0000:01:00.0, 0000:01:00.1",
+            ][..],
+        ),
+        (
+            "claims only",
+            &claims_only,
+            &["1 claim(s): vms/vm-a-nic"][..],
+        ),
+        (
+            "devices only",
+            &devices_only,
+            &["2 device(s): 0000:01:00.0, 0000:01:00.1"][..],
+        ),
+    ] {
+        std::fs::write(&dra, doc.to_string()).unwrap();
+        let before = snapshot(dir.path());
+        for args in [
+            &["bind", "--all"][..],
+            &["bind", "--device", "0000:01:00.0", "--dry-run"][..],
+            &["run", "--ready-file", &ready_arg, "--resync-interval", "1s"][..],
+        ] {
+            let out = run(dir.path(), args);
+            let t = text(&out);
+            assert_eq!(out.status.code(), Some(2), "{what}: {args:?}: {t}");
+            for w in words {
+                assert!(t.contains(w), "{what}: {args:?}: missing {w:?} in {t}");
+            }
+            assert!(t.contains(&dra_path), "{what}: {args:?}: {t}");
+            assert!(
+                t.contains("a node runs either vfio-manager")
+                    && t.contains("or sandbox-dra-driver"),
+                "{what}: {args:?}: {t}"
+            );
+            assert_eq!(
+                before,
+                snapshot(dir.path()),
+                "{what}: {args:?} touched the node"
+            );
+        }
+        // What does not move devices still works: status, and unbind of what
+        // vfio-manager itself recorded (nothing here).
+        let out = run(dir.path(), &["status"]);
+        assert!(out.status.success(), "{what}: status: {}", text(&out));
+        let out = run(dir.path(), &["unbind", "--all"]);
+        assert!(out.status.success(), "{what}: unbind: {}", text(&out));
+        let out = run(dir.path(), &["ready", "--ready-file", &ready_arg]);
+        assert_eq!(out.status.code(), Some(1), "{what}: ready: {}", text(&out));
+        assert!(!text(&out).contains("sandbox-dra-driver"), "{}", text(&out));
+    }
+    // An empty record (the driver running, holding nothing) does not block a bind.
+    std::fs::write(&dra, r#"{"version": 1, "devices": {}, "claims": {}}"#).unwrap();
+    let out = run(dir.path(), &["bind", "--all", "--dry-run"]);
+    assert!(out.status.success(), "{}", text(&out));
+    // A state file that cannot be read cannot be shown free: not binding, exit 1.
+    std::fs::write(&dra, "{not json").unwrap();
+    let before = snapshot(dir.path());
+    let out = run(dir.path(), &["bind", "--all"]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains("cannot tell whether sandbox-dra-driver holds devices") && t.contains(&dra_path),
+        "{t}"
+    );
+    assert_eq!(before, snapshot(dir.path()));
 }

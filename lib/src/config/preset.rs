@@ -117,6 +117,7 @@ pub(super) fn entries(name: &str) -> Option<Vec<Entry>> {
             vendor,
             devices: None,
             classes: Some(classes),
+            addresses: None,
         },
         naming,
         driver: DEFAULT_DRIVER.to_owned(),

@@ -17,8 +17,21 @@ fn entry_err(entry: &str) -> String {
     err(&format!(r#"{{"resources": [{entry}]}}"#))
 }
 
+/// An address no test lists: selection there depends on the ids alone.
+fn somewhere() -> PciAddress {
+    at("0000:01:00.0")
+}
+
+fn at(address: &str) -> PciAddress {
+    address.parse().unwrap()
+}
+
 fn resource(list: &ResourceList, ids: DeviceIds) -> Option<String> {
-    list.select(&ids).map(|s| s.resource.to_string())
+    resource_at(list, &somewhere(), ids)
+}
+
+fn resource_at(list: &ResourceList, address: &PciAddress, ids: DeviceIds) -> Option<String> {
+    list.select(address, &ids).map(|s| s.resource.to_string())
 }
 
 const NIC: &str =
@@ -139,7 +152,7 @@ fn unknown_entry_key_names_entry_and_key() {
     ));
     assert_eq!(
         msg,
-        "resource list: resources[1] (example.com/X): unknown key \"device\" (expected name, vendor, devices, classes, driver)"
+        "resource list: resources[1] (example.com/X): unknown key \"device\" (expected name, vendor, devices, classes, addresses, driver)"
     );
 }
 
@@ -211,9 +224,9 @@ fn hex_ids_accept_prefix_and_any_case() {
         ))
         .unwrap();
         assert_eq!(list.vendors(), [0x1eff], "{vendor}");
-        assert!(list.select(&ids(0x1eff, 0xab, 0)).is_some());
-        assert!(list.select(&ids(0x1eff, 0x1, 0)).is_some());
-        assert!(list.select(&ids(0x1eff, 0xac, 0)).is_none());
+        assert!(list.select(&somewhere(), &ids(0x1eff, 0xab, 0)).is_some());
+        assert!(list.select(&somewhere(), &ids(0x1eff, 0x1, 0)).is_some());
+        assert!(list.select(&somewhere(), &ids(0x1eff, 0xac, 0)).is_none());
     }
 }
 
@@ -519,14 +532,24 @@ fn rebellions_table() {
         (0x1211, "rebellions.ai/RBLN_1211_PT"),
         (0x00ab, "rebellions.ai/RBLN_00ab_PT"),
     ] {
-        let selection = list.select(&ids(0x1eff, device, 0x120000)).unwrap();
+        let selection = list
+            .select(&somewhere(), &ids(0x1eff, device, 0x120000))
+            .unwrap();
         assert_eq!(selection.resource.as_str(), name);
         assert_eq!(selection.driver, "vfio-pci");
     }
     // Any 12xxxx class matches; other classes and vendors do not.
-    assert!(list.select(&ids(0x1eff, 0x1220, 0x128001)).is_some());
-    assert_eq!(list.select(&ids(0x1eff, 0x1220, 0x0b4000)), None);
-    assert_eq!(list.select(&ids(0x10de, 0x1220, 0x120000)), None);
+    assert!(list
+        .select(&somewhere(), &ids(0x1eff, 0x1220, 0x128001))
+        .is_some());
+    assert_eq!(
+        list.select(&somewhere(), &ids(0x1eff, 0x1220, 0x0b4000)),
+        None
+    );
+    assert_eq!(
+        list.select(&somewhere(), &ids(0x10de, 0x1220, 0x120000)),
+        None
+    );
     assert_eq!(list.vendors(), [0x1eff]);
     assert_eq!(list.drivers(), ["vfio-pci"]);
 }
@@ -639,7 +662,9 @@ fn explicit_entries() {
         Some("rebellions.ai/ATOM_CA22_PT")
     );
 
-    let grace = list.select(&ids(0x10de, 0x2342, 0x030200)).unwrap();
+    let grace = list
+        .select(&somewhere(), &ids(0x10de, 0x2342, 0x030200))
+        .unwrap();
     assert_eq!(grace.resource.as_str(), "nvidia.com/GRACE_GPU");
     assert_eq!(grace.driver, "nvgrace_gpu_vfio_pci");
 
@@ -660,7 +685,9 @@ fn explicit_entries() {
 #[test]
 fn class_codes_wider_than_24_bits_are_masked() {
     let list = ResourceList::builtin_default();
-    assert!(list.select(&ids(0x1eff, 0x1220, 0x0112_0000)).is_some());
+    assert!(list
+        .select(&somewhere(), &ids(0x1eff, 0x1220, 0x0112_0000))
+        .is_some());
     assert_eq!(
         ids(0x1eff, 0x1220, 0x0112_0000).to_string(),
         "1eff:1220 class 120000"
@@ -827,6 +854,199 @@ fn parse_errors_carry_no_file() {
     assert_eq!(ResourceList::parse("{}").unwrap_err().file(), None);
 }
 
+// ---- addresses ----
+
+/// One entry selecting 1eff:1220 at the given `addresses` JSON value.
+fn npu_at(addresses: &str) -> String {
+    format!(
+        r#"{{"name": "example.com/NPU_PT", "vendor": "1eff", "devices": ["1220"], "addresses": {addresses}}}"#
+    )
+}
+
+#[test]
+fn addresses_parse_errors_name_the_entry() {
+    let entry = "resource list: resources[0] (example.com/NPU_PT)";
+    assert_eq!(
+        entry_err(&npu_at("[]")),
+        format!("{entry}: addresses: the list is empty (leave the key out to match any address)")
+    );
+    assert_eq!(
+        entry_err(&npu_at(r#""3b:00.0""#)),
+        format!("{entry}: addresses: expected a list of PCI addresses, found a string (leave the key out to match any address)")
+    );
+    assert_eq!(
+        entry_err(&npu_at(r#"["3b:00.0", 7]"#)),
+        format!("{entry}: addresses[1]: expected a PCI address such as \"0000:3b:00.0\", found a number")
+    );
+    let msg = entry_err(&npu_at(r#"["3b:00.0", "3b:00"]"#));
+    assert!(
+        msg.starts_with(&format!(
+            "{entry}: addresses[1]: \"3b:00\" is not a PCI address"
+        )),
+        "{msg}"
+    );
+    for bad in [
+        "3b:20.0",
+        "3b:00.8",
+        "0000:3b:00",
+        "zz:00.0",
+        "",
+        "0000:0000:3b:00.0",
+    ] {
+        let msg = entry_err(&npu_at(&format!(r#"["{bad}"]"#)));
+        assert!(
+            msg.starts_with(&format!(
+                "{entry}: addresses[0]: {bad:?} is not a PCI address"
+            )),
+            "{msg}"
+        );
+    }
+    assert_eq!(
+        entry_err(&npu_at("[null]")),
+        format!(
+            "{entry}: addresses[0]: expected a PCI address such as \"0000:3b:00.0\", found null"
+        )
+    );
+    assert_eq!(
+        entry_err(&npu_at("null")),
+        format!("{entry}: addresses: expected a list of PCI addresses, found null (leave the key out to match any address)")
+    );
+}
+
+#[test]
+fn addresses_listed_twice_in_either_form() {
+    let msg = entry_err(&npu_at(r#"["0000:3b:00.0", "5e:00.0", "3B:00.0"]"#));
+    assert_eq!(
+        msg,
+        "resource list: resources[0] (example.com/NPU_PT): addresses[2]: 0000:3b:00.0 is listed twice"
+    );
+    // Another domain is another address.
+    ResourceList::parse(&format!(
+        r#"{{"resources": [{}]}}"#,
+        npu_at(r#"["0000:3b:00.0", "0001:3b:00.0"]"#)
+    ))
+    .unwrap();
+}
+
+#[test]
+fn addresses_narrow_the_selection() {
+    let list = ResourceList::parse(&format!(
+        r#"{{"resources": [{}]}}"#,
+        npu_at(r#"["3b:00.0", "0001:5e:00.1"]"#)
+    ))
+    .unwrap();
+    let npu = ids(0x1eff, 0x1220, 0x120000);
+    assert_eq!(
+        resource_at(&list, &at("0000:3b:00.0"), npu).as_deref(),
+        Some("example.com/NPU_PT")
+    );
+    assert_eq!(
+        resource_at(&list, &at("0001:5e:00.1"), npu).as_deref(),
+        Some("example.com/NPU_PT")
+    );
+    // Same model elsewhere, the same slot in another domain or function: not selected.
+    for other in [
+        "0000:3c:00.0",
+        "0001:3b:00.0",
+        "0000:3b:00.1",
+        "0000:5e:00.1",
+    ] {
+        assert_eq!(resource_at(&list, &at(other), npu), None, "{other}");
+    }
+    // A listed address still has to match the ids.
+    assert_eq!(
+        resource_at(&list, &at("0000:3b:00.0"), ids(0x1eff, 0x1250, 0x120000)),
+        None
+    );
+    assert_eq!(
+        resource_at(&list, &at("0000:3b:00.0"), ids(0x8086, 0x1220, 0x120000)),
+        None
+    );
+    assert_eq!(
+        list.describe(),
+        ["example.com/NPU_PT: vendor 1eff, device 1220, any class, addresses 0000:3b:00.0 0001:5e:00.1, driver vfio-pci"]
+    );
+}
+
+#[test]
+fn disjoint_addresses_keep_one_model_apart() {
+    let list = ResourceList::parse(
+        r#"{"resources": [
+            {"name": "example.com/NPU_A", "vendor": "1eff", "devices": ["1220"], "addresses": ["3b:00.0", "3c:00.0"]},
+            {"name": "example.com/NPU_B", "vendor": "1eff", "devices": ["1220"], "classes": ["12"], "addresses": ["5e:00.0"]},
+            {"name": "example.com/NPU_REST", "vendor": "1eff", "devices": ["1250"]}
+        ]}"#,
+    )
+    .unwrap();
+    let npu = ids(0x1eff, 0x1220, 0x120000);
+    assert_eq!(
+        resource_at(&list, &at("0000:3c:00.0"), npu).as_deref(),
+        Some("example.com/NPU_A")
+    );
+    assert_eq!(
+        resource_at(&list, &at("0000:5e:00.0"), npu).as_deref(),
+        Some("example.com/NPU_B")
+    );
+    assert_eq!(resource_at(&list, &at("0000:af:00.0"), npu), None);
+    assert_eq!(
+        resource_at(&list, &at("0000:3b:00.0"), ids(0x1eff, 0x1250, 0x120000)).as_deref(),
+        Some("example.com/NPU_REST"),
+        "an entry without addresses takes its model anywhere"
+    );
+}
+
+#[test]
+fn addresses_in_common_overlap() {
+    let msg = err(r#"{"resources": [
+            {"name": "example.com/A", "vendor": "1eff", "devices": ["1220"], "addresses": ["3b:00.0", "3c:00.0"]},
+            {"name": "example.com/B", "vendor": "1eff", "classes": ["12"], "addresses": ["5e:00.0", "0000:3c:00.0"]}
+        ]}"#);
+    assert_eq!(
+        msg,
+        "resource list: resources[1] (example.com/B) overlaps resources[0] (example.com/A): both would select vendor 1eff, device 1220, class 12xxxx, address 0000:3c:00.0"
+    );
+}
+
+#[test]
+fn addresses_do_not_separate_an_entry_from_one_without_them() {
+    // The same model without addresses selects the listed address too.
+    let msg = err(r#"{"resources": [
+            {"name": "example.com/A", "vendor": "1eff", "devices": ["1220"]},
+            {"name": "example.com/B", "vendor": "1eff", "devices": ["1220"], "addresses": ["3b:00.0"]}
+        ]}"#);
+    assert!(
+        msg.ends_with("resources[1] (example.com/B) overlaps resources[0] (example.com/A): both would select vendor 1eff, device 1220, any class, address 0000:3b:00.0"),
+        "{msg}"
+    );
+    // Nor from a preset that takes the model.
+    let msg = err(&format!(
+        r#"{{"preset": "rebellions", "resources": [{}]}}"#,
+        npu_at(r#"["3b:00.0"]"#)
+    ));
+    assert_eq!(
+        msg,
+        "resource list: resources[0] (example.com/NPU_PT) overlaps preset \"rebellions\": both would select vendor 1eff, device 1220, class 12xxxx, address 0000:3b:00.0"
+    );
+}
+
+#[test]
+fn same_addresses_apart_by_ids_do_not_overlap() {
+    // Addresses in common do not make an overlap when the ids keep the entries apart.
+    for other in [
+        r#""vendor": "8086""#,
+        r#""vendor": "1eff", "devices": ["1250"]"#,
+        r#""vendor": "1eff", "classes": ["0b40"]"#,
+    ] {
+        let doc = format!(
+            r#"{{"resources": [
+                {{"name": "example.com/A", "vendor": "1eff", "devices": ["1220"], "classes": ["1200"], "addresses": ["3b:00.0"]}},
+                {{"name": "example.com/B", {other}, "addresses": ["3b:00.0"]}}
+            ]}}"#
+        );
+        ResourceList::parse(&doc).unwrap_or_else(|e| panic!("{other}: {e}"));
+    }
+}
+
 mod hostile {
     use super::*;
     use proptest::prelude::*;
@@ -843,10 +1063,11 @@ mod hostile {
             device in any::<String>(),
             class in any::<String>(),
             driver in any::<String>(),
+            address in any::<String>(),
         ) {
             let doc = serde_json::json!({"resources": [{
                 "name": "example.com/X", "vendor": vendor, "devices": [device],
-                "classes": [class], "driver": driver,
+                "classes": [class], "driver": driver, "addresses": [address],
             }]});
             if let Ok(list) = ResourceList::parse(&doc.to_string()) {
                 prop_assert!(list.drivers().iter().all(|d| is_vfio_driver(d)));
