@@ -17,7 +17,7 @@ use vfio_sandbox::cluster::{Cluster, Identity, Verdict};
 use vfio_sandbox::host::DEFAULT_MODULES_ROOT;
 use vfio_sandbox::kernel::SysKernel;
 use vfio_sandbox::passthrough::Passthrough;
-use vfio_sandbox::state::{StateError, StateFile, DEFAULT_STATE_FILE};
+use vfio_sandbox::state::{StateError, StateFile, DEFAULT_DRA_STATE_FILE, DEFAULT_STATE_FILE};
 use vfio_sandbox::{error_chain, module};
 
 use sandbox_dra_driver::{grpc, publish, service, worker};
@@ -26,8 +26,6 @@ const PROGRAM: &str = "sandbox-dra-driver";
 
 /// The default DRA driver name.
 pub const DEFAULT_DRIVER_NAME: &str = "vfio-sandbox.rebellions.ai";
-/// The default state file.
-pub const DEFAULT_DRA_STATE_FILE: &str = "/run/sandbox-dra-driver/state.json";
 
 const LONG_ABOUT: &str = "\
 A Dynamic Resource Allocation (DRA) driver for VFIO passthrough, one claim at a time.
