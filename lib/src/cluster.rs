@@ -317,10 +317,20 @@ impl Cluster {
     /// Keep or restore, asked of the API server now. Never fails: what cannot be
     /// read, or is not read within [`STOP_LOOKUP_TIMEOUT`], restores.
     pub async fn stop_verdict(&self) -> Verdict {
+        match self.stop_lookup().await {
+            Ok(v) => v,
+            Err(why) => Verdict::Restore(why),
+        }
+    }
+
+    /// Keep or restore as the API server tells it now; `Err` says why it could not
+    /// tell (an error, or no answer within [`STOP_LOOKUP_TIMEOUT`]), for callers to
+    /// whom "cannot tell" is not "restore".
+    pub async fn stop_lookup(&self) -> Result<Verdict, String> {
         match tokio::time::timeout(STOP_LOOKUP_TIMEOUT, self.lookup()).await {
-            Ok(Ok(v)) => v,
-            Ok(Err(e)) => Verdict::Restore(format!("the API server could not tell whether the node stays in VM mode: {e}")),
-            Err(_) => Verdict::Restore(format!(
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(format!("the API server could not tell whether the node stays in VM mode: {e}")),
+            Err(_) => Err(format!(
                 "the API server did not tell within {STOP_LOOKUP_TIMEOUT:?} whether the node stays in VM mode"
             )),
         }

@@ -320,16 +320,20 @@ async fn run(
         tracing::info!("POD_NAME/POD_NAMESPACE are not set, so an uninstall cannot be told from a restart; keeping this node's ResourceSlice");
         return result;
     }
-    match cluster.stop_verdict().await {
-        Verdict::Keep(why) => {
+    match cluster.stop_lookup().await {
+        Ok(Verdict::Keep(why)) => {
             tracing::info!(reason = %why, "keeping this node's ResourceSlice for the next driver pod")
         }
-        Verdict::Restore(why) => {
+        Ok(Verdict::Restore(why)) => {
             tracing::info!(reason = %why, "the driver leaves this node; deleting its ResourceSlice");
             if let Err(e) = publisher.delete_all().await {
                 tracing::warn!(error = %e, "could not delete this node's ResourceSlice");
             }
         }
+        Err(why) => tracing::warn!(
+            reason = %why,
+            "cannot tell an uninstall from a restart; keeping this node's ResourceSlice"
+        ),
     }
     result
 }

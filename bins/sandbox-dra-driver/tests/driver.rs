@@ -1153,7 +1153,6 @@ async fn a_rollout_keeps_the_slice_and_an_uninstall_deletes_it() {
 /// keeps the slice then: deleting it on every such restart leaves the node's
 /// devices unschedulable for a moment, and the next start reconciles it anyway.
 #[tokio::test]
-#[ignore = "bug in src/main.rs run(): Cluster::stop_verdict turns a failed lookup into Verdict::Restore, so the slice is deleted"]
 async fn a_failed_stop_lookup_keeps_the_slice() {
     let scene = Scene::new();
     let server = cluster_with_daemonset();
