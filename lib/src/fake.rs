@@ -249,6 +249,14 @@ impl FakeNode {
         let dir = self.host.modules_release_dir(release);
         fs::create_dir_all(&dir).unwrap();
         fs::write(dir.join("modules.dep"), text).unwrap();
+        for line in text.lines() {
+            let Some((module, _)) = line.split_once(':') else {
+                continue;
+            };
+            let file = dir.join(module.trim());
+            fs::create_dir_all(file.parent().unwrap()).unwrap();
+            fs::write(file, "").unwrap();
+        }
     }
 }
 

@@ -59,24 +59,11 @@ fn node() -> Node {
     node.add_device(&nic("0000:03:00.0", 3));
     let pinned = node.host.device_dir(&addr("0000:02:00.0"));
     fs::write(pinned.join("driver_override"), "e1000e\n").unwrap();
-    let files = [
-        (
-            "kernel/drivers/vfio/pci/vfio-pci.ko",
-            "kernel/drivers/vfio/vfio_iommu_type1.ko kernel/drivers/vfio/vfio.ko",
-        ),
-        (
-            "kernel/drivers/vfio/vfio_iommu_type1.ko",
-            "kernel/drivers/vfio/vfio.ko",
-        ),
-        ("kernel/drivers/vfio/vfio.ko", ""),
-    ];
-    let dep: String = files.iter().map(|(f, d)| format!("{f}: {d}\n")).collect();
-    node.add_modules_dep(RELEASE, &dep);
-    for (f, _) in files {
-        let path = node.host.modules_release_dir(RELEASE).join(f);
-        fs::create_dir_all(path.parent().unwrap()).unwrap();
-        fs::write(path, "").unwrap();
-    }
+    let dep = "kernel/drivers/vfio/pci/vfio-pci.ko: kernel/drivers/vfio/vfio_iommu_type1.ko kernel/drivers/vfio/vfio.ko
+kernel/drivers/vfio/vfio_iommu_type1.ko: kernel/drivers/vfio/vfio.ko
+kernel/drivers/vfio/vfio.ko:
+";
+    node.add_modules_dep(RELEASE, dep);
     let kernel = FakeKernel::new(&node);
     kernel.learn_native_drivers();
     kernel

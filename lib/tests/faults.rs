@@ -108,11 +108,6 @@ fn node(unload: bool) -> Node {
     ];
     let dep: String = files.iter().map(|(f, d)| format!("{f}: {d}\n")).collect();
     node.add_modules_dep(RELEASE, &dep);
-    for (f, _) in files {
-        let path = node.host.modules_release_dir(RELEASE).join(f);
-        fs::create_dir_all(path.parent().unwrap()).unwrap();
-        fs::write(path, "").unwrap();
-    }
     let kernel = FakeKernel::new(&node);
     kernel.learn_native_drivers();
     for (module, driver) in [("vfio_pci", "vfio-pci"), ("e1000e", "e1000e")] {

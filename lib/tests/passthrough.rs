@@ -87,13 +87,6 @@ impl Bed {
     fn e1000e_module(&self) {
         self.node
             .add_modules_dep("6.1.0-test", "kernel/e1000e.ko:\n");
-        let kdir = self
-            .node
-            .host
-            .modules_release_dir("6.1.0-test")
-            .join("kernel");
-        std::fs::create_dir_all(&kdir).unwrap();
-        std::fs::write(kdir.join("e1000e.ko"), "").unwrap();
         self.kernel
             .module_drivers
             .borrow_mut()
@@ -355,11 +348,6 @@ fn vfio_modules_load_dependencies_first() {
         "6.1.0-test",
         "kernel/vfio-pci.ko: kernel/vfio-pci-core.ko kernel/vfio.ko\nkernel/vfio-pci-core.ko: kernel/vfio.ko\nkernel/vfio.ko:\nkernel/vfio_iommu_type1.ko: kernel/vfio.ko\n",
     );
-    let kdir = b.node.host.modules_release_dir("6.1.0-test").join("kernel");
-    std::fs::create_dir_all(&kdir).unwrap();
-    for m in ["vfio-pci", "vfio-pci-core", "vfio", "vfio_iommu_type1"] {
-        std::fs::write(kdir.join(format!("{m}.ko")), "").unwrap();
-    }
     b.kernel
         .module_drivers
         .borrow_mut()
