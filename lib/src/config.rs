@@ -412,63 +412,20 @@ impl Default for ResourceList {
 /// Reads a resource list file, refusing anything but a regular file of at most
 /// [`MAX_FILE_BYTES`] before reading a byte of it.
 fn read_file(path: &Path) -> Result<String, ConfigError> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let read_error = |source| ConfigError::ReadFile {
-        path: path.to_owned(),
-        source,
-    };
-    let not_a_file = |kind| ConfigError::NotAFile {
-        path: path.to_owned(),
-        kind,
-    };
-    // Look before opening: opening a device node can have effects of its own.
-    let meta = std::fs::metadata(path).map_err(read_error)?;
-    if let Some(kind) = not_regular(&meta.file_type()) {
-        return Err(not_a_file(kind));
-    }
-    // The path may be swapped meanwhile: open without blocking on a FIFO, then check
-    // what was opened.
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_NONBLOCK)
-        .open(path)
-        .map_err(read_error)?;
-    let meta = file.metadata().map_err(read_error)?;
-    if let Some(kind) = not_regular(&meta.file_type()) {
-        return Err(not_a_file(kind));
-    }
-    let mut bytes = Vec::new();
-    file.take(MAX_FILE_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(read_error)?;
-    if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(ConfigError::TooLarge {
+    use crate::io::{read_small_file, SmallFileError};
+    read_small_file(path, MAX_FILE_BYTES).map_err(|e| match e {
+        SmallFileError::Io(source) => ConfigError::ReadFile {
             path: path.to_owned(),
-            limit: MAX_FILE_BYTES,
-        });
-    }
-    String::from_utf8(bytes)
-        .map_err(|e| read_error(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))
-}
-
-/// What a file type is, in words, when it is not a regular file.
-fn not_regular(file_type: &std::fs::FileType) -> Option<&'static str> {
-    use std::os::unix::fs::FileTypeExt;
-    Some(if file_type.is_file() {
-        return None;
-    } else if file_type.is_dir() {
-        "a directory"
-    } else if file_type.is_fifo() {
-        "a FIFO"
-    } else if file_type.is_char_device() {
-        "a character device"
-    } else if file_type.is_block_device() {
-        "a block device"
-    } else if file_type.is_socket() {
-        "a socket"
-    } else {
-        "not a file"
+            source,
+        },
+        SmallFileError::NotAFile(kind) => ConfigError::NotAFile {
+            path: path.to_owned(),
+            kind,
+        },
+        SmallFileError::TooLarge(limit) => ConfigError::TooLarge {
+            path: path.to_owned(),
+            limit,
+        },
     })
 }
 

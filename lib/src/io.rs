@@ -173,6 +173,67 @@ pub fn remove_if_present(path: &Path) -> Result<(), IoError> {
     }
 }
 
+/// Why [`read_small_file`] read nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum SmallFileError {
+    /// Opening or reading failed (`NotFound` when it does not exist).
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// The path names something else than a regular file.
+    #[error("it is {0}, not a regular file")]
+    NotAFile(&'static str),
+    /// The file holds more than the limit.
+    #[error("it is larger than {0} bytes")]
+    TooLarge(u64),
+}
+
+/// Reads a small UTF-8 regular file of at most `limit` bytes, refusing anything
+/// else before reading a byte of it: a device node is never opened, a FIFO swapped
+/// in meanwhile is opened without blocking and refused, and a huge file is not
+/// read past the limit.
+pub fn read_small_file(path: &Path, limit: u64) -> Result<String, SmallFileError> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Look before opening: opening a device node can have effects of its own.
+    if let Some(kind) = not_regular(&std::fs::metadata(path)?.file_type()) {
+        return Err(SmallFileError::NotAFile(kind));
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(path)?;
+    if let Some(kind) = not_regular(&file.metadata()?.file_type()) {
+        return Err(SmallFileError::NotAFile(kind));
+    }
+    let mut bytes = Vec::new();
+    file.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(SmallFileError::TooLarge(limit));
+    }
+    String::from_utf8(bytes)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e).into())
+}
+
+/// What a file type is, in words, when it is not a regular file.
+fn not_regular(file_type: &std::fs::FileType) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt;
+    Some(if file_type.is_file() {
+        return None;
+    } else if file_type.is_dir() {
+        "a directory"
+    } else if file_type.is_fifo() {
+        "a FIFO"
+    } else if file_type.is_char_device() {
+        "a character device"
+    } else if file_type.is_block_device() {
+        "a block device"
+    } else if file_type.is_socket() {
+        "a socket"
+    } else {
+        "not a file"
+    })
+}
+
 /// Writes `data` to `path` atomically: a temporary file in the same directory, fsync,
 /// then rename over the target. Creates the parent directory if needed.
 pub fn write_atomic(path: &Path, data: &[u8]) -> Result<(), IoError> {

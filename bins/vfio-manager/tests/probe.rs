@@ -64,6 +64,24 @@ fn ready_needs_the_ready_file_and_the_devices_still_bound() {
     std::fs::create_dir(dir.path().join("run/ready")).unwrap();
     let (code, out) = ready(dir.path());
     assert_eq!(code, Some(1), "a directory is not a ready file: {out}");
+    assert!(
+        out.contains("it is a directory, not a regular file"),
+        "{out}"
+    );
+    // A FIFO with no writer would block an open(2) for reading forever: the probe
+    // must refuse it without opening it (the test hangs, and its harness times
+    // out, if it does not).
+    std::fs::remove_dir(dir.path().join("run/ready")).unwrap();
+    nix::unistd::mkfifo(&dir.path().join("run/ready"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+    let (code, out) = ready(dir.path());
+    assert_eq!(code, Some(1), "a FIFO is not a ready file: {out}");
+    assert!(out.contains("it is a FIFO, not a regular file"), "{out}");
+    // Nor is a file far bigger than any ready file.
+    std::fs::remove_file(dir.path().join("run/ready")).unwrap();
+    std::fs::write(dir.path().join("run/ready"), vec![b' '; 2 << 20]).unwrap();
+    let (code, out) = ready(dir.path());
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("it is larger than 1048576 bytes"), "{out}");
 }
 
 #[test]

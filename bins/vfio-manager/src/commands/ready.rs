@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use vfio_sandbox::cli::EXIT_NOT_READY;
 use vfio_sandbox::inventory::Inventory;
+use vfio_sandbox::io::{read_small_file, SmallFileError};
 use vfio_sandbox::PciAddress;
 
 use crate::Context;
@@ -20,9 +21,9 @@ pub fn run(ctx: &Context) -> anyhow::Result<ExitCode> {
         vfio_sandbox::outln!("not ready: {why}");
         Ok(ExitCode::from(EXIT_NOT_READY))
     };
-    let text = match read_small(path) {
+    let text = match read_small_file(path, MAX_READY_FILE) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+        Err(SmallFileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
             return not_ready(format!(
             "{} does not exist (vfio-manager run writes it once every selected device is bound)",
             path.display()
@@ -76,15 +77,4 @@ pub fn run(ctx: &Context) -> anyhow::Result<ExitCode> {
         path.display()
     );
     Ok(ExitCode::SUCCESS)
-}
-
-fn read_small(path: &std::path::Path) -> std::io::Result<String> {
-    use std::io::Read;
-    let f = std::fs::File::open(path)?;
-    if !f.metadata()?.is_file() {
-        return Err(std::io::Error::other("not a regular file"));
-    }
-    let mut text = String::new();
-    f.take(MAX_READY_FILE).read_to_string(&mut text)?;
-    Ok(text)
 }
