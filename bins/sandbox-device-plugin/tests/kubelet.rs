@@ -13,7 +13,10 @@ use deviceplugin::v1beta1::{
     ContainerPreferredAllocationRequest, DeviceSpec, Empty, ListAndWatchResponse,
     PreferredAllocationRequest,
 };
-use kubelet_peer::{Kubelet, Registered};
+use kubelet_peer::{scenario, Kubelet, Registered};
+
+/// The longest one scenario may take.
+const DEADLINE: Duration = Duration::from_secs(30);
 use prost::Message;
 use tokio_stream::StreamExt;
 use vfio_sandbox::fake::{FakeDevice, FakeNode};
@@ -88,25 +91,6 @@ fn spawn_plugin(root: &Path) -> Child {
         .unwrap()
 }
 
-/// Runs a scenario on a fresh runtime with an overall deadline.
-fn scenario<F: std::future::Future<Output = ()>>(f: F) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        tokio::time::timeout(Duration::from_secs(30), f)
-            .await
-            .expect("scenario deadline");
-    });
-}
-
-fn by_name<'a>(regs: &'a [Registered], name: &str) -> &'a Registered {
-    regs.iter()
-        .find(|r| r.request.resource_name == name)
-        .unwrap()
-}
-
 fn summary(msg: &ListAndWatchResponse) -> Vec<String> {
     msg.devices
         .iter()
@@ -138,7 +122,7 @@ async fn next_message(stream: &mut tonic::Streaming<ListAndWatchResponse>) -> Li
 #[test]
 fn registers_each_resource_with_a_bare_endpoint_and_lists_devices() {
     let bed = Bed::start();
-    scenario(async {
+    scenario(DEADLINE, async {
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         let regs = kubelet.registrations_for(&[NIC, NVME], STEP).await.unwrap();
         for r in &regs {
@@ -156,7 +140,7 @@ fn registers_each_resource_with_a_bare_endpoint_and_lists_devices() {
                 "dial-back options match the registered ones"
             );
         }
-        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut nic = kubelet.plugin(Registered::of(&regs, NIC)).await.unwrap();
         let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
         assert_eq!(
             summary(&next_message(&mut stream).await),
@@ -166,7 +150,7 @@ fn registers_each_resource_with_a_bare_endpoint_and_lists_devices() {
                 "0000:02:00.0 Healthy [1] topology=true",
             ]
         );
-        let mut nvme = kubelet.plugin(by_name(&regs, NVME)).await.unwrap();
+        let mut nvme = kubelet.plugin(Registered::of(&regs, NVME)).await.unwrap();
         let mut stream = nvme.list_and_watch(Empty {}).await.unwrap().into_inner();
         // NUMA -1: no topology at all, never an empty one.
         assert_eq!(
@@ -179,10 +163,10 @@ fn registers_each_resource_with_a_bare_endpoint_and_lists_devices() {
 #[test]
 fn allocate_answers_exactly_the_kubevirt_contract() {
     let bed = Bed::start();
-    scenario(async {
+    scenario(DEADLINE, async {
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
-        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut nic = kubelet.plugin(Registered::of(&regs, NIC)).await.unwrap();
         let request = AllocateRequest {
             container_requests: vec![
                 ContainerAllocateRequest {
@@ -233,10 +217,10 @@ fn allocate_answers_exactly_the_kubevirt_contract() {
 #[test]
 fn bad_ids_are_grpc_errors_naming_them() {
     let bed = Bed::start();
-    scenario(async {
+    scenario(DEADLINE, async {
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
-        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut nic = kubelet.plugin(Registered::of(&regs, NIC)).await.unwrap();
         let ask = |ids: &[&str]| AllocateRequest {
             container_requests: vec![ContainerAllocateRequest {
                 devices_ids: ids.iter().map(|s| s.to_string()).collect(),
@@ -272,10 +256,10 @@ fn bad_ids_are_grpc_errors_naming_them() {
 #[test]
 fn allocate_canonicalises_ids_and_keeps_errors_short() {
     let bed = Bed::start();
-    scenario(async {
+    scenario(DEADLINE, async {
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
-        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut nic = kubelet.plugin(Registered::of(&regs, NIC)).await.unwrap();
         let ask = |ids: Vec<String>| AllocateRequest {
             container_requests: vec![ContainerAllocateRequest { devices_ids: ids }],
         };
@@ -313,10 +297,10 @@ fn allocate_canonicalises_ids_and_keeps_errors_short() {
 #[test]
 fn preferred_allocation_packs_by_numa_then_bridge() {
     let bed = Bed::start();
-    scenario(async {
+    scenario(DEADLINE, async {
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
-        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut nic = kubelet.plugin(Registered::of(&regs, NIC)).await.unwrap();
         let all: Vec<String> = ["0000:01:00.0", "0000:01:00.1", "0000:02:00.0"]
             .map(String::from)
             .to_vec();
@@ -400,10 +384,10 @@ fn big_bed(n: usize) -> Bed {
 #[test]
 fn preferred_allocation_of_1024_devices_holds_up_no_other_call() {
     let bed = big_bed(1024);
-    scenario(async {
+    scenario(DEADLINE, async {
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
-        let mut lw = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut lw = kubelet.plugin(Registered::of(&regs, NIC)).await.unwrap();
         let mut stream = lw.list_and_watch(Empty {}).await.unwrap().into_inner();
         let all: Vec<String> = next_message(&mut stream)
             .await
@@ -412,8 +396,8 @@ fn preferred_allocation_of_1024_devices_holds_up_no_other_call() {
             .map(|d| d.id.clone())
             .collect();
         assert_eq!(all.len(), 1024);
-        let mut a = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
-        let mut b = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut a = kubelet.plugin(Registered::of(&regs, NIC)).await.unwrap();
+        let mut b = kubelet.plugin(Registered::of(&regs, NIC)).await.unwrap();
         let ask = PreferredAllocationRequest {
             container_requests: vec![ContainerPreferredAllocationRequest {
                 available_device_i_ds: all.clone(),
@@ -467,10 +451,10 @@ fn preferred_allocation_of_1024_devices_holds_up_no_other_call() {
 #[test]
 fn health_follows_binding_within_a_second() {
     let bed = Bed::start();
-    scenario(async {
+    scenario(DEADLINE, async {
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
-        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut nic = kubelet.plugin(Registered::of(&regs, NIC)).await.unwrap();
         let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
         next_message(&mut stream).await;
         let lone = "0000:02:00.0".parse().unwrap();
@@ -502,7 +486,7 @@ fn health_follows_binding_within_a_second() {
 #[test]
 fn kubelet_restart_gets_a_new_socket_and_registration_within_a_second() {
     let bed = Bed::start();
-    scenario(async {
+    scenario(DEADLINE, async {
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         let before = kubelet.registrations_for(&[NIC, NVME], STEP).await.unwrap();
         kubelet.stop().await;
@@ -522,10 +506,10 @@ fn kubelet_restart_gets_a_new_socket_and_registration_within_a_second() {
             assert_ne!(b.request.endpoint, a.request.endpoint, "a fresh socket");
             assert!(bed.kubelet_dir().join(&a.request.endpoint).exists());
         }
-        let mut nic = kubelet.plugin(by_name(&after, NIC)).await.unwrap();
+        let mut nic = kubelet.plugin(Registered::of(&after, NIC)).await.unwrap();
         let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
         assert_eq!(next_message(&mut stream).await.devices.len(), 3);
-        let mut nvme = kubelet.plugin(by_name(&after, NVME)).await.unwrap();
+        let mut nvme = kubelet.plugin(Registered::of(&after, NVME)).await.unwrap();
         let mut nvme_stream = nvme.list_and_watch(Empty {}).await.unwrap().into_inner();
         next_message(&mut nvme_stream).await;
         if let Ok(extra) = kubelet.next_registration(Duration::from_millis(700)).await {
@@ -557,7 +541,7 @@ async fn streams_opened(bed: &Bed, n: usize) {
 /// its socket appearing, naming a socket that exists and is served.
 fn kubelet_back_after(gap: Duration) {
     let bed = Bed::start();
-    scenario(async {
+    scenario(DEADLINE, async {
         let old = Kubelet::start_watching(&bed.kubelet_dir()).await.unwrap();
         let before = old.registrations_for(&[NIC, NVME], STEP).await.unwrap();
         streams_opened(&bed, 2).await;
@@ -591,7 +575,7 @@ fn kubelet_back_after(gap: Duration) {
             "gap {gap:?}: one Register per resource, got {calls:?}\n{}",
             bed.log()
         );
-        let mut nic = new.plugin(by_name(&after, NIC)).await.unwrap();
+        let mut nic = new.plugin(Registered::of(&after, NIC)).await.unwrap();
         let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
         assert_eq!(next_message(&mut stream).await.devices.len(), 3);
         eprintln!("gap {gap:?}: registered {took:?} after the new kubelet.sock appeared");
@@ -634,7 +618,7 @@ fn kubelet_back_after_2s_gets_one_registration_within_a_second() {
 #[test]
 fn a_register_call_in_flight_gives_way_to_a_new_kubelet() {
     let bed = Bed::start();
-    scenario(async {
+    scenario(DEADLINE, async {
         let stuck = Kubelet::start_stuck(&bed.kubelet_dir()).await.unwrap();
         let deadline = Instant::now() + STEP;
         while stuck.calls().len() < 2 {
@@ -675,10 +659,10 @@ fn a_register_call_in_flight_gives_way_to_a_new_kubelet() {
 #[test]
 fn a_broken_stream_leads_to_a_new_registration() {
     let bed = Bed::start();
-    scenario(async {
+    scenario(DEADLINE, async {
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         let regs = kubelet.registrations_for(&[NIC, NVME], STEP).await.unwrap();
-        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut nic = kubelet.plugin(Registered::of(&regs, NIC)).await.unwrap();
         let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
         next_message(&mut stream).await;
         drop(stream);
@@ -710,7 +694,7 @@ fn waits_for_an_absent_kubelet_without_a_hot_loop() {
         "{warnings} warnings:\n{}",
         bed.log()
     );
-    scenario(async {
+    scenario(DEADLINE, async {
         let t = Instant::now();
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         kubelet
@@ -725,7 +709,7 @@ fn waits_for_an_absent_kubelet_without_a_hot_loop() {
 /// A stop signal ends the plugin with exit code 0 and removes every socket of ours.
 fn stops_cleanly_on(signal: nix::sys::signal::Signal) {
     let mut bed = Bed::start();
-    scenario(async {
+    scenario(DEADLINE, async {
         let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
         kubelet.registrations_for(&[NIC, NVME], STEP).await.unwrap();
     });

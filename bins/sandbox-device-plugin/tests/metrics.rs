@@ -11,7 +11,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
-use kubelet_peer::{Kubelet, Registered};
+use kubelet_peer::{scenario, Kubelet, Registered};
+
+/// The longest one scenario may take.
+const DEADLINE: Duration = Duration::from_secs(30);
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_stream::StreamExt;
@@ -79,24 +82,6 @@ impl Drop for Bed {
     }
 }
 
-fn scenario<F: std::future::Future<Output = ()>>(f: F) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        tokio::time::timeout(Duration::from_secs(30), f)
-            .await
-            .expect("scenario deadline");
-    });
-}
-
-fn by_name<'a>(regs: &'a [Registered], name: &str) -> &'a Registered {
-    regs.iter()
-        .find(|r| r.request.resource_name == name)
-        .unwrap()
-}
-
 /// Sends `request` on a fresh connection, returns the whole response.
 async fn http(addr: &str, request: &str) -> String {
     tokio::time::timeout(STEP, async {
@@ -156,13 +141,13 @@ async fn allocate(
 #[test]
 fn a_scrape_counts_registrations_allocations_updates_and_devices() {
     let bed = Bed::start(&["--metrics-address", "127.0.0.1:0"]);
-    scenario(async {
+    scenario(DEADLINE, async {
         let addr = bed.metrics_address().await;
         let kubelet = Kubelet::start(&bed.dir.path().join("kubelet"))
             .await
             .unwrap();
         let regs = kubelet.registrations_for(&[NIC, NVME], STEP).await.unwrap();
-        let mut nic = kubelet.plugin(by_name(&regs, NIC)).await.unwrap();
+        let mut nic = kubelet.plugin(Registered::of(&regs, NIC)).await.unwrap();
         let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
         tokio::time::timeout(STEP, stream.next()).await.unwrap();
 
@@ -284,7 +269,7 @@ fn tcp_sockets_of(pid: u32) -> Vec<String> {
 #[test]
 fn without_the_flag_no_port_is_opened() {
     let bed = Bed::start(&[]);
-    scenario(async {
+    scenario(DEADLINE, async {
         let kubelet = Kubelet::start(&bed.dir.path().join("kubelet"))
             .await
             .unwrap();
@@ -294,7 +279,7 @@ fn without_the_flag_no_port_is_opened() {
     });
     // And the check sees a listener when there is one.
     let on = Bed::start(&["--metrics-address", "127.0.0.1:0"]);
-    scenario(async {
+    scenario(DEADLINE, async {
         on.metrics_address().await;
         assert_eq!(tcp_sockets_of(on.plugin.id()).len(), 1);
     });
@@ -386,7 +371,7 @@ fn help_explains_the_flag() {
 #[test]
 fn hostile_clients_do_not_stop_the_plugin_serving_metrics() {
     let bed = Bed::start(&["--metrics-address", "127.0.0.1:0"]);
-    scenario(async {
+    scenario(DEADLINE, async {
         let addr = bed.metrics_address().await;
         // Garbage, a 1 MiB header, and clients that send half a request and stall.
         let mut stalled = Vec::new();

@@ -49,6 +49,34 @@ pub struct Registered {
     pub at: Instant,
 }
 
+impl Registered {
+    /// The registration of `resource` among `regs`; panics (a test failure) when
+    /// there is none.
+    pub fn of<'a>(regs: &'a [Registered], resource: &str) -> &'a Registered {
+        match regs.iter().find(|r| r.request.resource_name == resource) {
+            Some(r) => r,
+            None => panic!("no registration of {resource}"),
+        }
+    }
+}
+
+/// Runs a test scenario on a fresh single-threaded runtime with an overall
+/// deadline of `limit`; panics (a test failure) when it is missed.
+pub fn scenario<F: std::future::Future<Output = ()>>(limit: Duration, f: F) {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => panic!("cannot build a runtime: {e}"),
+    };
+    rt.block_on(async {
+        if tokio::time::timeout(limit, f).await.is_err() {
+            panic!("scenario deadline of {limit:?} missed");
+        }
+    });
+}
+
 /// One `Register` call as it arrived, whatever became of it.
 #[derive(Debug, Clone)]
 pub struct Call {
