@@ -103,9 +103,9 @@ ENV PATH=/usr/bin
 # kernel modules (finit_module / delete_module need CAP_SYS_MODULE) and
 # creates its state under the host's /run; the device plugin and the DRA
 # driver serve sockets in kubelet's root-owned plugin directories, and the
-# DRA driver rebinds devices and writes CDI specs under /var/run/cdi. None of that works as an
-# unprivileged user, so say it explicitly instead of relying on a default
-# (hence no DL3002 from hadolint).
+# DRA driver rebinds devices and writes CDI specs under /var/run/cdi. None of
+# that works as an unprivileged user, so say it explicitly instead of relying
+# on a default (hence no DL3002 from hadolint).
 # hadolint ignore=DL3002
 USER 0
 
