@@ -78,7 +78,8 @@ pub struct PciDevice {
     pub sriov: Option<Sriov>,
     /// The PF of this VF (`physfn` link).
     pub physfn: Option<PciAddress>,
-    /// Header type (low 7 bits of config byte 0x0e), when config space is readable.
+    /// Header type (low 7 bits of config byte 0x0e) of a bridge-class (06xx) function,
+    /// when its config space is readable; not read for other classes.
     pub header_type: Option<u8>,
     /// PCI functions above this one, nearest first (from the canonical sysfs path).
     pub upstream: Vec<PciAddress>,
@@ -95,50 +96,118 @@ impl DeviceError {
     }
 }
 
+/// How much of a device [`PciDevice::read_with`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Detail {
+    /// Every attribute: what binding and restoring need.
+    Full,
+    /// What selecting a device and judging its health need: ids, class, driver, IOMMU
+    /// group, NUMA node and the upstream chain. `subsystem_vendor`,
+    /// `subsystem_device`, `driver_override`, `sriov` and `physfn` are not read and
+    /// stay `None`.
+    Brief,
+}
+
 impl PciDevice {
-    /// Reads the device at `address` under `host`.
+    /// Reads the device at `address` under `host`, every attribute.
     pub fn read(host: &Host, address: &PciAddress) -> Result<Self, DeviceError> {
+        Self::read_with(host, address, Detail::Full)
+    }
+
+    /// Reads the device at `address` under `host`, as much as `detail` says.
+    pub fn read_with(
+        host: &Host,
+        address: &PciAddress,
+        detail: Detail,
+    ) -> Result<Self, DeviceError> {
+        Self::read_known(host, address, detail, None)
+    }
+
+    /// [`Self::read_with`], with `vendor` already read by the caller (so each
+    /// attribute is read once).
+    pub(crate) fn read_known(
+        host: &Host,
+        address: &PciAddress,
+        detail: Detail,
+        vendor: Option<u16>,
+    ) -> Result<Self, DeviceError> {
         let dir = host.device_dir(address);
-        if !Host::exists(&dir) {
-            return Err(DeviceError::NotFound {
-                address: *address,
-                path: dir,
-            });
-        }
-        let hex16 = |name: &str| -> Result<u16, DeviceError> {
+        // The first read tells a missing device apart from a malformed one.
+        let upstream = match upstream_chain(&dir) {
+            Err(e) if e.is_gone() => {
+                return Err(DeviceError::NotFound {
+                    address: *address,
+                    path: dir,
+                })
+            }
+            other => other?,
+        };
+        let hex16 = |name: &str| -> Result<Option<u16>, DeviceError> {
             let path = dir.join(name);
-            let text = read_attribute(&path)?;
+            let Some(text) = read_optional_attribute(&path)? else {
+                return Ok(None);
+            };
             parse_hex(&text)
                 .and_then(|v| u16::try_from(v).ok())
+                .map(Some)
                 .ok_or_else(|| parse_error(&path, &text, "a 16-bit hex id like 0x1eff"))
         };
-        let opt_hex16 = |name: &str| -> Result<Option<u16>, DeviceError> {
-            match dir.join(name).exists() {
-                true => hex16(name).map(Some),
-                false => Ok(None),
-            }
+        let required = |name: &str| -> Result<u16, DeviceError> {
+            hex16(name)?.ok_or_else(|| {
+                let path = dir.join(name);
+                let source = std::io::Error::from(std::io::ErrorKind::NotFound);
+                DeviceError::Io(IoError::new(Action::Read, &path, source))
+            })
         };
+        let vendor = match vendor {
+            Some(v) => v,
+            None => required("vendor")?,
+        };
+        let device = required("device")?;
         let class_path = dir.join("class");
         let class_text = read_attribute(&class_path)?;
         let class = parse_hex(&class_text)
             .filter(|c| *c <= 0xff_ffff)
             .ok_or_else(|| parse_error(&class_path, &class_text, "a 24-bit hex class"))?;
+        let full = detail == Detail::Full;
         Ok(Self {
             address: *address,
-            vendor: hex16("vendor")?,
-            device: hex16("device")?,
+            vendor,
+            device,
             class,
-            subsystem_vendor: opt_hex16("subsystem_vendor")?,
-            subsystem_device: opt_hex16("subsystem_device")?,
+            subsystem_vendor: if full {
+                hex16("subsystem_vendor")?
+            } else {
+                None
+            },
+            subsystem_device: if full {
+                hex16("subsystem_device")?
+            } else {
+                None
+            },
             driver: link_name(&dir.join("driver"))?,
-            driver_override: read_optional_attribute(&dir.join("driver_override"))?
-                .and_then(|s| parse_driver_override(&s)),
+            driver_override: if full {
+                read_optional_attribute(&dir.join("driver_override"))?
+                    .and_then(|s| parse_driver_override(&s))
+            } else {
+                None
+            },
             iommu_group: read_group(&dir)?,
             numa_node: read_numa(&dir)?,
-            sriov: read_sriov(&dir)?,
-            physfn: read_link_address(&dir.join("physfn"))?,
-            header_type: read_header_type(&dir),
-            upstream: upstream_chain(&dir)?,
+            sriov: if full { read_sriov(&dir)? } else { None },
+            physfn: if full {
+                read_link_address(&dir.join("physfn"))?
+            } else {
+                None
+            },
+            // Only bridges have a header type that matters; config space is read for
+            // the bridge class alone.
+            header_type: if class >> 16 == 0x06 {
+                read_header_type(&dir)
+            } else {
+                None
+            },
+            upstream,
         })
     }
 
@@ -151,7 +220,8 @@ impl PciDevice {
         }
     }
 
-    /// True for PCI-to-PCI bridges (class 0604 or header type 1): never rebound.
+    /// True for PCI-to-PCI bridges (class 0604, or a bridge-class 06xx function with
+    /// header type 1): never rebound.
     pub fn is_bridge(&self) -> bool {
         self.class >> 8 == 0x0604 || self.header_type == Some(1)
     }
@@ -315,8 +385,18 @@ pub fn parse_upstream(canonical: &Path) -> Vec<PciAddress> {
 }
 
 fn upstream_chain(dir: &Path) -> Result<Vec<PciAddress>, DeviceError> {
-    let canonical = std::fs::canonicalize(dir).wrap(Action::ReadLink, dir)?;
-    Ok(parse_upstream(&canonical))
+    // `bus/pci/devices/<addr>` is a link into `devices/`: its target names every
+    // function above the device, so one readlink does what resolving the path
+    // component by component would.
+    match std::fs::read_link(dir) {
+        Ok(target) => Ok(parse_upstream(&target)),
+        // Not a link (a copied tree): resolve it.
+        Err(e) if e.raw_os_error() == Some(nix::libc::EINVAL) => {
+            let canonical = std::fs::canonicalize(dir).wrap(Action::ReadLink, dir)?;
+            Ok(parse_upstream(&canonical))
+        }
+        Err(e) => Err(IoError::new(Action::ReadLink, dir, e).into()),
+    }
 }
 
 #[cfg(test)]

@@ -205,13 +205,35 @@ impl FakeNode {
         let dir = self.canonical_dir(addr);
         let _ = fs::remove_file(dir.join("driver"));
         symlink(self.host.driver_dir(driver), dir.join("driver")).unwrap();
-        self.sync_group_nodes();
+        self.sync_group_node_of(&dir);
     }
 
     /// Unbinds `addr` directly.
     pub fn detach(&self, addr: &PciAddress) {
-        let _ = fs::remove_file(self.canonical_dir(addr).join("driver"));
-        self.sync_group_nodes();
+        let dir = self.canonical_dir(addr);
+        let _ = fs::remove_file(dir.join("driver"));
+        self.sync_group_node_of(&dir);
+    }
+
+    /// Creates or removes the node of the group of the device in `dir`, as the
+    /// kernel does when a member binds or unbinds: only that group is looked at.
+    fn sync_group_node_of(&self, dir: &Path) {
+        let Ok(Some(group)) = crate::device::link_name(&dir.join("iommu_group")) else {
+            return;
+        };
+        let members = self.host.iommu_groups_dir().join(&group).join("devices");
+        let vfio_bound = fs::read_dir(members).unwrap().any(|m| {
+            let driver = m.unwrap().path().join("driver");
+            crate::device::link_name(&driver)
+                .unwrap()
+                .is_some_and(|d| is_vfio_driver(&d))
+        });
+        let node = self.host.vfio_dir().join(&group);
+        match (vfio_bound, node.exists()) {
+            (true, false) => fs::write(node, "").unwrap(),
+            (false, true) => fs::remove_file(node).unwrap(),
+            _ => {}
+        }
     }
 
     /// Current driver of `addr`.

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use crate::config::{ResourceList, ResourceName};
-use crate::device::{iommu_group_of, list_addresses, parse_hex, DeviceError, PciDevice};
+use crate::device::{iommu_group_of, list_addresses, parse_hex, Detail, DeviceError, PciDevice};
 use crate::group::{judge, Viability};
 use crate::io::{read_attribute, IoError};
 use crate::{error_chain, Host, PciAddress};
@@ -134,19 +134,46 @@ pub fn device_name(vendor: u16, device: u16) -> Option<String> {
 }
 
 impl Inventory {
-    /// Scans `host` for devices `list` selects, then adds their group companions.
+    /// Scans `host` for devices `list` selects, then adds their group companions,
+    /// reading every attribute of each (what binding needs).
     ///
     /// Only a failure to list the PCI devices fails the scan; a malformed device is
     /// skipped and reported in [`Inventory::skipped`].
     pub fn scan(host: &Host, list: &ResourceList) -> Result<Self, DeviceError> {
+        Self::scan_with(host, list, Detail::Full)
+    }
+
+    /// [`Self::scan`], reading each device as far as `detail` says.
+    pub fn scan_with(
+        host: &Host,
+        list: &ResourceList,
+        detail: Detail,
+    ) -> Result<Self, DeviceError> {
+        Ok(Self::scan_addresses(
+            host,
+            list,
+            &list_addresses(host)?,
+            detail,
+        ))
+    }
+
+    /// [`Self::scan_with`] over `addresses` only: the devices among them that `list`
+    /// selects, with the whole IOMMU group of each (members outside `addresses`
+    /// included). For following a few devices without reading the whole node.
+    pub fn scan_addresses(
+        host: &Host,
+        list: &ResourceList,
+        addresses: &[PciAddress],
+        detail: Detail,
+    ) -> Self {
         let vendors = list.vendors();
         let mut selected = Vec::new();
         let mut skipped = Vec::new();
-        for address in list_addresses(host)? {
+        for &address in addresses {
             // Read one small file first: most devices on a node are not ours.
             let vendor_path = host.device_dir(&address).join("vendor");
             let vendor = match read_attribute(&vendor_path) {
-                Ok(text) => parse_hex(&text),
+                Ok(text) => parse_hex(&text).and_then(|v| u16::try_from(v).ok()),
                 // Removed while we were listing.
                 Err(e) if e.is_gone() => continue,
                 Err(e) => {
@@ -154,10 +181,10 @@ impl Inventory {
                     continue;
                 }
             };
-            if !vendor.is_some_and(|v| vendors.iter().any(|x| u32::from(*x) == v)) {
+            let Some(vendor) = vendor.filter(|v| vendors.contains(v)) else {
                 continue;
-            }
-            let device = match PciDevice::read(host, &address) {
+            };
+            let device = match PciDevice::read_known(host, &address, detail, Some(vendor)) {
                 Ok(d) => d,
                 Err(e) if e.is_gone() => continue,
                 Err(e) => {
@@ -178,13 +205,18 @@ impl Inventory {
                 });
             }
         }
-        let mut inv = Self::with_companions(host, selected, skipped);
+        let mut inv = Self::with_companions(host, selected, skipped, detail);
         inv.skipped.sort_by_key(|s| s.address);
         inv.skipped.dedup_by_key(|s| s.address);
-        Ok(inv)
+        inv
     }
 
-    fn with_companions(host: &Host, selected: Vec<Entry>, skipped: Vec<Skipped>) -> Self {
+    fn with_companions(
+        host: &Host,
+        selected: Vec<Entry>,
+        skipped: Vec<Skipped>,
+        detail: Detail,
+    ) -> Self {
         let mut entries: BTreeMap<PciAddress, Entry> = selected
             .into_iter()
             .map(|e| (e.device.address, e))
@@ -201,7 +233,7 @@ impl Inventory {
             if inv.groups.contains_key(&group) || !entries.contains_key(&owner) {
                 continue; // judged already, or held back with its group
             }
-            let (members, bad) = match read_group(host, group, &entries) {
+            let (members, bad) = match read_group(host, group, &entries, detail) {
                 Ok(read) => read,
                 Err(e) => {
                     let error = format!("IOMMU group {group}: {}", error_chain(&e));
@@ -312,8 +344,23 @@ pub struct SkipNews<'a> {
 impl SkipLog {
     /// Takes the skipped devices of a fresh scan; returns what to report.
     pub fn note<'a>(&mut self, skipped: &'a [Skipped]) -> SkipNews<'a> {
+        self.note_within(skipped, |_| true)
+    }
+
+    /// [`Self::note`] for a scan of some devices only: `scanned` says which addresses
+    /// the scan covered; what was reported of the others is kept.
+    pub fn note_within<'a>(
+        &mut self,
+        skipped: &'a [Skipped],
+        scanned: impl Fn(&PciAddress) -> bool,
+    ) -> SkipNews<'a> {
         let mut news = SkipNews::default();
-        let mut reported = BTreeMap::new();
+        let mut reported: BTreeMap<PciAddress, String> = self
+            .reported
+            .iter()
+            .filter(|(a, _)| !scanned(a))
+            .map(|(a, m)| (*a, m.clone()))
+            .collect();
         for s in skipped {
             let message = s.to_string();
             if self.reported.get(&s.address) != Some(&message) {
@@ -344,13 +391,14 @@ fn read_group(
     host: &Host,
     group: u32,
     known: &BTreeMap<PciAddress, Entry>,
+    detail: Detail,
 ) -> Result<(Vec<PciDevice>, Vec<Skipped>), IoError> {
     let mut members = Vec::new();
     let mut bad = Vec::new();
     for address in crate::group::members(host, group)? {
         match known.get(&address) {
             Some(e) => members.push(e.device.clone()),
-            None => match PciDevice::read(host, &address) {
+            None => match PciDevice::read_with(host, &address, detail) {
                 Ok(d) => members.push(d),
                 Err(e) if e.is_gone() => {}
                 Err(e) => bad.push(Skipped {

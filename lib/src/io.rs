@@ -133,11 +133,22 @@ pub const MAX_ATTRIBUTE_BYTES: u64 = 64 * 1024;
 /// Non-UTF-8 contents are an error (`InvalidData`) naming the file.
 pub fn read_attribute(path: &Path) -> Result<String, IoError> {
     use std::io::Read;
-    let file = std::fs::File::open(path).wrap_read(path)?;
-    let mut bytes = Vec::new();
-    file.take(MAX_ATTRIBUTE_BYTES)
-        .read_to_end(&mut bytes)
-        .wrap_read(path)?;
+    let mut file = std::fs::File::open(path).wrap_read(path)?;
+    // An attribute arrives in one read; a read that fills the buffer may have more
+    // behind it, so only then is the file read on (up to the limit).
+    let mut first = [0u8; 256];
+    let n = loop {
+        match file.read(&mut first) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            other => break other.wrap_read(path)?,
+        }
+    };
+    let mut bytes = first[..n].to_vec();
+    if n == first.len() {
+        file.take(MAX_ATTRIBUTE_BYTES - n as u64)
+            .read_to_end(&mut bytes)
+            .wrap_read(path)?;
+    }
     let text = String::from_utf8(bytes)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
         .wrap_read(path)?;

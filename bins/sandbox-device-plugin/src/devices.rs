@@ -10,10 +10,10 @@
 //! logged once, not on every resync. An advertised device held back that way (its
 //! group gained a member we cannot read) turns `Unhealthy` with the reason.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use vfio_sandbox::config::{ResourceList, ResourceName};
-use vfio_sandbox::device::DeviceError;
+use vfio_sandbox::device::{iommu_group_of, Detail, DeviceError};
 use vfio_sandbox::inventory::{Inventory, SkipLog, Skipped};
 use vfio_sandbox::{Host, PciAddress};
 
@@ -55,13 +55,77 @@ pub struct Tracker {
     known: BTreeMap<ResourceName, BTreeMap<PciAddress, DeviceState>>,
     /// Skipped devices already logged.
     skip_log: SkipLog,
+    /// Whether to look up each device's iommufd character device.
+    iommufd: bool,
 }
 
 impl Tracker {
-    /// Rescans the node and returns the new snapshot.
+    /// A tracker that knows no device yet; with `iommufd` it also notes each device's
+    /// `vfioN` character device (Allocate hands it out).
+    pub fn new(iommufd: bool) -> Self {
+        Self {
+            iommufd,
+            ..Self::default()
+        }
+    }
+
+    /// Reads the whole node and returns the new snapshot.
     pub fn rescan(&mut self, host: &Host, list: &ResourceList) -> Result<Snapshot, DeviceError> {
-        let inv = Inventory::scan(host, list)?;
-        for s in self.note_skipped(&inv.skipped) {
+        let inv = Inventory::scan_with(host, list, Detail::Brief)?;
+        Ok(self.apply(host, &inv, None))
+    }
+
+    /// Reads again only what `addresses` and `groups` touch: those devices and every
+    /// member of their IOMMU groups (the groups they were in and the ones they are in
+    /// now), so the work follows the change, not the size of the node.
+    pub fn refresh(
+        &mut self,
+        host: &Host,
+        list: &ResourceList,
+        addresses: &BTreeSet<PciAddress>,
+        groups: &BTreeSet<u32>,
+    ) -> Result<Snapshot, DeviceError> {
+        let mut groups = groups.clone();
+        for address in addresses {
+            groups.extend(self.known_group(address));
+            if let Ok(Some(g)) = iommu_group_of(host, address) {
+                groups.insert(g);
+            }
+        }
+        let mut scope = addresses.clone();
+        for &group in &groups {
+            scope.extend(vfio_sandbox::group::members(host, group)?);
+            scope.extend(
+                self.known
+                    .values()
+                    .flat_map(|m| m.values())
+                    .filter(|d| d.group == Some(group))
+                    .map(|d| d.address),
+            );
+        }
+        let scanned: Vec<PciAddress> = scope.iter().copied().collect();
+        let inv = Inventory::scan_addresses(host, list, &scanned, Detail::Brief);
+        Ok(self.apply(host, &inv, Some(&scope)))
+    }
+
+    /// The group an advertised device was last seen in.
+    fn known_group(&self, address: &PciAddress) -> Option<u32> {
+        self.known
+            .values()
+            .find_map(|m| m.get(address))
+            .and_then(|d| d.group)
+    }
+
+    /// Takes a scan of the devices in `scope` (every device when `None`) into the
+    /// known devices and returns the whole snapshot.
+    fn apply(
+        &mut self,
+        host: &Host,
+        inv: &Inventory,
+        scope: Option<&BTreeSet<PciAddress>>,
+    ) -> Snapshot {
+        let in_scope = |a: &PciAddress| scope.is_none_or(|s| s.contains(a));
+        for s in self.note_skipped(&inv.skipped, in_scope) {
             tracing::warn!(bdf = %s.address, reason = %s, "not advertising a device that cannot be read");
         }
         let mut seen: BTreeMap<ResourceName, BTreeMap<PciAddress, DeviceState>> = BTreeMap::new();
@@ -98,44 +162,54 @@ impl Tracker {
                     entry.target_driver
                 ))
             } else {
-                group_problem(host, &inv, d.iommu_group)
+                group_problem(host, inv, d.iommu_group)
             };
             let state = DeviceState {
                 address: d.address,
                 group: d.iommu_group,
                 numa_node: d.numa_node,
                 bridge: d.parent_bridge(),
-                cdev: vfio_cdev(host, &d.address),
+                cdev: if self.iommufd {
+                    vfio_cdev(host, &d.address)
+                } else {
+                    None
+                },
                 problem,
             };
             seen.entry(resource.clone())
                 .or_default()
                 .insert(d.address, state);
         }
+        // Known devices the scan covered but did not find are gone; the rest are
+        // as they were.
         for (resource, devices) in &self.known {
             for (address, old) in devices {
                 let now = seen.entry(resource.clone()).or_default();
                 if !now.contains_key(address) {
-                    let mut gone = old.clone();
-                    gone.problem = Some("device removed".into());
-                    now.insert(*address, gone);
+                    let mut kept = old.clone();
+                    if in_scope(address) {
+                        kept.problem = Some("device removed".into());
+                    }
+                    now.insert(*address, kept);
                 }
             }
         }
         self.known = seen;
-        Ok(self
-            .known
+        self.known
             .iter()
             .map(|(r, m)| (r.clone(), m.values().cloned().collect()))
-            .collect())
+            .collect()
     }
-}
 
-impl Tracker {
-    /// The skipped devices not logged yet (or whose reason changed); a device that can
-    /// be read again is forgotten, so it is logged again if it breaks again.
-    fn note_skipped<'a>(&mut self, skipped: &'a [Skipped]) -> Vec<&'a Skipped> {
-        let news = self.skip_log.note(skipped);
+    /// The skipped devices not logged yet (or whose reason changed), among those the
+    /// scan covered; a device that can be read again is forgotten, so it is logged
+    /// again if it breaks again.
+    fn note_skipped<'a>(
+        &mut self,
+        skipped: &'a [Skipped],
+        scanned: impl Fn(&PciAddress) -> bool,
+    ) -> Vec<&'a Skipped> {
+        let news = self.skip_log.note_within(skipped, scanned);
         for address in news.recovered {
             tracing::info!(bdf = %address, "a device skipped before can be read again");
         }
@@ -273,12 +347,12 @@ mod tests {
         let mut t = Tracker::default();
         let inv = Inventory::scan(&node.host, &list).unwrap();
         assert_eq!(
-            t.note_skipped(&inv.skipped).len(),
+            t.note_skipped(&inv.skipped, |_| true).len(),
             1,
             "first sight is logged"
         );
         assert!(
-            t.note_skipped(&inv.skipped).is_empty(),
+            t.note_skipped(&inv.skipped, |_| true).is_empty(),
             "not on every resync"
         );
         let s = t.rescan(&node.host, &list).unwrap();
@@ -304,7 +378,8 @@ mod tests {
                 .group(4),
         );
         let bad = node.canonical_dir(&"0000:01:00.1".parse().unwrap());
-        std::fs::write(bad.join("driver_override"), b"\xff\n").unwrap();
+        // An attribute the health read needs (the override, say, it does not read).
+        std::fs::write(bad.join("class"), b"\xff\n").unwrap();
         let s = t.rescan(&node.host, &list).unwrap();
         assert_eq!(
             health(&s),
@@ -316,6 +391,123 @@ mod tests {
                         .into()
                 )
             )]
+        );
+    }
+
+    fn addrs(list: &[&str]) -> BTreeSet<PciAddress> {
+        list.iter().map(|a| a.parse().unwrap()).collect()
+    }
+
+    /// After any change, a refresh of what the change touched gives the snapshot a
+    /// full rescan gives.
+    #[test]
+    fn a_refresh_of_what_changed_equals_a_full_rescan() {
+        let (_d, node, list) = setup();
+        node.add_device(
+            &FakeDevice::new("0000:01:00.1", 0x8086, 0x1234, 0x04_0300)
+                .driver("vfio-pci")
+                .group(4),
+        );
+        let a: PciAddress = "0000:01:00.0".parse().unwrap();
+        let b: PciAddress = "0000:02:00.0".parse().unwrap();
+        let companion: PciAddress = "0000:01:00.1".parse().unwrap();
+        let mut partial = Tracker::default();
+        let mut full = Tracker::default();
+        let first = partial.rescan(&node.host, &list).unwrap();
+        assert_eq!(first, full.rescan(&node.host, &list).unwrap());
+        type Change = Box<dyn Fn(&FakeNode)>;
+        let steps: Vec<(&str, Change, BTreeSet<PciAddress>, BTreeSet<u32>)> = vec![
+            (
+                "device unbound",
+                Box::new(move |n: &FakeNode| n.attach(&a, "e1000e")),
+                addrs(&["0000:01:00.0"]),
+                BTreeSet::new(),
+            ),
+            (
+                "bound again",
+                Box::new(move |n: &FakeNode| n.attach(&a, "vfio-pci")),
+                BTreeSet::new(),
+                [4].into(),
+            ),
+            (
+                "companion taken by a host driver",
+                Box::new(move |n: &FakeNode| n.attach(&companion, "snd_hda_intel")),
+                addrs(&["0000:01:00.1"]),
+                BTreeSet::new(),
+            ),
+            (
+                "companion back",
+                Box::new(move |n: &FakeNode| n.attach(&companion, "vfio-pci")),
+                addrs(&["0000:01:00.1"]),
+                BTreeSet::new(),
+            ),
+            (
+                "second device bound",
+                Box::new(move |n: &FakeNode| n.attach(&b, "vfio-pci")),
+                BTreeSet::new(),
+                [5].into(),
+            ),
+            (
+                "group node removed",
+                Box::new(|n: &FakeNode| std::fs::remove_file(n.host.vfio_group_node(5)).unwrap()),
+                BTreeSet::new(),
+                [5].into(),
+            ),
+            (
+                "device removed",
+                Box::new(move |n: &FakeNode| n.remove_device(&b)),
+                addrs(&["0000:02:00.0"]),
+                BTreeSet::new(),
+            ),
+        ];
+        for (what, change, addresses, groups) in steps {
+            change(&node);
+            let got = partial
+                .refresh(&node.host, &list, &addresses, &groups)
+                .unwrap();
+            let want = full.rescan(&node.host, &list).unwrap();
+            assert_eq!(got, want, "after: {what}");
+        }
+        assert_eq!(
+            health(&full.rescan(&node.host, &list).unwrap()),
+            [
+                ("0000:01:00.0".into(), None),
+                ("0000:02:00.0".into(), Some("device removed".into()))
+            ]
+        );
+    }
+
+    /// A refresh reads the touched group only: a device elsewhere that changed
+    /// without an event keeps its last state until it is named or resynced.
+    #[test]
+    fn a_refresh_reads_only_what_it_is_told() {
+        let (_d, node, list) = setup();
+        let b: PciAddress = "0000:02:00.0".parse().unwrap();
+        node.attach(&b, "vfio-pci");
+        let mut t = Tracker::default();
+        t.rescan(&node.host, &list).unwrap();
+        node.attach(&b, "e1000e");
+        let s = t
+            .refresh(
+                &node.host,
+                &list,
+                &addrs(&["0000:01:00.0"]),
+                &BTreeSet::new(),
+            )
+            .unwrap();
+        assert_eq!(
+            health(&s),
+            [("0000:01:00.0".into(), None), ("0000:02:00.0".into(), None)]
+        );
+        let s = t
+            .refresh(&node.host, &list, &BTreeSet::new(), &[5].into())
+            .unwrap();
+        assert_eq!(
+            health(&s)[1],
+            (
+                "0000:02:00.0".into(),
+                Some("on e1000e instead of vfio-pci".into())
+            )
         );
     }
 }

@@ -92,7 +92,7 @@ async fn run(cli: Cli, list: vfio_sandbox::config::ResourceList) -> anyhow::Resu
     // A DaemonSet has no terminal to hang up; SIGHUP (whose default action kills
     // us and leaves the sockets behind) is a clean stop like SIGTERM.
     let mut sighup = signal(SignalKind::hangup())?;
-    let mut tracker = devices::Tracker::default();
+    let mut tracker = devices::Tracker::new(cli.iommufd);
     let first = tracker.rescan(&host, &list)?;
     if first.is_empty() {
         tracing::warn!("no selected device is bound to its vfio driver yet; waiting");
