@@ -1,8 +1,12 @@
 //! Measures sandbox-device-plugin against the kubelet-like peer on a fake node with N
-//! selected devices, and prints numbers (no pass/fail): start to first ListAndWatch
-//! message, Allocate latency, GetPreferredAllocation over all devices (and how long
-//! an Allocate sent at the same moment on another connection takes), idle RSS and
-//! CPU, and unbind-to-Unhealthy latency.
+//! NVIDIA GPUs bound to vfio-pci (the `nvidia` preset), and prints numbers (no
+//! pass/fail): start to first ListAndWatch message, Allocate latency,
+//! GetPreferredAllocation over all devices (and how long an Allocate sent at the
+//! same moment on another connection takes), RSS after the Allocate calls, idle CPU,
+//! and health latency two ways: a device unbound with its group node removed
+//! (inotify on /dev/vfio), and a driver unbind that keeps the group node, announced
+//! by a uevent (sent into a private network namespace, so the host sees none; needs
+//! root, else reported as -1).
 //!
 //! `plugin-bench --plugin target/release/sandbox-device-plugin --devices 64`
 
@@ -46,6 +50,9 @@ fn addr(i: usize) -> PciAddress {
         .unwrap_or_else(|| panic!("address {i}"))
 }
 
+/// NVIDIA H100 PCIe (3D controller), as the PCI ID database names it.
+const GPU: (u16, u16, u32) = (0x10de, 0x2331, 0x03_0200);
+
 fn node(root: &Path, n: usize) -> FakeNode {
     let node = FakeNode::new(root);
     node.add_driver("vfio-pci");
@@ -58,7 +65,7 @@ fn node(root: &Path, n: usize) -> FakeNode {
         let a = addr(i);
         let bridge = format!("0000:00:{:02x}.0", (i % 8) + 1);
         node.add_device(
-            &FakeDevice::new(&a.to_string(), 0x1eff, 0x1220, 0x12_0000)
+            &FakeDevice::new(&a.to_string(), GPU.0, GPU.1, GPU.2)
                 .driver("vfio-pci")
                 .group(100 + i as u32)
                 .numa((i % 2) as i32)
@@ -108,7 +115,8 @@ impl Drop for Plugin {
 fn spawn(plugin: &Path, root: &Path) -> Plugin {
     Plugin(
         kubelet_peer::plugin_command(plugin, root)
-            .args(["--log-level", "warn"])
+            .args(["--log-level", "warn", "--config"])
+            .arg(root.join("config.json"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -119,8 +127,13 @@ fn spawn(plugin: &Path, root: &Path) -> Plugin {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // Our own network namespace: uevents sent here reach the plugin and nothing else.
+    let uevents = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+        .ok()
+        .and_then(|()| uevent_sender().ok());
     let dir = tempfile::tempdir()?;
     let node = node(dir.path(), args.devices);
+    std::fs::write(dir.path().join("config.json"), r#"{"preset": "nvidia"}"#)?;
     let kubelet = Kubelet::start(&dir.path().join("kubelet")).await?;
 
     let t0 = Instant::now();
@@ -154,6 +167,8 @@ async fn main() -> anyhow::Result<()> {
         lat.push(t.elapsed());
     }
     lat.sort();
+    let pid = child.0.id();
+    let rss_after_allocs = rss_kib(pid);
 
     // GetPreferredAllocation over every device, alone and with an Allocate racing it.
     let all: Vec<String> = first.devices.iter().map(|d| d.id.clone()).collect();
@@ -187,7 +202,6 @@ async fn main() -> anyhow::Result<()> {
     pref.sort();
     raced.sort();
 
-    let pid = child.0.id();
     tokio::time::sleep(Duration::from_secs(2)).await; // let start-up work settle
     let (c0, w0) = (cpu_ticks(pid), Instant::now());
     tokio::time::sleep(Duration::from_secs(args.idle_seconds)).await;
@@ -195,45 +209,109 @@ async fn main() -> anyhow::Result<()> {
     let idle_cpu = ticks as f64 / 100.0 / w0.elapsed().as_secs_f64() * 100.0;
     let rss = rss_kib(pid);
 
-    let mut health = Vec::new();
     let target = addr(args.devices - 1);
-    for i in 0..args.health_changes {
-        let (driver, want) = if i % 2 == 0 {
-            ("e1000e", "Unhealthy")
-        } else {
-            ("vfio-pci", "Healthy")
-        };
-        let t = Instant::now();
-        node.attach(&target, driver);
-        loop {
-            let msg = tokio::time::timeout(Duration::from_secs(10), stream.next())
-                .await?
-                .ok_or_else(|| anyhow::anyhow!("stream ended"))??;
-            if msg
-                .devices
-                .iter()
-                .any(|d| d.id == target.to_string() && d.health == want)
-            {
-                break;
-            }
+    let health = time_changes(&mut stream, &target, args.health_changes, |unhealthy| {
+        node.attach(&target, if unhealthy { "e1000e" } else { "vfio-pci" })
+    })
+    .await?;
+    // A driver unbind that leaves the group node: only the uevent tells.
+    let health_uevent = match &uevents {
+        Some(sender) => {
+            let dir = node.canonical_dir(&target);
+            let path = dir
+                .strip_prefix(&node.host.sysfs)
+                .unwrap_or(&dir)
+                .to_owned();
+            time_changes(&mut stream, &target, args.health_changes, |unhealthy| {
+                let (action, driver) = if unhealthy {
+                    ("unbind", "e1000e")
+                } else {
+                    ("bind", "vfio-pci")
+                };
+                let link = dir.join("driver");
+                let _ = std::fs::remove_file(&link);
+                let _ = std::os::unix::fs::symlink(node.host.driver_dir(driver), &link);
+                send_uevent(sender, action, &path, &target);
+            })
+            .await?
         }
-        health.push(t.elapsed());
-    }
-    health.sort();
+        None => Vec::new(),
+    };
     drop(child);
 
+    let ms = |d: Option<&Duration>| d.map_or(-1.0, |d| d.as_secs_f64() * 1e3);
     println!(
-        "devices={:<5} start_to_first_ms={:<7.1} alloc_median_us={:<6} alloc_p99_us={:<6} pref_all_median_us={:<6} alloc_racing_pref_max_us={:<6} rss_mib={:<5.1} idle_cpu_pct={:<6.3} health_median_ms={:<6.1} health_max_ms={:.1}",
+        "devices={:<5} start_to_first_ms={:<7.1} alloc_median_us={:<6} alloc_p99_us={:<6} pref_all_median_us={:<6} alloc_racing_pref_max_us={:<6} rss_after_allocs_mib={:<5.2} rss_idle_mib={:<5.2} idle_cpu_pct={:<6.3} health_node_median_ms={:<6.2} health_node_max_ms={:<6.2} health_uevent_median_ms={:<6.2} health_uevent_max_ms={:.2}",
         args.devices,
         to_first.as_secs_f64() * 1e3,
         pct(&lat, 0.5).as_micros(),
         pct(&lat, 0.99).as_micros(),
         pct(&pref, 0.5).as_micros(),
         raced.last().map(|d| d.as_micros()).unwrap_or(0),
+        rss_after_allocs as f64 / 1024.0,
         rss as f64 / 1024.0,
         idle_cpu,
-        pct(&health, 0.5).as_secs_f64() * 1e3,
-        health.last().map(|d| d.as_secs_f64() * 1e3).unwrap_or(0.0),
+        ms(health.get(health.len() / 2)),
+        ms(health.last()),
+        ms(health_uevent.get(health_uevent.len() / 2)),
+        ms(health_uevent.last()),
     );
     Ok(())
+}
+
+/// Makes `change(unhealthy)` alternately (Unhealthy first) and times each until the
+/// stream reports the target that way; sorted.
+async fn time_changes(
+    stream: &mut tonic::Streaming<deviceplugin::v1beta1::ListAndWatchResponse>,
+    target: &PciAddress,
+    changes: usize,
+    change: impl Fn(bool),
+) -> anyhow::Result<Vec<Duration>> {
+    let id = target.to_string();
+    let mut times = Vec::with_capacity(changes);
+    for i in 0..changes {
+        let unhealthy = i % 2 == 0;
+        let want = if unhealthy { "Unhealthy" } else { "Healthy" };
+        let t = Instant::now();
+        change(unhealthy);
+        loop {
+            let msg = tokio::time::timeout(Duration::from_secs(10), stream.next())
+                .await
+                .map_err(|_| anyhow::anyhow!("{id} not reported {want} within 10 s"))?
+                .ok_or_else(|| anyhow::anyhow!("stream ended"))??;
+            if msg.devices.iter().any(|d| d.id == id && d.health == want) {
+                break;
+            }
+        }
+        times.push(t.elapsed());
+    }
+    times.sort();
+    Ok(times)
+}
+
+/// A netlink socket to send uevents on, as the kernel does.
+fn uevent_sender() -> nix::Result<std::os::fd::OwnedFd> {
+    use nix::sys::socket::{socket, AddressFamily, SockFlag, SockProtocol, SockType};
+    socket(
+        AddressFamily::Netlink,
+        SockType::Datagram,
+        SockFlag::SOCK_CLOEXEC,
+        SockProtocol::NetlinkKObjectUEvent,
+    )
+}
+
+/// Sends `action` for the device at `devpath` (relative to sysfs) to the uevent group.
+fn send_uevent(fd: &std::os::fd::OwnedFd, action: &str, devpath: &Path, target: &PciAddress) {
+    use nix::sys::socket::{sendto, MsgFlags, NetlinkAddr};
+    use std::os::fd::AsRawFd;
+    let devpath = format!("/{}", devpath.display());
+    let msg = format!(
+        "{action}@{devpath}\0ACTION={action}\0DEVPATH={devpath}\0SUBSYSTEM=pci\0PCI_SLOT_NAME={target}\0"
+    );
+    let _ = sendto(
+        fd.as_raw_fd(),
+        msg.as_bytes(),
+        &NetlinkAddr::new(0, 1),
+        MsgFlags::empty(),
+    );
 }
