@@ -55,7 +55,9 @@ pub struct CommonArgs {
         default_value = "text"
     )]
     pub log_format: LogFormat,
-    /// Log filter (error, warn, info, debug, trace, or a tracing directive).
+    /// Log filter: a level (error, warn, info, debug, trace, off), or comma-separated
+    /// TARGET=LEVEL directives with an optional default level
+    /// (`vfio_sandbox=debug,warn`).
     #[arg(
         long,
         env = "VFIO_SANDBOX_LOG_LEVEL",
@@ -92,10 +94,17 @@ pub fn fail(program: &str, error: &dyn std::error::Error, code: u8) -> std::proc
 
 /// Installs the tracing subscriber (stderr, text or JSON).
 pub fn init_logging(format: LogFormat, filter: &str) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_new(filter).unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    use tracing_subscriber::layer::{Layer, SubscriberExt};
+    use tracing_subscriber::util::SubscriberInitExt;
+    // A plain target/level filter: no regular-expression engine is linked or run
+    // for it (a smaller, leaner binary than a full directive filter).
+    let (targets, bad) = match filter.parse::<Targets>() {
+        Ok(t) => (t, None),
+        Err(e) => (Targets::new().with_default(LevelFilter::INFO), Some(e)),
+    };
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
@@ -103,9 +112,16 @@ pub fn init_logging(format: LogFormat, filter: &str) {
         // stderr (`run 2>&1 | head`): a log line that cannot be written is dropped.
         .log_internal_errors(false);
     let _ = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => tracing_subscriber::registry()
+            .with(fmt.with_filter(targets))
+            .try_init(),
+        LogFormat::Json => tracing_subscriber::registry()
+            .with(fmt.json().with_filter(targets))
+            .try_init(),
     };
+    if let Some(e) = bad {
+        tracing::warn!(filter, error = %e, "log filter not understood; logging at info");
+    }
 }
 
 /// The longest duration any flag accepts: one year. Every use adds a duration to
