@@ -113,7 +113,8 @@ fn node(unload: bool) -> Node {
     for (module, driver) in [("vfio_pci", "vfio-pci"), ("e1000e", "e1000e")] {
         kernel
             .module_drivers
-            .borrow_mut()
+            .lock()
+            .unwrap()
             .insert(module.into(), driver.into());
     }
     Node {

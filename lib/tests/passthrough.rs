@@ -89,7 +89,8 @@ impl Bed {
             .add_modules_dep("6.1.0-test", "kernel/e1000e.ko:\n");
         self.kernel
             .module_drivers
-            .borrow_mut()
+            .lock()
+            .unwrap()
             .insert("e1000e".into(), "e1000e".into());
     }
 }
@@ -143,7 +144,7 @@ fn bind_moves_the_whole_group_but_not_the_bridge() {
         Some("snd_hda_intel")
     );
     // Idempotent: a second bind writes nothing.
-    b.kernel.writes.borrow_mut().clear();
+    b.kernel.writes.lock().unwrap().clear();
     let inv = b.inv();
     let again = b.pt().bind(&inv, &[]);
     assert!(again.bound.is_empty() && again.failed.is_empty());
@@ -159,7 +160,7 @@ fn bind_moves_the_whole_group_but_not_the_bridge() {
 fn failure_in_a_group_puts_every_member_back() {
     let mut b = bed();
     // The companion's unbind fails after the selected function already moved.
-    *b.kernel.fail_on.borrow_mut() = Some(("0000:01:00.1/driver/unbind".into(), 16));
+    *b.kernel.fail_on.lock().unwrap() = Some(("0000:01:00.1/driver/unbind".into(), 16));
     let inv = b.inv();
     let report = b.pt().bind(&inv, &[]);
     assert_eq!(report.failed.len(), 1);
@@ -235,8 +236,8 @@ fn restore_skips_a_group_a_vm_holds_and_keeps_its_records() {
     let inv = b.inv();
     b.pt().bind(&inv, &[]);
     let node4 = b.node.host.vfio_group_node(4);
-    b.kernel.busy_groups.borrow_mut().insert(node4);
-    b.kernel.writes.borrow_mut().clear();
+    b.kernel.busy_groups.lock().unwrap().insert(node4);
+    b.kernel.writes.lock().unwrap().clear();
     let report = b.pt().restore(&[]);
     let skipped: Vec<_> = report
         .in_use
@@ -260,7 +261,7 @@ fn restore_skips_a_group_a_vm_holds_and_keeps_its_records() {
     assert_eq!(b.driver("0000:02:00.0").as_deref(), Some("e1000e"));
     assert_eq!(b.state.state().devices.len(), 2);
     // Once the VM lets go, a second restore finishes the job.
-    b.kernel.busy_groups.borrow_mut().clear();
+    b.kernel.busy_groups.lock().unwrap().clear();
     let report = b.pt().restore(&[]);
     assert_eq!(report.restored.len(), 2);
     assert!(b.state.state().devices.is_empty());
@@ -350,7 +351,8 @@ fn vfio_modules_load_dependencies_first() {
     );
     b.kernel
         .module_drivers
-        .borrow_mut()
+        .lock()
+        .unwrap()
         .insert("vfio_pci".into(), "vfio-pci".into());
     let loaded = b.pt().load_modules(&["vfio-pci".into()]).unwrap();
     assert_eq!(
@@ -376,7 +378,7 @@ fn rollback_restores_to_the_record_not_the_snapshot() {
     let inv = b.inv();
     b.pt().pin_overrides(&inv, &[5]).unwrap();
     b.pt().unload_modules(&["e1000e".into()]).unwrap();
-    *b.kernel.fail_on.borrow_mut() = Some(("drivers_probe".into(), 22));
+    *b.kernel.fail_on.lock().unwrap() = Some(("drivers_probe".into(), 22));
     let inv = b.inv();
     let report = b.pt().bind(&inv, &[5]);
     assert_eq!(report.failed.len(), 1);
