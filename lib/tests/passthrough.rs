@@ -422,3 +422,207 @@ fn a_failed_save_mid_group_puts_the_group_back_and_says_so() {
     assert_eq!(b.driver("0000:01:00.1").as_deref(), Some("snd_hda_intel"));
     assert!(b.state.state().devices.is_empty());
 }
+
+/// Six NICs on e1000e, each alone in its IOMMU group (11..=16), and a two-function
+/// card in group 20 (a selected NIC and an audio companion), on a fake kernel whose
+/// every unbind and probe takes `latency`.
+fn wide(latency: std::time::Duration) -> Bed {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let node = FakeNode::new(dir.path());
+    node.add_driver("vfio-pci");
+    for (i, group) in (11..=16).enumerate() {
+        node.add_device(
+            &FakeDevice::new(&format!("0000:0{}:00.0", i + 1), 0x8086, 0x10d3, 0x02_0000)
+                .driver("e1000e")
+                .group(group),
+        );
+    }
+    node.add_device(
+        &FakeDevice::new("0000:07:00.0", 0x8086, 0x10d3, 0x02_0000)
+            .driver("e1000e")
+            .group(20),
+    );
+    node.add_device(
+        &FakeDevice::new("0000:07:00.1", 0x8086, 0x1234, 0x04_0300)
+            .driver("snd_hda_intel")
+            .group(20),
+    );
+    let kernel = FakeKernel::new(&node).with_latency(latency);
+    kernel.learn_native_drivers();
+    let state = StateFile::load(&dir.path().join("run/state.json"), true).unwrap();
+    Bed {
+        list: ResourceList::parse(LIST).unwrap(),
+        _dir: dir,
+        node,
+        kernel,
+        state,
+    }
+}
+
+const WIDE: [&str; 8] = [
+    "0000:01:00.0",
+    "0000:02:00.0",
+    "0000:03:00.0",
+    "0000:04:00.0",
+    "0000:05:00.0",
+    "0000:06:00.0",
+    "0000:07:00.0",
+    "0000:07:00.1",
+];
+
+fn jobs(n: usize) -> std::num::NonZeroUsize {
+    std::num::NonZeroUsize::new(n).unwrap()
+}
+
+impl Bed {
+    /// The records on disk, which must equal those in memory.
+    fn records_on_disk(&self) -> Vec<PciAddress> {
+        let disk = StateFile::load(self.state.path(), false).unwrap();
+        assert_eq!(
+            disk.state(),
+            self.state.state(),
+            "memory never claims more (or less) than the disk holds"
+        );
+        disk.state().devices.keys().copied().collect()
+    }
+}
+
+/// With several jobs the groups' probes overlap, and the outcome — report, node,
+/// records, the writes each device saw — is the one-at-a-time outcome.
+#[test]
+fn binding_groups_concurrently_overlaps_their_probes_and_reports_as_one_at_a_time() {
+    let latency = std::time::Duration::from_millis(50);
+    let mut outcomes = Vec::new();
+    for n in [1, 4] {
+        let mut b = wide(latency);
+        let inv = b.inv();
+        let report = b.pt().bind_concurrent(&inv, &[], jobs(n));
+        assert!(report.failed.is_empty(), "{:?}", report.failed);
+        for d in WIDE {
+            assert_eq!(b.driver(d).as_deref(), Some("vfio-pci"), "{d}");
+        }
+        let overlap = b.kernel.max_concurrent_probes();
+        if n == 1 {
+            assert_eq!(overlap, 1, "one at a time");
+        } else {
+            assert!(overlap >= 2, "the groups' probes never overlapped");
+        }
+        let mut writes = b.kernel.write_log();
+        writes.sort();
+        outcomes.push((
+            format!("{:?} {:?}", report.bound, report.already),
+            b.records_on_disk(),
+            writes,
+        ));
+    }
+    assert_eq!(outcomes[0], outcomes[1]);
+    // Members of a group still move in order: the selected NIC before its companion.
+    let b = {
+        let mut b = wide(std::time::Duration::ZERO);
+        let inv = b.inv();
+        b.pt().bind_concurrent(&inv, &[20], jobs(4));
+        b
+    };
+    let log = b.kernel.write_log();
+    let first = |d: &str| log.iter().position(|w| w.contains(d)).unwrap();
+    assert!(first("0000:07:00.0") < first("0000:07:00.1"), "{log:?}");
+}
+
+/// A failed state save stops and rolls back only its own group; the other groups,
+/// in flight or waiting, finish, and every save still holds every record before it.
+#[test]
+fn a_failed_save_while_binding_concurrently_stops_only_its_group() {
+    // 8 records made, one save each: fail each in turn.
+    for n in 0..8 {
+        let mut b = wide(std::time::Duration::from_millis(2));
+        let inv = b.inv();
+        let kernel = FaultKernel::at_nth(&b.kernel, Point::Save, n, Fault::Fail);
+        let report = Passthrough {
+            host: &b.node.host,
+            kernel: &kernel,
+            state: &mut b.state,
+            release: "6.1.0-test".into(),
+        }
+        .bind_concurrent(&inv, &[], jobs(4));
+        assert_eq!(report.failed.len(), 1, "save #{n}: {:?}", report.failed);
+        let msg = error_chain(&report.failed[0]);
+        assert!(msg.contains("No space left on device"), "{msg}");
+        let on_vfio: Vec<PciAddress> = WIDE
+            .iter()
+            .map(|d| a(d))
+            .filter(|d| b.node.driver_of(d).as_deref() == Some("vfio-pci"))
+            .collect();
+        // Six groups bound, one not: 7 or 6 devices moved (group 20 has two).
+        assert!(matches!(on_vfio.len(), 6 | 7), "save #{n}: {on_vfio:?}");
+        assert_eq!(b.records_on_disk(), on_vfio, "save #{n}");
+    }
+}
+
+/// A crash on one thread stops every thread at its next step and reaches the caller
+/// as the crash; every device moved is recorded on disk, and a restore puts all back.
+#[test]
+fn a_crash_while_binding_concurrently_reaches_the_caller_and_loses_nothing() {
+    use vfio_sandbox::fake::Crashed;
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if !info.payload().is::<Crashed>() {
+            default(info);
+        }
+    }));
+    let points = {
+        let mut b = wide(std::time::Duration::ZERO);
+        let inv = b.inv();
+        let counting = FaultKernel::new(&b.kernel, None);
+        Passthrough {
+            host: &b.node.host,
+            kernel: &counting,
+            state: &mut b.state,
+            release: "6.1.0-test".into(),
+        }
+        .bind_concurrent(&inv, &[], jobs(4));
+        counting.points().len()
+    };
+    assert!(points >= 8 * 4, "{points} points");
+    for at in 0..points {
+        let mut b = wide(std::time::Duration::from_millis(1));
+        let inv = b.inv();
+        let kernel = FaultKernel::new(&b.kernel, Some((at, Fault::Crash)));
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Passthrough {
+                host: &b.node.host,
+                kernel: &kernel,
+                state: &mut b.state,
+                release: "6.1.0-test".into(),
+            }
+            .bind_concurrent(&inv, &[], jobs(4))
+        }));
+        assert!(caught.unwrap_err().is::<Crashed>(), "point #{at}");
+        let on_disk = StateFile::load(b.state.path(), false).unwrap();
+        for d in WIDE {
+            let dir = b.node.host.device_dir(&a(d));
+            let over = std::fs::read_to_string(dir.join("driver_override")).unwrap();
+            let touched = b.driver(d).as_deref()
+                != b.kernel
+                    .native
+                    .lock()
+                    .unwrap()
+                    .get(&a(d))
+                    .map(String::as_str)
+                || over.trim() != "(null)";
+            assert!(
+                !touched || on_disk.get(&a(d)).is_some(),
+                "point #{at}: {d} was changed but not recorded"
+            );
+        }
+        // The next process restores from the file alone.
+        drop(b.state);
+        b.state = StateFile::load(on_disk.path(), true).unwrap();
+        let report = b.pt().restore(&[]);
+        assert!(report.failed.is_empty(), "point #{at}: {:?}", report.failed);
+        for d in WIDE {
+            let native = b.kernel.native.lock().unwrap().get(&a(d)).cloned();
+            assert_eq!(b.driver(d), native, "point #{at}: {d}");
+        }
+        assert!(b.records_on_disk().is_empty(), "point #{at}");
+    }
+}
