@@ -1,8 +1,10 @@
 //! Whole-group binding and restoring, with the state file kept true at every step.
 //!
-//! A bind works one IOMMU group at a time: check every member first, record each in
-//! the state file before touching it, move it, and on any failure put the members
-//! moved so far back, so a group is never left half-done. A restore skips a group
+//! A bind works group by group: check every member first, record each in the state
+//! file before touching it, move it, and on any failure put the members moved so far
+//! back, so a group is never left half-done. Independent groups can be bound on
+//! several threads at once ([`Passthrough::bind_concurrent`]), sharing the state file
+//! under a lock (`passthrough/binder.rs`). A restore skips a group
 //! whose `/dev/vfio/<group>` a VM holds open (unbinding would block in the kernel
 //! until the VM lets go) and keeps its records for later.
 //!
@@ -17,7 +19,8 @@
 //!   included, and the error names the devices put back and any that could not be.
 //!
 //! `lib/tests/faults.rs` fails and crashes the process at every kernel write, module
-//! syscall and state save of a node's whole life in turn and checks these hold.
+//! syscall and state save of a node's whole life in turn and checks these hold, with
+//! groups bound one at a time and several at once.
 
 use std::collections::BTreeSet;
 use std::num::NonZeroUsize;
