@@ -350,7 +350,7 @@ mod tests {
             "vfio-pci",
         )
         .unwrap();
-        kernel.writes.borrow_mut().clear();
+        kernel.writes.lock().unwrap().clear();
         let dev = PciDevice::read(&node.host, &a).unwrap();
         restore(&node.host, &kernel, &dev, Some("rebellions"), None).unwrap();
         assert_eq!(
@@ -424,7 +424,7 @@ mod tests {
     #[test]
     fn kernel_error_names_device_file_and_data() {
         let (_d, node, kernel) = node();
-        *kernel.fail_on.borrow_mut() = Some(("driver/unbind".into(), 16));
+        *kernel.fail_on.lock().unwrap() = Some(("driver/unbind".into(), 16));
         let dev = PciDevice::read(&node.host, &addr("0000:01:00.0")).unwrap();
         let err = bind(&node.host, &kernel, &dev, "vfio-pci").unwrap_err();
         let chain = crate::error_chain(&err);
@@ -445,7 +445,7 @@ mod tests {
         // The override names a driver the fake kernel will not attach (no dir), but the
         // check for a registered driver is satisfied by creating the dir after the fact.
         let dev = PciDevice::read(&node.host, &addr("0000:01:00.0")).unwrap();
-        *kernel.fail_on.borrow_mut() = Some(("drivers_probe".into(), 22));
+        *kernel.fail_on.lock().unwrap() = Some(("drivers_probe".into(), 22));
         let err = bind(&node.host, &kernel, &dev, "vfio-pci").unwrap_err();
         assert!(err.to_string().contains("cannot bind 0000:01:00.0"));
         assert_eq!(

@@ -15,15 +15,17 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 use std::fs;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
 
 use crate::group::is_vfio_driver;
 use crate::io::{Action, IoError};
-use crate::kernel::{Kernel, SyscallError, Write};
+use crate::kernel::{lock, Kernel, SyscallError, Write};
 use crate::{Host, PciAddress};
 
 /// Where to build fake trees: `/dev/shm` when it is a directory (tmpfs), else the
@@ -283,49 +285,96 @@ impl FakeNode {
 }
 
 /// Emulates the PCI core's handling of sysfs writes on a [`FakeNode`].
+///
+/// Safe to share between threads, as the kernel is: changes to the tree are made one
+/// at a time, while the modelled driver latency ([`Self::with_latency`]) of different
+/// devices overlaps, as probes of different devices do in the kernel.
 #[derive(Debug)]
 pub struct FakeKernel {
     pub node: FakeNode,
     /// Every write, in order.
-    pub writes: RefCell<Vec<Write>>,
+    pub writes: Mutex<Vec<Write>>,
     /// Native driver each device re-probes to when it has no override.
-    pub native: RefCell<HashMap<PciAddress, String>>,
+    pub native: Mutex<HashMap<PciAddress, String>>,
     /// Writes whose path ends with this suffix fail with the errno (once).
-    pub fail_on: RefCell<Option<(String, i32)>>,
+    pub fail_on: Mutex<Option<(String, i32)>>,
     /// Group nodes reported in use.
-    pub busy_groups: RefCell<BTreeSet<PathBuf>>,
+    pub busy_groups: Mutex<BTreeSet<PathBuf>>,
     /// Modules loaded through `load_module`, in order.
-    pub loaded: RefCell<Vec<String>>,
+    pub loaded: Mutex<Vec<String>>,
     /// Driver registered when a module loads (module name → driver name).
-    pub module_drivers: RefCell<HashMap<String, String>>,
+    pub module_drivers: Mutex<HashMap<String, String>>,
+    /// How long each unbind and each bind or probe of a device takes (a native
+    /// driver's remove and probe; a GPU's can take a second). Zero by default.
+    latency: Duration,
+    /// Held while the tree changes, so concurrent writes apply one at a time.
+    tree: Mutex<()>,
+    /// Unbinds, binds and probes under way now, and the most seen at once.
+    in_flight: AtomicUsize,
+    max_in_flight: AtomicUsize,
+}
+
+/// One unbind, bind or probe under way; counted until dropped.
+struct InFlight<'k>(&'k FakeKernel);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl FakeKernel {
     pub fn new(node: &FakeNode) -> Self {
         Self {
             node: node.clone(),
-            writes: RefCell::default(),
-            native: RefCell::default(),
-            fail_on: RefCell::default(),
-            busy_groups: RefCell::default(),
-            loaded: RefCell::default(),
-            module_drivers: RefCell::default(),
+            writes: Mutex::default(),
+            native: Mutex::default(),
+            fail_on: Mutex::default(),
+            busy_groups: Mutex::default(),
+            loaded: Mutex::default(),
+            module_drivers: Mutex::default(),
+            latency: Duration::ZERO,
+            tree: Mutex::default(),
+            in_flight: AtomicUsize::new(0),
+            max_in_flight: AtomicUsize::new(0),
         }
+    }
+
+    /// Makes each unbind and each bind or probe of a device take `latency` before it
+    /// takes effect, as a slow native driver's remove or probe does. For tests and
+    /// benchmarks of how long binding a node takes.
+    pub fn with_latency(mut self, latency: Duration) -> Self {
+        self.latency = latency;
+        self
+    }
+
+    /// The most unbinds, binds and probes that were under way at one moment.
+    pub fn max_concurrent_probes(&self) -> usize {
+        self.max_in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Counts a slow operation as under way and waits out the modelled latency.
+    fn slow_operation(&self) -> InFlight<'_> {
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        if !self.latency.is_zero() {
+            std::thread::sleep(self.latency);
+        }
+        InFlight(self)
     }
 
     /// Remembers each current driver as the device's native one.
     pub fn learn_native_drivers(&self) {
         for addr in crate::device::list_addresses(&self.node.host).unwrap() {
             if let Some(d) = self.node.driver_of(&addr) {
-                self.native.borrow_mut().insert(addr, d);
+                lock(&self.native).insert(addr, d);
             }
         }
     }
 
     /// The writes made so far, as `path <- data` lines relative to the fake root.
     pub fn write_log(&self) -> Vec<String> {
-        self.writes
-            .borrow()
+        lock(&self.writes)
             .iter()
             .map(|w| {
                 let p = w.path.strip_prefix(&self.node.root).unwrap_or(&w.path);
@@ -353,7 +402,7 @@ impl FakeKernel {
         }
         let want = self
             .override_of(addr)
-            .or_else(|| self.native.borrow().get(addr).cloned());
+            .or_else(|| lock(&self.native).get(addr).cloned());
         if let Some(d) = want {
             if self.node.host.driver_dir(&d).exists() {
                 self.node.attach(addr, &d);
@@ -364,18 +413,25 @@ impl FakeKernel {
 
 impl Kernel for FakeKernel {
     fn write(&self, path: &Path, data: &str) -> Result<(), IoError> {
-        self.writes.borrow_mut().push(Write {
+        lock(&self.writes).push(Write {
             path: path.to_owned(),
             data: data.to_owned(),
         });
-        let failing = self.fail_on.borrow().clone();
-        if let Some((suffix, errno)) = failing {
-            if path.to_string_lossy().ends_with(&suffix) {
-                *self.fail_on.borrow_mut() = None;
-                return Err(Self::err(path, data, errno));
+        {
+            let mut failing = lock(&self.fail_on);
+            if let Some((suffix, errno)) = failing.clone() {
+                if path.to_string_lossy().ends_with(&suffix) {
+                    *failing = None;
+                    return Err(Self::err(path, data, errno));
+                }
             }
         }
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        // The driver's remove or probe runs before the tree changes, outside the
+        // tree lock: slow operations on different devices overlap.
+        let _slow =
+            matches!(name, "unbind" | "bind" | "drivers_probe").then(|| self.slow_operation());
+        let _tree = lock(&self.tree);
         let parent = path.parent().unwrap();
         let bdf = || {
             data.trim()
@@ -434,11 +490,12 @@ impl Kernel for FakeKernel {
                 std::io::Error::from_raw_os_error(2),
             )));
         }
+        let _tree = lock(&self.tree);
         self.node.add_module(name);
-        if let Some(drv) = self.module_drivers.borrow().get(name) {
+        if let Some(drv) = lock(&self.module_drivers).get(name) {
             self.node.add_driver(drv);
         }
-        self.loaded.borrow_mut().push(name.to_owned());
+        lock(&self.loaded).push(name.to_owned());
         // Loading a driver probes every unbound device it matches.
         for addr in crate::device::list_addresses(&self.node.host).unwrap() {
             if self.override_of(&addr).is_none() {
@@ -449,9 +506,8 @@ impl Kernel for FakeKernel {
     }
 
     fn unload_module(&self, name: &str) -> Result<(), SyscallError> {
-        let drivers: Vec<String> = self
-            .module_drivers
-            .borrow()
+        let _tree = lock(&self.tree);
+        let drivers: Vec<String> = lock(&self.module_drivers)
             .iter()
             .filter(|(m, _)| m.as_str() == name)
             .map(|(_, d)| d.clone())
@@ -473,7 +529,7 @@ impl Kernel for FakeKernel {
     }
 
     fn group_in_use(&self, node: &Path) -> Result<bool, IoError> {
-        Ok(self.busy_groups.borrow().contains(node))
+        Ok(lock(&self.busy_groups).contains(node))
     }
 }
 
@@ -505,11 +561,22 @@ pub enum Point {
 
 /// Wraps a kernel and counts every change that passes through it — sysfs writes,
 /// module syscalls, state saves — failing or "crashing" at the chosen one.
+///
+/// Shared by threads like any kernel. A crash is a `kill -9` of the whole process:
+/// once one thread has crashed, every later point on every thread crashes too
+/// (nothing after it happens), each with the [`Crashed`] payload.
 pub struct FaultKernel<'k> {
     inner: &'k dyn Kernel,
     /// The point to fault at: its index among the points of one kind, or of all.
     at: Option<(Option<Point>, usize, Fault)>,
-    seen: RefCell<Vec<(Point, String)>>,
+    tally: Mutex<Tally>,
+}
+
+/// The points passed so far, and whether the process has "crashed".
+#[derive(Default)]
+struct Tally {
+    seen: Vec<(Point, String)>,
+    crashed: bool,
 }
 
 impl<'k> FaultKernel<'k> {
@@ -518,7 +585,7 @@ impl<'k> FaultKernel<'k> {
         Self {
             inner,
             at: at.map(|(n, fault)| (None, n, fault)),
-            seen: RefCell::default(),
+            tally: Mutex::default(),
         }
     }
 
@@ -528,32 +595,41 @@ impl<'k> FaultKernel<'k> {
         Self {
             inner,
             at: Some((Some(kind), n, fault)),
-            seen: RefCell::default(),
+            tally: Mutex::default(),
         }
     }
 
-    /// Every point passed so far, in order, with what it was.
+    /// Every point passed so far, in order, with what it was (the point a crash
+    /// happened at included; none after it).
     pub fn points(&self) -> Vec<(Point, String)> {
-        self.seen.borrow().clone()
+        lock(&self.tally).seen.clone()
     }
 
     fn point(&self, kind: Point, what: String) -> Result<(), ()> {
-        let mut seen = self.seen.borrow_mut();
+        let mut tally = lock(&self.tally);
+        if tally.crashed {
+            drop(tally);
+            std::panic::panic_any(Crashed);
+        }
         let Some((of, at, fault)) = self.at else {
-            seen.push((kind, what));
+            tally.seen.push((kind, what));
             return Ok(());
         };
         let n = match of {
-            None => seen.len(),
-            Some(k) if k == kind => seen.iter().filter(|(p, _)| *p == k).count(),
+            None => tally.seen.len(),
+            Some(k) if k == kind => tally.seen.iter().filter(|(p, _)| *p == k).count(),
             Some(_) => usize::MAX,
         };
-        seen.push((kind, what));
-        drop(seen);
+        tally.seen.push((kind, what));
         match fault {
             _ if n != at => Ok(()),
             Fault::Fail => Err(()),
-            Fault::Crash => std::panic::panic_any(Crashed),
+            Fault::Crash => {
+                // Decided under the lock: every point after this one crashes too.
+                tally.crashed = true;
+                drop(tally);
+                std::panic::panic_any(Crashed)
+            }
         }
     }
 

@@ -7,9 +7,9 @@
 //! changes nothing, and `fake::FakeKernel` emulates the kernel's sysfs rules on a fake
 //! tree for unit tests.
 
-use std::cell::RefCell;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::io::{Action, IoError, WrapIo};
 
@@ -42,7 +42,10 @@ impl SyscallError {
 }
 
 /// Every state-changing operation on the node.
-pub trait Kernel {
+///
+/// `Sync`: a bind moves independent IOMMU groups on several threads at once
+/// (`passthrough::Passthrough::bind_concurrent`), all through one kernel.
+pub trait Kernel: Sync {
     /// Writes `data` to a sysfs attribute in one `write(2)`.
     fn write(&self, path: &Path, data: &str) -> Result<(), IoError>;
     /// Loads the module in `file` (`finit_module`).
@@ -159,8 +162,15 @@ pub fn is_compressed(file: &Path) -> bool {
 /// Prints every change it would make and makes none.
 #[derive(Debug, Default)]
 pub struct DryRun {
-    log: RefCell<Vec<String>>,
-    modules: RefCell<Vec<String>>,
+    log: Mutex<Vec<String>>,
+    modules: Mutex<Vec<String>>,
+}
+
+/// Locks `m`, taking the data of a poisoned lock as it is: every value kept behind
+/// these locks is whole between statements (a push, a clone), so a thread that
+/// panicked while holding one cannot have left it half-changed.
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl DryRun {
@@ -171,12 +181,12 @@ impl DryRun {
 
     /// Everything planned so far, one line each.
     pub fn planned(&self) -> Vec<String> {
-        self.log.borrow().clone()
+        lock(&self.log).clone()
     }
 
     fn plan(&self, line: String) {
         crate::outln!("{line}");
-        self.log.borrow_mut().push(line);
+        lock(&self.log).push(line);
     }
 }
 
@@ -193,14 +203,17 @@ impl Kernel for DryRun {
 
     fn load_module(&self, name: &str, file: &Path) -> Result<(), SyscallError> {
         // Answer a second load of the same module as the kernel would: EEXIST.
-        if self.modules.borrow().iter().any(|m| m == name) {
-            return Err(SyscallError::Kernel {
-                call: "finit_module",
-                target: name.to_owned(),
-                errno: nix::errno::Errno::EEXIST,
-            });
+        {
+            let mut modules = lock(&self.modules);
+            if modules.iter().any(|m| m == name) {
+                return Err(SyscallError::Kernel {
+                    call: "finit_module",
+                    target: name.to_owned(),
+                    errno: nix::errno::Errno::EEXIST,
+                });
+            }
+            modules.push(name.to_owned());
         }
-        self.modules.borrow_mut().push(name.to_owned());
         self.plan(format!("would load module {name} from {}", file.display()));
         Ok(())
     }

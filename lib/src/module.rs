@@ -284,7 +284,7 @@ garbage line without colon
 
     /// Records the files it is asked to load; answers each with `answer`.
     struct LoadRecorder {
-        loaded: std::cell::RefCell<Vec<PathBuf>>,
+        loaded: std::sync::Mutex<Vec<PathBuf>>,
         answer: Option<nix::errno::Errno>,
     }
 
@@ -293,7 +293,7 @@ garbage line without colon
             Ok(())
         }
         fn load_module(&self, name: &str, file: &Path) -> Result<(), SyscallError> {
-            self.loaded.borrow_mut().push(file.to_path_buf());
+            self.loaded.lock().unwrap().push(file.to_path_buf());
             match self.answer {
                 None => Ok(()),
                 Some(errno) => Err(SyscallError::Kernel {
@@ -341,12 +341,13 @@ garbage line without colon
         );
         let release = dir.path().join("modules/6.12.0-test");
         assert_eq!(
-            kernel.loaded.borrow()[4],
+            kernel.loaded.lock().unwrap()[4],
             release.join("kernel/drivers/vfio/pci/vfio-pci.ko.xz")
         );
         assert!(kernel
             .loaded
-            .borrow()
+            .lock()
+            .unwrap()
             .iter()
             .all(|f| crate::kernel::is_compressed(f)));
     }

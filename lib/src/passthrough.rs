@@ -1,8 +1,10 @@
 //! Whole-group binding and restoring, with the state file kept true at every step.
 //!
-//! A bind works one IOMMU group at a time: check every member first, record each in
-//! the state file before touching it, move it, and on any failure put the members
-//! moved so far back, so a group is never left half-done. A restore skips a group
+//! A bind works group by group: check every member first, record each in the state
+//! file before touching it, move it, and on any failure put the members moved so far
+//! back, so a group is never left half-done. Independent groups can be bound on
+//! several threads at once ([`Passthrough::bind_concurrent`]), sharing the state file
+//! under a lock (`passthrough/binder.rs`). A restore skips a group
 //! whose `/dev/vfio/<group>` a VM holds open (unbinding would block in the kernel
 //! until the VM lets go) and keeps its records for later.
 //!
@@ -17,16 +19,23 @@
 //!   included, and the error names the devices put back and any that could not be.
 //!
 //! `lib/tests/faults.rs` fails and crashes the process at every kernel write, module
-//! syscall and state save of a node's whole life in turn and checks these hold.
+//! syscall and state save of a node's whole life in turn and checks these hold, with
+//! groups bound one at a time and several at once.
 
 use std::collections::BTreeSet;
+use std::num::NonZeroUsize;
+use std::sync::Mutex;
 
-use crate::driver::{self, BindOutcome, DriverError};
+mod binder;
+
+use binder::{for_each_bounded, Binder};
+
+use crate::driver::{self, DriverError};
 use crate::group::{is_vfio_driver, STUB_DRIVER};
 use crate::inventory::{Entry, Inventory, Role, COMPANION_DRIVER};
 use crate::kernel::Kernel;
 use crate::module::{self, ModuleError};
-use crate::state::{self, Record, StateError, StateFile};
+use crate::state::{Record, StateError, StateFile};
 use crate::{error_chain, Host, PciAddress, PciDevice};
 
 /// The modules a node needs for passthrough besides the drivers' own.
@@ -156,6 +165,18 @@ struct Move<'e> {
     driver: String,
 }
 
+/// How many IOMMU groups `vfio-manager` moves at once unless told otherwise.
+///
+/// A group's time is almost all waiting: the native driver's remove and vfio-pci's
+/// probe sleep on the device (a GPU's take up to a second each), so threads cost next
+/// to no CPU. Eight covers the common accelerator server (8 GPUs or NPUs) in one
+/// device's time, while a node with hundreds of groups (SR-IOV VFs) still runs a
+/// handful of threads and resets at most eight devices on the PCIe fabric at once.
+pub const DEFAULT_BIND_JOBS: NonZeroUsize = match NonZeroUsize::new(8) {
+    Some(n) => n,
+    None => NonZeroUsize::MIN,
+};
+
 /// The vfio drivers the asked groups (all when empty) will be moved to.
 pub fn target_drivers(inv: &Inventory, groups: &[u32]) -> Vec<String> {
     let mut drivers: Vec<String> = inv
@@ -215,11 +236,17 @@ impl Passthrough<'_> {
     /// so that unloading a native module cannot let anything re-probe them. On a
     /// failure the overrides written so far are put back to their records.
     pub fn pin_overrides(&mut self, inv: &Inventory, only: &[u32]) -> Result<(), PassthroughError> {
+        let state = Mutex::new(&mut *self.state);
+        let binder = Binder {
+            host: self.host,
+            kernel: self.kernel,
+            state: &state,
+        };
         let mut pinned: Vec<PciAddress> = Vec::new();
         for (group, moves) in plan(inv, only) {
             for mv in moves {
                 let address = mv.entry.device.address;
-                let result = self
+                let result = binder
                     .record(&mv, group)
                     .map_err(StepError::from)
                     .and_then(|()| {
@@ -234,7 +261,7 @@ impl Passthrough<'_> {
                         })
                     });
                 if let Err(source) = result {
-                    return Err(self.roll_back(group, &pinned, source));
+                    return Err(binder.roll_back(group, &pinned, source));
                 }
             }
         }
@@ -261,8 +288,30 @@ impl Passthrough<'_> {
     }
 
     /// Binds every selected device in the groups `only` (all groups when empty)
-    /// together with its companions.
+    /// together with its companions, one group after another.
     pub fn bind(&mut self, inv: &Inventory, only: &[u32]) -> BindReport {
+        self.bind_concurrent(inv, only, NonZeroUsize::MIN)
+    }
+
+    /// Binds like [`Self::bind`], moving up to `jobs` IOMMU groups at once: a slow
+    /// native driver's remove and probe (a GPU's can take a second) then costs about
+    /// the slowest group's time instead of the sum. With `jobs` 1, or on a dry-run
+    /// kernel (whose printed plan must read in order), groups go one at a time on
+    /// the calling thread.
+    ///
+    /// Each group is still all-or-nothing with its own rollback, its members moved
+    /// in order, each recorded in the state file before it is touched; the state
+    /// file is shared under a lock (see `binder`). A failure — a failed state save
+    /// included — stops and rolls back only its own group: the other groups, in
+    /// flight or waiting, carry on as they would one at a time, each protected by
+    /// its own records. The report lists groups in ascending order whatever the
+    /// threads' timing.
+    pub fn bind_concurrent(
+        &mut self,
+        inv: &Inventory,
+        only: &[u32],
+        jobs: NonZeroUsize,
+    ) -> BindReport {
         let mut report = BindReport::default();
         for entry in inv.selected().filter(|_| only.is_empty()) {
             if entry.device.iommu_group.is_none() {
@@ -277,14 +326,10 @@ impl Passthrough<'_> {
             .keys()
             .filter(|g| only.is_empty() || only.contains(g))
         {
-            let moves = plans
+            let moving: BTreeSet<PciAddress> = plans
                 .iter()
-                .find(|(g, _)| g == group)
-                .map(|(_, m)| m.as_slice());
-            let moving: BTreeSet<PciAddress> = moves
-                .unwrap_or_default()
-                .iter()
-                .map(|m| m.entry.device.address)
+                .filter(|(g, _)| g == group)
+                .flat_map(|(_, moves)| moves.iter().map(|m| m.entry.device.address))
                 .collect();
             report.already.extend(
                 inv.in_group(*group)
@@ -292,141 +337,29 @@ impl Passthrough<'_> {
                     .map(|e| e.device.address)
                     .filter(|a| !moving.contains(a)),
             );
-            if let Some(moves) = moves {
-                match self.bind_group(*group, moves) {
-                    Ok(bound) => report.bound.extend(bound),
-                    Err(e) => report.failed.push(e),
-                }
+        }
+        let jobs = if self.kernel.is_dry_run() {
+            NonZeroUsize::MIN
+        } else {
+            jobs
+        };
+        let state = Mutex::new(&mut *self.state);
+        let binder = Binder {
+            host: self.host,
+            kernel: self.kernel,
+            state: &state,
+        };
+        // `plan` lists groups in ascending order; the results come back in that order.
+        let results = for_each_bounded(&plans, jobs, |(group, moves)| {
+            binder.bind_group(*group, moves)
+        });
+        for result in results {
+            match result {
+                Ok(bound) => report.bound.extend(bound),
+                Err(e) => report.failed.push(e),
             }
         }
         report
-    }
-
-    /// Records `mv` unless a record exists (the existing one is the true original).
-    fn record(&mut self, mv: &Move<'_>, group: u32) -> Result<(), StateError> {
-        let d = &mv.entry.device;
-        self.state.record(
-            self.kernel,
-            d.address,
-            Record {
-                original_driver: d.driver.clone(),
-                original_override: d.driver_override.clone(),
-                driver: mv.driver.clone(),
-                role: match mv.entry.role {
-                    Role::Selected { .. } => state::Role::Selected,
-                    _ => state::Role::Companion,
-                },
-                resource: mv.entry.resource().map(|r| r.to_string()),
-                group,
-            },
-        )?;
-        crate::failpoint::step!("bind-after-record");
-        Ok(())
-    }
-
-    fn bind_group(
-        &mut self,
-        group: u32,
-        moves: &[Move<'_>],
-    ) -> Result<Vec<(PciAddress, Option<String>)>, PassthroughError> {
-        // Every precondition of every member before the first write.
-        for mv in moves {
-            driver::check_bindable(self.host, &mv.entry.device).map_err(|source| {
-                PassthroughError::Group {
-                    group,
-                    put_back: Vec::new(),
-                    source: Box::new(source.into()),
-                }
-            })?;
-        }
-        let mut touched: Vec<PciAddress> = Vec::new();
-        let mut bound = Vec::new();
-        for mv in moves {
-            let address = mv.entry.device.address;
-            if let Err(e) = self.record(mv, group) {
-                return Err(self.roll_back(group, &touched, e.into()));
-            }
-            touched.push(address);
-            // Re-read: an earlier member's unbind can change this one (e.g. a shared driver).
-            let result = PciDevice::read(self.host, &address)
-                .map_err(DriverError::from)
-                .and_then(|dev| driver::bind(self.host, self.kernel, &dev, &mv.driver));
-            match result {
-                Ok(BindOutcome::AlreadyBound) => {}
-                Ok(BindOutcome::Bound { previous }) => bound.push((address, previous)),
-                Err(e) => return Err(self.roll_back(group, &touched, e.into())),
-            }
-        }
-        Ok(bound)
-    }
-
-    /// Puts the devices touched so far back to their records, newest first, and
-    /// forgets each record only once its device is confirmed back.
-    fn roll_back(
-        &mut self,
-        group: u32,
-        touched: &[PciAddress],
-        source: StepError,
-    ) -> PassthroughError {
-        tracing::warn!(group, error = %error_chain(&source), "bind failed; putting the group back");
-        let mut put_back = Vec::new();
-        let mut stuck = Vec::new();
-        for address in touched.iter().rev() {
-            match self.put_back(address) {
-                Ok(()) => put_back.push(*address),
-                Err(why) => stuck.push((*address, why)),
-            }
-        }
-        let source = Box::new(source);
-        if stuck.is_empty() {
-            PassthroughError::Group {
-                group,
-                put_back,
-                source,
-            }
-        } else {
-            PassthroughError::RollbackFailed {
-                group,
-                put_back,
-                stuck,
-                source,
-            }
-        }
-    }
-
-    /// Restores one device to its record and forgets the record. The reason on failure.
-    fn put_back(&mut self, address: &PciAddress) -> Result<(), String> {
-        let Some(record) = self.state.get(address).cloned() else {
-            return Ok(()); // never recorded, so never touched
-        };
-        let result = PciDevice::read(self.host, address)
-            .map_err(DriverError::from)
-            .and_then(|now| {
-                driver::restore(
-                    self.host,
-                    self.kernel,
-                    &now,
-                    record.original_driver.as_deref(),
-                    record.original_override.as_deref(),
-                )
-            });
-        if let Err(e) = result {
-            let unloaded = record.original_driver.as_deref().is_some_and(|d| {
-                self.state
-                    .state()
-                    .unloaded_modules
-                    .contains(&module::canonical_name(d))
-            });
-            let hint = if unloaded {
-                "; its native module was unloaded by vfio-manager and is reloaded on restore"
-            } else {
-                ""
-            };
-            return Err(format!("{}{hint}", error_chain(&e)));
-        }
-        self.state
-            .forget(self.kernel, address)
-            .map_err(|e| format!("back on its driver, but {}", error_chain(&e)))
     }
 
     /// Restores what the state file records, for the groups holding `only` (every

@@ -68,7 +68,8 @@ kernel/drivers/vfio/vfio.ko:
     kernel.learn_native_drivers();
     kernel
         .module_drivers
-        .borrow_mut()
+        .lock()
+        .unwrap()
         .insert("vfio_pci".into(), "vfio-pci".into());
     Node {
         state_path: dir.path().join("run/sandbox-dra-driver/state.json"),
@@ -283,7 +284,7 @@ fn a_held_group_is_not_given_back_until_the_vm_lets_go() {
     let before = n.snapshot();
     n.prepare(&n.kernel, &claim("a"), &A).unwrap();
     let node1 = n.node.host.vfio_group_node(1);
-    n.kernel.busy_groups.borrow_mut().insert(node1.clone());
+    n.kernel.busy_groups.lock().unwrap().insert(node1.clone());
     let writes = n.kernel.write_log().len();
     let err = n.unprepare(&n.kernel, &claim("a")).unwrap_err();
     assert!(
@@ -297,7 +298,7 @@ fn a_held_group_is_not_given_back_until_the_vm_lets_go() {
     );
     assert_eq!(n.kernel.write_log().len(), writes);
     assert!(n.on_vfio(&["0000:01:00.0", "0000:01:00.1"]));
-    n.kernel.busy_groups.borrow_mut().remove(&node1);
+    n.kernel.busy_groups.lock().unwrap().remove(&node1);
     n.unprepare(&n.kernel, &claim("a")).unwrap();
     assert_eq!(n.lost(&before), Vec::<String>::new());
 }

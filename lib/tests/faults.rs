@@ -8,6 +8,11 @@
 //! original driver with its original `driver_override`, every module we unloaded must
 //! be loaded again, and the state file must be empty.
 //!
+//! Each life is walked twice: binding one group at a time (`--bind-jobs 1`, where the
+//! points come in one fixed order), and binding up to 4 groups at once, where the
+//! same points interleave as the threads run: a fail or crash at index *n* then hits
+//! whichever step came *n*th, and a crash stops every thread at its next step.
+//!
 //! The node: 8 selected devices in 6 IOMMU groups — a two-function card behind a
 //! bridge, a device whose group holds an unselected companion on another driver
 //! (snd_hda_intel), one with an original `driver_override`, one with no driver —
@@ -17,8 +22,10 @@
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::num::NonZeroUsize;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use vfio_sandbox::config::ResourceList;
 use vfio_sandbox::fake::{Crashed, FakeDevice, FakeKernel, FakeNode, Fault, FaultKernel, Point};
@@ -50,6 +57,8 @@ struct Node {
     /// `run --unload-module e1000e` (records made while pinning) or plain `run`
     /// (records made group by group while binding).
     unload: bool,
+    /// Groups bound at once.
+    jobs: NonZeroUsize,
     _dir: tempfile::TempDir,
     node: FakeNode,
     kernel: FakeKernel,
@@ -61,7 +70,7 @@ fn nic(addr: &str, group: u32) -> FakeDevice {
     FakeDevice::new(addr, 0x8086, 0x10d3, 0x02_0000).group(group)
 }
 
-fn node(unload: bool) -> Node {
+fn node(unload: bool, jobs: NonZeroUsize) -> Node {
     let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     let node = FakeNode::new(dir.path());
     node.add_device(
@@ -108,16 +117,25 @@ fn node(unload: bool) -> Node {
     ];
     let dep: String = files.iter().map(|(f, d)| format!("{f}: {d}\n")).collect();
     node.add_modules_dep(RELEASE, &dep);
-    let kernel = FakeKernel::new(&node);
+    // With threads, a short modelled driver latency keeps the groups' probes in
+    // flight together, so the walk meets interleaved points, not just sequential ones.
+    let latency = if jobs.get() > 1 {
+        Duration::from_micros(500)
+    } else {
+        Duration::ZERO
+    };
+    let kernel = FakeKernel::new(&node).with_latency(latency);
     kernel.learn_native_drivers();
     for (module, driver) in [("vfio_pci", "vfio-pci"), ("e1000e", "e1000e")] {
         kernel
             .module_drivers
-            .borrow_mut()
+            .lock()
+            .unwrap()
             .insert(module.into(), driver.into());
     }
     Node {
         unload,
+        jobs,
         state_path: dir.path().join("run/vfio-manager/state.json"),
         _dir: dir,
         node,
@@ -174,7 +192,7 @@ impl Node {
         pt.load_modules(&target_drivers(&inv, &[]))
             .map_err(|e| error_chain(&e))?;
         Ok(pt
-            .bind(&inv, &[])
+            .bind_concurrent(&inv, &[], self.jobs)
             .failed
             .iter()
             .map(|e| error_chain(e))
@@ -300,8 +318,8 @@ fn quiet_crashes() {
 }
 
 /// The points of one clean life, in order.
-fn clean_points(unload: bool) -> Vec<(Point, String)> {
-    let n = node(unload);
+fn clean_points(unload: bool, jobs: NonZeroUsize) -> Vec<(Point, String)> {
+    let n = node(unload, jobs);
     let before = n.snapshot();
     let counting = FaultKernel::new(&n.kernel, None);
     assert!(n.life(&counting, End::Sigterm).is_empty());
@@ -321,11 +339,24 @@ struct Tally {
     modules: usize,
     saves: usize,
     crashes: usize,
+    /// Lives in which two or more probes or unbinds were under way at once.
+    overlapped: usize,
+    lives: usize,
     lost: Vec<String>,
 }
 
-fn walk(unload: bool) -> Tally {
-    let points = clean_points(unload);
+/// What the `at`th point of a faulted life was (with threads, not always the clean
+/// life's `at`th).
+fn faulted_at(kernel: &FaultKernel<'_>, at: usize) -> String {
+    kernel
+        .points()
+        .get(at)
+        .map(|(_, what)| what.clone())
+        .unwrap_or_else(|| "not reached".into())
+}
+
+fn walk(unload: bool, jobs: NonZeroUsize) -> Tally {
+    let points = clean_points(unload, jobs);
     let count = |k: Point| points.iter().filter(|(p, _)| *p == k).count();
     let mut t = Tally {
         points: points.len(),
@@ -334,72 +365,84 @@ fn walk(unload: bool) -> Tally {
         saves: count(Point::Save),
         ..Tally::default()
     };
-    let mode = if unload {
-        "run --unload-module e1000e"
-    } else {
-        "run"
-    };
-    for (at, (_, what)) in points.iter().enumerate() {
-        let tag = |pass: &str, l: String| format!("{mode}: {pass} at #{at} ({what}): {l}");
+    let mode = format!(
+        "{} (bind jobs {jobs})",
+        if unload {
+            "run --unload-module e1000e"
+        } else {
+            "run"
+        }
+    );
+    for at in 0..points.len() {
+        let tag =
+            |pass: &str, what: &str, l: String| format!("{mode}: {pass} at #{at} ({what}): {l}");
         // Fail passes: the step fails once; the process carries on as `run` does,
         // then gets SIGTERM or SIGKILL; then a fresh `unbind --all`.
         for end in [End::Sigterm, End::Kill] {
-            let n = node(unload);
+            let n = node(unload, jobs);
             let before = n.snapshot();
-            let half = n.life(&FaultKernel::new(&n.kernel, Some((at, Fault::Fail))), end);
+            let faulty = FaultKernel::new(&n.kernel, Some((at, Fault::Fail)));
+            let half = n.life(&faulty, end);
+            let what = faulted_at(&faulty, at);
             t.lost.extend(
                 half.into_iter()
-                    .map(|g| tag("fail", format!("group {g} half-bound"))),
+                    .map(|g| tag("fail", &what, format!("group {g} half-bound"))),
             );
             n.unbind_all();
+            t.lives += 1;
+            t.overlapped += usize::from(n.kernel.max_concurrent_probes() >= 2);
             t.lost.extend(
                 n.lost(&before)
                     .into_iter()
-                    .map(|l| tag(&format!("fail+{end:?}"), l)),
+                    .map(|l| tag(&format!("fail+{end:?}"), &what, l)),
             );
         }
         // Crash pass: the process dies right before the step; a new `run` converges
         // the node, is killed in turn, and `unbind --all` puts everything back.
-        let n = node(unload);
+        let n = node(unload, jobs);
         let before = n.snapshot();
+        let faulty = FaultKernel::new(&n.kernel, Some((at, Fault::Crash)));
         if crashes(|| {
-            n.life(
-                &FaultKernel::new(&n.kernel, Some((at, Fault::Crash))),
-                End::Sigterm,
-            );
+            n.life(&faulty, End::Sigterm);
         }) {
             t.crashes += 1;
         }
+        let what = faulted_at(&faulty, at);
         match n.process(&n.kernel, |pt| n.run_start(pt)).unwrap() {
             Ok(failed) if failed.is_empty() => {}
-            Ok(failed) => t
-                .lost
-                .push(tag("crash", format!("the next run failed: {failed:?}"))),
+            Ok(failed) => t.lost.push(tag(
+                "crash",
+                &what,
+                format!("the next run failed: {failed:?}"),
+            )),
             Err(e) => t
                 .lost
-                .push(tag("crash", format!("the next run exited: {e}"))),
+                .push(tag("crash", &what, format!("the next run exited: {e}"))),
         }
         let off = n.all_selected_off_vfio();
         if !off.is_empty() {
             t.lost.push(tag(
                 "crash",
+                &what,
                 format!("the next run left {off:?} off vfio-pci"),
             ));
         }
         n.unbind_all();
+        t.lives += 1;
+        t.overlapped += usize::from(n.kernel.max_concurrent_probes() >= 2);
         t.lost
-            .extend(n.lost(&before).into_iter().map(|l| tag("crash", l)));
+            .extend(n.lost(&before).into_iter().map(|l| tag("crash", &what, l)));
     }
     t
 }
 
-#[test]
-fn every_fault_and_crash_point_leaves_nothing_lost() {
-    quiet_crashes();
+/// Walks both lives (with and without `--unload-module`) binding `jobs` groups at
+/// once; returns the points covered and what was lost.
+fn walk_both(jobs: NonZeroUsize) -> (usize, Vec<String>) {
     let mut lost = Vec::new();
     let mut total = 0;
     for unload in [true, false] {
-        let t = walk(unload);
+        let t = walk(unload, jobs);
         // Every kind is exercised: 9 devices moved and restored, the vfio modules.
         assert!(
             t.writes >= 27 && t.modules >= 3 && t.saves >= 18,
@@ -407,24 +450,49 @@ fn every_fault_and_crash_point_leaves_nothing_lost() {
             t.points
         );
         assert_eq!(t.crashes, t.points, "every crash point must be reached");
+        if jobs.get() > 1 {
+            assert!(t.overlapped > 0, "the groups' binds never overlapped");
+        }
         println!(
-            "faults: {}: {} injection points ({} sysfs writes, {} module syscalls, {} state saves) \
-             x 3 passes (fail then SIGTERM, fail then SIGKILL, crash); {} selected devices + 1 \
-             companion; devices lost: {}",
-            if unload { "run --unload-module e1000e" } else { "run" },
+            "faults: {} (bind jobs {jobs}): {} injection points ({} sysfs writes, {} module \
+             syscalls, {} state saves) x 3 passes (fail then SIGTERM, fail then SIGKILL, \
+             crash); {} selected devices + 1 companion; lives with overlapping probes: {} of \
+             {}; devices lost: {}",
+            if unload {
+                "run --unload-module e1000e"
+            } else {
+                "run"
+            },
             t.points,
             t.writes,
             t.modules,
             t.saves,
             SELECTED.len(),
+            t.overlapped,
+            t.lives,
             t.lost.len()
         );
         total += t.points;
         lost.extend(t.lost);
     }
     println!(
-        "faults: {total} injection points in all; devices lost: {}",
+        "faults (bind jobs {jobs}): {total} injection points in all; devices lost: {}",
         lost.len()
     );
+    (total, lost)
+}
+
+#[test]
+fn every_fault_and_crash_point_leaves_nothing_lost() {
+    quiet_crashes();
+    let (_, lost) = walk_both(NonZeroUsize::MIN);
+    assert!(lost.is_empty(), "{} lost:\n{}", lost.len(), lost.join("\n"));
+}
+
+/// The same walk with up to 4 of the node's 6 groups bound at once.
+#[test]
+fn every_fault_and_crash_point_leaves_nothing_lost_binding_groups_concurrently() {
+    quiet_crashes();
+    let (_, lost) = walk_both(NonZeroUsize::new(4).unwrap());
     assert!(lost.is_empty(), "{} lost:\n{}", lost.len(), lost.join("\n"));
 }

@@ -89,7 +89,8 @@ impl Bed {
             .add_modules_dep("6.1.0-test", "kernel/e1000e.ko:\n");
         self.kernel
             .module_drivers
-            .borrow_mut()
+            .lock()
+            .unwrap()
             .insert("e1000e".into(), "e1000e".into());
     }
 }
@@ -143,7 +144,7 @@ fn bind_moves_the_whole_group_but_not_the_bridge() {
         Some("snd_hda_intel")
     );
     // Idempotent: a second bind writes nothing.
-    b.kernel.writes.borrow_mut().clear();
+    b.kernel.writes.lock().unwrap().clear();
     let inv = b.inv();
     let again = b.pt().bind(&inv, &[]);
     assert!(again.bound.is_empty() && again.failed.is_empty());
@@ -159,7 +160,7 @@ fn bind_moves_the_whole_group_but_not_the_bridge() {
 fn failure_in_a_group_puts_every_member_back() {
     let mut b = bed();
     // The companion's unbind fails after the selected function already moved.
-    *b.kernel.fail_on.borrow_mut() = Some(("0000:01:00.1/driver/unbind".into(), 16));
+    *b.kernel.fail_on.lock().unwrap() = Some(("0000:01:00.1/driver/unbind".into(), 16));
     let inv = b.inv();
     let report = b.pt().bind(&inv, &[]);
     assert_eq!(report.failed.len(), 1);
@@ -235,8 +236,8 @@ fn restore_skips_a_group_a_vm_holds_and_keeps_its_records() {
     let inv = b.inv();
     b.pt().bind(&inv, &[]);
     let node4 = b.node.host.vfio_group_node(4);
-    b.kernel.busy_groups.borrow_mut().insert(node4);
-    b.kernel.writes.borrow_mut().clear();
+    b.kernel.busy_groups.lock().unwrap().insert(node4);
+    b.kernel.writes.lock().unwrap().clear();
     let report = b.pt().restore(&[]);
     let skipped: Vec<_> = report
         .in_use
@@ -260,7 +261,7 @@ fn restore_skips_a_group_a_vm_holds_and_keeps_its_records() {
     assert_eq!(b.driver("0000:02:00.0").as_deref(), Some("e1000e"));
     assert_eq!(b.state.state().devices.len(), 2);
     // Once the VM lets go, a second restore finishes the job.
-    b.kernel.busy_groups.borrow_mut().clear();
+    b.kernel.busy_groups.lock().unwrap().clear();
     let report = b.pt().restore(&[]);
     assert_eq!(report.restored.len(), 2);
     assert!(b.state.state().devices.is_empty());
@@ -350,7 +351,8 @@ fn vfio_modules_load_dependencies_first() {
     );
     b.kernel
         .module_drivers
-        .borrow_mut()
+        .lock()
+        .unwrap()
         .insert("vfio_pci".into(), "vfio-pci".into());
     let loaded = b.pt().load_modules(&["vfio-pci".into()]).unwrap();
     assert_eq!(
@@ -376,7 +378,7 @@ fn rollback_restores_to_the_record_not_the_snapshot() {
     let inv = b.inv();
     b.pt().pin_overrides(&inv, &[5]).unwrap();
     b.pt().unload_modules(&["e1000e".into()]).unwrap();
-    *b.kernel.fail_on.borrow_mut() = Some(("drivers_probe".into(), 22));
+    *b.kernel.fail_on.lock().unwrap() = Some(("drivers_probe".into(), 22));
     let inv = b.inv();
     let report = b.pt().bind(&inv, &[5]);
     assert_eq!(report.failed.len(), 1);
@@ -419,4 +421,208 @@ fn a_failed_save_mid_group_puts_the_group_back_and_says_so() {
     assert_eq!(b.driver("0000:01:00.0").as_deref(), Some("e1000e"));
     assert_eq!(b.driver("0000:01:00.1").as_deref(), Some("snd_hda_intel"));
     assert!(b.state.state().devices.is_empty());
+}
+
+/// Six NICs on e1000e, each alone in its IOMMU group (11..=16), and a two-function
+/// card in group 20 (a selected NIC and an audio companion), on a fake kernel whose
+/// every unbind and probe takes `latency`.
+fn wide(latency: std::time::Duration) -> Bed {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let node = FakeNode::new(dir.path());
+    node.add_driver("vfio-pci");
+    for (i, group) in (11..=16).enumerate() {
+        node.add_device(
+            &FakeDevice::new(&format!("0000:0{}:00.0", i + 1), 0x8086, 0x10d3, 0x02_0000)
+                .driver("e1000e")
+                .group(group),
+        );
+    }
+    node.add_device(
+        &FakeDevice::new("0000:07:00.0", 0x8086, 0x10d3, 0x02_0000)
+            .driver("e1000e")
+            .group(20),
+    );
+    node.add_device(
+        &FakeDevice::new("0000:07:00.1", 0x8086, 0x1234, 0x04_0300)
+            .driver("snd_hda_intel")
+            .group(20),
+    );
+    let kernel = FakeKernel::new(&node).with_latency(latency);
+    kernel.learn_native_drivers();
+    let state = StateFile::load(&dir.path().join("run/state.json"), true).unwrap();
+    Bed {
+        list: ResourceList::parse(LIST).unwrap(),
+        _dir: dir,
+        node,
+        kernel,
+        state,
+    }
+}
+
+const WIDE: [&str; 8] = [
+    "0000:01:00.0",
+    "0000:02:00.0",
+    "0000:03:00.0",
+    "0000:04:00.0",
+    "0000:05:00.0",
+    "0000:06:00.0",
+    "0000:07:00.0",
+    "0000:07:00.1",
+];
+
+fn jobs(n: usize) -> std::num::NonZeroUsize {
+    std::num::NonZeroUsize::new(n).unwrap()
+}
+
+impl Bed {
+    /// The records on disk, which must equal those in memory.
+    fn records_on_disk(&self) -> Vec<PciAddress> {
+        let disk = StateFile::load(self.state.path(), false).unwrap();
+        assert_eq!(
+            disk.state(),
+            self.state.state(),
+            "memory never claims more (or less) than the disk holds"
+        );
+        disk.state().devices.keys().copied().collect()
+    }
+}
+
+/// With several jobs the groups' probes overlap, and the outcome — report, node,
+/// records, the writes each device saw — is the one-at-a-time outcome.
+#[test]
+fn binding_groups_concurrently_overlaps_their_probes_and_reports_as_one_at_a_time() {
+    let latency = std::time::Duration::from_millis(50);
+    let mut outcomes = Vec::new();
+    for n in [1, 4] {
+        let mut b = wide(latency);
+        let inv = b.inv();
+        let report = b.pt().bind_concurrent(&inv, &[], jobs(n));
+        assert!(report.failed.is_empty(), "{:?}", report.failed);
+        for d in WIDE {
+            assert_eq!(b.driver(d).as_deref(), Some("vfio-pci"), "{d}");
+        }
+        let overlap = b.kernel.max_concurrent_probes();
+        if n == 1 {
+            assert_eq!(overlap, 1, "one at a time");
+        } else {
+            assert!(overlap >= 2, "the groups' probes never overlapped");
+        }
+        let mut writes = b.kernel.write_log();
+        writes.sort();
+        outcomes.push((
+            format!("{:?} {:?}", report.bound, report.already),
+            b.records_on_disk(),
+            writes,
+        ));
+    }
+    assert_eq!(outcomes[0], outcomes[1]);
+    // Members of a group still move in order: the selected NIC before its companion.
+    let b = {
+        let mut b = wide(std::time::Duration::ZERO);
+        let inv = b.inv();
+        b.pt().bind_concurrent(&inv, &[20], jobs(4));
+        b
+    };
+    let log = b.kernel.write_log();
+    let first = |d: &str| log.iter().position(|w| w.contains(d)).unwrap();
+    assert!(first("0000:07:00.0") < first("0000:07:00.1"), "{log:?}");
+}
+
+/// A failed state save stops and rolls back only its own group; the other groups,
+/// in flight or waiting, finish, and every save still holds every record before it.
+#[test]
+fn a_failed_save_while_binding_concurrently_stops_only_its_group() {
+    // 8 records made, one save each: fail each in turn.
+    for n in 0..8 {
+        let mut b = wide(std::time::Duration::from_millis(2));
+        let inv = b.inv();
+        let kernel = FaultKernel::at_nth(&b.kernel, Point::Save, n, Fault::Fail);
+        let report = Passthrough {
+            host: &b.node.host,
+            kernel: &kernel,
+            state: &mut b.state,
+            release: "6.1.0-test".into(),
+        }
+        .bind_concurrent(&inv, &[], jobs(4));
+        assert_eq!(report.failed.len(), 1, "save #{n}: {:?}", report.failed);
+        let msg = error_chain(&report.failed[0]);
+        assert!(msg.contains("No space left on device"), "{msg}");
+        let on_vfio: Vec<PciAddress> = WIDE
+            .iter()
+            .map(|d| a(d))
+            .filter(|d| b.node.driver_of(d).as_deref() == Some("vfio-pci"))
+            .collect();
+        // Six groups bound, one not: 7 or 6 devices moved (group 20 has two).
+        assert!(matches!(on_vfio.len(), 6 | 7), "save #{n}: {on_vfio:?}");
+        assert_eq!(b.records_on_disk(), on_vfio, "save #{n}");
+    }
+}
+
+/// A crash on one thread stops every thread at its next step and reaches the caller
+/// as the crash; every device moved is recorded on disk, and a restore puts all back.
+#[test]
+fn a_crash_while_binding_concurrently_reaches_the_caller_and_loses_nothing() {
+    use vfio_sandbox::fake::Crashed;
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if !info.payload().is::<Crashed>() {
+            default(info);
+        }
+    }));
+    let points = {
+        let mut b = wide(std::time::Duration::ZERO);
+        let inv = b.inv();
+        let counting = FaultKernel::new(&b.kernel, None);
+        Passthrough {
+            host: &b.node.host,
+            kernel: &counting,
+            state: &mut b.state,
+            release: "6.1.0-test".into(),
+        }
+        .bind_concurrent(&inv, &[], jobs(4));
+        counting.points().len()
+    };
+    assert!(points >= 8 * 4, "{points} points");
+    for at in 0..points {
+        let mut b = wide(std::time::Duration::from_millis(1));
+        let inv = b.inv();
+        let kernel = FaultKernel::new(&b.kernel, Some((at, Fault::Crash)));
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Passthrough {
+                host: &b.node.host,
+                kernel: &kernel,
+                state: &mut b.state,
+                release: "6.1.0-test".into(),
+            }
+            .bind_concurrent(&inv, &[], jobs(4))
+        }));
+        assert!(caught.unwrap_err().is::<Crashed>(), "point #{at}");
+        let on_disk = StateFile::load(b.state.path(), false).unwrap();
+        for d in WIDE {
+            let dir = b.node.host.device_dir(&a(d));
+            let over = std::fs::read_to_string(dir.join("driver_override")).unwrap();
+            let touched = b.driver(d).as_deref()
+                != b.kernel
+                    .native
+                    .lock()
+                    .unwrap()
+                    .get(&a(d))
+                    .map(String::as_str)
+                || over.trim() != "(null)";
+            assert!(
+                !touched || on_disk.get(&a(d)).is_some(),
+                "point #{at}: {d} was changed but not recorded"
+            );
+        }
+        // The next process restores from the file alone.
+        drop(b.state);
+        b.state = StateFile::load(on_disk.path(), true).unwrap();
+        let report = b.pt().restore(&[]);
+        assert!(report.failed.is_empty(), "point #{at}: {:?}", report.failed);
+        for d in WIDE {
+            let native = b.kernel.native.lock().unwrap().get(&a(d)).cloned();
+            assert_eq!(b.driver(d), native, "point #{at}: {d}");
+        }
+        assert!(b.records_on_disk().is_empty(), "point #{at}");
+    }
 }

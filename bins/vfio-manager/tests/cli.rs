@@ -253,6 +253,55 @@ fn help_explains_the_interface() {
     }
 }
 
+/// `--bind-jobs` (env twin `VFIO_MANAGER_BIND_JOBS`) is documented, refuses 0 and
+/// garbage before touching anything, and a dry run plans the same writes in the same
+/// order whatever its value (a dry run binds one group at a time).
+#[test]
+fn bind_jobs_is_documented_validated_and_keeps_a_dry_run_in_order() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vfio-manager"))
+        .args(["bind", "--help"])
+        .output()
+        .unwrap();
+    let t = text(&out);
+    for word in ["--bind-jobs", "VFIO_MANAGER_BIND_JOBS", "[default: 8]"] {
+        assert!(t.contains(word), "bind --help lacks {word}: {t}");
+    }
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    node(dir.path());
+    let before = snapshot(dir.path());
+    for bad in ["0", "-1", "many", ""] {
+        let out = run(
+            dir.path(),
+            &["bind", "--all", &format!("--bind-jobs={bad}")],
+        );
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(2), "--bind-jobs={bad}: {t}");
+        assert!(t.contains("--bind-jobs"), "{t}");
+    }
+    let out = common::command(dir.path())
+        .env("VFIO_MANAGER_BIND_JOBS", "0")
+        .args(["bind", "--all"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert_eq!(
+        before,
+        snapshot(dir.path()),
+        "a bad --bind-jobs touched the node"
+    );
+    let plan = |jobs: &str| {
+        let out = run(
+            dir.path(),
+            &["bind", "--all", "--dry-run", "--bind-jobs", jobs],
+        );
+        assert!(out.status.success(), "{}", text(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let one = plan("1");
+    assert!(one.contains("would write"), "{one}");
+    assert_eq!(one, plan("4"));
+}
+
 #[test]
 fn hostile_resync_intervals_exit_2_before_touching_anything() {
     let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();

@@ -30,7 +30,10 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
     }
     let ok = with_passthrough(ctx, args.dry_run, |pt| {
         pt.load_modules(&target_drivers(&inv, &groups))?;
-        Ok(report::print_bind(&pt.bind(&inv, &groups), args.dry_run))
+        Ok(report::print_bind(
+            &pt.bind_concurrent(&inv, &groups, ctx.bind_jobs),
+            args.dry_run,
+        ))
     })?;
     Ok(exit_code(ok && skipped_ok))
 }

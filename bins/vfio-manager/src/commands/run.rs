@@ -102,6 +102,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         side: &side,
         metrics: &metrics,
         converged: false,
+        bind_jobs: ctx.bind_jobs,
         skipped: SkipLog::default(),
         last_failure: None,
     };
@@ -275,6 +276,8 @@ struct Pass<'a> {
     metrics: &'a Metrics,
     /// Whether the last pass found every device bound.
     converged: bool,
+    /// IOMMU groups bound at once (`--bind-jobs`).
+    bind_jobs: std::num::NonZeroUsize,
     skipped: SkipLog,
     /// The last bind failure reported as an Event (repeats are not re-sent).
     last_failure: Option<String>,
@@ -315,7 +318,7 @@ impl Pass<'_> {
         }
         if needs_work {
             pt.load_modules(&target_drivers(&inv, &[]))?;
-            let bind = pt.bind(&inv, &[]);
+            let bind = pt.bind_concurrent(&inv, &[], self.bind_jobs);
             self.metrics.bind(&bind);
             for e in &bind.failed {
                 tracing::error!(error = %error_chain(e), "bind failed; will retry");

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Benchmark of vfio-manager's node entry: how long `run` takes to put 1 and 8 devices
+# on vfio-pci on a fake node whose every unbind and probe takes the given latency
+# (default 1000 ms, as a GPU driver's remove or probe can). Prints numbers, asserts
+# nothing about time.
+#
+#   scripts/bench-node-entry.sh [--latency-ms MS] [--runs N] [--jobs N]
+#
+# Per size, N runs (default 3); each line is one run, and a median line follows:
+#   jobs=1 entry_ms   one IOMMU group after another (--bind-jobs 1)
+#   jobs=J entry_ms   J groups at once (default: vfio-manager's --bind-jobs default)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+latency=1000
+runs=3
+jobs=()
+while (($#)); do
+    case "$1" in
+        --latency-ms) latency="$2"; shift ;;
+        --runs) runs="$2"; shift ;;
+        --jobs) jobs=(--jobs "$2"); shift ;;
+        *) echo "usage: $0 [--latency-ms MS] [--runs N] [--jobs N]" >&2; exit 2 ;;
+    esac
+    shift
+done
+cargo build -q --release -p vfio-sandbox --example node_entry
+for n in 1 8; do
+    out=$(for _ in $(seq "$runs"); do
+        target/release/examples/node_entry --devices "$n" --latency-ms "$latency" "${jobs[@]}"
+    done)
+    echo "$out"
+    # Median of each numeric field across the runs.
+    echo "$out" | awk '
+        { for (i = 1; i <= NF; i++) { split($i, kv, "="); key[i] = kv[1]; val[i, NR] = kv[2] } nf = NF }
+        END {
+            line = "median"
+            for (i = 1; i <= nf; i++) {
+                n = 0; for (r = 1; r <= NR; r++) v[++n] = val[i, r]
+                for (a = 1; a <= n; a++) for (b = a + 1; b <= n; b++) if (v[b] + 0 < v[a] + 0) { t = v[a]; v[a] = v[b]; v[b] = t }
+                line = line " " key[i] "=" v[int((n + 1) / 2)]
+            }
+            print line
+        }'
+done
