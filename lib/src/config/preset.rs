@@ -1,7 +1,5 @@
 //! The built-in presets and how they name devices.
 
-use pci_ids::FromId;
-
 use super::{ClassPrefix, DeviceIds, Entry, EntrySource, ResourceName, Selector, DEFAULT_DRIVER};
 
 /// The names `preset` accepts.
@@ -58,11 +56,9 @@ impl Naming {
                 name.as_str()
                     .strip_prefix("nvidia.com/")
                     .is_some_and(is_lower_hex_id)
-                    || pci_ids::Vendor::from_id(NVIDIA_VENDOR).is_some_and(|vendor| {
-                        vendor
-                            .devices()
-                            .any(|d| nvidia_name_from_db(d.id(), Some(d.name())) == *name)
-                    })
+                    || NVIDIA_INDEX
+                        .iter()
+                        .any(|&(id, ..)| nvidia_name_from_db(id, nvidia_db_name(id)) == *name)
             }
         }
     }
@@ -147,10 +143,23 @@ fn rebellions_name(device: u16) -> ResourceName {
 /// `[A-Za-z0-9_]` dropped. Falls back to the device id when the database has no name
 /// or the result is not a valid resource name.
 fn nvidia_name(vendor: u16, device: u16) -> ResourceName {
-    nvidia_name_from_db(
-        device,
-        pci_ids::Device::from_vid_pid(vendor, device).map(|d| d.name()),
-    )
+    let db_name = (vendor == NVIDIA_VENDOR)
+        .then(|| nvidia_db_name(device))
+        .flatten();
+    nvidia_name_from_db(device, db_name)
+}
+
+// NVIDIA_NAMES and NVIDIA_INDEX: the database's NVIDIA names, without pointers.
+include!(concat!(env!("OUT_DIR"), "/nvidia_names.rs"));
+
+/// The PCI ID database's name of NVIDIA device `device`.
+pub(super) fn nvidia_db_name(device: u16) -> Option<&'static str> {
+    let i = NVIDIA_INDEX
+        .binary_search_by_key(&device, |&(id, ..)| id)
+        .ok()?;
+    let (_, start, len) = NVIDIA_INDEX[i];
+    let start = usize::try_from(start).ok()?;
+    NVIDIA_NAMES.get(start..start + usize::try_from(len).ok()?)
 }
 
 fn nvidia_name_from_db(device: u16, db_name: Option<&str>) -> ResourceName {

@@ -1075,3 +1075,22 @@ mod hostile {
         }
     }
 }
+
+/// The names written out at build time are the database's, every one of them.
+#[test]
+fn the_compact_nvidia_names_are_the_databases() {
+    use pci_ids::FromId;
+    let vendor = pci_ids::Vendor::from_id(0x10de).unwrap();
+    let mut n = 0;
+    for d in vendor.devices() {
+        assert_eq!(
+            super::preset::nvidia_db_name(d.id()),
+            Some(d.name()),
+            "{:04x}",
+            d.id()
+        );
+        n += 1;
+    }
+    assert!(n > 1000, "only {n} NVIDIA devices in the database");
+    assert_eq!(super::preset::nvidia_db_name(0x2bad), None);
+}
