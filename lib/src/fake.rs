@@ -195,11 +195,14 @@ impl FakeNode {
     pub fn remove_device(&self, addr: &PciAddress) {
         let dir = self.canonical_dir(addr);
         fs::remove_file(self.host.device_dir(addr)).unwrap();
-        if let Ok(g) = fs::read_link(dir.join("iommu_group")) {
+        let group = fs::read_link(dir.join("iommu_group")).ok();
+        if let Some(g) = &group {
             let _ = fs::remove_file(g.join("devices").join(addr.to_string()));
         }
         fs::remove_dir_all(dir).unwrap();
-        self.sync_group_nodes();
+        if let Some(g) = group.as_deref().and_then(Path::file_name) {
+            self.sync_group_node(&g.to_string_lossy());
+        }
     }
 
     /// Binds `addr` to `driver` directly, as if the kernel probed it.
@@ -220,17 +223,21 @@ impl FakeNode {
     /// Creates or removes the node of the group of the device in `dir`, as the
     /// kernel does when a member binds or unbinds: only that group is looked at.
     fn sync_group_node_of(&self, dir: &Path) {
-        let Ok(Some(group)) = crate::device::link_name(&dir.join("iommu_group")) else {
-            return;
-        };
-        let members = self.host.iommu_groups_dir().join(&group).join("devices");
+        if let Ok(Some(group)) = crate::device::link_name(&dir.join("iommu_group")) {
+            self.sync_group_node(&group);
+        }
+    }
+
+    /// Creates or removes `/dev/vfio/<group>` as its members' drivers say.
+    fn sync_group_node(&self, group: &str) {
+        let members = self.host.iommu_groups_dir().join(group).join("devices");
         let vfio_bound = fs::read_dir(members).unwrap().any(|m| {
             let driver = m.unwrap().path().join("driver");
             crate::device::link_name(&driver)
                 .unwrap()
                 .is_some_and(|d| is_vfio_driver(&d))
         });
-        let node = self.host.vfio_dir().join(&group);
+        let node = self.host.vfio_dir().join(group);
         match (vfio_bound, node.exists()) {
             (true, false) => fs::write(node, "").unwrap(),
             (false, true) => fs::remove_file(node).unwrap(),

@@ -510,4 +510,77 @@ mod tests {
             )
         );
     }
+
+    mod changes {
+        use super::*;
+        use proptest::prelude::*;
+
+        const DEVICES: [&str; 4] = [
+            "0000:01:00.0",
+            "0000:01:00.1",
+            "0000:02:00.0",
+            "0000:03:00.0",
+        ];
+        const GROUPS: [u32; 4] = [4, 4, 5, 6];
+
+        /// One change to the node, as the kernel would make it.
+        #[derive(Debug, Clone)]
+        enum Change {
+            Attach(usize, &'static str),
+            Detach(usize),
+            DropNode(usize),
+            Remove(usize),
+        }
+
+        fn change() -> impl Strategy<Value = Change> {
+            let driver = prop::sample::select(vec!["vfio-pci", "e1000e", "snd_hda_intel"]);
+            prop_oneof![
+                4 => (0..DEVICES.len(), driver).prop_map(|(d, drv)| Change::Attach(d, drv)),
+                1 => (0..DEVICES.len()).prop_map(Change::Detach),
+                1 => (0..DEVICES.len()).prop_map(Change::DropNode),
+                1 => (0..DEVICES.len()).prop_map(Change::Remove),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+            /// Whatever happens to the node, reading again what the events name (the
+            /// device for a uevent, the group for a /dev/vfio event) leaves the
+            /// tracker where a full rescan would.
+            #[test]
+            fn refreshing_what_the_events_name_equals_a_rescan(steps in prop::collection::vec(change(), 1..12)) {
+                let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+                let node = FakeNode::new(dir.path());
+                for drv in ["vfio-pci", "e1000e", "snd_hda_intel"] {
+                    node.add_driver(drv);
+                }
+                for (i, a) in DEVICES.iter().enumerate() {
+                    let id = if i == 1 { 0x1234 } else { 0x10d3 };
+                    node.add_device(&FakeDevice::new(a, 0x8086, id, 0x02_0000).driver("vfio-pci").group(GROUPS[i]));
+                }
+                let list = ResourceList::parse(LIST).unwrap();
+                let (mut partial, mut full) = (Tracker::default(), Tracker::default());
+                partial.rescan(&node.host, &list).unwrap();
+                full.rescan(&node.host, &list).unwrap();
+                let mut gone = BTreeSet::new();
+                for step in steps {
+                    let index = match step { Change::Attach(i, _) | Change::Detach(i) | Change::DropNode(i) | Change::Remove(i) => i };
+                    if gone.contains(&index) {
+                        continue;
+                    }
+                    let address: PciAddress = DEVICES[index].parse().unwrap();
+                    let (mut addresses, mut groups) = (BTreeSet::new(), BTreeSet::new());
+                    match step {
+                        Change::Attach(_, drv) => { node.attach(&address, drv); addresses.insert(address); groups.insert(GROUPS[index]); }
+                        Change::Detach(_) => { node.detach(&address); addresses.insert(address); groups.insert(GROUPS[index]); }
+                        Change::DropNode(_) => { let _ = std::fs::remove_file(node.host.vfio_group_node(GROUPS[index])); groups.insert(GROUPS[index]); }
+                        Change::Remove(_) => { node.remove_device(&address); gone.insert(index); addresses.insert(address); groups.insert(GROUPS[index]); }
+                    }
+                    let got = partial.refresh(&node.host, &list, &addresses, &groups).unwrap();
+                    let want = full.rescan(&node.host, &list).unwrap();
+                    prop_assert_eq!(got, want, "after {:?}", step);
+                }
+            }
+        }
+    }
 }
