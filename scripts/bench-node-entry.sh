@@ -29,16 +29,5 @@ for n in 1 8; do
         target/release/examples/node_entry --devices "$n" --latency-ms "$latency" "${jobs[@]}"
     done)
     echo "$out"
-    # Median of each numeric field across the runs.
-    echo "$out" | awk '
-        { for (i = 1; i <= NF; i++) { split($i, kv, "="); key[i] = kv[1]; val[i, NR] = kv[2] } nf = NF }
-        END {
-            line = "median"
-            for (i = 1; i <= nf; i++) {
-                n = 0; for (r = 1; r <= NR; r++) v[++n] = val[i, r]
-                for (a = 1; a <= n; a++) for (b = a + 1; b <= n; b++) if (v[b] + 0 < v[a] + 0) { t = v[a]; v[a] = v[b]; v[b] = t }
-                line = line " " key[i] "=" v[int((n + 1) / 2)]
-            }
-            print line
-        }'
+    echo "$out" | awk -f scripts/lib/median.awk
 done
