@@ -4,24 +4,33 @@
 # busybox-static, kmod and the Debian kernel package themselves).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-echo "==== cargo fmt --check"
+# Each step prints how long the one before it took, and the end the whole run.
+step_start=""
+step() {
+    [[ -z "$step_start" ]] || echo "---- $((SECONDS - step_start)) s"
+    step_start=$SECONDS
+    echo "==== $*"
+}
+trap 'echo "---- $((SECONDS - ${step_start:-0})) s; the whole suite: $SECONDS s"' EXIT
+step "cargo fmt --check"
 cargo fmt --all -- --check
-echo "==== cargo clippy"
+step "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-echo "==== manifests: render, validate (Kubernetes, KubeVirt), coexistence, shellcheck, yamllint, hadolint"
+step "manifests: render, validate (Kubernetes, KubeVirt), coexistence, shellcheck, yamllint, hadolint"
 scripts/check-manifests.sh
-echo "==== cargo test"
-cargo test --workspace --locked
-echo "==== fault injection: fail and crash at every kernel write, module syscall and state save (a node's VM-mode life; two DRA claims' life)"
+step "cargo test"
+# The two fault walks run once, in the next step, where their tallies are printed.
+cargo test --workspace --locked -- --skip every_fault_and_crash_point --skip every_step_of_a_claims_life
+step "fault injection: fail and crash at every kernel write, module syscall and state save (a node's VM-mode life; two DRA claims' life)"
 cargo test -p vfio-sandbox --test faults --test claims --locked -- --nocapture
-echo "==== gRPC interop: a grpc-core client (Python grpcio from PyPI) against the device plugin"
+step "gRPC interop: a grpc-core client (Python grpcio from PyPI) against the device plugin"
 python3 -m venv .cache/grpc-venv
 .cache/grpc-venv/bin/pip install --quiet --disable-pip-version-check -r tests/grpc-interop/requirements.txt
 cargo build --locked -p sandbox-device-plugin -p kubelet-peer
 .cache/grpc-venv/bin/python tests/grpc-interop/grpc_core_client.py \
     --plugin target/debug/sandbox-device-plugin --peer target/debug/kubelet-peer
-echo "==== VM harness self-test (stall watchdog, fake QEMU)"
+step "VM harness self-test (stall watchdog, fake QEMU)"
 tests/vm/harness-selftest.sh
-echo "==== real-kernel scenarios (QEMU) on Debian 12 and 13 kernels, and the demo so it cannot rot"
+step "real-kernel scenarios (QEMU) on Debian 12 and 13 kernels, and the demo so it cannot rot"
 scripts/vm/run.sh --kernel bookworm,trixie tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
-echo "==== the same on Debian 13's arm64 kernel (qemu-system-aarch64, SMMUv3) with cross-built aarch64 binaries" && scripts/vm/run.sh --kernel trixie-arm64 tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
+step "the same on Debian 13's arm64 kernel (qemu-system-aarch64, SMMUv3) with cross-built aarch64 binaries" && scripts/vm/run.sh --kernel trixie-arm64 tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
