@@ -131,8 +131,8 @@ vm_ensure_packages "${VM_HOST_PACKAGES[@]}"
 # ---- static binaries ----------------------------------------------------------
 # One static build per architecture in use; arch_bins[ARCH] holds the binary
 # paths separated by newlines. Cargo profile `testbed` (VM_PROFILE): release
-# code without LTO, so a cold build takes minutes less; `release` tests the
-# image's exact binaries.
+# settings at opt-level 1 without LTO, so a cold build takes minutes less;
+# `release` tests the image's exact binaries.
 profile="${VM_PROFILE:-testbed}"
 for arch in x86_64 aarch64; do
     [[ -v "arch_bins[$arch]" ]] || continue
