@@ -15,7 +15,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
@@ -243,6 +243,19 @@ impl FakeNode {
             (false, true) => fs::remove_file(node).unwrap(),
             _ => {}
         }
+    }
+
+    /// Every device's driver and `driver_override` text, by address: what a test
+    /// compares before and after an operation.
+    pub fn drivers_and_overrides(&self) -> BTreeMap<String, (Option<String>, String)> {
+        crate::device::list_addresses(&self.host)
+            .unwrap()
+            .into_iter()
+            .map(|a| {
+                let over = fs::read_to_string(self.host.device_dir(&a).join("driver_override"));
+                (a.to_string(), (self.driver_of(&a), over.unwrap()))
+            })
+            .collect()
     }
 
     /// Current driver of `addr`.

@@ -109,15 +109,7 @@ const B: [&str; 2] = ["0000:02:00.0", "0000:03:00.0"];
 
 impl Node {
     fn snapshot(&self) -> Snapshot {
-        vfio_sandbox::device::list_addresses(&self.node.host)
-            .unwrap()
-            .into_iter()
-            .map(|a| {
-                let over =
-                    fs::read_to_string(self.node.host.device_dir(&a).join("driver_override"));
-                (a.to_string(), (self.node.driver_of(&a), over.unwrap()))
-            })
-            .collect()
+        self.node.drivers_and_overrides()
     }
 
     /// One driver process: the state file locked for its lifetime.

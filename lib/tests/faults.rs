@@ -146,15 +146,7 @@ fn node(unload: bool, jobs: NonZeroUsize) -> Node {
 
 impl Node {
     fn snapshot(&self) -> Snapshot {
-        vfio_sandbox::device::list_addresses(&self.node.host)
-            .unwrap()
-            .into_iter()
-            .map(|a| {
-                let over =
-                    fs::read_to_string(self.node.host.device_dir(&a).join("driver_override"));
-                (a.to_string(), (self.node.driver_of(&a), over.unwrap()))
-            })
-            .collect()
+        self.node.drivers_and_overrides()
     }
 
     /// One vfio-manager process: the state file locked for its lifetime.
