@@ -9,19 +9,23 @@
 //! - Dynamic Resource Allocation (`dra/v1/api.proto`, `dra/v1beta1/api.proto`): the
 //!   `DRAPlugin` service a DRA driver serves ([`dra::v1`], [`dra::v1beta1`]).
 
-#![allow(missing_docs, clippy::all)]
+pub mod authority;
+pub mod serve;
 
 /// Package `v1beta1`: the device-plugin API.
+#[allow(missing_docs, clippy::all)]
 pub mod v1beta1 {
     tonic::include_proto!("v1beta1");
 }
 
 /// Package `pluginregistration`: plugin registration with kubelet's plugin watcher.
+#[allow(missing_docs, clippy::all)]
 pub mod pluginregistration {
     tonic::include_proto!("pluginregistration");
 }
 
 /// The Dynamic Resource Allocation API kubelet calls on a driver's endpoint.
+#[allow(missing_docs, clippy::all)]
 pub mod dra {
     /// Package `k8s.io.kubelet.pkg.apis.dra.v1` (kubelet 1.34 and later).
     pub mod v1 {
@@ -62,7 +66,8 @@ pub const DRA_REGISTRATION_SUFFIX: &str = "-reg.sock";
 /// A DRA driver's service socket name inside `<plugins dir>/<driver>/`.
 pub const DRA_SERVICE_SOCKET: &str = "dra.sock";
 
-/// A gRPC channel over the Unix socket at `path`, the transport of every service here.
+/// A gRPC channel over the Unix socket at `path`, the transport of every service
+/// here, sending `:authority` `localhost` (as kubelet's device manager does).
 pub async fn unix_channel(
     path: impl Into<std::path::PathBuf>,
 ) -> Result<tonic::transport::Channel, tonic::transport::Error> {
@@ -73,6 +78,29 @@ pub async fn unix_channel(
             async move {
                 Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
                     tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        }))
+        .await
+}
+
+/// A gRPC channel over the Unix socket at `path` whose every request carries
+/// `authority` as its `:authority`, valid URI authority or not
+/// ([`authority::SendAuthority`]): how a test peer sends what grpc-go sends.
+pub async fn unix_channel_with_authority(
+    path: impl Into<std::path::PathBuf>,
+    authority: &str,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let path = path.into();
+    let authority = authority.to_owned();
+    tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            let authority = authority.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    authority::SendAuthority::new(stream, &authority),
                 ))
             }
         }))

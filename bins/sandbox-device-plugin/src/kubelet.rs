@@ -18,7 +18,6 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tonic::transport::Server;
 use vfio_sandbox::config::ResourceName;
 
-use crate::authority::AuthorityFix;
 use crate::devices::Snapshot;
 use crate::metrics::{Metrics, ResourceMetrics};
 use crate::service::{options, PluginService, Streams};
@@ -352,11 +351,10 @@ fn start_server(
     streams: Arc<Streams>,
     metrics: &ResourceMetrics,
 ) -> Option<oneshot::Sender<()>> {
-    let _ = std::fs::remove_file(path);
-    let listener = match tokio::net::UnixListener::bind(path) {
+    let listener = match deviceplugin::serve::listen(path) {
         Ok(l) => l,
         Err(e) => {
-            tracing::error!(socket = %path.display(), error = %e, "cannot listen; retrying");
+            tracing::error!(error = %vfio_sandbox::error_chain(&e), "cannot serve; retrying");
             return None;
         }
     };
@@ -367,25 +365,8 @@ fn start_server(
         streams,
         metrics: metrics.clone(),
     };
-    let (tx, rx) = oneshot::channel::<()>();
-    // grpc-core clients send the socket path as :authority, which the HTTP/2 layer
-    // refuses; AuthorityFix turns it into localhost first.
-    let incoming = tokio_stream::StreamExt::map(
-        tokio_stream::wrappers::UnixListenerStream::new(listener),
-        |conn| conn.map(AuthorityFix::new),
-    );
-    let name = resource.clone();
-    tokio::spawn(async move {
-        let result = Server::builder()
-            .add_service(DevicePluginServer::new(service))
-            .serve_with_incoming_shutdown(incoming, async {
-                let _ = rx.await;
-            })
-            .await;
-        if let Err(e) = result {
-            tracing::error!(resource = %name, error = %e, "gRPC server failed");
-        }
-    });
+    let router = Server::builder().add_service(DevicePluginServer::new(service));
+    let tx = deviceplugin::serve::spawn(listener, router, "device plugin");
     tracing::info!(resource = %resource, socket = %path.display(), "serving");
     Some(tx)
 }

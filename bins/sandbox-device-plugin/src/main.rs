@@ -16,7 +16,6 @@ use vfio_sandbox::config::ResourceName;
 use vfio_sandbox::metrics::{self as endpoint, ListenAddress};
 
 mod allocate;
-mod authority;
 mod devices;
 mod kubelet;
 mod metrics;

@@ -25,8 +25,8 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsString;
 use std::future::Future;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
-use std::path::{Path, PathBuf};
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -222,7 +222,7 @@ impl Socket {
     /// Binds a fresh socket at the path and serves it; the previous server (if any)
     /// finishes its calls in flight and stops.
     fn bind(&mut self) -> anyhow::Result<()> {
-        let listener = listen(&self.path)?;
+        let listener = deviceplugin::serve::listen(&self.path)?;
         let meta = std::fs::symlink_metadata(&self.path)
             .with_context(|| format!("cannot stat {}", self.path.display()))?;
         self.bound = Some((meta.dev(), meta.ino()));
@@ -286,69 +286,18 @@ impl Socket {
     }
 }
 
-/// Makes the socket's directory, removes a stale socket file and listens.
-/// Anything but a socket at the path is refused, never deleted.
-fn listen(path: &Path) -> anyhow::Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create directory {}", dir.display()))?;
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)
-            .with_context(|| format!("cannot remove stale socket {}", path.display()))?,
-        Ok(m) => anyhow::bail!(
-            "refusing to replace {}: it is {}, not a socket",
-            path.display(),
-            file_kind(&m.file_type())
-        ),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e).with_context(|| format!("cannot stat {}", path.display())),
-    }
-    UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))
-}
-
-fn file_kind(t: &std::fs::FileType) -> &'static str {
-    if t.is_dir() {
-        "a directory"
-    } else if t.is_symlink() {
-        "a symbolic link"
-    } else if t.is_file() {
-        "a regular file"
-    } else {
-        "a special file"
-    }
-}
-
 fn spawn_dra(listener: UnixListener, driver: Arc<dyn Driver>) -> oneshot::Sender<()> {
     let service = DraService { driver };
     let router = Server::builder()
         .add_service(v1::dra_plugin_server::DraPluginServer::new(service.clone()))
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(service));
-    spawn_router(listener, router, "DRA service")
+    deviceplugin::serve::spawn(listener, router, "DRA service")
 }
 
 fn spawn_registration(listener: UnixListener, info: PluginInfo) -> oneshot::Sender<()> {
     let router =
         Server::builder().add_service(RegistrationServer::new(RegistrationService { info }));
-    spawn_router(listener, router, "registration")
-}
-
-fn spawn_router(
-    listener: UnixListener,
-    router: tonic::transport::server::Router,
-    what: &'static str,
-) -> oneshot::Sender<()> {
-    let (tx, rx) = oneshot::channel::<()>();
-    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-    tokio::spawn(async move {
-        let stopped = async {
-            let _ = rx.await;
-        };
-        if let Err(e) = router.serve_with_incoming_shutdown(incoming, stopped).await {
-            tracing::error!(error = %e, "{what} gRPC server failed");
-        }
-    });
-    tx
+    deviceplugin::serve::spawn(listener, router, "registration")
 }
 
 /// `pluginregistration.Registration`.
@@ -701,11 +650,11 @@ mod tests {
         cfg.check().expect("valid name");
         assert_eq!(
             cfg.registration_socket(),
-            Path::new("/r/vfio-sandbox.rebellions.ai-reg.sock")
+            std::path::Path::new("/r/vfio-sandbox.rebellions.ai-reg.sock")
         );
         assert_eq!(
             cfg.service_socket(),
-            Path::new("/p/vfio-sandbox.rebellions.ai/dra.sock")
+            std::path::Path::new("/p/vfio-sandbox.rebellions.ai/dra.sock")
         );
     }
 }

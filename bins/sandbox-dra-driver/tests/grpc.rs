@@ -174,6 +174,65 @@ async fn the_peer_finds_the_registration_socket_and_gets_exact_plugin_info() {
     s.stop().await.unwrap();
 }
 
+/// What grpc-go puts in `:authority` for a dial target that is a socket path:
+/// the path with every `/` percent-encoded (the test paths hold no other
+/// character grpc-go escapes).
+fn grpc_go_authority(path: &Path) -> String {
+    path.display().to_string().replace('/', "%2F")
+}
+
+/// kubelet's plugin watcher (`pkg/kubelet/pluginmanager/operationexecutor/
+/// operation_generator.go`, `dial`) and kubelet 1.32's DRA client dial with grpc-go
+/// and no authority override, so every call carries the percent-encoded socket
+/// path as `:authority`; without the shared [`deviceplugin::serve`] layer the
+/// HTTP/2 server resets each such call with PROTOCOL_ERROR.
+#[tokio::test]
+async fn calls_carrying_the_socket_path_as_authority_reach_every_service() {
+    use deviceplugin::dra::{v1, v1beta1};
+    use deviceplugin::pluginregistration::registration_client::RegistrationClient;
+    let s = Served::start().await;
+    let reg = s.cfg.registration_socket();
+    let channel = deviceplugin::unix_channel_with_authority(&reg, &grpc_go_authority(&reg))
+        .await
+        .unwrap();
+    let info = RegistrationClient::new(channel)
+        .get_info(deviceplugin::pluginregistration::InfoRequest {})
+        .await
+        .expect("GetInfo with the socket path as :authority")
+        .into_inner();
+    assert_eq!(info.name, DRIVER);
+    let svc = s.cfg.service_socket();
+    let channel = deviceplugin::unix_channel_with_authority(&svc, &grpc_go_authority(&svc))
+        .await
+        .unwrap();
+    let c = claim("ns", "c1", "uid-1");
+    let r = v1::dra_plugin_client::DraPluginClient::new(channel.clone())
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![v1::Claim {
+                namespace: c.namespace.clone(),
+                uid: c.uid.clone(),
+                name: c.name.clone(),
+            }],
+        })
+        .await
+        .expect("v1 prepare with the socket path as :authority")
+        .into_inner();
+    assert!(r.claims.contains_key("uid-1"));
+    let r = v1beta1::dra_plugin_client::DraPluginClient::new(channel)
+        .node_unprepare_resources(v1beta1::NodeUnprepareResourcesRequest {
+            claims: vec![v1beta1::Claim {
+                namespace: c.namespace.clone(),
+                uid: c.uid.clone(),
+                name: c.name.clone(),
+            }],
+        })
+        .await
+        .expect("v1beta1 unprepare with the socket path as :authority")
+        .into_inner();
+    assert!(r.claims.contains_key("uid-1"));
+    s.stop().await.unwrap();
+}
+
 #[tokio::test]
 async fn prepare_and_unprepare_come_back_intact_over_both_versions() {
     let s = Served::start().await;

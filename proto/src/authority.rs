@@ -1,11 +1,14 @@
 //! Accepting gRPC clients that send a socket path as `:authority`.
 //!
-//! Clients built on grpc-core (Python grpcio ≥ 1.57, C++) and some others (grpc-java,
-//! Bazel) send the Unix socket path, often percent-encoded (`%2Fvar%2Flib%2F…`), as the
-//! HTTP/2 `:authority` of every request. That is not a valid URI authority, and the
-//! HTTP/2 layer under tonic (h2) answers each such request with `RST_STREAM
-//! PROTOCOL_ERROR` before any of our code runs; h2 has no setting to relax it. kubelet
-//! (grpc-go) sends `localhost` and is not affected.
+//! kubelet's plugin watcher dials a registration socket, and kubelet 1.32's DRA
+//! client a driver's `dra.sock`, with grpc-go and no authority override
+//! (`pkg/kubelet/pluginmanager/operationexecutor/operation_generator.go`, `dial`;
+//! `pkg/kubelet/cm/dra/plugin/plugin.go`), so grpc-go sends the socket path,
+//! percent-encoded (`%2Fvar%2Flib%2Fkubelet%2F…`), as the HTTP/2 `:authority` of every
+//! call. Clients built on grpc-core (Python grpcio ≥ 1.57, C++) do the same. That is
+//! not a valid URI authority, and the HTTP/2 layer under tonic (h2) answers each such
+//! request with `RST_STREAM PROTOCOL_ERROR` before any of our code runs; h2 has no
+//! setting to relax it. Only kubelet's device manager sets `localhost`.
 //!
 //! [`AuthorityFix`] sits between the accepted socket and the HTTP/2 server and
 //! rewrites what the client sends: every header block is decoded (HPACK, with the
@@ -14,6 +17,10 @@
 //! client's dynamic table. Everything else passes through byte for byte, and the
 //! server's replies are not touched. Input that is not well-formed HTTP/2 is passed on
 //! unchanged from that point, so the server reports the error it would have reported.
+//!
+//! [`SendAuthority`] is the same rewrite on a client's outgoing bytes, setting the
+//! `:authority` of every request to a given value: how a test peer written with
+//! tonic (which cannot build such a URI) sends what grpc-go sends.
 
 use std::io;
 use std::pin::Pin;
@@ -51,8 +58,18 @@ struct Pending {
     raw: Vec<u8>,
 }
 
+/// What becomes of each request's `:authority`.
+#[derive(Debug, Clone)]
+enum Policy {
+    /// One h2 refuses becomes `localhost`; a valid one is kept (our servers).
+    InvalidToLocalhost,
+    /// Every one becomes this value (a client sending what grpc-go sends).
+    Set(Vec<u8>),
+}
+
 /// The client-to-server half of the rewrite, as a pure function of the bytes fed in.
 pub struct Rewriter {
+    policy: Policy,
     preface_left: usize,
     /// Payload bytes of a frame being passed through.
     skip: usize,
@@ -65,10 +82,23 @@ pub struct Rewriter {
 }
 
 impl Default for Rewriter {
+    /// Invalid authorities become `localhost`, as our servers need.
     fn default() -> Self {
+        Self::with_policy(Policy::InvalidToLocalhost)
+    }
+}
+
+impl Rewriter {
+    /// Sets the `:authority` of every request to `value`.
+    pub fn setting(value: &[u8]) -> Self {
+        Self::with_policy(Policy::Set(value.to_vec()))
+    }
+
+    fn with_policy(policy: Policy) -> Self {
         let mut decoder = loona_hpack::Decoder::new();
         decoder.set_max_allowed_table_size(MAX_TABLE);
         Self {
+            policy,
             preface_left: PREFACE_LEN,
             skip: 0,
             frame: Vec::new(),
@@ -225,12 +255,20 @@ impl Rewriter {
     /// Decodes a complete header block and emits it re-encoded.
     fn rewrite(&mut self, p: Pending, out: &mut Vec<u8>) {
         let mut block = Vec::with_capacity(p.block.len() * 2);
+        let policy = &self.policy;
         let decoded = self.decoder.decode_with_cb(&p.block, |name, value| {
-            if &*name == b":authority" && !valid_authority(&value) {
-                tracing::debug!(authority = %String::from_utf8_lossy(&value), "rewrote :authority to localhost");
-                put_literal(&mut block, &name, LOCALHOST);
-            } else {
-                put_literal(&mut block, &name, &value);
+            let new = match policy {
+                _ if &*name != b":authority" => None,
+                Policy::InvalidToLocalhost if !valid_authority(&value) => Some(LOCALHOST),
+                Policy::InvalidToLocalhost => None,
+                Policy::Set(v) => Some(v.as_slice()),
+            };
+            match new {
+                Some(new) => {
+                    tracing::trace!(from = %String::from_utf8_lossy(&value), to = %String::from_utf8_lossy(new), "rewrote :authority");
+                    put_literal(&mut block, &name, new);
+                }
+                None => put_literal(&mut block, &name, &value),
             }
         });
         if decoded.is_err() {
@@ -369,6 +407,83 @@ impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
 
     fn connect_info(&self) -> Self::ConnectInfo {
         self.inner.connect_info()
+    }
+}
+
+/// A client connection whose outgoing header blocks get a fixed `:authority`
+/// ([`Rewriter::setting`]); replies pass through untouched.
+pub struct SendAuthority<S> {
+    inner: S,
+    rewriter: Rewriter,
+    /// Rewritten bytes not yet written to `inner`, from `pos` on.
+    out: Vec<u8>,
+    pos: usize,
+}
+
+impl<S> SendAuthority<S> {
+    /// Wraps a connection so every request carries `authority`.
+    pub fn new(inner: S, authority: &str) -> Self {
+        Self {
+            inner,
+            rewriter: Rewriter::setting(authority.as_bytes()),
+            out: Vec::new(),
+            pos: 0,
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> SendAuthority<S> {
+    /// Writes out everything rewritten so far.
+    fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.pos < self.out.len() {
+            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.out[self.pos..]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.pos += n;
+        }
+        self.out.clear();
+        self.pos = 0;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for SendAuthority<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for SendAuthority<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        ready!(this.poll_drain(cx))?;
+        this.rewriter.feed(buf, &mut this.out);
+        // Taken whole; what the socket does not take now goes at the next call.
+        if let Poll::Ready(Err(e)) = this.poll_drain(cx) {
+            return Poll::Ready(Err(e));
+        }
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        ready!(this.poll_drain(cx))?;
+        Pin::new(&mut this.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        ready!(this.poll_drain(cx))?;
+        Pin::new(&mut this.inner).poll_shutdown(cx)
     }
 }
 
@@ -520,6 +635,25 @@ mod tests {
         assert!(got[1]
             .2
             .contains(&(":authority".into(), "localhost".into())));
+    }
+
+    #[test]
+    fn a_setting_rewriter_sends_the_given_authority_in_every_request() {
+        let mut r = Rewriter::setting(b"%2Fvar%2Flib%2Fkubelet%2Fx.sock");
+        let mut out = Vec::new();
+        r.feed(&input("localhost"), &mut out);
+        let got = frames(&out);
+        for i in [1, 3] {
+            assert!(
+                got[i].2.contains(&(
+                    ":authority".into(),
+                    "%2Fvar%2Flib%2Fkubelet%2Fx.sock".into()
+                )),
+                "request {i}: {:?}",
+                got[i].2
+            );
+        }
+        assert_eq!(got[2].3, b"\0\0\0\0\x02hi");
     }
 
     #[test]

@@ -1,0 +1,146 @@
+//! Serving a gRPC service on a Unix socket the way every kubelet client can reach it.
+//!
+//! Every server we run goes through [`listen`] and [`spawn`]: the socket's directory
+//! is made, a stale socket is replaced (anything else at the path is refused, never
+//! deleted), and each accepted connection goes through [`AuthorityFix`], so requests
+//! whose `:authority` is the socket path — what kubelet's plugin watcher and DRA
+//! client send — reach the service instead of being reset by the HTTP/2 layer.
+//!
+//! ```no_run
+//! # async fn f(router: tonic::transport::server::Router) -> Result<(), deviceplugin::serve::ListenError> {
+//! let listener = deviceplugin::serve::listen(std::path::Path::new("/var/lib/kubelet/plugins/d/dra.sock"))?;
+//! let stop = deviceplugin::serve::spawn(listener, router, "DRA service");
+//! // ... later
+//! let _ = stop.send(());
+//! # Ok(()) }
+//! ```
+
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+
+use tokio::net::UnixListener;
+use tokio::sync::oneshot;
+
+use crate::authority::AuthorityFix;
+
+/// Why a socket could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    /// The socket's directory could not be made.
+    #[error("cannot create directory {}", dir.display())]
+    CreateDir {
+        /// The directory.
+        dir: PathBuf,
+        /// What the kernel said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Something other than a socket is at the path.
+    #[error("refusing to replace {}: it is {what}, not a socket", path.display())]
+    NotASocket {
+        /// The path.
+        path: PathBuf,
+        /// What is there.
+        what: &'static str,
+    },
+    /// The path could not be read, or a stale socket removed, or the socket bound.
+    #[error("cannot {action} {}", path.display())]
+    Io {
+        /// `stat`, `remove stale socket`, `listen on`.
+        action: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// What the kernel said.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn file_kind(t: &std::fs::FileType) -> &'static str {
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else if t.is_file() {
+        "a regular file"
+    } else {
+        "a special file"
+    }
+}
+
+/// Makes the socket's directory, removes a stale socket file and listens.
+/// Anything but a socket at the path is refused, never deleted.
+pub fn listen(path: &Path) -> Result<UnixListener, ListenError> {
+    let io = |action, source| ListenError::Io {
+        action,
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|source| ListenError::CreateDir {
+            dir: dir.to_owned(),
+            source,
+        })?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            std::fs::remove_file(path).map_err(|e| io("remove stale socket", e))?
+        }
+        Ok(m) => {
+            return Err(ListenError::NotASocket {
+                path: path.to_owned(),
+                what: file_kind(&m.file_type()),
+            })
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io("stat", e)),
+    }
+    UnixListener::bind(path).map_err(|e| io("listen on", e))
+}
+
+/// Serves `router` on `listener` from a task of its own until the returned sender
+/// fires (or is dropped); calls in flight then finish. Each connection goes through
+/// [`AuthorityFix`]. `what` names the service in the log if the server fails.
+pub fn spawn(
+    listener: UnixListener,
+    router: tonic::transport::server::Router,
+    what: &'static str,
+) -> oneshot::Sender<()> {
+    let (tx, rx) = oneshot::channel::<()>();
+    let incoming = tokio_stream::StreamExt::map(
+        tokio_stream::wrappers::UnixListenerStream::new(listener),
+        |conn| conn.map(AuthorityFix::new),
+    );
+    tokio::spawn(async move {
+        let stopped = async {
+            let _ = rx.await;
+        };
+        if let Err(e) = router.serve_with_incoming_shutdown(incoming, stopped).await {
+            tracing::error!(error = %e, "{what} gRPC server failed");
+        }
+    });
+    tx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_stale_socket_is_replaced_and_anything_else_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/x.sock");
+        let first = listen(&path).unwrap();
+        drop(first); // the file stays behind, as after a crash
+        assert!(path.exists());
+        let _second = listen(&path).expect("a stale socket is replaced");
+        let file = dir.path().join("file");
+        std::fs::write(&file, "keep").unwrap();
+        let e = listen(&file).unwrap_err();
+        assert!(
+            e.to_string().contains("it is a regular file, not a socket"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep");
+    }
+}
