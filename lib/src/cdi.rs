@@ -84,11 +84,16 @@
 //!   segment keeps drivers apart if the directory is shared, and the UID (unlike
 //!   `<namespace>_<name>`) cannot be reused by a recreated claim before the old one is
 //!   unprepared.
+//! - Second container path, for KubeVirt 1.8.0–1.8.2: those releases read the
+//!   earlier KEP draft's layout,
+//!   `/var/run/dra-device-attributes/<claim name>/<request>/*-metadata.json`, and for
+//!   a template claim glob `/var/run/dra-device-attributes/*/<request>/` and match
+//!   the file's `podClaimName`; the `kubernetes.io` layout arrived in KubeVirt 1.8.3.
+//!   The same file is mounted there too ([`LEGACY_CONTAINER_METADATA_DIR`]), always
+//!   under the claim's own name, so every KubeVirt from 1.8.0 finds it.
 //!
 //! Uncertainty: the schema is alpha (Kubernetes 1.36); `v1beta1` exists upstream
-//! with the same fields but KubeVirt does not read it yet. An earlier KEP draft
-//! mounted `/var/run/dra-device-attributes/<claim>/<request>/<driver>-metadata.json`;
-//! released code and KubeVirt use the `kubernetes.io` layout above.
+//! with the same fields but KubeVirt does not read it yet.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -106,6 +111,9 @@ pub const DEFAULT_METADATA_DIR: &str = "/var/run/kubernetes.io/dra-device-attrib
 pub const CDI_CLASS: &str = "vfio";
 /// The well-known directory inside containers where metadata files appear.
 pub const CONTAINER_METADATA_DIR: &str = "/var/run/kubernetes.io/dra-device-attributes";
+/// Where KubeVirt 1.8.0–1.8.2 look for metadata files (the KEP draft's layout):
+/// `<dir>/<claim name>/<request>/<driver>-metadata.json`.
+pub const LEGACY_CONTAINER_METADATA_DIR: &str = "/var/run/dra-device-attributes";
 /// The only metadata API version KubeVirt reads, and the one we write.
 pub const METADATA_API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
 /// The standard attribute holding a PCI function's address.
@@ -632,11 +640,23 @@ pub fn claim_files(
             name: format!("metadata-{base}-{uid}"),
             container_edits: Edits {
                 device_nodes: Vec::new(),
-                mounts: vec![Mount {
-                    host_path: host.clone(),
-                    container_path: format!("{container_claim_dir}/{base}/{driver}-metadata.json"),
-                    options: ["ro", "bind"],
-                }],
+                mounts: vec![
+                    Mount {
+                        host_path: host.clone(),
+                        container_path: format!(
+                            "{container_claim_dir}/{base}/{driver}-metadata.json"
+                        ),
+                        options: ["ro", "bind"],
+                    },
+                    Mount {
+                        host_path: host.clone(),
+                        container_path: format!(
+                            "{LEGACY_CONTAINER_METADATA_DIR}/{}/{base}/{driver}-metadata.json",
+                            claim.name
+                        ),
+                        options: ["ro", "bind"],
+                    },
+                ],
             },
         });
         let text = metadata_text(claim, pod_claim_name, reference, devs)?;

@@ -129,6 +129,14 @@ const SPEC: &str = r#"{
               "ro",
               "bind"
             ]
+          },
+          {
+            "hostPath": "/var/run/kubernetes.io/dra-device-attributes/vfio-sandbox.rebellions.ai/0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a/card/metadata.json",
+            "containerPath": "/var/run/dra-device-attributes/vm1-card/card/vfio-sandbox.rebellions.ai-metadata.json",
+            "options": [
+              "ro",
+              "bind"
+            ]
           }
         ]
       }
@@ -140,6 +148,14 @@ const SPEC: &str = r#"{
           {
             "hostPath": "/var/run/kubernetes.io/dra-device-attributes/vfio-sandbox.rebellions.ai/0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a/nic/metadata.json",
             "containerPath": "/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm1-card/nic/vfio-sandbox.rebellions.ai-metadata.json",
+            "options": [
+              "ro",
+              "bind"
+            ]
+          },
+          {
+            "hostPath": "/var/run/kubernetes.io/dra-device-attributes/vfio-sandbox.rebellions.ai/0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a/nic/metadata.json",
+            "containerPath": "/var/run/dra-device-attributes/vm1-card/nic/vfio-sandbox.rebellions.ai-metadata.json",
             "options": [
               "ro",
               "bind"
@@ -281,6 +297,11 @@ fn a_template_claim_mounts_under_its_pod_claim_name_and_says_so() {
     )));
     assert!(f.cdi.1.contains(&format!(
         "\"hostPath\": \"/m/{DRIVER}/{UID}/nic/metadata.json\""
+    )));
+    // KubeVirt 1.8.0–1.8.2 glob `/var/run/dra-device-attributes/*/<request>/` and
+    // match podClaimName: the legacy mount is under the claim's own name.
+    assert!(f.cdi.1.contains(&format!(
+        "\"containerPath\": \"/var/run/dra-device-attributes/vm1-card/nic/{DRIVER}-metadata.json\""
     )));
     assert_eq!(
         f.metadata[0].0,
@@ -599,6 +620,127 @@ fn the_spec_parses_as_cdi_and_every_id_names_one_of_its_devices() {
             assert!(m
                 .container_path
                 .ends_with(&format!("/{DRIVER}-metadata.json")));
+        }
+    }
+}
+
+/// What a container sees: each mount of the claim's CDI devices applied, the host
+/// file (`hostPath`, looked up in `written`) copied to `<root>/<containerPath>`.
+fn container_root(f: &ClaimFiles) -> tempfile::TempDir {
+    let root = tempfile::tempdir().expect("tempdir");
+    let written: BTreeMap<&Path, &str> = f
+        .metadata
+        .iter()
+        .map(|(p, t)| (p.as_path(), t.as_str()))
+        .collect();
+    let spec: serde_json::Value = serde_json::from_str(&f.cdi.1).expect("spec");
+    for dev in spec["devices"].as_array().expect("devices") {
+        for m in dev["containerEdits"]["mounts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let host = Path::new(m["hostPath"].as_str().expect("hostPath"));
+            let inside = m["containerPath"].as_str().expect("containerPath");
+            let to = root.path().join(inside.trim_start_matches('/'));
+            std::fs::create_dir_all(to.parent().expect("parent")).expect("mkdir");
+            std::fs::write(&to, written[host]).expect("mount");
+        }
+    }
+    root
+}
+
+/// The `resource.kubernetes.io/pciBusID` of `request`'s first device in `file`, if
+/// the file's `podClaimName` is `pod_claim` (KubeVirt's match for template claims).
+fn pci_bus_id(file: &Path, request: &str, pod_claim: Option<&str>) -> Option<String> {
+    let m: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(file).ok()?).ok()?;
+    if pod_claim.is_some() && m["podClaimName"].as_str() != pod_claim {
+        return None;
+    }
+    let r = m["requests"]
+        .as_array()?
+        .iter()
+        .find(|r| r["name"] == request)?;
+    r["devices"][0]["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
+        .as_str()
+        .map(str::to_owned)
+}
+
+/// KubeVirt ≥ 1.8.3 (`pkg/dra`): `/var/run/kubernetes.io/dra-device-attributes/
+/// {resourceclaims/<claim>, resourceclaimtemplates/<pod claim>}/<request>/<driver>-metadata.json`.
+fn kubevirt_1_8_3(
+    root: &Path,
+    claim: &str,
+    pod_claim: Option<&str>,
+    request: &str,
+) -> Option<String> {
+    let dir = match pod_claim {
+        Some(p) => format!("resourceclaimtemplates/{p}"),
+        None => format!("resourceclaims/{claim}"),
+    };
+    let file = root.join(format!(
+        "var/run/kubernetes.io/dra-device-attributes/{dir}/{request}/{DRIVER}-metadata.json"
+    ));
+    pci_bus_id(&file, request, pod_claim)
+}
+
+/// KubeVirt 1.8.0–1.8.2: `/var/run/dra-device-attributes/<claim>/<request>/*-metadata.json`;
+/// for a template claim every `<base>/*/<request>/*-metadata.json`, matched by
+/// `podClaimName`.
+fn kubevirt_1_8_0(
+    root: &Path,
+    claim: &str,
+    pod_claim: Option<&str>,
+    request: &str,
+) -> Option<String> {
+    let base = root.join("var/run/dra-device-attributes");
+    let claim_dirs: Vec<PathBuf> = match pod_claim {
+        Some(_) => std::fs::read_dir(&base)
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect(),
+        None => vec![base.join(claim)],
+    };
+    claim_dirs.iter().find_map(|d| {
+        std::fs::read_dir(d.join(request))
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.to_string_lossy().ends_with("-metadata.json"))
+            .find_map(|p| pci_bus_id(&p, request, pod_claim))
+    })
+}
+
+#[test]
+fn every_kubevirt_from_1_8_0_finds_the_pci_address() {
+    for pod_claim in [None, Some("npus")] {
+        let f = claim_files(
+            DRIVER,
+            Path::new("/var/run/cdi"),
+            Path::new("/m"),
+            Path::new("/dev"),
+            &claim(),
+            pod_claim,
+            &two_devices(),
+        )
+        .expect("claim files");
+        let root = container_root(&f);
+        for (request, bdf) in [("card", "0000:01:00.0"), ("nic", "0000:02:00.0")] {
+            for (reader, found) in [
+                (
+                    "1.8.3",
+                    kubevirt_1_8_3(root.path(), "vm1-card", pod_claim, request),
+                ),
+                (
+                    "1.8.0",
+                    kubevirt_1_8_0(root.path(), "vm1-card", pod_claim, request),
+                ),
+            ] {
+                assert_eq!(
+                    found.as_deref(),
+                    Some(bdf),
+                    "KubeVirt {reader}, pod claim {pod_claim:?}, request {request}"
+                );
+            }
         }
     }
 }

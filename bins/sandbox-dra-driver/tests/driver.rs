@@ -77,6 +77,14 @@ const V1_SPEC: &str = r#"{
               "ro",
               "bind"
             ]
+          },
+          {
+            "hostPath": "{R}/metadata/vfio-sandbox.rebellions.ai/0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a/card/metadata.json",
+            "containerPath": "/var/run/dra-device-attributes/vm1-card/card/vfio-sandbox.rebellions.ai-metadata.json",
+            "options": [
+              "ro",
+              "bind"
+            ]
           }
         ]
       }
@@ -182,6 +190,14 @@ const V1BETA1_SPEC: &str = r#"{
               "ro",
               "bind"
             ]
+          },
+          {
+            "hostPath": "{R}/metadata/vfio-sandbox.rebellions.ai/5e1c9a40-2b7d-4f8e-a6c3-91d0e2f4b6a8/disk/metadata.json",
+            "containerPath": "/var/run/dra-device-attributes/vm2-passthrough-7xk2q/disk/vfio-sandbox.rebellions.ai-metadata.json",
+            "options": [
+              "ro",
+              "bind"
+            ]
           }
         ]
       }
@@ -193,6 +209,14 @@ const V1BETA1_SPEC: &str = r#"{
           {
             "hostPath": "{R}/metadata/vfio-sandbox.rebellions.ai/5e1c9a40-2b7d-4f8e-a6c3-91d0e2f4b6a8/nic/metadata.json",
             "containerPath": "/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/passthrough/nic/vfio-sandbox.rebellions.ai-metadata.json",
+            "options": [
+              "ro",
+              "bind"
+            ]
+          },
+          {
+            "hostPath": "{R}/metadata/vfio-sandbox.rebellions.ai/5e1c9a40-2b7d-4f8e-a6c3-91d0e2f4b6a8/nic/metadata.json",
+            "containerPath": "/var/run/dra-device-attributes/vm2-passthrough-7xk2q/nic/vfio-sandbox.rebellions.ai-metadata.json",
             "options": [
               "ro",
               "bind"

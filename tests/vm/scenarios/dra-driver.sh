@@ -91,8 +91,10 @@ spec=$CDI/$DRIVER-vfio_$uid_card.json
 run_logged cat "$spec"
 expect_contains "CDI spec gives /dev/vfio/vfio" "$spec" '"path": "/dev/vfio/vfio"'
 expect_contains "CDI spec gives the group node" "$spec" "\"path\": \"/dev/vfio/$CARD_GROUP\""
-expect_contains "CDI spec mounts the metadata file" "$spec" \
+expect_contains "CDI spec mounts the metadata file where KubeVirt >= 1.8.3 reads it" "$spec" \
     "\"containerPath\": \"/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm-card/nic/$DRIVER-metadata.json\""
+expect_contains "CDI spec mounts it where KubeVirt 1.8.0-1.8.2 read it" "$spec" \
+    "\"containerPath\": \"/var/run/dra-device-attributes/vm-card/nic/$DRIVER-metadata.json\""
 meta=$META/$uid_card/nic/metadata.json
 run_logged cat "$meta"
 expect_contains "metadata carries the pciBusID" "$meta" "\"string\": \"$CARD_FN0\""
