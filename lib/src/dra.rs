@@ -7,9 +7,10 @@
 //!   `iommuGroup`). Companions and bridges are never offered: they travel with
 //!   their group. A device that prepare could never hand over is withdrawn
 //!   ([`withdrawn`]).
-//! - [`Slices`] publishes them as one ResourceSlice per node (pool = node name,
-//!   `spec.nodeName` set, owned by the Node so it dies with it), writing only when
-//!   something changed and retrying conflicts.
+//! - [`Slices`] publishes them as one pool per node (pool = node name, in as many
+//!   ResourceSlices of at most 128 devices as it needs, `spec.nodeName` set, owned
+//!   by the Node so they die with it), writing only when something changed and
+//!   retrying conflicts.
 //! - [`claim_allocation`] reads a ResourceClaim kubelet asks to prepare and keeps
 //!   the devices allocated to this driver in this node's pool.
 //!
@@ -44,7 +45,8 @@ pub const DEFAULT_DRIVER_NAME: &str = "vfio-sandbox.rebellions.ai";
 pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 /// Standard attribute: the PCIe root complex above the function (`pci0000:00`).
 pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
-/// The most devices one ResourceSlice may hold (API validation).
+/// The most devices one ResourceSlice may hold (API validation); a larger pool is
+/// published as several slices.
 pub const MAX_DEVICES_PER_SLICE: usize = 128;
 /// Upper bound for one request to the API server.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -160,12 +162,6 @@ pub fn slice_devices(inv: &Inventory) -> Vec<Device> {
 /// Why the ResourceSlices could not be brought up to date.
 #[derive(Debug, thiserror::Error)]
 pub enum SliceError {
-    /// More devices than one slice holds.
-    #[error("{devices} devices do not fit in one ResourceSlice (at most {MAX_DEVICES_PER_SLICE})")]
-    TooManyDevices {
-        /// How many there are.
-        devices: usize,
-    },
     /// The Node that owns the slices does not exist.
     #[error("Node {node} is not found, and a node-local ResourceSlice needs it as owner")]
     NodeMissing {
@@ -201,19 +197,12 @@ pub enum SliceError {
     },
 }
 
-impl SliceError {
-    /// True when trying again later may succeed (everything but too many devices).
-    pub fn is_transient(&self) -> bool {
-        !matches!(self, Self::TooManyDevices { .. })
-    }
-}
-
-/// What [`Slices::reconcile`] did to the slice.
+/// What [`Slices::reconcile`] did to the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
-    /// It did not exist and was created.
+    /// None of its slices existed; all were created.
     Created,
-    /// It was out of date and was replaced.
+    /// It was out of date; its slices were rewritten at a new generation.
     Updated,
     /// It was up to date: nothing was written.
     Unchanged,
@@ -222,14 +211,17 @@ pub enum Action {
 /// The result of one reconcile.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Report {
-    /// What happened to our slice.
+    /// What happened to the pool.
     pub action: Action,
-    /// Its name.
-    pub name: String,
-    /// The pool generation it carries now.
+    /// Its slices' names, in order ([`slice_names`]).
+    pub names: Vec<String>,
+    /// The pool generation they carry now.
     pub generation: i64,
     /// Other slices of ours on this node that were deleted (duplicates, stale pools).
     pub deleted: Vec<String>,
+    /// `(name, resourceVersion)` of each of our slices as they stand now: a watch
+    /// event carrying one of these is our own write.
+    pub versions: Vec<(String, String)>,
 }
 
 /// What a write that may race another writer came to.
@@ -239,28 +231,48 @@ enum Write<T> {
     Raced,
 }
 
-/// The name of `driver`'s slice on `node`: `<node>-<driver with dots as dashes>`,
-/// cut to the 253 characters of a DNS subdomain.
+/// The name of `driver`'s first slice on `node`: `<node>-<driver with dots as
+/// dashes>`, cut to the 253 characters of a DNS subdomain.
 pub fn slice_name(node: &str, driver: &str) -> String {
-    let name: String = format!("{node}-{}", driver.replace('.', "-"))
-        .chars()
-        .take(253)
-        .collect();
+    cut(&format!("{node}-{}", driver.replace('.', "-")), 253)
+}
+
+fn cut(name: &str, max: usize) -> String {
+    let name: String = name.chars().take(max).collect();
     name.trim_end_matches(['-', '.']).to_owned()
 }
 
-/// The ResourceSlices of one driver on one node.
+/// The names of a pool of `count` slices: [`slice_name`], then `<name>-1`,
+/// `<name>-2`, … (the base cut so each stays within 253 characters).
+pub fn slice_names(node: &str, driver: &str, count: usize) -> Vec<String> {
+    let base = slice_name(node, driver);
+    (0..count.max(1))
+        .map(|i| match i {
+            0 => base.clone(),
+            i => {
+                let suffix = format!("-{i}");
+                format!("{}{suffix}", cut(&base, 253 - suffix.len()))
+            }
+        })
+        .collect()
+}
+
+/// The ResourceSlices of one driver on one node: one pool named after the node, in
+/// as many slices as its devices need ([`MAX_DEVICES_PER_SLICE`] each, at least
+/// one), all at one pool generation with `resourceSliceCount` set, as upstream's
+/// ResourceSlice controller publishes a pool
+/// (`staging/src/k8s.io/dynamic-resource-allocation/resourceslice/resourceslicecontroller.go`).
 ///
-/// The slice has a fixed name, `<node>-<driver with dots as dashes>` (cut to 253
-/// characters), rather than upstream's `generateName`: a create whose answer is
-/// lost and that is retried then meets `AlreadyExists` and re-reads, instead of
-/// leaving a second slice behind (upstream needs a mutation cache for that).
-/// Slices of ours found under other names are deleted.
+/// The slices have fixed names ([`slice_names`]) rather than upstream's
+/// `generateName`: a create whose answer is lost and that is retried then meets
+/// `AlreadyExists` and re-reads, instead of leaving a second slice behind (upstream
+/// needs a mutation cache for that). Slices of ours found under other names are
+/// deleted, after the pool's new generation is written (consumers use only the
+/// newest generation of a pool, so the pool is never seen incomplete).
 pub struct Slices {
     client: Client,
     driver: String,
     node: String,
-    node_uid: Option<String>,
 }
 
 impl std::fmt::Debug for Slices {
@@ -307,6 +319,13 @@ fn same_devices(have: Option<&Vec<Device>>, want: &[Device]) -> bool {
     have.map_or(&[][..], Vec::as_slice) == want
 }
 
+fn version(s: &ResourceSlice) -> (String, String) {
+    (
+        s.metadata.name.clone().unwrap_or_default(),
+        s.metadata.resource_version.clone().unwrap_or_default(),
+    )
+}
+
 impl Slices {
     /// The slices of `driver` for `node` (whose pool is named after it).
     pub fn new(client: Client, driver: &str, node: &str) -> Self {
@@ -314,7 +333,6 @@ impl Slices {
             client,
             driver: driver.to_owned(),
             node: node.to_owned(),
-            node_uid: None,
         }
     }
 
@@ -323,23 +341,29 @@ impl Slices {
         &self.node
     }
 
-    /// The name our slice gets ([`slice_name`]).
+    /// The name our first slice gets ([`slice_name`]).
     pub fn slice_name(&self) -> String {
         slice_name(&self.node, &self.driver)
+    }
+
+    /// The field selector that picks our slices: the API server filters by node
+    /// and driver (it has no field selector for the pool name). Lists and watches
+    /// of our slices use it.
+    pub fn selector(&self) -> String {
+        format!("spec.nodeName={},spec.driver={}", self.node, self.driver)
     }
 
     fn api(&self) -> Api<ResourceSlice> {
         Api::all(self.client.clone())
     }
 
-    /// The selector every list uses: the API server filters by node and driver
-    /// (it has no field selector for the pool name).
-    fn selector(&self) -> String {
-        format!("spec.nodeName={},spec.driver={}", self.node, self.driver)
+    /// True when `s` is one of ours (the selector checked again on this side: a
+    /// selector is only as good as the server that applies it).
+    pub fn is_ours(&self, s: &ResourceSlice) -> bool {
+        s.spec.driver == self.driver && s.spec.node_name.as_deref() == Some(&self.node)
     }
 
-    /// Our slices, checked again on this side (a selector is only as good as the
-    /// server that applies it), sorted by name.
+    /// Our slices, sorted by name.
     async fn list(&self) -> Result<Vec<ResourceSlice>, SliceError> {
         let action = format!(
             "list ResourceSlices of driver {} on node {}",
@@ -349,83 +373,117 @@ impl Slices {
         let list = bounded(&action, self.api().list(&lp))
             .await?
             .map_err(|e| request_error(&action, e))?;
-        let mut ours: Vec<ResourceSlice> = list
-            .items
-            .into_iter()
-            .filter(|s| {
-                s.spec.driver == self.driver && s.spec.node_name.as_deref() == Some(&self.node)
-            })
-            .collect();
+        let mut ours: Vec<ResourceSlice> =
+            list.items.into_iter().filter(|s| self.is_ours(s)).collect();
         ours.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
         Ok(ours)
     }
 
-    /// The owner reference to this node (its uid read once).
-    async fn owner(&mut self) -> Result<OwnerReference, SliceError> {
-        let uid = match &self.node_uid {
-            Some(uid) => uid.clone(),
-            None => {
-                let action = format!("get Node {}", self.node);
-                let nodes: Api<Node> = Api::all(self.client.clone());
-                let node = bounded(&action, nodes.get_opt(&self.node))
-                    .await?
-                    .map_err(|e| request_error(&action, e))?
-                    .ok_or_else(|| SliceError::NodeMissing {
-                        node: self.node.clone(),
-                    })?;
-                let uid = node.metadata.uid.unwrap_or_default();
-                self.node_uid = Some(uid.clone());
-                uid
-            }
-        };
+    /// The owner reference to this node, read at every reconcile: a Node deleted
+    /// and created again has a new uid, and a slice owned by the old one would be
+    /// deleted by the garbage collector.
+    async fn owner(&self) -> Result<OwnerReference, SliceError> {
+        let action = format!("get Node {}", self.node);
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let node = bounded(&action, nodes.get_opt(&self.node))
+            .await?
+            .map_err(|e| request_error(&action, e))?
+            .ok_or_else(|| SliceError::NodeMissing {
+                node: self.node.clone(),
+            })?;
         Ok(OwnerReference {
             api_version: "v1".into(),
             kind: "Node".into(),
             name: self.node.clone(),
-            uid,
+            uid: node.metadata.uid.unwrap_or_default(),
             controller: Some(true),
             block_owner_deletion: None,
         })
     }
 
-    fn spec(&self, devices: &[Device], generation: i64) -> ResourceSliceSpec {
+    fn spec(&self, devices: &[Device], generation: i64, count: usize) -> ResourceSliceSpec {
         ResourceSliceSpec {
             driver: self.driver.clone(),
             node_name: Some(self.node.clone()),
             pool: ResourcePool {
                 name: self.node.clone(),
                 generation,
-                resource_slice_count: 1,
+                resource_slice_count: i64::try_from(count).unwrap_or(i64::MAX),
             },
             devices: Some(devices.to_vec()),
             ..ResourceSliceSpec::default()
         }
     }
 
-    /// Brings the node's slice to `devices`: creates it, replaces it when anything
-    /// differs (with the pool generation one above every slice seen), or leaves it
-    /// alone when it is up to date. Other slices of ours on this node are deleted.
-    /// A write that meets a conflict re-reads and tries again, [`ATTEMPTS`] times.
+    /// Brings the node's pool to `devices`, in slices of at most
+    /// [`MAX_DEVICES_PER_SLICE`]: when anything differs — a device, a slice
+    /// missing, the owner, a stray slice of ours — every slice is written (created
+    /// or replaced) at a generation one above every slice seen, then the strays
+    /// are deleted; when nothing differs nothing is written. A write that meets a
+    /// conflict re-reads and tries again, [`ATTEMPTS`] times.
     pub async fn reconcile(&mut self, devices: &[Device]) -> Result<Report, SliceError> {
-        if devices.len() > MAX_DEVICES_PER_SLICE {
-            return Err(SliceError::TooManyDevices {
-                devices: devices.len(),
-            });
-        }
         let owner = self.owner().await?;
-        let name = self.slice_name();
-        let mut deleted = Vec::new();
+        let chunks: Vec<&[Device]> = if devices.is_empty() {
+            vec![&[]]
+        } else {
+            devices.chunks(MAX_DEVICES_PER_SLICE).collect()
+        };
+        let names = slice_names(&self.node, &self.driver, chunks.len());
         for _ in 0..ATTEMPTS {
             let slices = self.list().await?;
             let top = slices.iter().map(generation).max().unwrap_or(0);
-            let keep = slices.iter().position(|s| {
-                s.metadata.name.as_deref() == Some(&name) && s.spec.pool.name == self.node
-            });
+            let current: Vec<Option<&ResourceSlice>> = names
+                .iter()
+                .map(|n| {
+                    slices.iter().find(|s| {
+                        s.metadata.name.as_deref() == Some(n) && s.spec.pool.name == self.node
+                    })
+                })
+                .collect();
+            let strays: Vec<&ResourceSlice> = slices
+                .iter()
+                .filter(|s| !current.iter().flatten().any(|c| std::ptr::eq(*c, *s)))
+                .collect();
+            let up_to_date = strays.is_empty()
+                && current.iter().zip(&chunks).all(|(s, chunk)| {
+                    s.is_some_and(|s| self.up_to_date(s, chunk, &owner, top, chunks.len()))
+                });
+            if up_to_date {
+                return Ok(Report {
+                    action: Action::Unchanged,
+                    names,
+                    generation: top,
+                    deleted: Vec::new(),
+                    versions: slices.iter().map(version).collect(),
+                });
+            }
+            let generation = top + 1;
+            let mut versions = Vec::new();
             let mut raced = false;
-            for (i, s) in slices.iter().enumerate() {
-                if Some(i) == keep {
-                    continue;
+            for ((name, have), chunk) in names.iter().zip(&current).zip(&chunks) {
+                let written = match have {
+                    Some(s) => {
+                        self.replace(s, chunk, &owner, generation, chunks.len())
+                            .await?
+                    }
+                    None => {
+                        self.create(name, chunk, &owner, generation, chunks.len())
+                            .await?
+                    }
+                };
+                match written {
+                    Write::Done(s) => versions.push(version(&s)),
+                    Write::Raced => {
+                        raced = true;
+                        break;
+                    }
                 }
+            }
+            if raced {
+                continue;
+            }
+            let mut deleted = Vec::new();
+            for s in &strays {
                 match self.delete(s).await? {
                     Write::Done(n) => deleted.push(n),
                     Write::Raced => raced = true,
@@ -434,27 +492,19 @@ impl Slices {
             if raced {
                 continue;
             }
-            let written = match keep.map(|i| &slices[i]) {
-                Some(s) if self.up_to_date(s, devices, &owner, top) => {
-                    return Ok(Report {
-                        action: Action::Unchanged,
-                        name,
-                        generation: generation(s),
-                        deleted,
-                    })
-                }
-                Some(s) => self.replace(s, devices, &owner, top + 1).await?,
-                None => self.create(&name, devices, &owner, top + 1).await?,
+            let action = if current.iter().all(Option::is_none) {
+                Action::Created
+            } else {
+                Action::Updated
             };
-            if let Write::Done((action, generation)) = written {
-                tracing::info!(slice = %name, ?action, generation, devices = devices.len(), "ResourceSlice written");
-                return Ok(Report {
-                    action,
-                    name,
-                    generation,
-                    deleted,
-                });
-            }
+            tracing::info!(slices = %names.join(","), ?action, generation, devices = devices.len(), "ResourceSlices written");
+            return Ok(Report {
+                action,
+                names,
+                generation,
+                deleted,
+                versions,
+            });
         }
         Err(SliceError::Conflicts {
             driver: self.driver.clone(),
@@ -469,10 +519,11 @@ impl Slices {
         devices: &[Device],
         owner: &OwnerReference,
         top: i64,
+        count: usize,
     ) -> bool {
         let pool = &s.spec.pool;
         pool.name == self.node
-            && pool.resource_slice_count == 1
+            && usize::try_from(pool.resource_slice_count) == Ok(count)
             && pool.generation == top
             && same_devices(s.spec.devices.as_ref(), devices)
             && s.spec.node_selector.is_none()
@@ -490,11 +541,12 @@ impl Slices {
         devices: &[Device],
         owner: &OwnerReference,
         generation: i64,
-    ) -> Result<Write<(Action, i64)>, SliceError> {
+        count: usize,
+    ) -> Result<Write<ResourceSlice>, SliceError> {
         let name = current.metadata.name.clone().unwrap_or_default();
         let action = format!("update ResourceSlice {name}");
         let mut slice = current.clone();
-        slice.spec = self.spec(devices, generation);
+        slice.spec = self.spec(devices, generation, count);
         let mut owners: Vec<OwnerReference> = slice
             .metadata
             .owner_references
@@ -511,7 +563,7 @@ impl Slices {
         )
         .await?
         {
-            Ok(s) => Ok(Write::Done((Action::Updated, s.spec.pool.generation))),
+            Ok(s) => Ok(Write::Done(s)),
             Err(e) if api_status(&e).is_some_and(|s| s.is_conflict() || s.is_not_found()) => {
                 tracing::debug!(slice = %name, "ResourceSlice changed meanwhile; reading it again");
                 Ok(Write::Raced)
@@ -526,7 +578,8 @@ impl Slices {
         devices: &[Device],
         owner: &OwnerReference,
         generation: i64,
-    ) -> Result<Write<(Action, i64)>, SliceError> {
+        count: usize,
+    ) -> Result<Write<ResourceSlice>, SliceError> {
         let action = format!("create ResourceSlice {name}");
         let slice = ResourceSlice {
             metadata: ObjectMeta {
@@ -534,10 +587,10 @@ impl Slices {
                 owner_references: Some(vec![owner.clone()]),
                 ..ObjectMeta::default()
             },
-            spec: self.spec(devices, generation),
+            spec: self.spec(devices, generation, count),
         };
         match bounded(&action, self.api().create(&PostParams::default(), &slice)).await? {
-            Ok(s) => Ok(Write::Done((Action::Created, s.spec.pool.generation))),
+            Ok(s) => Ok(Write::Done(s)),
             Err(e) if api_status(&e).is_some_and(|s| s.is_already_exists() || s.is_conflict()) => {
                 Ok(Write::Raced)
             }

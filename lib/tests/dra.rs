@@ -13,7 +13,7 @@ use k8s_openapi::api::resource::v1::Device;
 use serde_json::{json, Value};
 use vfio_sandbox::claims::ClaimRef;
 use vfio_sandbox::config::ResourceList;
-use vfio_sandbox::dra::{self, Action, ClaimError, SliceError, Slices};
+use vfio_sandbox::dra::{self, slice_names, Action, ClaimError, SliceError, Slices};
 use vfio_sandbox::fake::{FakeDevice, FakeNode};
 use vfio_sandbox::inventory::Inventory;
 
@@ -90,7 +90,7 @@ fn reconcile_creates_the_node_slice_with_pool_owner_and_attributes() {
         .block_on(Slices::new(client(&rt, &s), DRIVER, NODE).reconcile(&devices(false)))
         .unwrap();
     assert_eq!((report.action, report.generation), (Action::Created, 1));
-    assert_eq!(report.name, SLICE);
+    assert_eq!(report.names, [SLICE]);
     let slice = s.get(&paths::resourceslice(SLICE)).unwrap();
     assert_eq!(slice["apiVersion"], "resource.k8s.io/v1");
     assert_eq!(slice["kind"], "ResourceSlice");
@@ -158,8 +158,8 @@ fn a_change_bumps_the_generation_and_no_change_writes_nothing() {
     assert!(writes(&s).is_empty(), "{:?}", writes(&s));
     assert_eq!(
         s.requests().len(),
-        1,
-        "one list, the node's uid is remembered"
+        2,
+        "the Node (its uid may have changed) and one list"
     );
 
     // Devices withdrawn: the slice stays, empty, at the next generation.
@@ -196,7 +196,6 @@ fn a_concurrent_write_is_retried_and_a_persistent_one_reported() {
         "{e}"
     );
     assert!(e.to_string().contains("node-a"), "{e}");
-    assert!(e.is_transient());
     s.race_next("PUT", 0);
 
     // Another writer raised the generation: ours goes above it.
@@ -306,7 +305,7 @@ fn delete_all_leaves_none_of_ours_and_takes_404_as_done() {
 }
 
 #[test]
-fn failures_name_the_action_and_missing_nodes_and_oversized_pools_are_refused() {
+fn failures_name_the_action_and_a_missing_node_is_refused() {
     let s = FakeApiServer::start().unwrap();
     let rt = rt();
     let mut slices = Slices::new(client(&rt, &s), DRIVER, NODE);
@@ -324,18 +323,134 @@ fn failures_name_the_action_and_missing_nodes_and_oversized_pools_are_refused() 
         chain.starts_with(&format!("failed to update ResourceSlice {SLICE}: ")),
         "{chain}"
     );
-    let many: Vec<Device> = (0..129)
+}
+
+/// A Node deleted and created again has a new uid: the slice must follow it, or
+/// the garbage collector deletes it as an orphan at every publication.
+#[test]
+fn a_recreated_node_gets_the_slice_owned_by_its_new_uid() {
+    let s = server();
+    let rt = rt();
+    let mut slices = Slices::new(client(&rt, &s), DRIVER, NODE);
+    rt.block_on(slices.reconcile(&devices(false))).unwrap();
+    let mut node = objects::node(NODE, &[]);
+    node["metadata"]["uid"] = json!("uid-node-a-recreated");
+    assert!(s.remove(&paths::node(NODE)));
+    s.put(&paths::node(NODE), node);
+    let r = rt.block_on(slices.reconcile(&devices(false))).unwrap();
+    assert_eq!(r.action, Action::Updated);
+    let slice = s.get(&paths::resourceslice(SLICE)).unwrap();
+    assert_eq!(
+        slice["metadata"]["ownerReferences"][0]["uid"],
+        "uid-node-a-recreated"
+    );
+    assert_eq!(
+        slice["metadata"]["ownerReferences"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+}
+
+/// `n` distinct devices, named `d0`, `d1`, ….
+fn many(n: usize) -> Vec<Device> {
+    (0..n)
         .map(|i| Device {
-            name: format!("d{i}"),
+            name: format!("d{i:03}"),
             ..Device::default()
         })
+        .collect()
+}
+
+/// Our slices as `(name, generation, resourceSliceCount, device count)`, by name.
+fn pool(s: &FakeApiServer) -> Vec<(String, i64, i64, usize)> {
+    let mut p: Vec<_> = ours(s)
+        .iter()
+        .map(|o| {
+            (
+                o["metadata"]["name"].as_str().unwrap().to_owned(),
+                o["spec"]["pool"]["generation"].as_i64().unwrap(),
+                o["spec"]["pool"]["resourceSliceCount"].as_i64().unwrap(),
+                o["spec"]["devices"].as_array().map_or(0, Vec::len),
+            )
+        })
         .collect();
-    let e = rt.block_on(slices.reconcile(&many)).unwrap_err();
-    assert!(
-        matches!(e, SliceError::TooManyDevices { devices: 129 }),
-        "{e}"
+    p.sort();
+    p
+}
+
+#[test]
+fn three_hundred_devices_are_one_pool_of_three_slices_kept_in_step() {
+    let s = server();
+    let rt = rt();
+    let mut slices = Slices::new(client(&rt, &s), DRIVER, NODE);
+    let r = rt.block_on(slices.reconcile(&many(300))).unwrap();
+    assert_eq!((r.action, r.generation), (Action::Created, 1));
+    let (a, b, c) = (
+        SLICE.to_string(),
+        format!("{SLICE}-1"),
+        format!("{SLICE}-2"),
     );
-    assert!(!e.is_transient());
+    assert_eq!(r.names, [a.clone(), b.clone(), c.clone()]);
+    assert_eq!(
+        pool(&s),
+        [
+            (a.clone(), 1, 3, 128),
+            (b.clone(), 1, 3, 128),
+            (c.clone(), 1, 3, 44)
+        ]
+    );
+    let all: Vec<String> = ours(&s)
+        .iter()
+        .flat_map(|o| o["spec"]["devices"].as_array().unwrap().clone())
+        .map(|d| d["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(all.len(), 300, "every device once");
+
+    // Nothing changed: nothing written.
+    s.clear_requests();
+    let r = rt.block_on(slices.reconcile(&many(300))).unwrap();
+    assert_eq!((r.action, r.generation), (Action::Unchanged, 1));
+    assert!(writes(&s).is_empty(), "{:?}", writes(&s));
+
+    // One slice deleted by someone else: the whole pool moves to a new generation.
+    assert!(s.remove(&paths::resourceslice(&b)));
+    let r = rt.block_on(slices.reconcile(&many(300))).unwrap();
+    assert_eq!((r.action, r.generation), (Action::Updated, 2));
+    assert_eq!(
+        pool(&s),
+        [
+            (a.clone(), 2, 3, 128),
+            (b.clone(), 2, 3, 128),
+            (c.clone(), 2, 3, 44)
+        ]
+    );
+
+    // The pool shrinks to two slices: both rewritten, the third deleted after.
+    s.clear_requests();
+    let r = rt.block_on(slices.reconcile(&many(200))).unwrap();
+    assert_eq!(
+        (r.action, r.generation, r.deleted.clone()),
+        (Action::Updated, 3, vec![c.clone()])
+    );
+    assert_eq!(pool(&s), [(a.clone(), 3, 2, 128), (b.clone(), 3, 2, 72)]);
+    assert_eq!(
+        writes(&s),
+        [
+            format!("PUT {}", paths::resourceslice(&a)),
+            format!("PUT {}", paths::resourceslice(&b)),
+            format!("DELETE {}", paths::resourceslice(&c)),
+        ],
+        "the new generation is complete before the stray goes"
+    );
+    assert_eq!(slice_names(NODE, DRIVER, 2), [a, b]);
+    let long = slice_names(&"n".repeat(250), DRIVER, 12);
+    assert!(long.iter().all(|n| n.len() <= 253), "{long:?}");
+    assert_eq!(
+        long.iter().collect::<std::collections::BTreeSet<_>>().len(),
+        12
+    );
 }
 
 const NS: &str = "vms";

@@ -56,6 +56,10 @@ pub trait Driver: Send + Sync + 'static {
     ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>>;
     /// Unprepares each claim; one entry per claim uid.
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>>;
+    /// kubelet's verdict on a registration (`NotifyRegistrationStatus`). kubelet
+    /// may wipe the driver's ResourceSlices around a registration, so a driver
+    /// republishes them on `true`.
+    fn registration_status(&self, _registered: bool) {}
 }
 
 /// Where to serve, and under which driver name.
@@ -147,8 +151,11 @@ pub async fn serve(
         cfg.plugins_dir.join(&cfg.driver_name),
     ];
     // The endpoint first: kubelet may call it as soon as it sees the registration.
-    let mut service = Socket::new(cfg.service_socket(), Kind::Dra(driver));
-    let mut registration = Socket::new(cfg.registration_socket(), Kind::Registration(cfg));
+    let mut service = Socket::new(cfg.service_socket(), Kind::Dra(driver.clone()));
+    let mut registration = Socket::new(
+        cfg.registration_socket(),
+        Kind::Registration(cfg, driver),
+    );
     service.bind()?;
     if let Err(e) = registration.bind() {
         service.close();
@@ -186,8 +193,9 @@ pub async fn serve(
 enum Kind {
     /// Both DRAPlugin versions.
     Dra(Arc<dyn Driver>),
-    /// Registration, answering with this configuration's PluginInfo.
-    Registration(GrpcConfig),
+    /// Registration, answering with this configuration's PluginInfo and telling
+    /// the driver kubelet's verdict.
+    Registration(GrpcConfig, Arc<dyn Driver>),
 }
 
 /// One socket we serve, and the server behind it.
@@ -215,7 +223,7 @@ impl Socket {
     fn what(&self) -> &'static str {
         match self.kind {
             Kind::Dra(_) => "DRA service",
-            Kind::Registration(_) => "registration",
+            Kind::Registration(..) => "registration",
         }
     }
 
@@ -229,7 +237,9 @@ impl Socket {
         self.warned = false;
         let stop = match &self.kind {
             Kind::Dra(driver) => spawn_dra(listener, driver.clone()),
-            Kind::Registration(cfg) => spawn_registration(listener, cfg.plugin_info()),
+            Kind::Registration(cfg, driver) => {
+                spawn_registration(listener, cfg.plugin_info(), driver.clone())
+            }
         };
         if let Some(old) = self.stop.replace(stop) {
             let _ = old.send(());
@@ -294,15 +304,20 @@ fn spawn_dra(listener: UnixListener, driver: Arc<dyn Driver>) -> oneshot::Sender
     deviceplugin::serve::spawn(listener, router, "DRA service")
 }
 
-fn spawn_registration(listener: UnixListener, info: PluginInfo) -> oneshot::Sender<()> {
-    let router =
-        Server::builder().add_service(RegistrationServer::new(RegistrationService { info }));
+fn spawn_registration(
+    listener: UnixListener,
+    info: PluginInfo,
+    driver: Arc<dyn Driver>,
+) -> oneshot::Sender<()> {
+    let router = Server::builder()
+        .add_service(RegistrationServer::new(RegistrationService { info, driver }));
     deviceplugin::serve::spawn(listener, router, "registration")
 }
 
 /// `pluginregistration.Registration`.
 struct RegistrationService {
     info: PluginInfo,
+    driver: Arc<dyn Driver>,
 }
 
 #[tonic::async_trait]
@@ -322,6 +337,7 @@ impl Registration for RegistrationService {
         } else {
             tracing::error!(driver = %self.info.name, error = %status.error, "kubelet refused the registration");
         }
+        self.driver.registration_status(status.plugin_registered);
         Ok(Response::new(RegistrationStatusResponse {}))
     }
 }

@@ -279,12 +279,14 @@ async fn run(
         list,
         cli.resync_interval,
     );
-    let publishing = tokio::spawn(publisher.clone().run());
+    let registered = Arc::new(tokio::sync::Notify::new());
+    let publishing = tokio::spawn(publisher.clone().run(registered.clone()));
     let driver = Arc::new(service::Service::new(
         cluster.clone(),
         cli.driver_name.clone(),
         cli.node_name.clone(),
         worker,
+        registered,
     ));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let serving = tokio::spawn(grpc::serve(

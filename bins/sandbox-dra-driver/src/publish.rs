@@ -1,10 +1,27 @@
-//! Keeps this node's ResourceSlice equal to what the resource list selects: on start,
-//! on every PCI uevent (a device added or removed), and every resync interval.
+//! Keeps this node's ResourceSlices equal to what the resource list selects: on
+//! start, on every PCI uevent (a device added or removed), every resync interval,
+//! after every registration kubelet accepts, and within moments of anyone else
+//! deleting or changing them.
+//!
+//! kubelet deletes a driver's slices for its node when it starts and when it
+//! replaces a stale registration (`pkg/kubelet/cm/dra/plugin/registration.go`,
+//! `wipeResourceSlices`), and newer kubelets some time after a de-registration.
+//! Upstream's ResourceSlice controller answers that by watching the driver's own
+//! slices and publishing again at once; so does this module: a kube-rs watcher on
+//! ResourceSlices of this driver and node wakes the loop on every event that is not
+//! our own write.
 
+use std::collections::BTreeSet;
 use std::os::fd::AsFd;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::Mutex;
+use tokio_stream::StreamExt;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::Api;
+use tokio::sync::Notify;
 use vfio_sandbox::cluster::Cluster;
 use vfio_sandbox::config::ResourceList;
 use vfio_sandbox::inventory::Inventory;
@@ -13,13 +30,18 @@ use vfio_sandbox::{dra, error_chain, uevent, Host};
 /// Waits after a failed API write before trying again, doubling up to the resync.
 const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 
-/// Publishes the slice.
+/// Publishes the slices.
 #[derive(Clone)]
 pub struct Publisher {
-    slices: std::sync::Arc<Mutex<dra::Slices>>,
+    slices: Arc<tokio::sync::Mutex<dra::Slices>>,
+    client: kube::Client,
     host: Host,
     list: ResourceList,
     resync: Duration,
+    /// `(name, resourceVersion)` of our slices as last written or seen unchanged.
+    ours: Arc<Mutex<BTreeSet<(String, String)>>>,
+    /// Wakes the loop: a foreign change seen by the watcher, or a registration.
+    wake: Arc<Notify>,
 }
 
 impl Publisher {
@@ -32,20 +54,25 @@ impl Publisher {
         list: ResourceList,
         resync: Duration,
     ) -> Self {
+        let client = cluster.kube_client();
         Self {
-            slices: std::sync::Arc::new(Mutex::new(dra::Slices::new(
-                cluster.kube_client(),
+            slices: Arc::new(tokio::sync::Mutex::new(dra::Slices::new(
+                client.clone(),
                 &driver,
                 &node,
             ))),
+            client,
             host,
             list,
             resync,
+            ours: Arc::default(),
+            wake: Arc::default(),
         }
     }
 
-    /// Reconciles now and after every change, until aborted.
-    pub async fn run(self) {
+    /// Reconciles now and after every change, until aborted. `registered` is
+    /// notified when kubelet accepts a registration.
+    pub async fn run(self, registered: Arc<Notify>) {
         let events = match uevent::async_socket() {
             Ok(fd) => Some(fd),
             Err(e) => {
@@ -53,6 +80,8 @@ impl Publisher {
                 None
             }
         };
+        let watching = tokio::spawn(self.clone().watch());
+        let _stop_watching = AbortOnDrop(watching);
         let mut backoff = FIRST_BACKOFF;
         loop {
             let wait = match self.reconcile().await {
@@ -61,32 +90,60 @@ impl Publisher {
                     self.resync
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, retry_in = ?backoff, "cannot publish this node's ResourceSlice");
+                    tracing::warn!(error = %e, retry_in = ?backoff, "cannot publish this node's ResourceSlices");
                     let wait = backoff;
                     backoff = (backoff * 2).min(self.resync);
                     wait
                 }
             };
-            match &events {
-                Some(fd) => {
-                    let changed = tokio::time::timeout(wait, async {
-                        loop {
-                            let Ok(mut ready) = fd.readable().await else {
-                                std::future::pending::<()>().await;
-                                return;
-                            };
-                            let pci = uevent::drain(fd.get_ref().as_fd());
-                            ready.clear_ready();
-                            if pci {
-                                return;
-                            }
-                        }
-                    });
-                    let _ = changed.await;
-                }
-                None => tokio::time::sleep(wait).await,
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = self.wake.notified() => tracing::debug!("our ResourceSlices changed elsewhere; publishing again"),
+                _ = registered.notified() => tracing::debug!("registered with kubelet; publishing again"),
+                _ = pci_event(events.as_ref()) => {}
             }
         }
+    }
+
+    /// Watches our slices and wakes the loop on every event that is not our own
+    /// write: a deletion (kubelet's wipe, a person), a change by another writer, a
+    /// stray slice, or a fresh list after the watch was re-established.
+    async fn watch(self) {
+        let selector = self.slices.lock().await.selector();
+        let api: Api<ResourceSlice> = Api::all(self.client.clone());
+        let stream = watcher::watcher(api, watcher::Config::default().fields(&selector))
+            .default_backoff();
+        tokio::pin!(stream);
+        let mut failing = false;
+        while let Some(event) = stream.next().await {
+            let foreign = match event {
+                Ok(Event::Apply(s) | Event::InitApply(s)) => !self.is_our_write(&s),
+                Ok(Event::Delete(_) | Event::InitDone) => true,
+                Ok(Event::Init) => false,
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(error = %error_chain(&e), "cannot watch this node's ResourceSlices; retrying (the resync still republishes)");
+                    }
+                    failing = true;
+                    continue;
+                }
+            };
+            if failing {
+                tracing::info!("watching this node's ResourceSlices again");
+                failing = false;
+            }
+            if foreign {
+                self.wake.notify_one();
+            }
+        }
+    }
+
+    fn is_our_write(&self, s: &ResourceSlice) -> bool {
+        let key = (
+            s.metadata.name.clone().unwrap_or_default(),
+            s.metadata.resource_version.clone().unwrap_or_default(),
+        );
+        vfio_sandbox::kernel::lock(&self.ours).contains(&key)
     }
 
     async fn reconcile(&self) -> Result<(), String> {
@@ -97,13 +154,16 @@ impl Publisher {
             .map_err(|e| format!("the scan stopped: {e}"))?
             .map_err(|e| format!("cannot scan the node's PCI devices: {}", error_chain(&e)))?;
         let devices = dra::slice_devices(&inv);
-        self.slices
+        let report = self
+            .slices
             .lock()
             .await
             .reconcile(&devices)
             .await
-            .map(|report| tracing::debug!(?report, "ResourceSlice reconciled"))
-            .map_err(|e| error_chain(&e))
+            .map_err(|e| error_chain(&e))?;
+        tracing::debug!(?report, "ResourceSlices reconciled");
+        *vfio_sandbox::kernel::lock(&self.ours) = report.versions.into_iter().collect();
+        Ok(())
     }
 
     /// Deletes this node's slices (an uninstall).
@@ -115,5 +175,31 @@ impl Publisher {
             .await
             .map(|_| ())
             .map_err(|e| error_chain(&e))
+    }
+}
+
+/// Completes when a PCI uevent arrives; never without a uevent socket.
+async fn pci_event(events: Option<&tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>>) {
+    let Some(fd) = events else {
+        return std::future::pending().await;
+    };
+    loop {
+        let Ok(mut ready) = fd.readable().await else {
+            return std::future::pending().await;
+        };
+        let pci = uevent::drain(fd.get_ref().as_fd());
+        ready.clear_ready();
+        if pci {
+            return;
+        }
+    }
+}
+
+/// Aborts the task when dropped (the publisher's loop is aborted at stop).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 use vfio_sandbox::claims::{ClaimRef, PreparedDevice};
 use vfio_sandbox::cluster::Cluster;
 use vfio_sandbox::{dra, error_chain};
@@ -21,17 +21,26 @@ pub struct Service {
     pool: String,
     worker: Worker,
     reads: Arc<Semaphore>,
+    registered: Arc<Notify>,
 }
 
 impl Service {
-    /// A service for `driver` on the node whose pool is `pool`.
-    pub fn new(cluster: Cluster, driver: String, pool: String, worker: Worker) -> Self {
+    /// A service for `driver` on the node whose pool is `pool`; `registered` is
+    /// notified each time kubelet accepts our registration.
+    pub fn new(
+        cluster: Cluster,
+        driver: String,
+        pool: String,
+        worker: Worker,
+        registered: Arc<Notify>,
+    ) -> Self {
         Self {
             cluster,
             driver,
             pool,
             worker,
             reads: Arc::new(Semaphore::new(PARALLEL_READS)),
+            registered,
         }
     }
 }
@@ -91,6 +100,12 @@ impl crate::grpc::Driver for Service {
             out.insert(claim.uid, answer);
         }
         out
+    }
+
+    fn registration_status(&self, registered: bool) {
+        if registered {
+            self.registered.notify_one();
+        }
     }
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
