@@ -1,0 +1,564 @@
+//! Watches of a collection (`GET <collection>?watch=true`), served the way
+//! kube-apiserver serves them from its watch cache.
+//!
+//! Every change of a served object is kept, per resource, in a bounded
+//! [`History`] (the cyclic buffer of
+//! staging/src/k8s.io/apiserver/pkg/storage/cacher/watch_cache.go). A watch
+//! starts from a resourceVersion, replays what it missed from that history, then
+//! wakes on every new change (a `tokio::sync::watch` channel carries the newest
+//! resourceVersion; nothing polls) and writes one JSON watch event per line to a
+//! chunked body. A client that goes away closes the body's channel, which ends
+//! the task serving it.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use hyper::body::{Bytes, Frame};
+use hyper::StatusCode;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::query;
+use crate::rest::{status, Answer, Kind, Objects, Route, Selectors};
+
+/// How many changes of one resource the history keeps unless told otherwise.
+/// The real cache sizes itself between 100 and 100Ki events and grows while
+/// its events are fresh, so a burst in a test should not expire a watch.
+pub const DEFAULT_HISTORY: usize = 1024;
+
+/// How often a watch that allows bookmarks gets one unless told otherwise. The
+/// real server sends one about every minute (`bookmarkFrequency` in
+/// staging/src/k8s.io/apiserver/pkg/storage/cacher/cacher.go); a stand-in for
+/// tests is better served by a shorter beat.
+pub const DEFAULT_BOOKMARK_PERIOD: Duration = Duration::from_secs(5);
+
+/// How long a watch without `timeoutSeconds` lasts: the server's
+/// `--min-request-timeout` default (staging/src/k8s.io/apiserver/pkg/endpoints/
+/// handlers/get.go stretches it by a random factor of 1 to 2; we take 1).
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// How long a watch from a resourceVersion the store has not reached yet waits
+/// for it (`blockTimeout` in .../storage/cacher/watch_cache.go).
+const FUTURE_WAIT: Duration = Duration::from_secs(3);
+
+/// One change of an object: what it became (`None` when deleted) and what it
+/// was (`None` when created), at resourceVersion `rv`.
+#[derive(Debug, Clone)]
+struct Change {
+    rv: u64,
+    namespace: Option<String>,
+    object: Option<Value>,
+    prev: Option<Value>,
+}
+
+/// The recent changes of one resource.
+#[derive(Debug, Default)]
+struct Window {
+    changes: VecDeque<Change>,
+    /// The resourceVersion of the newest change that fell out; 0 when none has.
+    dropped: u64,
+}
+
+/// The recent changes of every resource, and what tells watches about new ones.
+#[derive(Debug)]
+pub(crate) struct History {
+    windows: BTreeMap<(&'static str, &'static str), Window>,
+    capacity: usize,
+    /// The bookmark beat of watches started from now on.
+    pub bookmark_period: Duration,
+    /// Bumped to end every open watch.
+    epoch: u64,
+    notify: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for History {
+    fn default() -> Self {
+        Self {
+            windows: BTreeMap::new(),
+            capacity: DEFAULT_HISTORY,
+            bookmark_period: DEFAULT_BOOKMARK_PERIOD,
+            epoch: 0,
+            notify: tokio::sync::watch::Sender::default(),
+        }
+    }
+}
+
+fn key(kind: &Kind) -> (&'static str, &'static str) {
+    (kind.group_version, kind.plural)
+}
+
+impl History {
+    /// Keeps a change of an object of `kind` and wakes the watches.
+    pub fn record(
+        &mut self,
+        rv: u64,
+        kind: &'static Kind,
+        namespace: Option<String>,
+        object: Option<Value>,
+        prev: Option<Value>,
+    ) {
+        let window = self.windows.entry(key(kind)).or_default();
+        window.changes.push_back(Change {
+            rv,
+            namespace,
+            object,
+            prev,
+        });
+        Self::trim(window, self.capacity);
+        self.notify.send_replace(rv);
+    }
+
+    fn trim(window: &mut Window, capacity: usize) {
+        while window.changes.len() > capacity {
+            if let Some(c) = window.changes.pop_front() {
+                window.dropped = c.rv;
+            }
+        }
+    }
+
+    /// Keeps at most `capacity` (at least 1) changes per resource from now on.
+    pub fn set_capacity(&mut self, capacity: usize) {
+        self.capacity = capacity.max(1);
+        for w in self.windows.values_mut() {
+            Self::trim(w, self.capacity);
+        }
+    }
+
+    /// Ends every open watch (cleanly, as a restarting server or a load
+    /// balancer does); clients come back with the last resourceVersion they saw.
+    pub fn end_watches(&mut self) {
+        self.epoch += 1;
+        self.notify.send_modify(|_| {});
+    }
+}
+
+/// `ParseResourceVersion` of staging/src/k8s.io/apiserver/pkg/storage/
+/// api_object_versioner.go: empty and `0` are 0, anything else must be a
+/// number. The error is the field error it wraps, as the server words it.
+pub(crate) fn parse_resource_version(rv: &str) -> Result<u64, String> {
+    if rv.is_empty() {
+        return Ok(0);
+    }
+    rv.parse::<u64>().map_err(|e| {
+        let why = match e.kind() {
+            std::num::IntErrorKind::PosOverflow => "value out of range",
+            _ => "invalid syntax",
+        };
+        format!(
+            "resourceVersion: Invalid value: \"{rv}\": strconv.ParseUint: parsing \"{rv}\": {why}"
+        )
+    })
+}
+
+/// A watch being served: what it selects and how far it has got.
+#[derive(Debug)]
+pub(crate) struct Watcher {
+    kind: &'static Kind,
+    namespace: Option<String>,
+    selectors: Selectors,
+    /// Every change up to here has been sent (or did not match).
+    last: u64,
+    bookmarks: bool,
+    period: Duration,
+    deadline: Instant,
+    epoch: u64,
+    rx: tokio::sync::watch::Receiver<u64>,
+    /// Where a watch from the future must get to before it starts.
+    wait_for: Option<u64>,
+    /// Whether it replays the current state first (at `last`).
+    initial: bool,
+    /// Whether a bookmark marked `k8s.io/initial-events-end` follows that
+    /// replay (`sendInitialEvents=true`).
+    initial_end_bookmark: bool,
+    /// An ERROR event to send instead of anything else, closing the watch.
+    error: Option<Value>,
+}
+
+fn invalid_list_options(errors: &[String]) -> Answer {
+    // errors.NewInvalid(GroupKind{"meta.k8s.io", "ListOptions"}, "", errs)
+    let list = match errors {
+        [one] => one.clone(),
+        many => format!("[{}]", many.join(", ")),
+    };
+    status(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "Invalid",
+        &format!("ListOptions.meta.k8s.io \"\" is invalid: {list}"),
+    )
+}
+
+fn param<'p>(params: &'p [(String, String)], key: &str) -> Option<&'p str> {
+    params
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+}
+
+/// Checks a watch request and fixes where it starts, under the store's lock so
+/// that no change slips between the replay and the live events. An `Err` is
+/// the whole (non-200) answer.
+pub(crate) fn start(
+    objects: &Objects,
+    route: &Route,
+    params: &[(String, String)],
+) -> Result<Watcher, Answer> {
+    // The query decodes into ListOptions first: a timeout that is not an
+    // integer is a 400 (handlers/get.go, ListResource).
+    let timeout = match param(params, "timeoutSeconds") {
+        None | Some("") => None,
+        Some(t) => Some(t.parse::<i64>().map_err(|_| {
+            status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                &format!("timeoutSeconds: strconv.ParseInt: parsing \"{t}\": invalid syntax"),
+            )
+        })?),
+    };
+    let bookmarks = query::flag(params, "allowWatchBookmarks");
+    let send_initial = param(params, "sendInitialEvents").map(query::truthy);
+    let version_match = param(params, "resourceVersionMatch").filter(|m| !m.is_empty());
+    // validateWatchOptions in staging/src/k8s.io/apimachinery/pkg/apis/meta/
+    // internalversion/validation/validation.go (WatchList is on by default).
+    let mut invalid = Vec::new();
+    if send_initial.is_some() && version_match != Some("NotOlderThan") {
+        invalid.push(
+            "resourceVersionMatch: Forbidden: sendInitialEvents requires setting resourceVersionMatch to NotOlderThan".to_owned(),
+        );
+    }
+    if let Some(m) = version_match {
+        if send_initial.is_none() {
+            invalid.push("resourceVersionMatch: Forbidden: resourceVersionMatch is forbidden for watch unless sendInitialEvents is provided".to_owned());
+        }
+        if m != "NotOlderThan" {
+            invalid.push(format!(
+                "resourceVersionMatch: Unsupported value: \"{m}\": supported values: \"NotOlderThan\""
+            ));
+        }
+        if send_initial == Some(true) && !bookmarks {
+            invalid.push("allowWatchBookmarks: Forbidden: allowWatchBookmarks must be set to true when sendInitialEvents is set to true".to_owned());
+        }
+    }
+    if !invalid.is_empty() {
+        return Err(invalid_list_options(&invalid));
+    }
+    let selectors = Objects::selectors(route, params)?;
+    // Cacher.Watch (storage/cacher/cacher.go) returns the versioner's error
+    // as it is; not being an API status, the handler answers it as a 500.
+    let rv_text = param(params, "resourceVersion").unwrap_or("");
+    let rv = parse_resource_version(rv_text).map_err(|e| {
+        let (code, mut body) = status(StatusCode::INTERNAL_SERVER_ERROR, "", &e);
+        // StatusReasonUnknown is empty, and omitted.
+        if let Some(o) = body.as_object_mut() {
+            o.remove("reason");
+        }
+        (code, body)
+    })?;
+    let now = objects.resource_version;
+    let deadline = match timeout {
+        None | Some(0) => Instant::now() + DEFAULT_TIMEOUT,
+        Some(t) => Instant::now() + Duration::from_secs(t.max(0).unsigned_abs()),
+    };
+    let mut w = Watcher {
+        kind: route.kind,
+        namespace: route.namespace.clone(),
+        selectors,
+        last: rv,
+        bookmarks,
+        period: objects.history.bookmark_period,
+        deadline,
+        epoch: objects.history.epoch,
+        rx: objects.history.notify.subscribe(),
+        wait_for: None,
+        initial: false,
+        initial_end_bookmark: false,
+        error: None,
+    };
+    // getAllEventsSinceLocked in storage/cacher/watch_cache.go and
+    // watch_cache_history.go: resourceVersion 0 (or none) replays the current
+    // state as ADDED events unless sendInitialEvents says otherwise;
+    // sendInitialEvents=true replays it from any resourceVersion, then marks
+    // the end with a bookmark.
+    match (rv, send_initial) {
+        (_, Some(true)) => {
+            w.initial = true;
+            w.initial_end_bookmark = true;
+            w.wait_for = (rv > now).then_some(rv);
+        }
+        (0, None) => w.initial = true,
+        (0, Some(false)) => w.last = now,
+        (rv, _) if rv > now => w.wait_for = Some(rv),
+        (rv, _) => {
+            let window = objects.history.windows.get(&key(route.kind));
+            let oldest = window
+                .filter(|win| win.dropped > 0)
+                .and_then(|win| win.changes.front())
+                .map(|c| c.rv);
+            if let Some(oldest) = oldest.filter(|o| rv < o - 1) {
+                w.error = Some(expired(rv, oldest - 1));
+            }
+        }
+    }
+    Ok(w)
+}
+
+/// `errors.NewResourceExpired` (staging/src/k8s.io/apimachinery/pkg/api/errors/
+/// errors.go) with the watch cache's message.
+fn expired(rv: u64, oldest: u64) -> Value {
+    status(
+        StatusCode::GONE,
+        "Expired",
+        &format!("too old resource version: {rv} ({oldest})"),
+    )
+    .1
+}
+
+/// `storage.NewTooLargeResourceVersionError` (staging/src/k8s.io/apiserver/pkg/
+/// storage/errors.go).
+fn too_large(rv: u64, current: u64) -> Value {
+    let mut s = status(
+        StatusCode::GATEWAY_TIMEOUT,
+        "Timeout",
+        &format!("Too large resource version: {rv}, current: {current}"),
+    )
+    .1;
+    s["details"] = json!({
+        "causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+        "retryAfterSeconds": 1,
+    });
+    s
+}
+
+fn line(kind: &str, object: Value) -> Bytes {
+    let mut out = json!({"type": kind, "object": object})
+        .to_string()
+        .into_bytes();
+    out.push(b'\n');
+    Bytes::from(out)
+}
+
+/// The next bookmark: a period from now, but 2 s before the deadline at the
+/// latest, and none once that is past (`nextBookmarkTime` in
+/// storage/cacher/cache_watcher.go).
+fn next_bookmark(now: Instant, period: Duration, deadline: Instant) -> Option<Instant> {
+    let pre_timeout = deadline.checked_sub(Duration::from_secs(2))?;
+    let at = (now + period).min(pre_timeout);
+    (at > now).then_some(at)
+}
+
+impl Watcher {
+    /// The object as a watch event carries it: typed like a GET.
+    fn typed(&self, mut object: Value) -> Value {
+        if let Some(o) = object.as_object_mut() {
+            o.entry("apiVersion")
+                .or_insert_with(|| self.kind.group_version.into());
+            o.entry("kind").or_insert_with(|| self.kind.kind.into());
+        }
+        object
+    }
+
+    /// `convertToWatchEvent` in storage/cacher/cache_watcher.go: the event a
+    /// change makes for this watch, judged on the object before and after.
+    fn convert(&self, c: &Change) -> Option<Bytes> {
+        if self.namespace.is_some() && c.namespace != self.namespace {
+            return None;
+        }
+        let cur = c.object.as_ref().filter(|o| self.selectors.matches(o));
+        let old = c.prev.as_ref().filter(|o| self.selectors.matches(o));
+        match (cur, old) {
+            (Some(o), None) => Some(line("ADDED", self.typed(o.clone()))),
+            (Some(o), Some(_)) => Some(line("MODIFIED", self.typed(o.clone()))),
+            // The object as it was, with the resourceVersion of the change that
+            // removed it or took it out of the selection.
+            (None, Some(p)) => {
+                let mut p = p.clone();
+                if let Some(m) = p.get_mut("metadata").and_then(Value::as_object_mut) {
+                    m.insert("resourceVersion".into(), c.rv.to_string().into());
+                }
+                Some(line("DELETED", self.typed(p)))
+            }
+            (None, None) => None,
+        }
+    }
+
+    fn bookmark(&self, initial_end: bool) -> Bytes {
+        let mut metadata = json!({"resourceVersion": self.last.to_string()});
+        if initial_end {
+            metadata["annotations"] = json!({"k8s.io/initial-events-end": "true"});
+        }
+        line(
+            "BOOKMARK",
+            json!({
+                "kind": self.kind.kind,
+                "apiVersion": self.kind.group_version,
+                "metadata": metadata,
+            }),
+        )
+    }
+
+    /// The current state as ADDED events (`newCacheIntervalFromStore`).
+    fn replay(&mut self, objects: &Objects) -> Vec<Bytes> {
+        self.last = objects.resource_version;
+        objects
+            .map
+            .iter()
+            .filter(|(path, o)| {
+                Route::parse(path).is_some_and(|r| {
+                    std::ptr::eq(r.kind, self.kind)
+                        && r.name.is_some()
+                        && !r.status
+                        && (self.namespace.is_none() || r.namespace == self.namespace)
+                }) && self.selectors.matches(o)
+            })
+            .map(|(_, o)| line("ADDED", self.typed(o.clone())))
+            .collect()
+    }
+
+    /// The events of every change since the last drain; `None` when the watch
+    /// must end (the server ended watches, or this one fell so far behind that
+    /// the history no longer holds what it missed: the cacher closes such a
+    /// watcher, `add` in storage/cacher/cache_watcher.go).
+    fn drain(&mut self, objects: &Objects) -> Option<Vec<Bytes>> {
+        if objects.history.epoch != self.epoch {
+            return None;
+        }
+        let mut out = Vec::new();
+        if let Some(window) = objects.history.windows.get(&key(self.kind)) {
+            if window.dropped > self.last {
+                return None;
+            }
+            for c in window.changes.iter().filter(|c| c.rv > self.last) {
+                out.extend(self.convert(c));
+            }
+        }
+        self.last = objects.resource_version;
+        Some(out)
+    }
+
+    /// Serves the watch into `tx` until its deadline, until the server ends
+    /// it, or until the client goes away.
+    pub async fn run(mut self, store: Arc<Mutex<crate::Store>>, tx: mpsc::Sender<Bytes>) {
+        let deadline = self.deadline;
+        let done = tx.clone();
+        tokio::select! {
+            () = self.serve(&store, &tx) => {}
+            () = done.closed() => {}
+            () = tokio::time::sleep_until(deadline) => {}
+        }
+    }
+
+    async fn serve(&mut self, store: &Mutex<crate::Store>, tx: &mpsc::Sender<Bytes>) {
+        if let Some(target) = self.wait_for {
+            let reached = matches!(
+                tokio::time::timeout(FUTURE_WAIT, self.rx.wait_for(|rv| *rv >= target)).await,
+                Ok(Ok(_))
+            );
+            if !reached {
+                let current = crate::lock(store).objects.resource_version;
+                let _ = tx.send(line("ERROR", too_large(target, current))).await;
+                return;
+            }
+            self.rx.mark_unchanged();
+        }
+        if let Some(e) = self.error.take() {
+            let _ = tx.send(line("ERROR", e)).await;
+            return;
+        }
+        let mut first = Vec::new();
+        if self.initial {
+            let s = crate::lock(store);
+            first = self.replay(&s.objects);
+            if self.initial_end_bookmark {
+                first.push(self.bookmark(true));
+            }
+        }
+        for l in first {
+            if tx.send(l).await.is_err() {
+                return;
+            }
+        }
+        let mut next_bm = self
+            .bookmarks
+            .then(|| next_bookmark(Instant::now(), self.period, self.deadline))
+            .flatten();
+        let mut bookmark_due = false;
+        loop {
+            let lines = {
+                let s = crate::lock(store);
+                self.drain(&s.objects)
+            };
+            let Some(mut lines) = lines else { return };
+            if bookmark_due {
+                lines.push(self.bookmark(false));
+                bookmark_due = false;
+                next_bm = next_bookmark(Instant::now(), self.period, self.deadline);
+            }
+            for l in lines {
+                if tx.send(l).await.is_err() {
+                    return;
+                }
+            }
+            tokio::select! {
+                changed = self.rx.changed() => if changed.is_err() { return },
+                () = sleep_until_some(next_bm) => bookmark_due = true,
+            }
+        }
+    }
+}
+
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A response body fed by a channel: each message is one chunk, and the body
+/// ends (with the chunked terminator) when every sender is gone.
+#[derive(Debug)]
+pub(crate) struct ChannelBody(pub mpsc::Receiver<Bytes>);
+
+impl hyper::body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resource_versions_parse_like_the_versioner() {
+        assert_eq!(parse_resource_version(""), Ok(0));
+        assert_eq!(parse_resource_version("0"), Ok(0));
+        assert_eq!(parse_resource_version("42"), Ok(42));
+        let e = parse_resource_version("abc").unwrap_err();
+        assert!(e.contains("parsing \"abc\": invalid syntax"), "{e}");
+        assert!(parse_resource_version("-1").is_err());
+    }
+
+    #[test]
+    fn bookmarks_come_each_period_and_once_before_the_deadline() {
+        let now = Instant::now();
+        let p = Duration::from_secs(5);
+        assert_eq!(
+            next_bookmark(now, p, now + Duration::from_secs(60)),
+            Some(now + p)
+        );
+        let d = now + Duration::from_secs(4);
+        assert_eq!(next_bookmark(now, p, d), Some(d - Duration::from_secs(2)));
+        assert_eq!(next_bookmark(now, p, now + Duration::from_secs(1)), None);
+    }
+}
