@@ -180,6 +180,13 @@ impl FakeApiServer {
         lock(&self.store).objects.history.set_capacity(changes);
     }
 
+    /// Waits up to `timeout` until exactly `n` watches are being served (a
+    /// watch's task ends when its client goes away); whether they are.
+    pub fn wait_open_watches(&self, n: usize, timeout: Duration) -> bool {
+        let open = Arc::clone(&lock(&self.store).objects.history.open);
+        open.wait_for(n, timeout)
+    }
+
     /// Ends every open watch cleanly, as a restarting API server does; their
     /// clients come back with the last resourceVersion they saw.
     pub fn end_watches(&self) {
@@ -344,10 +351,11 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
         let params = query::parse(&query);
         if query::flag(&params, "watch") {
             if let Some(route) = Route::parse(&path).filter(|r| r.name.is_none()) {
-                return match watch::start(&s.objects, &route, &params) {
+                return match watch::start(&mut s.objects, &route, &params) {
                     Ok(watcher) => {
+                        let open = watch::OpenWatch::new(&s.objects.history.open);
                         drop(s);
-                        stream(store, watcher)
+                        stream(store, watcher, open)
                     }
                     Err(answer) => respond(answer),
                 };
@@ -360,9 +368,13 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
 /// A 200 whose chunked body the watch task writes, one event per line
 /// (`serveWatch` in staging/src/k8s.io/apiserver/pkg/endpoints/handlers/watch.go
 /// sends the headers at once, then flushes each event).
-fn stream(store: &Arc<Mutex<Store>>, watcher: watch::Watcher) -> Response<Body> {
+fn stream(
+    store: &Arc<Mutex<Store>>,
+    watcher: watch::Watcher,
+    open: watch::OpenWatch,
+) -> Response<Body> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
-    tokio::spawn(watcher.run(Arc::clone(store), tx));
+    tokio::spawn(watcher.run(Arc::clone(store), tx, open));
     let mut r = Response::new(watch::ChannelBody(rx).boxed());
     r.headers_mut().insert(
         http::header::CONTENT_TYPE,

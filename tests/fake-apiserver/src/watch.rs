@@ -3,17 +3,21 @@
 //!
 //! Every change of a served object is kept, per resource, in a bounded
 //! [`History`] (the cyclic buffer of
-//! staging/src/k8s.io/apiserver/pkg/storage/cacher/watch_cache.go). A watch
-//! starts from a resourceVersion, replays what it missed from that history, then
-//! wakes on every new change (a `tokio::sync::watch` channel carries the newest
-//! resourceVersion; nothing polls) and writes one JSON watch event per line to a
-//! chunked body. A client that goes away closes the body's channel, which ends
-//! the task serving it.
+//! staging/src/k8s.io/apiserver/pkg/storage/cacher/watch_cache.go), and handed
+//! at once to every open watch of that resource (`dispatchEvent` in
+//! .../storage/cacher/cacher.go; nothing polls). A watch starts from a
+//! resourceVersion, replays what it missed from the history (or the current
+//! state), then writes each change that concerns it as one JSON watch event per
+//! line to a chunked body. A client that goes away closes the body's channel,
+//! which ends the task serving it.
+//!
+//! One difference: the cacher gives each watch a bounded buffer and drops a
+//! watch that lets it fill; here the buffer is unbounded.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -59,21 +63,72 @@ struct Change {
 /// The recent changes of one resource.
 #[derive(Debug, Default)]
 struct Window {
-    changes: VecDeque<Change>,
+    changes: VecDeque<Arc<Change>>,
     /// The resourceVersion of the newest change that fell out; 0 when none has.
     dropped: u64,
 }
 
+/// How many watches are being served, for tests to wait on.
+#[derive(Debug, Default)]
+pub(crate) struct OpenWatches {
+    count: Mutex<usize>,
+    changed: std::sync::Condvar,
+}
+
+impl OpenWatches {
+    fn add(&self, delta: isize) {
+        let mut c = self.count.lock().unwrap_or_else(PoisonError::into_inner);
+        *c = c.saturating_add_signed(delta);
+        self.changed.notify_all();
+    }
+
+    /// Waits up to `timeout` for exactly `n` open watches; whether they are.
+    pub fn wait_for(&self, n: usize, timeout: Duration) -> bool {
+        let c = self.count.lock().unwrap_or_else(PoisonError::into_inner);
+        let (c, _) = self
+            .changed
+            .wait_timeout_while(c, timeout, |c| *c != n)
+            .unwrap_or_else(PoisonError::into_inner);
+        *c == n
+    }
+}
+
+/// Counts one watch as open while it lives.
+#[derive(Debug)]
+pub(crate) struct OpenWatch(Arc<OpenWatches>);
+
+impl OpenWatch {
+    pub fn new(open: &Arc<OpenWatches>) -> Self {
+        open.add(1);
+        Self(Arc::clone(open))
+    }
+}
+
+impl Drop for OpenWatch {
+    fn drop(&mut self) {
+        self.0.add(-1);
+    }
+}
+
+/// A resource, as its group/version and plural.
+type Resource = (&'static str, &'static str);
+
+/// An open watch of a resource: where its changes go.
+type Subscriber = (Resource, mpsc::UnboundedSender<Arc<Change>>);
+
 /// The recent changes of every resource, and what tells watches about new ones.
 #[derive(Debug)]
 pub(crate) struct History {
-    windows: BTreeMap<(&'static str, &'static str), Window>,
+    windows: BTreeMap<Resource, Window>,
     capacity: usize,
     /// The bookmark beat of watches started from now on.
     pub bookmark_period: Duration,
-    /// Bumped to end every open watch.
-    epoch: u64,
+    /// The open watches of each resource, handed every change.
+    subscribers: Vec<Subscriber>,
+    /// Carries the newest resourceVersion, for a watch from the future.
     notify: tokio::sync::watch::Sender<u64>,
+    /// The watches being served.
+    pub open: Arc<OpenWatches>,
 }
 
 impl Default for History {
@@ -82,13 +137,14 @@ impl Default for History {
             windows: BTreeMap::new(),
             capacity: DEFAULT_HISTORY,
             bookmark_period: DEFAULT_BOOKMARK_PERIOD,
-            epoch: 0,
+            subscribers: Vec::new(),
             notify: tokio::sync::watch::Sender::default(),
+            open: Arc::default(),
         }
     }
 }
 
-fn key(kind: &Kind) -> (&'static str, &'static str) {
+fn key(kind: &Kind) -> Resource {
     (kind.group_version, kind.plural)
 }
 
@@ -102,14 +158,19 @@ impl History {
         object: Option<Value>,
         prev: Option<Value>,
     ) {
-        let window = self.windows.entry(key(kind)).or_default();
-        window.changes.push_back(Change {
+        let key = key(kind);
+        let change = Arc::new(Change {
             rv,
             namespace,
             object,
             prev,
         });
+        let window = self.windows.entry(key).or_default();
+        window.changes.push_back(Arc::clone(&change));
         Self::trim(window, self.capacity);
+        // A watch whose task ended has dropped its receiver: forget it.
+        self.subscribers
+            .retain(|(k, tx)| *k != key || tx.send(Arc::clone(&change)).is_ok());
         self.notify.send_replace(rv);
     }
 
@@ -132,8 +193,7 @@ impl History {
     /// Ends every open watch (cleanly, as a restarting server or a load
     /// balancer does); clients come back with the last resourceVersion they saw.
     pub fn end_watches(&mut self) {
-        self.epoch += 1;
-        self.notify.send_modify(|_| {});
+        self.subscribers.clear();
     }
 }
 
@@ -166,12 +226,15 @@ pub(crate) struct Watcher {
     bookmarks: bool,
     period: Duration,
     deadline: Instant,
-    epoch: u64,
+    /// The changes of its resource, from the moment it started.
+    changes: mpsc::UnboundedReceiver<Arc<Change>>,
     rx: tokio::sync::watch::Receiver<u64>,
     /// Where a watch from the future must get to before it starts.
     wait_for: Option<u64>,
-    /// Whether it replays the current state first (at `last`).
+    /// Whether it replays the current state once it got there.
     initial: bool,
+    /// What it sends first: the replay, or the changes it resumes after.
+    first: Vec<Bytes>,
     /// Whether a bookmark marked `k8s.io/initial-events-end` follows that
     /// replay (`sendInitialEvents=true`).
     initial_end_bookmark: bool,
@@ -203,7 +266,7 @@ fn param<'p>(params: &'p [(String, String)], key: &str) -> Option<&'p str> {
 /// that no change slips between the replay and the live events. An `Err` is
 /// the whole (non-200) answer.
 pub(crate) fn start(
-    objects: &Objects,
+    objects: &mut Objects,
     route: &Route,
     params: &[(String, String)],
 ) -> Result<Watcher, Answer> {
@@ -263,6 +326,8 @@ pub(crate) fn start(
         None | Some(0) => Instant::now() + DEFAULT_TIMEOUT,
         Some(t) => Instant::now() + Duration::from_secs(t.max(0).unsigned_abs()),
     };
+    let (tx, changes) = mpsc::unbounded_channel();
+    objects.history.subscribers.push((key(route.kind), tx));
     let mut w = Watcher {
         kind: route.kind,
         namespace: route.namespace.clone(),
@@ -271,10 +336,11 @@ pub(crate) fn start(
         bookmarks,
         period: objects.history.bookmark_period,
         deadline,
-        epoch: objects.history.epoch,
+        changes,
         rx: objects.history.notify.subscribe(),
         wait_for: None,
         initial: false,
+        first: Vec::new(),
         initial_end_bookmark: false,
         error: None,
     };
@@ -300,8 +366,16 @@ pub(crate) fn start(
                 .map(|c| c.rv);
             if let Some(oldest) = oldest.filter(|o| rv < o - 1) {
                 w.error = Some(expired(rv, oldest - 1));
+            } else if let Some(window) = window {
+                for c in window.changes.iter().filter(|c| c.rv > rv) {
+                    w.first.extend(w.convert(c));
+                }
+                w.last = now;
             }
         }
+    }
+    if w.initial && w.wait_for.is_none() {
+        w.first = w.replay(objects);
     }
     Ok(w)
 }
@@ -400,10 +474,11 @@ impl Watcher {
         )
     }
 
-    /// The current state as ADDED events (`newCacheIntervalFromStore`).
+    /// The current state as ADDED events (`newCacheIntervalFromStore`), and
+    /// the bookmark that ends it when asked for.
     fn replay(&mut self, objects: &Objects) -> Vec<Bytes> {
         self.last = objects.resource_version;
-        objects
+        let mut out: Vec<Bytes> = objects
             .map
             .iter()
             .filter(|(path, o)| {
@@ -415,33 +490,34 @@ impl Watcher {
                 }) && self.selectors.matches(o)
             })
             .map(|(_, o)| line("ADDED", self.typed(o.clone())))
-            .collect()
+            .collect();
+        if self.initial_end_bookmark {
+            out.push(self.bookmark(true));
+        }
+        out
     }
 
-    /// The events of every change since the last drain; `None` when the watch
-    /// must end (the server ended watches, or this one fell so far behind that
-    /// the history no longer holds what it missed: the cacher closes such a
-    /// watcher, `add` in storage/cacher/cache_watcher.go).
-    fn drain(&mut self, objects: &Objects) -> Option<Vec<Bytes>> {
-        if objects.history.epoch != self.epoch {
-            return None;
+    /// Sends the event of a change it has not seen yet; false when the client
+    /// went away.
+    async fn forward(&mut self, c: &Change, tx: &mpsc::Sender<Bytes>) -> bool {
+        if c.rv <= self.last {
+            return true;
         }
-        let mut out = Vec::new();
-        if let Some(window) = objects.history.windows.get(&key(self.kind)) {
-            if window.dropped > self.last {
-                return None;
-            }
-            for c in window.changes.iter().filter(|c| c.rv > self.last) {
-                out.extend(self.convert(c));
-            }
+        self.last = c.rv;
+        match self.convert(c) {
+            Some(l) => tx.send(l).await.is_ok(),
+            None => true,
         }
-        self.last = objects.resource_version;
-        Some(out)
     }
 
     /// Serves the watch into `tx` until its deadline, until the server ends
     /// it, or until the client goes away.
-    pub async fn run(mut self, store: Arc<Mutex<crate::Store>>, tx: mpsc::Sender<Bytes>) {
+    pub async fn run(
+        mut self,
+        store: Arc<Mutex<crate::Store>>,
+        tx: mpsc::Sender<Bytes>,
+        _open: OpenWatch,
+    ) {
         let deadline = self.deadline;
         let done = tx.clone();
         tokio::select! {
@@ -462,21 +538,16 @@ impl Watcher {
                 let _ = tx.send(line("ERROR", too_large(target, current))).await;
                 return;
             }
-            self.rx.mark_unchanged();
+            if self.initial {
+                let s = crate::lock(store);
+                self.first = self.replay(&s.objects);
+            }
         }
         if let Some(e) = self.error.take() {
             let _ = tx.send(line("ERROR", e)).await;
             return;
         }
-        let mut first = Vec::new();
-        if self.initial {
-            let s = crate::lock(store);
-            first = self.replay(&s.objects);
-            if self.initial_end_bookmark {
-                first.push(self.bookmark(true));
-            }
-        }
-        for l in first {
+        for l in std::mem::take(&mut self.first) {
             if tx.send(l).await.is_err() {
                 return;
             }
@@ -485,26 +556,31 @@ impl Watcher {
             .bookmarks
             .then(|| next_bookmark(Instant::now(), self.period, self.deadline))
             .flatten();
-        let mut bookmark_due = false;
         loop {
-            let lines = {
-                let s = crate::lock(store);
-                self.drain(&s.objects)
-            };
-            let Some(mut lines) = lines else { return };
-            if bookmark_due {
-                lines.push(self.bookmark(false));
-                bookmark_due = false;
-                next_bm = next_bookmark(Instant::now(), self.period, self.deadline);
-            }
-            for l in lines {
-                if tx.send(l).await.is_err() {
-                    return;
-                }
-            }
             tokio::select! {
-                changed = self.rx.changed() => if changed.is_err() { return },
-                () = sleep_until_some(next_bm) => bookmark_due = true,
+                c = self.changes.recv() => {
+                    // None: the server ended every watch.
+                    let Some(c) = c else { return };
+                    if !self.forward(&c, tx).await {
+                        return;
+                    }
+                }
+                () = sleep_until_some(next_bm) => {
+                    // Every change up to the store's resourceVersion is in
+                    // the queue by now (both happen under the store's lock):
+                    // send them, then mark the point reached.
+                    let now = crate::lock(store).objects.resource_version;
+                    while let Ok(c) = self.changes.try_recv() {
+                        if !self.forward(&c, tx).await {
+                            return;
+                        }
+                    }
+                    self.last = self.last.max(now);
+                    if tx.send(self.bookmark(false)).await.is_err() {
+                        return;
+                    }
+                    next_bm = next_bookmark(Instant::now(), self.period, self.deadline);
+                }
             }
         }
     }
