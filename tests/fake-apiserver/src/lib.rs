@@ -275,6 +275,11 @@ async fn accept_loop(listener: tokio::net::TcpListener, store: Arc<Mutex<Store>>
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
+        // Go's net package turns Nagle's algorithm off on every TCP connection
+        // (SetNoDelay, "the default is true", net/tcpsock.go), so each watch
+        // event leaves kube-apiserver at once; with Nagle on, the first event
+        // after the headers waits for the client's delayed ACK (~40 ms).
+        let _ = stream.set_nodelay(true);
         let store = Arc::clone(&store);
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {

@@ -184,6 +184,78 @@ fn a_watch_replays_the_state_then_streams_each_change() {
 }
 
 #[test]
+fn every_served_collection_is_watched_in_its_scope() {
+    let s = FakeApiServer::start().unwrap();
+    s.put(&paths::node("node-a"), objects::node("node-a", &[]));
+    s.put(
+        &paths::pod("ns1", "p1"),
+        objects::pod("ns1", "p1", "node-a", "ds"),
+    );
+    s.put(
+        &paths::pod("ns2", "p2"),
+        objects::pod("ns2", "p2", "node-b", "ds"),
+    );
+    s.put(
+        &paths::pod("ns3", "p3"),
+        objects::pod("ns3", "p3", "node-a", "ds"),
+    );
+    s.put(
+        &paths::resourceclaim("vms", "c1"),
+        objects::resource_claim("vms", "c1", "uid-c1", None),
+    );
+    s.put(
+        &paths::resourceclaim("other", "c2"),
+        objects::resource_claim("other", "c2", "uid-c2", None),
+    );
+    let names = |path: &str, query: &str, n: usize| -> Vec<String> {
+        let mut w = Raw::send(&s, "GET", &format!("{path}?watch=1&{query}"));
+        assert_eq!(w.status, 200, "{path}");
+        (0..n)
+            .map(|_| kind_and_name(&w.event().unwrap()).1)
+            .collect()
+    };
+    assert_eq!(names("/api/v1/nodes", "", 1), ["node-a"]);
+    assert_eq!(
+        names("/api/v1/pods", "fieldSelector=spec.nodeName%3Dnode-a", 2),
+        ["p1", "p3"],
+        "pods of a node across namespaces"
+    );
+    let mut claims = Raw::send(
+        &s,
+        "GET",
+        &format!("{}?watch=true", paths::resourceclaims("vms")),
+    );
+    assert_eq!(
+        kind_and_name(&claims.event().unwrap()),
+        ("ADDED".into(), "c1".into())
+    );
+    s.put(
+        &paths::resourceclaim("other", "c3"),
+        objects::resource_claim("other", "c3", "uid-c3", None),
+    );
+    s.put(
+        &paths::resourceclaim("vms", "c4"),
+        objects::resource_claim("vms", "c4", "uid-c4", None),
+    );
+    assert_eq!(
+        kind_and_name(&claims.event().unwrap()),
+        ("ADDED".into(), "c4".into()),
+        "only its namespace"
+    );
+    let mut events = Raw::send(&s, "GET", &format!("{}?watch=true", paths::events("ns1")));
+    assert_eq!(events.status, 200);
+    let event = json!({
+        "apiVersion": "events.k8s.io/v1", "kind": "Event",
+        "metadata": {"name": "e1", "namespace": "ns1"}, "reason": "Bound", "type": "Normal",
+    });
+    s.put(&format!("{}/e1", paths::events("ns1")), event);
+    assert_eq!(
+        kind_and_name(&events.event().unwrap()),
+        ("ADDED".into(), "e1".into())
+    );
+}
+
+#[test]
 fn a_watch_resumes_after_a_resource_version_and_filters_by_fields() {
     let s = FakeApiServer::start().unwrap();
     s.put(&paths::resourceslice("a"), slice("a", "node-a"));
