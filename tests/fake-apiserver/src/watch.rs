@@ -302,8 +302,8 @@ pub(crate) fn start(
                 "resourceVersionMatch: Unsupported value: \"{m}\": supported values: \"NotOlderThan\""
             ));
         }
-        if send_initial == Some(true) && !bookmarks {
-            invalid.push("allowWatchBookmarks: Forbidden: allowWatchBookmarks must be set to true when sendInitialEvents is set to true".to_owned());
+        if param(params, "continue").is_some_and(|c| !c.is_empty()) {
+            invalid.push("resourceVersionMatch: Forbidden: resourceVersionMatch is forbidden when continue is provided".to_owned());
         }
     }
     if !invalid.is_empty() {
@@ -322,10 +322,12 @@ pub(crate) fn start(
         (code, body)
     })?;
     let now = objects.resource_version;
-    let deadline = match timeout {
-        None | Some(0) => Instant::now() + DEFAULT_TIMEOUT,
-        Some(t) => Instant::now() + Duration::from_secs(t.max(0).unsigned_abs()),
+    let lasts = match timeout {
+        None | Some(0) => DEFAULT_TIMEOUT,
+        // A negative timeout ends the watch at once, as a negative Go timer does.
+        Some(t) => Duration::from_secs(t.max(0).unsigned_abs()),
     };
+    let deadline = later(Instant::now(), lasts);
     let (tx, changes) = mpsc::unbounded_channel();
     objects.history.subscribers.push((key(route.kind), tx));
     let mut w = Watcher {
@@ -352,7 +354,9 @@ pub(crate) fn start(
     match (rv, send_initial) {
         (_, Some(true)) => {
             w.initial = true;
-            w.initial_end_bookmark = true;
+            // Only a watch that allows bookmarks gets any (kube-rs insists on
+            // both together; the server does not).
+            w.initial_end_bookmark = bookmarks;
             w.wait_for = (rv > now).then_some(rv);
         }
         (0, None) => w.initial = true,
@@ -415,12 +419,19 @@ fn line(kind: &str, object: Value) -> Bytes {
     Bytes::from(out)
 }
 
+/// `from + d`, or a year on for a `d` too long to add (a watch that long is
+/// one that never times out).
+fn later(from: Instant, d: Duration) -> Instant {
+    from.checked_add(d.min(Duration::from_secs(365 * 86_400)))
+        .unwrap_or(from)
+}
+
 /// The next bookmark: a period from now, but 2 s before the deadline at the
 /// latest, and none once that is past (`nextBookmarkTime` in
 /// storage/cacher/cache_watcher.go).
 fn next_bookmark(now: Instant, period: Duration, deadline: Instant) -> Option<Instant> {
     let pre_timeout = deadline.checked_sub(Duration::from_secs(2))?;
-    let at = (now + period).min(pre_timeout);
+    let at = later(now, period).min(pre_timeout);
     (at > now).then_some(at)
 }
 

@@ -396,6 +396,23 @@ fn malformed_watches_get_the_answers_upstream_gives() {
     let w = Raw::watch(&s, "resourceVersionMatch=NotOlderThan");
     assert_eq!(w.status, 422);
     assert_eq!(w.body()["reason"], "Invalid");
+    // Numbers at the edges neither overflow nor hang: a watch from a version
+    // the store has not reached waits 3 s for it (watch_cache.go), then says so.
+    let mut far = Raw::watch(
+        &s,
+        "timeoutSeconds=9223372036854775807&resourceVersion=18446744073709551615",
+    );
+    assert_eq!(far.status, 200);
+    let e = far.event().unwrap();
+    assert_eq!(
+        (e["type"].as_str(), e["object"]["code"].as_u64()),
+        (Some("ERROR"), Some(504))
+    );
+    assert_eq!(
+        e["object"]["details"]["causes"][0]["reason"],
+        "ResourceVersionTooLarge"
+    );
+    assert!(far.event().is_none());
     let w = Raw::send(
         &s,
         "GET",
