@@ -262,14 +262,16 @@ fn param<'p>(params: &'p [(String, String)], key: &str) -> Option<&'p str> {
         .map(|(_, v)| v.as_str())
 }
 
-/// Checks a watch request and fixes where it starts, under the store's lock so
-/// that no change slips between the replay and the live events. An `Err` is
-/// the whole (non-200) answer.
-pub(crate) fn start(
-    objects: &mut Objects,
-    route: &Route,
-    params: &[(String, String)],
-) -> Result<Watcher, Answer> {
+/// The watch options of a query that are not about where it starts.
+struct Options {
+    /// How long the watch lasts.
+    lasts: Duration,
+    bookmarks: bool,
+    send_initial: Option<bool>,
+}
+
+/// Reads the watch options as the handler decodes and validates them.
+fn options(params: &[(String, String)]) -> Result<Options, Answer> {
     // The query decodes into ListOptions first: a timeout that is not an
     // integer is a 400 (handlers/get.go, ListResource).
     let timeout = match param(params, "timeoutSeconds") {
@@ -309,6 +311,31 @@ pub(crate) fn start(
     if !invalid.is_empty() {
         return Err(invalid_list_options(&invalid));
     }
+    let lasts = match timeout {
+        None | Some(0) => DEFAULT_TIMEOUT,
+        // A negative timeout ends the watch at once, as a negative Go timer does.
+        Some(t) => Duration::from_secs(t.max(0).unsigned_abs()),
+    };
+    Ok(Options {
+        lasts,
+        bookmarks,
+        send_initial,
+    })
+}
+
+/// Checks a watch request and fixes where it starts, under the store's lock so
+/// that no change slips between the replay and the live events. An `Err` is
+/// the whole (non-200) answer.
+pub(crate) fn start(
+    objects: &mut Objects,
+    route: &Route,
+    params: &[(String, String)],
+) -> Result<Watcher, Answer> {
+    let Options {
+        lasts,
+        bookmarks,
+        send_initial,
+    } = options(params)?;
     let selectors = Objects::selectors(route, params)?;
     // Cacher.Watch (storage/cacher/cacher.go) returns the versioner's error
     // as it is; not being an API status, the handler answers it as a 500.
@@ -322,11 +349,6 @@ pub(crate) fn start(
         (code, body)
     })?;
     let now = objects.resource_version;
-    let lasts = match timeout {
-        None | Some(0) => DEFAULT_TIMEOUT,
-        // A negative timeout ends the watch at once, as a negative Go timer does.
-        Some(t) => Duration::from_secs(t.max(0).unsigned_abs()),
-    };
     let deadline = later(Instant::now(), lasts);
     let (tx, changes) = mpsc::unbounded_channel();
     objects.history.subscribers.push((key(route.kind), tx));
