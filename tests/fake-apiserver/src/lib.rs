@@ -15,12 +15,37 @@
 //!   409 `Conflict`; `PUT .../status` writes only the status;
 //! - `PATCH` (a JSON merge patch, RFC 7386);
 //! - `DELETE` of an object (404 when absent, 409 when its preconditions fail) or of
-//!   a collection by selector.
+//!   a collection by selector (one change per object, as the registry deletes
+//!   them one by one);
+//! - `GET` of a collection with `watch=true`: a chunked `200` of one JSON watch
+//!   event per line (`ADDED`, `MODIFIED`, `DELETED`, `BOOKMARK`, `ERROR`), sent
+//!   as the store changes. `resourceVersion` absent or `0` replays the current
+//!   state as `ADDED` first; `N` resumes after `N` from a bounded history of
+//!   changes, or gets one `ERROR` 410 `Expired` event when `N` is older than it;
+//!   the selectors filter as in a list, judged before and after each change (an
+//!   object leaving the selection is `DELETED`, one entering it `ADDED`);
+//!   `allowWatchBookmarks`, `timeoutSeconds` and `sendInitialEvents` behave as
+//!   upstream. See the `watch` module for the upstream files it follows.
 //!
 //! Every request is checked: an unknown path is a 404 `Status`, a verb the path
 //! does not take a 405, a body of the wrong `apiVersion`/`kind` or namespace a 400.
 //! Tests can make the next requests fail (`fail_next`), have another writer change
-//! an object just before a request (`race_next`), and read back every request.
+//! an object just before a request (`race_next`), read back every request, and
+//! steer watches: shorten the bookmark beat (`set_bookmark_period`), shrink the
+//! history (`set_watch_history`) and end every open watch (`end_watches`).
+//!
+//! ```no_run
+//! use fake_apiserver::{objects, paths, FakeApiServer};
+//!
+//! let server = FakeApiServer::start()?;
+//! server.put(
+//!     &paths::resourceslice("node-a-gpu"),
+//!     objects::resource_slice("node-a-gpu", "d.example.com", "node-a", "node-a", 1, &["gpu-0"]),
+//! );
+//! // GET {url}/apis/resource.k8s.io/v1/resourceslices?watch=true now streams an
+//! // ADDED event for it, then every later change.
+//! # Ok::<(), anyhow::Error>(())
+//! ```
 //!
 //! kube-rs builds the paths, so a client that asks for the wrong object finds
 //! nothing here, just as it would in a cluster.
@@ -28,7 +53,9 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
+use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
@@ -36,8 +63,14 @@ use serde_json::{json, Value};
 
 mod query;
 mod rest;
+mod watch;
 
 use rest::{status, Objects, Route};
+
+pub use watch::{DEFAULT_BOOKMARK_PERIOD, DEFAULT_HISTORY};
+
+/// The body of every answer: whole for most, a stream for a watch.
+type Body = BoxBody<Bytes, std::convert::Infallible>;
 
 /// Objects, requests seen, failures armed.
 #[derive(Debug, Default)]
@@ -122,9 +155,42 @@ impl FakeApiServer {
         lock(&self.store).objects.map.get(path).cloned()
     }
 
-    /// Removes the object at `path`; whether there was one.
+    /// Removes the object at `path` (a change watches see, with a fresh
+    /// resourceVersion); whether there was one.
     pub fn remove(&self, path: &str) -> bool {
-        lock(&self.store).objects.map.remove(path).is_some()
+        lock(&self.store).objects.remove(path).is_some()
+    }
+
+    /// The store's current resourceVersion (that of the latest change).
+    pub fn resource_version(&self) -> u64 {
+        lock(&self.store).objects.resource_version
+    }
+
+    /// Watches started from now on that allow bookmarks get one every
+    /// `period` (default [`DEFAULT_BOOKMARK_PERIOD`]; the real server's is a
+    /// minute).
+    pub fn set_bookmark_period(&self, period: Duration) {
+        lock(&self.store).objects.history.bookmark_period = period;
+    }
+
+    /// Keeps the last `changes` (at least 1) changes of each resource for
+    /// watches to resume from (default [`DEFAULT_HISTORY`]); a watch from an
+    /// older resourceVersion gets the 410 `Expired` error event.
+    pub fn set_watch_history(&self, changes: usize) {
+        lock(&self.store).objects.history.set_capacity(changes);
+    }
+
+    /// Waits up to `timeout` until exactly `n` watches are being served (a
+    /// watch's task ends when its client goes away); whether they are.
+    pub fn wait_open_watches(&self, n: usize, timeout: Duration) -> bool {
+        let open = Arc::clone(&lock(&self.store).objects.history.open);
+        open.wait_for(n, timeout)
+    }
+
+    /// Ends every open watch cleanly, as a restarting API server does; their
+    /// clients come back with the last resourceVersion they saw.
+    pub fn end_watches(&self) {
+        lock(&self.store).objects.history.end_watches();
     }
 
     /// Every object stored directly under the collection `path`.
@@ -209,6 +275,11 @@ async fn accept_loop(listener: tokio::net::TcpListener, store: Arc<Mutex<Store>>
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
+        // Go's net package turns Nagle's algorithm off on every TCP connection
+        // (SetNoDelay, "the default is true", net/tcpsock.go), so each watch
+        // event leaves kube-apiserver at once; with Nagle on, the first event
+        // after the headers waits for the client's delayed ACK (~40 ms).
+        let _ = stream.set_nodelay(true);
         let store = Arc::clone(&store);
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
@@ -222,7 +293,7 @@ async fn accept_loop(listener: tokio::net::TcpListener, store: Arc<Mutex<Store>>
     }
 }
 
-async fn handle(store: &Mutex<Store>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<Body> {
     let method = req.method().clone();
     let path = req.uri().path().trim_end_matches('/').to_owned();
     let query = req.uri().query().unwrap_or("").to_owned();
@@ -281,7 +352,40 @@ async fn handle(store: &Mutex<Store>, req: Request<Incoming>) -> Response<Full<B
             }
         }
     };
+    if method == Method::GET {
+        let params = query::parse(&query);
+        if query::flag(&params, "watch") {
+            if let Some(route) = Route::parse(&path).filter(|r| r.name.is_none()) {
+                return match watch::start(&mut s.objects, &route, &params) {
+                    Ok(watcher) => {
+                        let open = watch::OpenWatch::new(&s.objects.history.open);
+                        drop(s);
+                        stream(store, watcher, open)
+                    }
+                    Err(answer) => respond(answer),
+                };
+            }
+        }
+    }
     respond(s.objects.handle(&method, &path, &query, parsed))
+}
+
+/// A 200 whose chunked body the watch task writes, one event per line
+/// (`serveWatch` in staging/src/k8s.io/apiserver/pkg/endpoints/handlers/watch.go
+/// sends the headers at once, then flushes each event).
+fn stream(
+    store: &Arc<Mutex<Store>>,
+    watcher: watch::Watcher,
+    open: watch::OpenWatch,
+) -> Response<Body> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(watcher.run(Arc::clone(store), tx, open));
+    let mut r = Response::new(watch::ChannelBody(rx).boxed());
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    r
 }
 
 /// RFC 7386: objects merge key by key, `null` deletes, anything else replaces.
@@ -340,8 +444,8 @@ fn rfc3339(secs: u64) -> String {
     )
 }
 
-fn respond((code, body): (StatusCode, Value)) -> Response<Full<Bytes>> {
-    let mut r = Response::new(Full::new(Bytes::from(body.to_string())));
+fn respond((code, body): (StatusCode, Value)) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::from(body.to_string())).boxed());
     *r.status_mut() = code;
     r.headers_mut().insert(
         http::header::CONTENT_TYPE,

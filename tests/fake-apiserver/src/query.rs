@@ -15,6 +15,19 @@ pub(crate) fn parse(query: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+/// A boolean query parameter as the API server reads one
+/// (`Convert_Slice_string_To_bool` in
+/// staging/src/k8s.io/apimachinery/pkg/runtime/conversion.go): anything but `0`
+/// or `false` (any case) is true, even an empty value.
+pub(crate) fn truthy(value: &str) -> bool {
+    value != "0" && !value.eq_ignore_ascii_case("false")
+}
+
+/// Whether the boolean parameter `key` is present and true.
+pub(crate) fn flag(params: &[(String, String)], key: &str) -> bool {
+    params.iter().any(|(k, v)| k == key && truthy(v))
+}
+
 /// `application/x-www-form-urlencoded` decoding: `+` is a space, `%XX` a byte.
 /// A malformed escape is kept as written.
 pub(crate) fn decode(s: &str) -> String {

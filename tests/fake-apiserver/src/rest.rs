@@ -9,6 +9,7 @@ use hyper::{Method, StatusCode};
 use serde_json::{json, Map, Value};
 
 use crate::query::{self, Requirement};
+use crate::watch::History;
 
 /// A resource the stand-in serves.
 #[derive(Debug)]
@@ -190,6 +191,22 @@ pub(crate) struct Objects {
     pub map: BTreeMap<String, Value>,
     pub resource_version: u64,
     pub uids: u64,
+    /// The recent changes watches are served from.
+    pub history: History,
+}
+
+/// The field and label requirements of a list or watch.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Selectors {
+    pub fields: Vec<Requirement>,
+    pub labels: Vec<Requirement>,
+}
+
+impl Selectors {
+    /// Whether `object` meets both.
+    pub fn matches(&self, object: &Value) -> bool {
+        query::fields_match(object, &self.fields) && query::labels_match(object, &self.labels)
+    }
 }
 
 /// An answer: status code and JSON body.
@@ -280,8 +297,33 @@ impl Objects {
             m.entry("creationTimestamp")
                 .or_insert_with(|| crate::now_rfc3339().into());
         }
-        self.map.insert(path.to_owned(), object.clone());
+        let prev = self.map.insert(path.to_owned(), object.clone());
+        self.record(path, Some(object.clone()), prev);
         object
+    }
+
+    /// Removes the object at `path` as a delete does: the removal is a change of
+    /// its own, with a fresh resourceVersion, that watches see. Returns the
+    /// object as it was.
+    pub fn remove(&mut self, path: &str) -> Option<Value> {
+        let old = self.map.remove(path)?;
+        self.resource_version += 1;
+        self.record(path, None, Some(old.clone()));
+        Some(old)
+    }
+
+    /// Keeps the change at the current resourceVersion for the watches, when
+    /// `path` is an object of a served resource.
+    fn record(&mut self, path: &str, object: Option<Value>, prev: Option<Value>) {
+        if let Some(route) = Route::parse(path).filter(|r| r.name.is_some() && !r.status) {
+            self.history.record(
+                self.resource_version,
+                route.kind,
+                route.namespace,
+                object,
+                prev,
+            );
+        }
     }
 
     fn list(&self, route: &Route) -> Vec<(String, Value)> {
@@ -315,7 +357,9 @@ impl Objects {
             );
         };
         let params = query::parse(query);
-        if params.iter().any(|(k, v)| k == "watch" && v != "false") {
+        // A watch of a collection never gets here (see `crate::watch`); one of
+        // an object, or with another verb, is not served.
+        if params.iter().any(|(k, v)| k == "watch" && query::truthy(v)) {
             return method_not_allowed(method, &format!("{path}?watch"));
         }
         if params.iter().any(|(k, _)| k == "dryRun") {
@@ -343,11 +387,10 @@ impl Objects {
         }
     }
 
-    fn selected(
-        &self,
-        route: &Route,
-        params: &[(String, String)],
-    ) -> Result<Vec<(String, Value)>, Answer> {
+    /// The field and label selectors of a list or watch, checked as the API
+    /// server checks them: a malformed one, or a field label the resource cannot
+    /// be selected by, is a 400.
+    pub fn selectors(route: &Route, params: &[(String, String)]) -> Result<Selectors, Answer> {
         let mut fields = Vec::new();
         let mut labels = Vec::new();
         for (k, v) in params {
@@ -372,10 +415,20 @@ impl Objects {
                 )));
             }
         }
+        Ok(Selectors { fields, labels })
+    }
+
+    /// The objects of `route`'s collection its selectors pick.
+    pub fn selected(
+        &self,
+        route: &Route,
+        params: &[(String, String)],
+    ) -> Result<Vec<(String, Value)>, Answer> {
+        let selectors = Self::selectors(route, params)?;
         Ok(self
             .list(route)
             .into_iter()
-            .filter(|(_, o)| query::fields_match(o, &fields) && query::labels_match(o, &labels))
+            .filter(|(_, o)| selectors.matches(o))
             .collect())
     }
 
@@ -392,6 +445,13 @@ impl Objects {
     }
 
     fn get_list(&self, route: &Route, params: &[(String, String)]) -> Answer {
+        // ValidateListOptions in staging/src/k8s.io/apiserver/pkg/storage/util.go:
+        // a resourceVersion that is not a number is a 400.
+        if let Some((_, rv)) = params.iter().find(|(k, _)| k == "resourceVersion") {
+            if let Err(e) = crate::watch::parse_resource_version(rv) {
+                return bad_request(&format!("invalid resource version: {e}"));
+            }
+        }
         match self.selected(route, params) {
             Ok(items) => self.list_answer(route, items.into_iter().map(|(_, o)| o).collect()),
             Err(a) => a,
@@ -644,8 +704,7 @@ impl Objects {
         ) {
             return a;
         }
-        self.resource_version += 1;
-        match self.map.remove(&path) {
+        match self.remove(&path) {
             Some(o) => (StatusCode::OK, o),
             None => not_found(route.kind, name),
         }
@@ -659,13 +718,16 @@ impl Objects {
             Ok(items) => items,
             Err(a) => return a,
         };
+        // The registry deletes the items one by one (DeleteCollection in
+        // staging/src/k8s.io/apiserver/pkg/registry/generic/registry/store.go),
+        // so each removal is a change of its own and a watch sees one DELETED
+        // per object.
         let mut deleted = Vec::new();
         for (path, _) in items {
-            if let Some(o) = self.map.remove(&path) {
+            if let Some(o) = self.remove(&path) {
                 deleted.push(o);
             }
         }
-        self.resource_version += 1;
         self.list_answer(route, deleted)
     }
 }
