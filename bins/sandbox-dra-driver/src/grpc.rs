@@ -152,10 +152,7 @@ pub async fn serve(
     ];
     // The endpoint first: kubelet may call it as soon as it sees the registration.
     let mut service = Socket::new(cfg.service_socket(), Kind::Dra(driver.clone()));
-    let mut registration = Socket::new(
-        cfg.registration_socket(),
-        Kind::Registration(cfg, driver),
-    );
+    let mut registration = Socket::new(cfg.registration_socket(), Kind::Registration(cfg, driver));
     service.bind()?;
     if let Err(e) = registration.bind() {
         service.close();
@@ -309,8 +306,10 @@ fn spawn_registration(
     info: PluginInfo,
     driver: Arc<dyn Driver>,
 ) -> oneshot::Sender<()> {
-    let router = Server::builder()
-        .add_service(RegistrationServer::new(RegistrationService { info, driver }));
+    let router = Server::builder().add_service(RegistrationServer::new(RegistrationService {
+        info,
+        driver,
+    }));
     deviceplugin::serve::spawn(listener, router, "registration")
 }
 

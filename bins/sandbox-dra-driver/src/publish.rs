@@ -16,12 +16,12 @@ use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio_stream::StreamExt;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::Api;
 use tokio::sync::Notify;
+use tokio_stream::StreamExt;
 use vfio_sandbox::cluster::Cluster;
 use vfio_sandbox::config::ResourceList;
 use vfio_sandbox::inventory::Inventory;
@@ -111,8 +111,8 @@ impl Publisher {
     async fn watch(self) {
         let selector = self.slices.lock().await.selector();
         let api: Api<ResourceSlice> = Api::all(self.client.clone());
-        let stream = watcher::watcher(api, watcher::Config::default().fields(&selector))
-            .default_backoff();
+        let stream =
+            watcher::watcher(api, watcher::Config::default().fields(&selector)).default_backoff();
         tokio::pin!(stream);
         let mut failing = false;
         while let Some(event) = stream.next().await {

@@ -560,6 +560,119 @@ async fn the_slice_offers_each_selected_function_with_its_attributes_and_no_comp
     assert!(log.contains("keeping this node's ResourceSlice"), "{log}");
 }
 
+/// kubelet's wipe of the node's slices (`pkg/kubelet/cm/dra/plugin/registration.go`,
+/// `wipeResourceSlices`: a DeleteCollection with `spec.nodeName=<node>`), sent by
+/// a kube-rs client as kubelet's client-go sends it.
+async fn wipe_slices(server: &fake_apiserver::FakeApiServer) {
+    use k8s_openapi::api::resource::v1::ResourceSlice;
+    let client = kube::Client::try_from(kube::Config::new(server.url().parse().unwrap())).unwrap();
+    kube::Api::<ResourceSlice>::all(client)
+        .delete_collection(
+            &kube::api::DeleteParams::default(),
+            &kube::api::ListParams::default().fields(&format!("spec.nodeName={NODE}")),
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_wiped_slice_is_back_at_once_without_waiting_for_the_resync() {
+    let scene = Scene::new();
+    let server = cluster();
+    let mut driver = scene.start(&server).await; // --resync-interval 1h
+    driver
+        .wait_until("the ResourceSlice", || slices(&server).len() == 1)
+        .await;
+    let mut took = Vec::new();
+    for round in 0..5 {
+        wipe_slices(&server).await;
+        assert!(slices(&server).is_empty(), "round {round}: wiped");
+        let start = Instant::now();
+        driver
+            .wait_until("the ResourceSlice back", || slices(&server).len() == 1)
+            .await;
+        took.push(start.elapsed());
+        let slice = &slices(&server)[0];
+        assert_eq!(slice["spec"]["devices"].as_array().unwrap().len(), 4);
+    }
+    // A change by another writer is undone as well.
+    let mut slice = slices(&server).remove(0);
+    slice["spec"]["devices"] = json!([]);
+    let name = slice["metadata"]["name"].as_str().unwrap().to_owned();
+    server.put(&paths::resourceslice(&name), slice);
+    let start = Instant::now();
+    driver
+        .wait_until("the devices back", || {
+            slices(&server).first().is_some_and(|s| {
+                s["spec"]["devices"]
+                    .as_array()
+                    .is_some_and(|d| d.len() == 4)
+            })
+        })
+        .await;
+    took.push(start.elapsed());
+    took.sort();
+    println!(
+        "ResourceSlice back after a wipe or a foreign change: median {:?}, max {:?} (resync 1h)",
+        took[took.len() / 2],
+        took[took.len() - 1]
+    );
+    assert!(
+        took[took.len() - 1] < std::time::Duration::from_secs(1),
+        "{took:?}"
+    );
+}
+
+#[tokio::test]
+async fn three_hundred_functions_are_published_as_one_pool_of_three_slices() {
+    let scene = Scene::new();
+    for i in 0..296u32 {
+        scene.node.add_device(
+            &vfio_sandbox::fake::FakeDevice::new(
+                &format!("0000:{:02x}:{:02x}.0", 0x10 + i / 32, i % 32),
+                0x8086,
+                0x10d3,
+                0x02_0000,
+            )
+            .driver("vfio-pci")
+            .group(100 + i),
+        );
+    }
+    let server = cluster();
+    let mut driver = scene.start(&server).await;
+    driver
+        .wait_until("three ResourceSlices", || slices(&server).len() == 3)
+        .await;
+    let mut pools: Vec<(String, Value, usize)> = slices(&server)
+        .iter()
+        .map(|s| {
+            (
+                s["metadata"]["name"].as_str().unwrap().to_owned(),
+                s["spec"]["pool"].clone(),
+                s["spec"]["devices"].as_array().unwrap().len(),
+            )
+        })
+        .collect();
+    pools.sort_by(|a, b| a.0.cmp(&b.0));
+    let pool = json!({"name": NODE, "generation": 1, "resourceSliceCount": 3});
+    assert_eq!(
+        pools,
+        [
+            (
+                "node-a-vfio-sandbox-rebellions-ai".into(),
+                pool.clone(),
+                128
+            ),
+            (
+                "node-a-vfio-sandbox-rebellions-ai-1".into(),
+                pool.clone(),
+                128
+            ),
+            ("node-a-vfio-sandbox-rebellions-ai-2".into(), pool, 44),
+        ]
+    );
+}
+
 // ---------------------------------------------------------------- 3. prepare / unprepare
 
 #[tokio::test]
