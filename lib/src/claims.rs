@@ -149,6 +149,9 @@ pub struct Recovery {
     pub finished: Vec<String>,
     /// Device records that belonged to no claim, restored.
     pub orphans: Vec<PciAddress>,
+    /// Claims of another node's pool (a state file brought from elsewhere), and
+    /// the device records of their groups: forgotten without touching a device.
+    pub foreign: Vec<String>,
     /// What could not be done (kept for a later unprepare or restart).
     pub failed: Vec<String>,
 }
@@ -201,8 +204,11 @@ impl Claims<'_> {
             }
             match existing.phase {
                 ClaimPhase::Prepared => return self.answer(claim, pod_claim_name, &devices, inv),
+                // [`Self::settle`] finishes this before a prepare's scan.
                 ClaimPhase::Unpreparing => {
-                    return Err(refuse("it is being unprepared; retry after that".into()))
+                    return Err(refuse(
+                        "an earlier unprepare or rollback of it is unfinished".into(),
+                    ))
                 }
                 // A failed earlier attempt left it: go through the steps again.
                 ClaimPhase::Preparing => {}
@@ -275,6 +281,76 @@ impl Claims<'_> {
         Ok(answer(&record.devices, &files))
     }
 
+    /// Forgets the claims whose devices are in another pool than ours, and the
+    /// device records of their groups that no claim of ours shares: they describe
+    /// another node, and acting on them (restoring "orphans") could move this
+    /// node's devices of the same address.
+    fn quarantine_foreign(&mut self, out: &mut Recovery) {
+        let claims = self.pt.state.state().claims.clone();
+        let (foreign, local): (Vec<_>, Vec<_>) = claims
+            .iter()
+            .partition(|(_, r)| r.devices.iter().any(|d| d.pool != self.pool));
+        if foreign.is_empty() {
+            return;
+        }
+        let local_groups: BTreeSet<u32> = local.iter().flat_map(|(_, r)| r.groups()).collect();
+        let foreign_groups: BTreeSet<u32> = foreign
+            .iter()
+            .flat_map(|(_, r)| r.groups())
+            .filter(|g| !local_groups.contains(g))
+            .collect();
+        let records: Vec<PciAddress> = self
+            .pt
+            .state
+            .state()
+            .devices
+            .iter()
+            .filter(|(_, r)| foreign_groups.contains(&r.group))
+            .map(|(a, _)| *a)
+            .collect();
+        for a in records {
+            if let Err(e) = self.pt.state.forget(self.pt.kernel, &a) {
+                out.failed.push(format!(
+                    "cannot forget {a}, recorded by a claim of another node: {}",
+                    error_chain(&e)
+                ));
+            }
+        }
+        for (uid, r) in foreign {
+            let pools: BTreeSet<&str> = r.devices.iter().map(|d| d.pool.as_str()).collect();
+            let pools: Vec<&str> = pools.into_iter().collect();
+            let shown = format!(
+                "claim {}/{} (uid {uid}) of pool {} on {} (this node's pool is {})",
+                r.namespace,
+                r.name,
+                pools.join(", "),
+                device_list(&r.devices),
+                self.pool
+            );
+            match self.pt.state.drop_claim(self.pt.kernel, uid) {
+                Ok(()) => out.foreign.push(shown),
+                Err(e) => out
+                    .failed
+                    .push(format!("cannot forget {shown}: {}", error_chain(&e))),
+            }
+        }
+    }
+
+    /// Finishes what an unprepare or a rollback of `claim` left half-done (a claim
+    /// in phase `unpreparing`): call it before the scan a prepare of the claim
+    /// uses, so a retry after the cause went away (a read-only CDI directory made
+    /// writable) prepares afresh instead of being refused for good. Nothing to do
+    /// is `Ok`.
+    pub fn settle(&mut self, claim: &ClaimRef) -> Result<(), ClaimError> {
+        match self.pt.state.state().claims.get(&claim.uid) {
+            Some(r) if r.phase == ClaimPhase::Unpreparing => {
+                let record = r.clone();
+                self.finish_unprepare(claim, record)
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Gives every device of claim `uid` back to the driver it had before prepare
     /// (the whole group, overrides restored) and removes the claim's files. A claim
     /// not prepared here is done already.
@@ -306,10 +382,13 @@ impl Claims<'_> {
         self.finish_unprepare(&shown, record)
     }
 
-    /// Converges after a restart: rolls back claims caught half-prepared, finishes
-    /// claims caught half-unprepared, and restores device records no claim owns.
+    /// Converges after a restart: forgets claims of another pool (a state file
+    /// from another node) and the device records of their groups without touching
+    /// a device, rolls back claims caught half-prepared, finishes claims caught
+    /// half-unprepared, and restores device records no claim owns.
     pub fn recover(&mut self) -> Recovery {
         let mut out = Recovery::default();
+        self.quarantine_foreign(&mut out);
         let claims = self.pt.state.state().claims.clone();
         for (uid, record) in &claims {
             let claim = ClaimRef {

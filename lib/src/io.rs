@@ -177,10 +177,15 @@ fn absent_is_none(read: Result<String, IoError>) -> Result<Option<String>, IoErr
 /// Removes the file at `path`; one that is already gone is fine.
 pub fn remove_if_present(path: &Path) -> Result<(), IoError> {
     match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(IoError::new(Action::Remove, path, e))
-        }
-        _ => Ok(()),
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        // unlink(2) checks that the file system is writable before it looks the
+        // name up, so an absent file on a read-only mount gives EROFS: only a file
+        // that is still there is a failure.
+        Err(e) => match std::fs::symlink_metadata(path) {
+            Err(gone) if gone.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            _ => Err(IoError::new(Action::Remove, path, e)),
+        },
     }
 }
 

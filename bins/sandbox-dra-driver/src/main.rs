@@ -24,6 +24,10 @@ use sandbox_dra_driver::{grpc, publish, service, worker};
 
 const PROGRAM: &str = "sandbox-dra-driver";
 
+/// How long kubelet waits for a DRA call (`defaultClientCallTimeout`,
+/// `pkg/kubelet/cm/dra/plugin`).
+const KUBELET_CALL_TIMEOUT: Duration = Duration::from_secs(45);
+
 /// The default DRA driver name.
 pub const DEFAULT_DRIVER_NAME: &str = "vfio-sandbox.rebellions.ai";
 
@@ -99,9 +103,11 @@ struct Cli {
     /// Kernel modules tree holding <release>/modules.dep (vfio-pci is loaded from it).
     #[arg(long, env = "VFIO_SANDBOX_MODULES_ROOT", default_value = DEFAULT_MODULES_ROOT, value_name = "DIR")]
     modules_root: PathBuf,
-    /// Longest an RPC waits for one claim's prepare or unprepare (90s, 5m, 500ms,
-    /// seconds). A step that takes longer goes on; kubelet's retry gets its result.
-    #[arg(long, env = "VFIO_SANDBOX_PREPARE_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    /// Longest a NodePrepareResources or NodeUnprepareResources call takes, claim
+    /// reads included (90s, 5m, 500ms, seconds); keep it below kubelet's 45 s call
+    /// limit, so kubelet gets our answer rather than DeadlineExceeded. Work left
+    /// at the deadline goes on; kubelet's retry gets its result.
+    #[arg(long, env = "VFIO_SANDBOX_PREPARE_TIMEOUT", default_value = "40s", value_parser = parse_duration)]
     prepare_timeout: Duration,
     /// Full rescan period for the ResourceSlice beneath PCI uevents.
     #[arg(long, env = "VFIO_SANDBOX_RESYNC_INTERVAL", default_value = "5m", value_parser = parse_duration)]
@@ -128,6 +134,12 @@ fn main() -> ExitCode {
             PROGRAM,
             &Usage("--prepare-timeout and --resync-interval must be above zero".into()),
             EXIT_USAGE,
+        );
+    }
+    if cli.prepare_timeout >= KUBELET_CALL_TIMEOUT {
+        tracing::warn!(
+            prepare_timeout = ?cli.prepare_timeout,
+            "--prepare-timeout is not below kubelet's {KUBELET_CALL_TIMEOUT:?} call limit: kubelet may give up before our answer"
         );
     }
     let list = match cli.common.resource_list() {
@@ -174,6 +186,9 @@ fn main() -> ExitCode {
     }
     for c in &recovery.finished {
         tracing::info!(claim = %c, "found half-unprepared after a restart; finished");
+    }
+    for c in &recovery.foreign {
+        tracing::error!(claim = %c, state_file = %cli.state_file.display(), "the state file held a claim of another node; forgot it and its device records without touching a device");
     }
     for a in &recovery.orphans {
         tracing::warn!(bdf = %a, "restored a device no claim owned");

@@ -56,48 +56,76 @@ fn distinct(claims: Vec<ClaimRef>) -> Vec<ClaimRef> {
 
 #[tonic::async_trait]
 impl crate::grpc::Driver for Service {
+    /// One deadline for the whole call (`--prepare-timeout`, below kubelet's 45 s
+    /// call limit): claim reads and the claims thread's work alike. Each claim's
+    /// job is queued as soon as its read is done, so work left at the deadline
+    /// goes on and kubelet's retry gets its result.
     async fn prepare(
         &self,
         claims: Vec<ClaimRef>,
     ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>> {
+        let deadline = self.worker.deadline();
         let mut reads = tokio::task::JoinSet::new();
-        for claim in distinct(claims) {
+        let mut out = BTreeMap::new();
+        let asked = distinct(claims);
+        for claim in asked.iter().cloned() {
+            // Taken on arrival: an unprepare that answers after this wins.
+            let ticket = self.worker.ticket();
+            if claim.uid.is_empty() {
+                out.insert(
+                    claim.uid.clone(),
+                    Err(format!("claim {claim}: kubelet sent no uid")),
+                );
+                continue;
+            }
             let cluster = self.cluster.clone();
             let driver = self.driver.clone();
             let pool = self.pool.clone();
             let permits = self.reads.clone();
             reads.spawn(async move {
-                let allocation = if claim.uid.is_empty() {
-                    Err(format!("claim {claim}: kubelet sent no uid"))
-                } else {
-                    let _permit = permits.acquire().await;
+                let _permit = permits.acquire().await;
+                let allocation =
                     dra::claim_allocation(&cluster.kube_client(), &claim, &driver, &pool)
                         .await
-                        .map_err(|e| error_chain(&e))
-                };
-                (claim, allocation)
+                        .map_err(|e| error_chain(&e));
+                (claim, ticket, allocation)
             });
         }
-        let mut read = Vec::new();
-        while let Some(done) = reads.join_next().await {
-            if let Ok(pair) = done {
-                read.push(pair);
-            }
-        }
-        let mut out = BTreeMap::new();
-        for (claim, allocation) in read {
-            let answer = match allocation {
-                Ok(read) => {
+        let mut pending = Vec::new();
+        loop {
+            let done = match tokio::time::timeout_at(deadline, reads.join_next()).await {
+                Ok(Some(done)) => done,
+                Ok(None) => break,
+                Err(_) => break, // reads still running are answered below
+            };
+            let Ok((claim, ticket, allocation)) = done else {
+                continue;
+            };
+            match allocation {
+                Ok(read) => pending.push((
+                    claim.clone(),
                     self.worker
-                        .prepare(claim.clone(), read.pod_claim_name, read.allocations)
-                        .await
-                }
+                        .prepare(claim, ticket, read.pod_claim_name, read.allocations),
+                )),
                 Err(e) => {
                     tracing::warn!(claim = %claim, error = %e, "cannot prepare");
-                    Err(e)
+                    out.insert(claim.uid, Err(e));
                 }
-            };
-            out.insert(claim.uid, answer);
+            }
+        }
+        reads.abort_all();
+        for (claim, job) in pending {
+            out.insert(claim.uid, self.worker.answer(job, deadline).await);
+        }
+        for claim in asked {
+            if let std::collections::btree_map::Entry::Vacant(e) = out.entry(claim.uid.clone()) {
+                let why = format!(
+                    "claim {claim}: reading it from the API server took too long; {}",
+                    self.worker.late()
+                );
+                tracing::warn!(claim = %claim, "{why}");
+                e.insert(Err(why));
+            }
         }
         out
     }
@@ -109,14 +137,21 @@ impl crate::grpc::Driver for Service {
     }
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
+        let deadline = self.worker.deadline();
         let mut out = BTreeMap::new();
+        let mut pending = Vec::new();
         for claim in distinct(claims) {
-            let answer = if claim.uid.is_empty() {
-                Err(format!("claim {claim}: kubelet sent no uid"))
+            if claim.uid.is_empty() {
+                out.insert(
+                    claim.uid.clone(),
+                    Err(format!("claim {claim}: kubelet sent no uid")),
+                );
             } else {
-                self.worker.unprepare(claim.clone()).await
-            };
-            out.insert(claim.uid, answer);
+                pending.push((claim.uid.clone(), self.worker.unprepare(claim)));
+            }
+        }
+        for (uid, job) in pending {
+            out.insert(uid, self.worker.answer(job, deadline).await);
         }
         out
     }

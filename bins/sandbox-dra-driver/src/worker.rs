@@ -1,12 +1,20 @@
 //! The one thread that changes the node: it owns the state file (and its lock) and
 //! runs each prepare and unprepare to the end, one at a time, on a fresh scan.
 //!
-//! RPC handlers hand it jobs and wait a bounded time for the answer. An unbind that
-//! blocks in a native driver holds this thread, not the RPC: the caller times out
-//! with a message naming what the thread is doing, and kubelet's retry finds the
-//! claim prepared (or gets the error) once the step ends.
+//! RPC handlers hand it jobs and wait for the answers until the call's deadline. An
+//! unbind that blocks in a native driver holds this thread, not the RPC: the caller
+//! times out with a message naming what the thread is doing, and kubelet's retry
+//! finds the claim prepared (or gets the error) once the step ends.
+//!
+//! A prepare takes a [`Ticket`] when its RPC arrives, before its claim is read from
+//! the API server. An unprepare that answers OK marks the claim; a prepare whose
+//! ticket is older than that mark is refused when its turn comes. So a claim whose
+//! unprepare kubelet saw succeed never becomes prepared by a prepare that was
+//! already in flight (its claim read slow, its RPC given up by kubelet).
 
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,6 +31,7 @@ use vfio_sandbox::{error_chain, Host};
 enum Job {
     Prepare {
         claim: ClaimRef,
+        ticket: Ticket,
         pod_claim_name: Option<String>,
         allocations: Vec<Allocation>,
         reply: oneshot::Sender<Result<Vec<PreparedDevice>, String>>,
@@ -49,69 +58,144 @@ pub struct Setup {
     pub files: Files,
 }
 
+/// When a prepare's RPC arrived, in the order of [`Worker`]'s events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Ticket(u64);
+
+/// Unprepares that answered OK, by claim uid: the event count at the time.
+#[derive(Default)]
+struct Unprepared {
+    clock: AtomicU64,
+    marks: Mutex<(HashMap<String, u64>, BTreeMap<u64, String>)>,
+}
+
+/// Marks kept; older ones are forgotten. Unprepares run on the claims thread, so
+/// this many cannot pass while one prepare waits there.
+const MARKS: usize = 4096;
+
+impl Unprepared {
+    fn tick(&self) -> u64 {
+        self.clock.fetch_add(1, Ordering::SeqCst)
+    }
+
+    fn mark(&self, uid: &str) {
+        let now = self.tick();
+        let mut m = vfio_sandbox::kernel::lock(&self.marks);
+        let (by_uid, by_time) = &mut *m;
+        if let Some(old) = by_uid.insert(uid.to_owned(), now) {
+            by_time.remove(&old);
+        }
+        by_time.insert(now, uid.to_owned());
+        while by_time.len() > MARKS {
+            if let Some((_, uid)) = by_time.pop_first() {
+                by_uid.remove(&uid);
+            }
+        }
+    }
+
+    /// True when `uid` was unprepared after `ticket` was taken.
+    fn since(&self, uid: &str, ticket: Ticket) -> bool {
+        let m = vfio_sandbox::kernel::lock(&self.marks);
+        m.0.get(uid).is_some_and(|t| *t > ticket.0)
+    }
+}
+
 /// Handle of the worker thread.
 #[derive(Clone)]
 pub struct Worker {
     tx: std_mpsc::Sender<Job>,
     busy: Arc<Mutex<Option<(String, Instant)>>>,
     timeout: Duration,
+    unprepared: Arc<Unprepared>,
 }
 
 impl Worker {
-    /// Starts the thread. Jobs wait at most `timeout` for their answer.
+    /// Starts the thread. A call waits at most `timeout` for all its answers.
     pub fn start(setup: Setup, timeout: Duration) -> anyhow::Result<Self> {
         let (tx, rx) = std_mpsc::channel();
         let busy = Arc::new(Mutex::new(None));
         let shown = busy.clone();
+        let unprepared = Arc::new(Unprepared::default());
+        let marks = unprepared.clone();
         std::thread::Builder::new()
             .name("claims".into())
-            .spawn(move || work(setup, rx, shown))?;
-        Ok(Self { tx, busy, timeout })
+            .spawn(move || work(setup, rx, shown, &marks))?;
+        Ok(Self {
+            tx,
+            busy,
+            timeout,
+            unprepared,
+        })
     }
 
-    /// Prepares one claim, or says why not (within the timeout).
-    pub async fn prepare(
+    /// The deadline of a call that starts now: the whole call, claim reads
+    /// included, answers by then.
+    pub fn deadline(&self) -> tokio::time::Instant {
+        tokio::time::Instant::now() + self.timeout
+    }
+
+    /// A ticket for a prepare whose RPC arrives now; take it before reading the claim.
+    pub fn ticket(&self) -> Ticket {
+        Ticket(self.unprepared.tick())
+    }
+
+    /// Queues the preparation of one claim; [`Self::answer`] waits for it.
+    pub fn prepare(
         &self,
         claim: ClaimRef,
+        ticket: Ticket,
         pod_claim_name: Option<String>,
         allocations: Vec<Allocation>,
-    ) -> Result<Vec<PreparedDevice>, String> {
+    ) -> Pending<Vec<PreparedDevice>> {
         let (reply, rx) = oneshot::channel();
-        self.ask(
+        self.send(
             Job::Prepare {
                 claim,
+                ticket,
                 pod_claim_name,
                 allocations,
                 reply,
             },
             rx,
         )
-        .await
     }
 
-    /// Unprepares one claim, or says why not (within the timeout).
-    pub async fn unprepare(&self, claim: ClaimRef) -> Result<(), String> {
+    /// Queues the unpreparation of one claim; [`Self::answer`] waits for it.
+    pub fn unprepare(&self, claim: ClaimRef) -> Pending<()> {
         let (reply, rx) = oneshot::channel();
-        self.ask(Job::Unprepare { claim, reply }, rx).await
+        self.send(Job::Unprepare { claim, reply }, rx)
     }
 
-    async fn ask<T>(
+    fn send<T>(&self, job: Job, rx: oneshot::Receiver<Result<T, String>>) -> Pending<T> {
+        match self.tx.send(job) {
+            Ok(()) => Pending(Some(rx)),
+            Err(_) => Pending(None),
+        }
+    }
+
+    /// The answer of a queued job, or why there is none by `deadline`.
+    pub async fn answer<T>(
         &self,
-        job: Job,
-        rx: oneshot::Receiver<Result<T, String>>,
+        pending: Pending<T>,
+        deadline: tokio::time::Instant,
     ) -> Result<T, String> {
-        self.tx
-            .send(job)
-            .map_err(|_| "the claims thread has stopped".to_owned())?;
-        match tokio::time::timeout(self.timeout, rx).await {
+        let rx = pending
+            .0
+            .ok_or_else(|| "the claims thread has stopped".to_owned())?;
+        match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(_)) => Err("the claims thread stopped before answering".into()),
-            Err(_) => Err(format!(
-                "not done within {:?} ({}); the work goes on and a retry gets its result",
-                self.timeout,
-                self.doing()
-            )),
+            Err(_) => Err(self.late()),
         }
+    }
+
+    /// Why a call ran out of time, naming what the thread is doing.
+    pub fn late(&self) -> String {
+        format!(
+            "not done within {:?} ({}); the work goes on and a retry gets its result",
+            self.timeout,
+            self.doing()
+        )
     }
 
     /// What the thread is doing now, for people.
@@ -123,10 +207,14 @@ impl Worker {
     }
 }
 
+/// A job handed to the claims thread, its answer to come.
+pub struct Pending<T>(Option<oneshot::Receiver<Result<T, String>>>);
+
 fn work(
     mut setup: Setup,
     rx: std_mpsc::Receiver<Job>,
     busy: Arc<Mutex<Option<(String, Instant)>>>,
+    unprepared: &Unprepared,
 ) {
     let kernel = SysKernel;
     while let Ok(job) = rx.recv() {
@@ -150,17 +238,29 @@ fn work(
         match job {
             Job::Prepare {
                 claim,
+                ticket,
                 pod_claim_name,
                 allocations,
                 reply,
             } => {
                 let started = Instant::now();
-                let answer = Inventory::scan(&setup.host, &setup.list)
-                    .map_err(|e| {
-                        format!(
-                            "claim {claim}: cannot scan the node's PCI devices: {}",
-                            error_chain(&e)
-                        )
+                if unprepared.since(&claim.uid, ticket) {
+                    let why = format!("claim {claim}: kubelet unprepared it while this prepare was on its way; not preparing it (a new prepare will)");
+                    tracing::warn!(claim = %claim, "{why}");
+                    let _ = reply.send(Err(why));
+                    continue_after(&busy);
+                    continue;
+                }
+                let answer = claims
+                    .settle(&claim)
+                    .map_err(|e| error_chain(&e))
+                    .and_then(|()| {
+                        Inventory::scan(&setup.host, &setup.list).map_err(|e| {
+                            format!(
+                                "claim {claim}: cannot scan the node's PCI devices: {}",
+                                error_chain(&e)
+                            )
+                        })
                     })
                     .and_then(|inv| {
                         claims
@@ -178,6 +278,9 @@ fn work(
             Job::Unprepare { claim, reply } => {
                 let started = Instant::now();
                 let answer = claims.unprepare(&claim).map_err(|e| error_chain(&e));
+                if answer.is_ok() {
+                    unprepared.mark(&claim.uid);
+                }
                 match &answer {
                     Ok(()) => {
                         tracing::info!(claim = %claim, took = ?started.elapsed(), "unprepared")
@@ -187,9 +290,14 @@ fn work(
                 let _ = reply.send(answer);
             }
         }
-        if let Ok(mut b) = busy.lock() {
-            *b = None;
-        }
+        continue_after(&busy);
+    }
+}
+
+/// The thread is idle again.
+fn continue_after(busy: &Mutex<Option<(String, Instant)>>) {
+    if let Ok(mut b) = busy.lock() {
+        *b = None;
     }
 }
 

@@ -79,6 +79,8 @@ struct Store {
     requests: Vec<(String, String)>,
     fail: Option<(u32, u16, Option<Method>)>,
     race: Option<(Method, u32)>,
+    /// Requests whose method and path start like this wait this long first.
+    latency: Option<(Method, String, std::time::Duration)>,
 }
 
 /// A running fake API server; it stops when dropped.
@@ -237,6 +239,13 @@ impl FakeApiServer {
         lock(&self.store).race = (n > 0).then_some((method, n));
     }
 
+    /// Every later `method` request whose path starts with `prefix` waits `delay`
+    /// before it is served (a slow or distant API server); `None` stops that.
+    pub fn set_latency(&self, latency: Option<(&str, &str, std::time::Duration)>) {
+        lock(&self.store).latency = latency
+            .and_then(|(m, p, d)| Some((Method::from_bytes(m.as_bytes()).ok()?, p.to_owned(), d)));
+    }
+
     /// Writes a kubeconfig for this server into `dir` and returns its path.
     pub fn write_kubeconfig(&self, dir: &Path) -> std::io::Result<PathBuf> {
         let path = dir.join("kubeconfig");
@@ -301,6 +310,17 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
         .uri()
         .path_and_query()
         .map_or_else(|| path.clone(), |p| p.as_str().to_owned());
+    let delay = lock(store)
+        .latency
+        .clone()
+        .filter(|(m, p, _)| *m == method && path.starts_with(p.as_str()));
+    if let Some((_, _, d)) = &delay {
+        // Seen on arrival, answered after the delay.
+        lock(store)
+            .requests
+            .push((method.to_string(), with_query.clone()));
+        tokio::time::sleep(*d).await;
+    }
     let body = match req.into_body().collect().await {
         Ok(b) => b.to_bytes(),
         Err(e) => {
@@ -312,7 +332,9 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
         }
     };
     let mut s = lock(store);
-    s.requests.push((method.to_string(), with_query));
+    if delay.is_none() {
+        s.requests.push((method.to_string(), with_query));
+    }
     if let Some((n, code, only)) = s
         .fail
         .clone()

@@ -151,7 +151,8 @@ impl Scene {
             .args(["--metadata-dir", &arg(self.metadata_dir())])
             .args(["--state-file", &arg(self.state_file())])
             .args(["--manager-state-file", &arg(self.manager_state_file())])
-            .args(["--resync-interval", "1h", "--prepare-timeout", "10s"])
+            .args(["--resync-interval", "1h"])
+            .env("VFIO_SANDBOX_PREPARE_TIMEOUT", "10s")
             .stdin(Stdio::null())
             .stdout(Stdio::null());
         // A file, not a pipe: a thousand refused claims log more than a pipe holds.
