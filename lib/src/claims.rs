@@ -98,6 +98,23 @@ pub enum ClaimError {
         /// Why.
         reason: String,
     },
+    /// A device of the claim is not this node's to give: another pool, a name this
+    /// driver does not publish, a function the resource list does not select.
+    #[error("claim {claim}: {reason}")]
+    NotOurs {
+        /// The claim.
+        claim: String,
+        /// Why.
+        reason: String,
+    },
+    /// A group of the claim is prepared for another claim; nothing was touched.
+    #[error("claim {claim}: {reason}")]
+    Held {
+        /// The claim.
+        claim: String,
+        /// Which group, and the claim holding it.
+        reason: String,
+    },
     /// A VM still holds a group of the claim; nothing was touched; retry later.
     #[error(
         "claim {claim}: {} still open (a VM holds it); not giving the devices back yet",
@@ -120,6 +137,82 @@ pub enum ClaimError {
         /// What failed and what was done about it.
         detail: String,
     },
+}
+
+impl ClaimError {
+    /// Why, in one word.
+    pub fn failure(&self) -> Failure {
+        match self {
+            Self::Refused { .. } => Failure::Refused,
+            Self::NotOurs { .. } => Failure::NotOurs,
+            Self::Held { .. } | Self::InUse { .. } => Failure::GroupHeld,
+            Self::Failed { .. } => Failure::Failed,
+        }
+    }
+}
+
+/// Why a prepare or unprepare of a claim failed, in one word: the `reason` label of
+/// the driver's failure metric and the reason of the Event on the claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Failure {
+    /// An IOMMU group is prepared for another claim, or a VM still holds it.
+    GroupHeld,
+    /// The claim's devices are not this node's to give, or it has none.
+    NotOurs,
+    /// The call's deadline passed first; the work goes on.
+    Timeout,
+    /// The claim could not be read from the API server.
+    ApiServer,
+    /// Another agent owns the node's devices.
+    NotOwner,
+    /// kubelet unprepared the claim while this prepare was on its way.
+    Unprepared,
+    /// The request cannot be served as asked (names, a changed allocation).
+    Refused,
+    /// A step on the node failed (what was moved is put back).
+    Failed,
+}
+
+impl Failure {
+    /// Every failure, for series present at zero.
+    pub const ALL: [Failure; 8] = [
+        Failure::GroupHeld,
+        Failure::NotOurs,
+        Failure::Timeout,
+        Failure::ApiServer,
+        Failure::NotOwner,
+        Failure::Unprepared,
+        Failure::Refused,
+        Failure::Failed,
+    ];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::GroupHeld => "group_held",
+            Self::NotOurs => "not_ours",
+            Self::Timeout => "timeout",
+            Self::ApiServer => "api_server",
+            Self::NotOwner => "not_owner",
+            Self::Unprepared => "unprepared",
+            Self::Refused => "refused",
+            Self::Failed => "failed",
+        }
+    }
+
+    /// The reason of an Event (UpperCamelCase, as Kubernetes writes them).
+    pub fn event_reason(self) -> &'static str {
+        match self {
+            Self::GroupHeld => "IOMMUGroupHeld",
+            Self::NotOurs => "NotOurDevice",
+            Self::Timeout => "PrepareTimedOut",
+            Self::ApiServer => "ClaimReadFailed",
+            Self::NotOwner => "NodeOwnedByOther",
+            Self::Unprepared => "UnpreparedMeanwhile",
+            Self::Refused => "PrepareRefused",
+            Self::Failed => "PrepareFailed",
+        }
+    }
 }
 
 fn group_nodes(groups: &[u32]) -> String {
@@ -454,24 +547,28 @@ impl Claims<'_> {
             claim: claim.to_string(),
             reason,
         };
+        let not_ours = |reason: String| ClaimError::NotOurs {
+            claim: claim.to_string(),
+            reason,
+        };
         if claim.uid.is_empty() {
             return Err(refuse("kubelet sent no uid".into()));
         }
         if allocations.is_empty() {
-            return Err(refuse(
+            return Err(not_ours(
                 "no device of this driver is allocated to it on this node".into(),
             ));
         }
         let mut devices = Vec::with_capacity(allocations.len());
         for a in allocations {
             if a.pool != self.pool {
-                return Err(refuse(format!(
+                return Err(not_ours(format!(
                     "device {} is in pool {:?}, not this node's pool {:?}",
                     a.device, a.pool, self.pool
                 )));
             }
             let Some(address) = parse_device_name(&a.device) else {
-                return Err(refuse(format!(
+                return Err(not_ours(format!(
                     "device {:?} is not a device this driver publishes",
                     a.device
                 )));
@@ -484,7 +581,7 @@ impl Claims<'_> {
                     Some(s) => format!("it is left out ({s})"),
                     None => "the resource list does not select it on this node".into(),
                 };
-                return Err(refuse(format!("device {} ({address}): {why}", a.device)));
+                return Err(not_ours(format!("device {} ({address}): {why}", a.device)));
             };
             let Some(group) = entry.device.iommu_group else {
                 return Err(refuse(format!(
@@ -497,10 +594,13 @@ impl Claims<'_> {
                     **uid != claim.uid && c.devices.iter().any(|d| d.group == group)
                 })
             {
-                return Err(refuse(format!(
+                return Err(ClaimError::Held {
+                    claim: claim.to_string(),
+                    reason: format!(
                     "device {} ({address}) is in IOMMU group {group}, which is prepared for claim {}/{} (uid {uid})",
                     a.device, other.namespace, other.name
-                )));
+                ),
+                });
             }
             devices.push(ClaimDevice {
                 request_names: a.request_names.clone(),

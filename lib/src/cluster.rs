@@ -382,6 +382,45 @@ impl Cluster {
             uid: Some(self.identity.node.clone()),
             ..ObjectReference::default()
         };
+        let what = format!("post Event {reason} on Node {}", self.identity.node);
+        self.event(&reference, &what, warning, reason, action, note)
+            .await
+    }
+
+    /// Posts a Warning Event about a ResourceClaim (in its namespace, where
+    /// `kubectl describe resourceclaim` and the pod's owner look).
+    pub async fn claim_event(
+        &self,
+        claim: &crate::claims::ClaimRef,
+        reason: &str,
+        action: &str,
+        note: &str,
+    ) -> Result<(), ClusterError> {
+        let reference = ObjectReference {
+            api_version: Some("resource.k8s.io/v1".into()),
+            kind: Some("ResourceClaim".into()),
+            name: Some(claim.name.clone()),
+            namespace: Some(claim.namespace.clone()),
+            uid: Some(claim.uid.clone()),
+            ..ObjectReference::default()
+        };
+        let what = format!(
+            "post Event {reason} on ResourceClaim {}/{}",
+            claim.namespace, claim.name
+        );
+        self.event(&reference, &what, true, reason, action, note)
+            .await
+    }
+
+    async fn event(
+        &self,
+        reference: &ObjectReference,
+        what: &str,
+        warning: bool,
+        reason: &str,
+        action: &str,
+        note: &str,
+    ) -> Result<(), ClusterError> {
         let event = Event {
             type_: if warning {
                 EventType::Warning
@@ -393,11 +432,10 @@ impl Cluster {
             action: action.into(),
             secondary: None,
         };
-        let what = format!("post Event {reason} on Node {}", self.identity.node);
         bounded(
-            &what,
+            what,
             EVENT_TIMEOUT,
-            self.recorder.publish(&event, &reference),
+            self.recorder.publish(&event, reference),
         )
         .await
     }

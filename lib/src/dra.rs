@@ -217,6 +217,10 @@ pub struct Report {
     pub names: Vec<String>,
     /// The pool generation they carry now.
     pub generation: i64,
+    /// Slices created by this reconcile.
+    pub created: usize,
+    /// Slices rewritten by this reconcile.
+    pub updated: usize,
     /// Other slices of ours on this node that were deleted (duplicates, stale pools).
     pub deleted: Vec<String>,
     /// `(name, resourceVersion)` of each of our slices as they stand now: a watch
@@ -453,6 +457,8 @@ impl Slices {
                     action: Action::Unchanged,
                     names,
                     generation: top,
+                    created: 0,
+                    updated: 0,
                     deleted: Vec::new(),
                     versions: slices.iter().map(version).collect(),
                 });
@@ -498,8 +504,11 @@ impl Slices {
                 Action::Updated
             };
             tracing::info!(slices = %names.join(","), ?action, generation, devices = devices.len(), "ResourceSlices written");
+            let created = current.iter().filter(|s| s.is_none()).count();
             return Ok(Report {
                 action,
+                created,
+                updated: names.len() - created,
                 names,
                 generation,
                 deleted,
@@ -721,6 +730,21 @@ pub enum ClaimError {
 }
 
 impl ClaimError {
+    /// Why, in one word: the claim is not this node's to prepare, or the API
+    /// server did not answer.
+    pub fn failure(&self) -> crate::claims::Failure {
+        use crate::claims::Failure;
+        match self {
+            Self::Request { .. } | Self::Timeout { .. } => Failure::ApiServer,
+            Self::NotFound { .. }
+            | Self::UidMismatch { .. }
+            | Self::NotAllocated { .. }
+            | Self::OtherPool { .. }
+            | Self::NoDevices { .. } => Failure::NotOurs,
+            Self::AdminAccess { .. } => Failure::Refused,
+        }
+    }
+
     /// True when asking again may give another answer (the API server was not
     /// reached, or the claim may yet be written); kubelet retries every error, so
     /// this only tunes what is logged.

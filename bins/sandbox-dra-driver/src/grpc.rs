@@ -103,6 +103,11 @@ impl GrpcConfig {
             .join(deviceplugin::DRA_SERVICE_SOCKET)
     }
 
+    /// Both sockets kubelet dials.
+    pub fn sockets(&self) -> Vec<PathBuf> {
+        vec![self.registration_socket(), self.service_socket()]
+    }
+
     /// What `GetInfo` answers: type `DRAPlugin`, the driver name, the service
     /// socket, and both versions, v1 first (kubelet picks the first it knows).
     pub fn plugin_info(&self) -> PluginInfo {

@@ -1,8 +1,10 @@
 //! The pieces of `sandbox-dra-driver`, a library so its tests drive them directly:
 //! the kubelet-facing gRPC servers, the service behind them, the thread that changes
-//! the node, and the ResourceSlice publisher.
+//! the node, the ResourceSlice publisher, its metrics and readiness.
 
 pub mod grpc;
+pub mod metrics;
 pub mod publish;
+pub mod ready;
 pub mod service;
 pub mod worker;

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use tokio::signal::unix::{signal, SignalKind};
 use vfio_sandbox::cdi::{DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
 use vfio_sandbox::claims::{Claims, Files};
@@ -16,10 +16,13 @@ use vfio_sandbox::cli::{fail, parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_U
 use vfio_sandbox::cluster::{Cluster, Identity, Verdict};
 use vfio_sandbox::host::DEFAULT_MODULES_ROOT;
 use vfio_sandbox::kernel::SysKernel;
+use vfio_sandbox::metrics::{self as endpoint, ListenAddress};
 use vfio_sandbox::passthrough::Passthrough;
 use vfio_sandbox::state::{StateError, StateFile, DEFAULT_DRA_STATE_FILE, DEFAULT_STATE_FILE};
 use vfio_sandbox::{error_chain, module};
 
+use sandbox_dra_driver::metrics::Metrics;
+use sandbox_dra_driver::ready::{self, Readiness, DEFAULT_READY_FILE};
 use sandbox_dra_driver::{grpc, publish, service, worker};
 
 const PROGRAM: &str = "sandbox-dra-driver";
@@ -51,18 +54,26 @@ state file lists devices. SIGTERM/SIGINT stop serving; devices of prepared claim
 with their VMs. If the DaemonSet no longer selects this node (an uninstall), the
 ResourceSlice is deleted too.
 
-Exit codes: 0 stopped by a signal, 1 the node or the API server could not be used,
-2 bad usage or config (nothing touched).";
+While kubelet has accepted its registration and this node's ResourceSlices are
+published, it keeps a ready file (--ready-file); `sandbox-dra-driver ready` is its
+readiness probe. A failed prepare is posted as a Warning Event on its ResourceClaim.
+With --metrics-address, Prometheus metrics are served at http://ADDR/metrics.
+
+Exit codes: 0 stopped by a signal (ready: ready), 1 the node or the API server could
+not be used (ready: not ready), 2 bad usage or config (nothing touched).";
 
 /// Command line.
 #[derive(Debug, Parser)]
 #[command(name = PROGRAM, version, about = "DRA driver: VFIO passthrough of whole IOMMU groups per ResourceClaim", long_about = LONG_ABOUT)]
+#[command(subcommand_negates_reqs = true)]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
     #[command(flatten)]
     common: CommonArgs,
     /// This node's name (downward API spec.nodeName): the pool and the slice's node.
-    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
-    node_name: String,
+    #[arg(long, env = "NODE_NAME", value_name = "NAME", required = true)]
+    node_name: Option<String>,
     /// This pod's name (downward API), to find its DaemonSet at stop.
     #[arg(long, env = "POD_NAME", value_name = "NAME")]
     pod_name: Option<String>,
@@ -115,14 +126,45 @@ struct Cli {
     /// Also give containers /dev/iommu and /dev/vfio/devices/vfioN (iommufd).
     #[arg(long, env = "VFIO_SANDBOX_IOMMUFD")]
     iommufd: bool,
+    /// Written (JSON) while kubelet has accepted the registration and this node's
+    /// ResourceSlices are published; removed otherwise and at stop. `ready` checks it.
+    #[arg(long, env = "VFIO_SANDBOX_READY_FILE", default_value = DEFAULT_READY_FILE, value_name = "FILE", global = true)]
+    ready_file: PathBuf,
+    /// Serve Prometheus metrics (OpenMetrics text) at http://ADDR/metrics: claims
+    /// prepared and unprepared, call latency, failures by reason, devices per state,
+    /// ResourceSlice writes. ADDR is IP:PORT (0.0.0.0:9404, [::]:9404,
+    /// 127.0.0.1:9404) or :PORT for every address. Default: off, no port opened.
+    #[arg(long, env = "VFIO_SANDBOX_METRICS_ADDRESS", value_name = "ADDR", value_parser = endpoint::parse_address)]
+    metrics_address: Option<ListenAddress>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// The readiness probe: exit 0 when the ready file says kubelet accepted the
+    /// registration and the ResourceSlices are published, and the sockets kubelet
+    /// dials are there; 1 otherwise, saying why.
+    Ready,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::Ready) = cli.command {
+        return match ready::probe(&cli.ready_file) {
+            Ok(what) => {
+                vfio_sandbox::outln!("ready: {what}");
+                ExitCode::SUCCESS
+            }
+            Err(why) => {
+                vfio_sandbox::outln!("not ready: {why}");
+                ExitCode::from(EXIT_NOT_READY)
+            }
+        };
+    }
     cli.common.init_logging();
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
-    if cli.node_name.trim().is_empty() {
+    let node_name = cli.node_name.clone().unwrap_or_default();
+    if node_name.trim().is_empty() {
         return fail(
             PROGRAM,
             &Usage("--node-name (NODE_NAME) is empty".into()),
@@ -177,7 +219,7 @@ fn main() -> ExitCode {
             state: &mut state,
             release: release.clone(),
         },
-        pool: &cli.node_name,
+        pool: &node_name,
         files: &files,
     }
     .recover();
@@ -197,14 +239,17 @@ fn main() -> ExitCode {
         tracing::error!(error = %f, "could not finish after a restart; kept for a later unprepare");
     }
     let prepared = state.state().claims.len();
+    let mut registry = endpoint::registry();
+    let metrics = Arc::new(Metrics::new(&mut registry));
     let worker = match worker::Worker::start(
         worker::Setup {
             host: host.clone(),
             list: list.clone(),
             state,
             release,
-            pool: cli.node_name.clone(),
+            pool: node_name.clone(),
             files,
+            metrics: metrics.clone(),
         },
         cli.prepare_timeout,
     ) {
@@ -224,7 +269,15 @@ fn main() -> ExitCode {
         Ok(r) => r,
         Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
     };
-    match runtime.block_on(run(cli, host, list, worker)) {
+    let setup = Serve {
+        node_name,
+        host,
+        list,
+        worker,
+        registry,
+        metrics,
+    };
+    match runtime.block_on(run(cli, setup)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(PROGRAM, e.as_ref(), EXIT_NOT_READY),
     }
@@ -269,17 +322,44 @@ fn check_no_manager(path: &std::path::Path) -> Result<(), String> {
     ))
 }
 
-async fn run(
-    cli: Cli,
+/// What serving needs beside the command line.
+struct Serve {
+    node_name: String,
     host: vfio_sandbox::Host,
     list: vfio_sandbox::config::ResourceList,
     worker: worker::Worker,
-) -> anyhow::Result<()> {
+    registry: endpoint::Registry,
+    metrics: Arc<Metrics>,
+}
+
+async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
+    let Serve {
+        node_name,
+        host,
+        list,
+        worker,
+        registry,
+        metrics,
+    } = setup;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sighup = signal(SignalKind::hangup())?;
+    if let Some(address) = &cli.metrics_address {
+        let listener = endpoint::bind(address).await?;
+        tracing::info!(address = %listener.local_addr()?, "serving metrics at /metrics");
+        tokio::spawn(endpoint::serve(listener, Arc::new(registry)));
+    }
+    let grpc_config = grpc::GrpcConfig {
+        driver_name: cli.driver_name.clone(),
+        registry_dir: cli.registry_dir.clone(),
+        plugins_dir: cli.plugins_dir.clone(),
+    };
+    let readiness = Arc::new(Readiness::new(
+        cli.ready_file.clone(),
+        grpc_config.sockets(),
+    ));
     let identity = Identity {
-        node: cli.node_name.clone(),
+        node: node_name.clone(),
         pod: cli.pod_namespace.clone().zip(cli.pod_name.clone()),
         controller: PROGRAM.into(),
     };
@@ -289,32 +369,32 @@ async fn run(
     let publisher = publish::Publisher::new(
         cluster.clone(),
         cli.driver_name.clone(),
-        cli.node_name.clone(),
+        node_name.clone(),
         host,
         list,
         cli.resync_interval,
+        publish::Reports {
+            readiness: readiness.clone(),
+            metrics: metrics.clone(),
+        },
     );
     let registered = Arc::new(tokio::sync::Notify::new());
     let publishing = tokio::spawn(publisher.clone().run(registered.clone()));
     let driver = Arc::new(service::Service::new(
         cluster.clone(),
         cli.driver_name.clone(),
-        cli.node_name.clone(),
+        node_name.clone(),
         worker,
-        registered,
+        service::Reporting {
+            registered,
+            readiness: readiness.clone(),
+            metrics,
+        },
     ));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(grpc::serve(
-        grpc::GrpcConfig {
-            driver_name: cli.driver_name.clone(),
-            registry_dir: cli.registry_dir.clone(),
-            plugins_dir: cli.plugins_dir.clone(),
-        },
-        driver,
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let serving = tokio::spawn(grpc::serve(grpc_config, driver, async move {
+        let _ = stop_rx.await;
+    }));
     tokio::pin!(serving);
     let result = tokio::select! {
         _ = sigterm.recv() => { tracing::info!(signal = "SIGTERM", "stopping"); Ok(()) }
@@ -326,9 +406,11 @@ async fn run(
             Err(e) => Err(anyhow::anyhow!("the kubelet API server task failed: {e}")),
         },
     };
+    readiness.clear();
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(5), &mut serving).await;
     publishing.abort();
+    readiness.clear();
     let claims = worker::prepared_claims(&cli.state_file);
     if !claims.is_empty() {
         tracing::info!(claims = %claims.join(", "), "prepared claims keep their devices on vfio until kubelet unprepares them");

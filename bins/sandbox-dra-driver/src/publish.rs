@@ -27,6 +27,9 @@ use vfio_sandbox::config::ResourceList;
 use vfio_sandbox::inventory::Inventory;
 use vfio_sandbox::{dra, error_chain, uevent, Host};
 
+use crate::metrics::Metrics;
+use crate::ready::Readiness;
+
 /// Waits after a failed API write before trying again, doubling up to the resync.
 const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 
@@ -42,6 +45,16 @@ pub struct Publisher {
     ours: Arc<Mutex<BTreeSet<(String, String)>>>,
     /// Wakes the loop: a foreign change seen by the watcher, or a registration.
     wake: Arc<Notify>,
+    readiness: Arc<Readiness>,
+    metrics: Arc<Metrics>,
+}
+
+/// Where the publisher reports each pass.
+pub struct Reports {
+    /// Told the slices of each pass, or that it failed.
+    pub readiness: Arc<Readiness>,
+    /// Slice writes and published devices.
+    pub metrics: Arc<Metrics>,
 }
 
 impl Publisher {
@@ -53,6 +66,7 @@ impl Publisher {
         host: Host,
         list: ResourceList,
         resync: Duration,
+        reports: Reports,
     ) -> Self {
         let client = cluster.kube_client();
         Self {
@@ -67,6 +81,8 @@ impl Publisher {
             resync,
             ours: Arc::default(),
             wake: Arc::default(),
+            readiness: reports.readiness,
+            metrics: reports.metrics,
         }
     }
 
@@ -85,11 +101,14 @@ impl Publisher {
         let mut backoff = FIRST_BACKOFF;
         loop {
             let wait = match self.reconcile().await {
-                Ok(()) => {
+                Ok(names) => {
+                    self.readiness.published(Some(names));
                     backoff = FIRST_BACKOFF;
                     self.resync
                 }
                 Err(e) => {
+                    self.readiness.published(None);
+                    self.metrics.publish_failed();
                     tracing::warn!(error = %e, retry_in = ?backoff, "cannot publish this node's ResourceSlices");
                     let wait = backoff;
                     backoff = (backoff * 2).min(self.resync);
@@ -146,7 +165,8 @@ impl Publisher {
         vfio_sandbox::kernel::lock(&self.ours).contains(&key)
     }
 
-    async fn reconcile(&self) -> Result<(), String> {
+    /// Publishes the node's devices; the names of our slices.
+    async fn reconcile(&self) -> Result<Vec<String>, String> {
         let host = self.host.clone();
         let list = self.list.clone();
         let inv = tokio::task::spawn_blocking(move || Inventory::scan(&host, &list))
@@ -162,8 +182,9 @@ impl Publisher {
             .await
             .map_err(|e| error_chain(&e))?;
         tracing::debug!(?report, "ResourceSlices reconciled");
+        self.metrics.published(devices.len(), &report);
         *vfio_sandbox::kernel::lock(&self.ours) = report.versions.into_iter().collect();
-        Ok(())
+        Ok(report.names)
     }
 
     /// Deletes this node's slices (an uninstall).

@@ -1,15 +1,20 @@
 //! The DRA kubelet service behind both API versions: each claim's allocation is read
-//! from the API server, then the claims thread prepares or unprepares it.
+//! from the API server, then the claims thread prepares or unprepares it. Every
+//! answer is counted (metrics), and a failed prepare is posted as a Warning Event on
+//! its ResourceClaim.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use tokio::sync::{Notify, Semaphore};
-use vfio_sandbox::claims::{ClaimRef, PreparedDevice};
+use vfio_sandbox::claims::{ClaimRef, Failure, PreparedDevice};
 use vfio_sandbox::cluster::Cluster;
 use vfio_sandbox::{dra, error_chain};
 
-use crate::worker::Worker;
+use crate::metrics::{Metrics, Operation};
+use crate::ready::Readiness;
+use crate::worker::{Failed, Worker};
 
 /// At most this many ResourceClaims are read from the API server at once.
 const PARALLEL_READS: usize = 8;
@@ -22,17 +27,29 @@ pub struct Service {
     worker: Worker,
     reads: Arc<Semaphore>,
     registered: Arc<Notify>,
+    readiness: Arc<Readiness>,
+    metrics: Arc<Metrics>,
+}
+
+/// What the service reports to besides kubelet.
+pub struct Reporting {
+    /// Notified each time kubelet accepts our registration (the publisher
+    /// publishes again).
+    pub registered: Arc<Notify>,
+    /// The ready file.
+    pub readiness: Arc<Readiness>,
+    /// The metrics.
+    pub metrics: Arc<Metrics>,
 }
 
 impl Service {
-    /// A service for `driver` on the node whose pool is `pool`; `registered` is
-    /// notified each time kubelet accepts our registration.
+    /// A service for `driver` on the node whose pool is `pool`.
     pub fn new(
         cluster: Cluster,
         driver: String,
         pool: String,
         worker: Worker,
-        registered: Arc<Notify>,
+        reporting: Reporting,
     ) -> Self {
         Self {
             cluster,
@@ -40,7 +57,39 @@ impl Service {
             pool,
             worker,
             reads: Arc::new(Semaphore::new(PARALLEL_READS)),
-            registered,
+            registered: reporting.registered,
+            readiness: reporting.readiness,
+            metrics: reporting.metrics,
+        }
+    }
+
+    /// Counts each answer, and posts a Warning Event on each claim whose prepare
+    /// failed (in the background: kubelet's answer does not wait for it).
+    fn report<T>(
+        &self,
+        op: Operation,
+        started: Instant,
+        answers: &[(ClaimRef, &Result<T, Failed>)],
+    ) {
+        self.metrics.call(op, started.elapsed().as_secs_f64());
+        for (claim, answer) in answers {
+            let failed = answer.as_ref().err();
+            self.metrics.claim(op, failed.map(|f| f.failure));
+            let (Some(failed), Operation::Prepare) = (failed, op) else {
+                continue;
+            };
+            let cluster = self.cluster.clone();
+            let claim = claim.clone();
+            let reason = failed.failure.event_reason();
+            let note = failed.message.clone();
+            tokio::spawn(async move {
+                if let Err(e) = cluster
+                    .claim_event(&claim, reason, "PrepareResources", &note)
+                    .await
+                {
+                    tracing::debug!(claim = %claim, error = %error_chain(&e), "cannot post an Event on the claim");
+                }
+            });
         }
     }
 }
@@ -64,6 +113,7 @@ impl crate::grpc::Driver for Service {
         &self,
         claims: Vec<ClaimRef>,
     ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>> {
+        let started = Instant::now();
         let deadline = self.worker.deadline();
         let mut reads = tokio::task::JoinSet::new();
         let mut out = BTreeMap::new();
@@ -74,7 +124,10 @@ impl crate::grpc::Driver for Service {
             if claim.uid.is_empty() {
                 out.insert(
                     claim.uid.clone(),
-                    Err(format!("claim {claim}: kubelet sent no uid")),
+                    Err(Failed::new(
+                        Failure::Refused,
+                        format!("claim {claim}: kubelet sent no uid"),
+                    )),
                 );
                 continue;
             }
@@ -87,7 +140,7 @@ impl crate::grpc::Driver for Service {
                 let allocation =
                     dra::claim_allocation(&cluster.kube_client(), &claim, &driver, &pool)
                         .await
-                        .map_err(|e| error_chain(&e));
+                        .map_err(|e| Failed::new(e.failure(), error_chain(&e)));
                 (claim, ticket, allocation)
             });
         }
@@ -108,7 +161,7 @@ impl crate::grpc::Driver for Service {
                         .prepare(claim, ticket, read.pod_claim_name, read.allocations),
                 )),
                 Err(e) => {
-                    tracing::warn!(claim = %claim, error = %e, "cannot prepare");
+                    tracing::warn!(claim = %claim, error = %e.message, "cannot prepare");
                     out.insert(claim.uid, Err(e));
                 }
             }
@@ -117,34 +170,47 @@ impl crate::grpc::Driver for Service {
         for (claim, job) in pending {
             out.insert(claim.uid, self.worker.answer(job, deadline).await);
         }
-        for claim in asked {
+        for claim in &asked {
             if let std::collections::btree_map::Entry::Vacant(e) = out.entry(claim.uid.clone()) {
                 let why = format!(
                     "claim {claim}: reading it from the API server took too long; {}",
                     self.worker.late()
                 );
                 tracing::warn!(claim = %claim, "{why}");
-                e.insert(Err(why));
+                e.insert(Err(Failed::new(Failure::Timeout, why)));
             }
         }
-        out
+        let answered: Vec<_> = asked
+            .into_iter()
+            .filter_map(|c| out.get(&c.uid).map(|a| (c, a)))
+            .collect();
+        self.report(Operation::Prepare, started, &answered);
+        out.into_iter()
+            .map(|(uid, a)| (uid, a.map_err(|f| f.message)))
+            .collect()
     }
 
     fn registration_status(&self, registered: bool) {
+        self.readiness.registered(registered);
         if registered {
             self.registered.notify_one();
         }
     }
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
+        let started = Instant::now();
         let deadline = self.worker.deadline();
         let mut out = BTreeMap::new();
         let mut pending = Vec::new();
-        for claim in distinct(claims) {
+        let asked = distinct(claims);
+        for claim in asked.iter().cloned() {
             if claim.uid.is_empty() {
                 out.insert(
                     claim.uid.clone(),
-                    Err(format!("claim {claim}: kubelet sent no uid")),
+                    Err(Failed::new(
+                        Failure::Refused,
+                        format!("claim {claim}: kubelet sent no uid"),
+                    )),
                 );
             } else {
                 pending.push((claim.uid.clone(), self.worker.unprepare(claim)));
@@ -153,6 +219,13 @@ impl crate::grpc::Driver for Service {
         for (uid, job) in pending {
             out.insert(uid, self.worker.answer(job, deadline).await);
         }
-        out
+        let answered: Vec<_> = asked
+            .into_iter()
+            .filter_map(|c| out.get(&c.uid).map(|a| (c, a)))
+            .collect();
+        self.report(Operation::Unprepare, started, &answered);
+        out.into_iter()
+            .map(|(uid, a)| (uid, a.map_err(|f| f.message)))
+            .collect()
     }
 }

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
-use vfio_sandbox::claims::{Allocation, ClaimRef, Claims, Files, PreparedDevice};
+use vfio_sandbox::claims::{Allocation, ClaimRef, Claims, Failure, Files, PreparedDevice};
 use vfio_sandbox::config::ResourceList;
 use vfio_sandbox::inventory::Inventory;
 use vfio_sandbox::kernel::SysKernel;
@@ -28,17 +28,42 @@ use vfio_sandbox::passthrough::Passthrough;
 use vfio_sandbox::state::StateFile;
 use vfio_sandbox::{error_chain, Host};
 
+use crate::metrics::Metrics;
+
+/// Why a claim was not prepared or unprepared: the message kubelet gets, and the
+/// reason in one word for metrics and Events.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failed {
+    /// Why, in one word.
+    pub failure: Failure,
+    /// What kubelet gets.
+    pub message: String,
+}
+
+impl Failed {
+    /// A failure for `failure`, said as `message`.
+    pub fn new(failure: Failure, message: String) -> Self {
+        Self { failure, message }
+    }
+}
+
+impl From<vfio_sandbox::claims::ClaimError> for Failed {
+    fn from(e: vfio_sandbox::claims::ClaimError) -> Self {
+        Self::new(e.failure(), error_chain(&e))
+    }
+}
+
 enum Job {
     Prepare {
         claim: ClaimRef,
         ticket: Ticket,
         pod_claim_name: Option<String>,
         allocations: Vec<Allocation>,
-        reply: oneshot::Sender<Result<Vec<PreparedDevice>, String>>,
+        reply: oneshot::Sender<Result<Vec<PreparedDevice>, Failed>>,
     },
     Unprepare {
         claim: ClaimRef,
-        reply: oneshot::Sender<Result<(), String>>,
+        reply: oneshot::Sender<Result<(), Failed>>,
     },
 }
 
@@ -56,6 +81,8 @@ pub struct Setup {
     pub pool: String,
     /// Where claim files go.
     pub files: Files,
+    /// Device gauges, set after every job.
+    pub metrics: Arc<Metrics>,
 }
 
 /// When a prepare's RPC arrived, in the order of [`Worker`]'s events.
@@ -166,7 +193,7 @@ impl Worker {
         self.send(Job::Unprepare { claim, reply }, rx)
     }
 
-    fn send<T>(&self, job: Job, rx: oneshot::Receiver<Result<T, String>>) -> Pending<T> {
+    fn send<T>(&self, job: Job, rx: oneshot::Receiver<Result<T, Failed>>) -> Pending<T> {
         match self.tx.send(job) {
             Ok(()) => Pending(Some(rx)),
             Err(_) => Pending(None),
@@ -178,14 +205,15 @@ impl Worker {
         &self,
         pending: Pending<T>,
         deadline: tokio::time::Instant,
-    ) -> Result<T, String> {
+    ) -> Result<T, Failed> {
+        let stopped = |what: &str| Failed::new(Failure::Failed, what.to_owned());
         let rx = pending
             .0
-            .ok_or_else(|| "the claims thread has stopped".to_owned())?;
+            .ok_or_else(|| stopped("the claims thread has stopped"))?;
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(answer)) => answer,
-            Ok(Err(_)) => Err("the claims thread stopped before answering".into()),
-            Err(_) => Err(self.late()),
+            Ok(Err(_)) => Err(stopped("the claims thread stopped before answering")),
+            Err(_) => Err(Failed::new(Failure::Timeout, self.late())),
         }
     }
 
@@ -208,7 +236,7 @@ impl Worker {
 }
 
 /// A job handed to the claims thread, its answer to come.
-pub struct Pending<T>(Option<oneshot::Receiver<Result<T, String>>>);
+pub struct Pending<T>(Option<oneshot::Receiver<Result<T, Failed>>>);
 
 fn work(
     mut setup: Setup,
@@ -217,6 +245,7 @@ fn work(
     unprepared: &Unprepared,
 ) {
     let kernel = SysKernel;
+    held(&setup);
     while let Ok(job) = rx.recv() {
         let what = match &job {
             Job::Prepare { claim, .. } => format!("preparing claim {claim}"),
@@ -247,37 +276,42 @@ fn work(
                 if unprepared.since(&claim.uid, ticket) {
                     let why = format!("claim {claim}: kubelet unprepared it while this prepare was on its way; not preparing it (a new prepare will)");
                     tracing::warn!(claim = %claim, "{why}");
-                    let _ = reply.send(Err(why));
+                    let _ = reply.send(Err(Failed::new(Failure::Unprepared, why)));
                     continue_after(&busy);
                     continue;
                 }
                 let answer = claims
                     .settle(&claim)
-                    .map_err(|e| error_chain(&e))
+                    .map_err(Failed::from)
                     .and_then(|()| {
                         Inventory::scan(&setup.host, &setup.list).map_err(|e| {
-                            format!(
-                                "claim {claim}: cannot scan the node's PCI devices: {}",
-                                error_chain(&e)
+                            Failed::new(
+                                Failure::Failed,
+                                format!(
+                                    "claim {claim}: cannot scan the node's PCI devices: {}",
+                                    error_chain(&e)
+                                ),
                             )
                         })
                     })
                     .and_then(|inv| {
                         claims
                             .prepare(&claim, pod_claim_name.as_deref(), &allocations, &inv)
-                            .map_err(|e| error_chain(&e))
+                            .map_err(Failed::from)
                     });
                 match &answer {
                     Ok(devices) => {
                         tracing::info!(claim = %claim, devices = devices.len(), took = ?started.elapsed(), "prepared")
                     }
-                    Err(e) => tracing::warn!(claim = %claim, error = %e, "prepare failed"),
+                    Err(e) => {
+                        tracing::warn!(claim = %claim, error = %e.message, "prepare failed")
+                    }
                 }
                 let _ = reply.send(answer);
             }
             Job::Unprepare { claim, reply } => {
                 let started = Instant::now();
-                let answer = claims.unprepare(&claim).map_err(|e| error_chain(&e));
+                let answer = claims.unprepare(&claim).map_err(Failed::from);
                 if answer.is_ok() {
                     unprepared.mark(&claim.uid);
                 }
@@ -285,13 +319,23 @@ fn work(
                     Ok(()) => {
                         tracing::info!(claim = %claim, took = ?started.elapsed(), "unprepared")
                     }
-                    Err(e) => tracing::warn!(claim = %claim, error = %e, "unprepare failed"),
+                    Err(e) => {
+                        tracing::warn!(claim = %claim, error = %e.message, "unprepare failed")
+                    }
                 }
                 let _ = reply.send(answer);
             }
         }
+        held(&setup);
         continue_after(&busy);
     }
+}
+
+/// Sets the device gauges from the state file.
+fn held(setup: &Setup) {
+    let state = setup.state.state();
+    let prepared = state.claims.values().map(|c| c.devices.len()).sum();
+    setup.metrics.held(prepared, state.devices.len());
 }
 
 /// The thread is idle again.

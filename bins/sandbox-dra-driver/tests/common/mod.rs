@@ -98,6 +98,10 @@ impl Scene {
         self.root().join("run/dra/state.json")
     }
 
+    pub fn ready_file(&self) -> PathBuf {
+        self.root().join("run/dra/ready")
+    }
+
     pub fn manager_state_file(&self) -> PathBuf {
         self.root().join("run/vfio-manager/state.json")
     }
@@ -150,6 +154,7 @@ impl Scene {
             .args(["--cdi-dir", &arg(self.cdi_dir())])
             .args(["--metadata-dir", &arg(self.metadata_dir())])
             .args(["--state-file", &arg(self.state_file())])
+            .args(["--ready-file", &arg(self.ready_file())])
             .args(["--manager-state-file", &arg(self.manager_state_file())])
             .args(["--resync-interval", "1h"])
             .env("VFIO_SANDBOX_PREPARE_TIMEOUT", "10s")

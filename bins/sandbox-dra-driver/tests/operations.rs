@@ -1,0 +1,389 @@
+//! Operating the real `sandbox-dra-driver` binary as the other agents are operated:
+//! its readiness probe, its metrics endpoint, and the Events it posts on the
+//! ResourceClaims it cannot prepare; on a fake node, with the kubelet-like peer
+//! and the stand-in API server.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use common::*;
+use fake_apiserver::objects::DeviceResult;
+use fake_apiserver::paths;
+use kubelet_peer::dra::{self, Version};
+use serde_json::Value;
+
+const U1: &str = "0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a";
+const U3: &str = "7a3b5c1d-9e2f-4a6b-8c0d-2e4f6a8b0c1d";
+const U4: &str = "3c5e7a9b-1d2f-4b6c-8e0a-4c6e8a0b2d3f";
+const U5: &str = "9b1d3f5a-7c2e-4d6f-8a0b-6d8f0a2c4e5b";
+
+/// `sandbox-dra-driver ready` for the scene: exit code and output.
+fn probe(scene: &Scene) -> (Option<i32>, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sandbox-dra-driver"))
+        .env_clear()
+        .arg("ready")
+        .arg("--ready-file")
+        .arg(scene.ready_file())
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code(), text)
+}
+
+fn assert_contains(text: &str, parts: &[&str]) {
+    for p in parts {
+        assert!(text.contains(p), "{p:?} missing from: {text}");
+    }
+}
+
+/// Ready once kubelet accepted the registration and the slice is published; not
+/// ready while either is missing, when kubelet refuses the registration, while a
+/// publish fails, or after the driver stopped.
+#[tokio::test]
+async fn ready_means_registered_and_published() {
+    let scene = Scene::new();
+    let server = cluster();
+    let mut driver = scene.start(&server).await;
+    driver
+        .wait_until("the slice", || !slices(&server).is_empty())
+        .await;
+    let (code, out) = probe(&scene);
+    assert_eq!(code, Some(1), "published, not registered: {out}");
+    assert_contains(&out, &["not ready:", "does not exist"]);
+
+    register(&scene).await;
+    let file = scene.ready_file();
+    driver.wait_until("the ready file", || file.exists()).await;
+    let (code, out) = probe(&scene);
+    assert_eq!(code, Some(0), "{out}");
+    assert_contains(
+        &out,
+        &["ready: registered with kubelet; 1 ResourceSlice(s) published (node-a-vfio-sandbox-rebellions-ai)"],
+    );
+
+    // kubelet refuses a registration (NotifyRegistrationStatus false): not ready
+    // until it accepts one again.
+    dra::notify(
+        &scene.registration_socket(),
+        deviceplugin::pluginregistration::RegistrationStatus {
+            plugin_registered: false,
+            error: "no supported version".into(),
+        },
+    )
+    .await
+    .unwrap();
+    driver
+        .wait_until("the ready file to go", || !file.exists())
+        .await;
+    assert_eq!(probe(&scene).0, Some(1));
+    register(&scene).await;
+    driver
+        .wait_until("the ready file again", || file.exists())
+        .await;
+
+    // A publish that fails (kubelet wiped the slice, the API server refuses the
+    // write): not ready until a publish succeeds.
+    server.fail_next_on("POST", 3, 500);
+    server.remove(&paths::resourceslice("node-a-vfio-sandbox-rebellions-ai"));
+    driver
+        .wait_until("not ready while the slice cannot be written", || {
+            !file.exists()
+        })
+        .await;
+    driver
+        .wait_until("ready once the slice is back", || {
+            file.exists() && !slices(&server).is_empty()
+        })
+        .await;
+    assert_eq!(probe(&scene).0, Some(0));
+
+    let (status, log) = driver.terminate().await;
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(!file.exists(), "the ready file goes at stop");
+    let (code, out) = probe(&scene);
+    assert_eq!(code, Some(1));
+    assert_contains(&out, &["not ready:"]);
+}
+
+/// A ready file whose sockets are gone, or that is not a ready file, is not ready.
+#[test]
+fn the_probe_checks_the_sockets_and_refuses_foreign_files() {
+    let scene = Scene::new();
+    let file = scene.ready_file();
+    std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+    let reg = scene.registration_socket();
+    std::fs::write(
+        &file,
+        format!(
+            r#"{{"registered":true,"slices":["s"],"sockets":["{}"]}}"#,
+            reg.display()
+        ),
+    )
+    .unwrap();
+    let (code, out) = probe(&scene);
+    assert_eq!(code, Some(1));
+    assert_contains(&out, &["not ready:", &reg.display().to_string()]);
+    std::fs::create_dir_all(reg.parent().unwrap()).unwrap();
+    let _listener = std::os::unix::net::UnixListener::bind(&reg).unwrap();
+    assert_eq!(probe(&scene).0, Some(0));
+    for garbage in [
+        "",
+        "{",
+        "[]",
+        r#"{"registered":false,"slices":[],"sockets":[]}"#,
+        r#"{"registered":true,"slices":[1],"sockets":[]}"#,
+    ] {
+        std::fs::write(&file, garbage).unwrap();
+        let (code, out) = probe(&scene);
+        assert_eq!(code, Some(1), "{garbage:?}: {out}");
+        assert_contains(&out, &["not ready:", "ready file"]);
+    }
+}
+
+/// The address the driver's log says it serves metrics on.
+fn metrics_address(driver: &Driver) -> Option<String> {
+    driver.log().lines().find_map(|l| {
+        if !l.contains("serving metrics at /metrics") {
+            return None;
+        }
+        let at = l.find("address=")? + "address=".len();
+        Some(l[at..].split_whitespace().next()?.to_owned())
+    })
+}
+
+fn scrape(address: &str) -> String {
+    let mut s = std::net::TcpStream::connect(address).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    out
+}
+
+/// The value of one series (`name{labels}`).
+fn value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+}
+
+/// One claim each way a prepare fails on a node: a group another claim holds, a
+/// device of another node, a claim read that outlasts the call. Each is counted by
+/// reason and posted as a Warning Event on its ResourceClaim; the claim that works
+/// and its unprepare are counted too, with the devices and the slice writes.
+#[tokio::test]
+async fn prepare_failures_are_counted_by_reason_and_posted_on_their_claims() {
+    let scene = Scene::new();
+    let server = cluster();
+    let card = |device: &str| ours("card", device);
+    let c1 = put_claim(
+        &server,
+        "vm1-card",
+        U1,
+        Some(&[card("pci-0000-01-00-0"), card("pci-0000-01-00-1")]),
+        None,
+    );
+    let held = put_claim(
+        &server,
+        "vm3-card",
+        U3,
+        Some(&[card("pci-0000-01-00-1")]),
+        None,
+    );
+    let elsewhere = put_claim(
+        &server,
+        "vm4-nic",
+        U4,
+        Some(&[DeviceResult::new(
+            "nic",
+            DRIVER,
+            "node-b",
+            "pci-0000-02-00-0",
+        )]),
+        None,
+    );
+    let slow = put_claim(
+        &server,
+        "vm5-disk",
+        U5,
+        Some(&[ours("disk", "pci-0000-03-00-0")]),
+        None,
+    );
+    let mut driver = scene
+        .start_with(
+            &server,
+            &[
+                ("VFIO_SANDBOX_METRICS_ADDRESS", "127.0.0.1:0"),
+                ("VFIO_SANDBOX_PREPARE_TIMEOUT", "1s"),
+            ],
+        )
+        .await;
+    driver
+        .wait_until("the slice", || !slices(&server).is_empty())
+        .await;
+    let address = metrics_address(&driver).expect("no metrics address in the log");
+    let mut client = scene.client(Version::V1).await;
+    let answers = client.prepare(std::slice::from_ref(&c1)).await.unwrap().claims;
+    assert_eq!(answers[U1].error, "");
+    let answers = client
+        .prepare(&[held, elsewhere])
+        .await
+        .unwrap()
+        .claims;
+    assert_contains(&answers[U3].error, &["IOMMU group 5", "vm1-card"]);
+    assert_contains(&answers[U4].error, &["node-b"]);
+    let text = scrape(&address);
+    assert_eq!(
+        value(&text, r#"vfio_sandbox_dra_devices{state="prepared"}"#),
+        2.0
+    );
+    assert_eq!(
+        value(&text, r#"vfio_sandbox_dra_devices{state="published"}"#),
+        4.0
+    );
+    server.set_latency(Some((
+        "GET",
+        &paths::resourceclaim(NS, "vm5-disk"),
+        Duration::from_millis(1500),
+    )));
+    let answers = client.prepare(std::slice::from_ref(&slow)).await.unwrap().claims;
+    assert_contains(&answers[U5].error, &["took too long"]);
+    server.set_latency(None);
+    let answers = client.unprepare(std::slice::from_ref(&c1)).await.unwrap().claims;
+    assert_eq!(answers[U1].error, "");
+
+    let text = scrape(&address);
+    for (series, want) in [
+        (
+            r#"vfio_sandbox_dra_claims_total{operation="prepare",result="ok"}"#,
+            1.0,
+        ),
+        (
+            r#"vfio_sandbox_dra_claims_total{operation="prepare",result="error"}"#,
+            3.0,
+        ),
+        (
+            r#"vfio_sandbox_dra_claims_total{operation="unprepare",result="ok"}"#,
+            1.0,
+        ),
+        (
+            r#"vfio_sandbox_dra_claims_total{operation="unprepare",result="error"}"#,
+            0.0,
+        ),
+        (
+            r#"vfio_sandbox_dra_failures_total{operation="prepare",reason="group_held"}"#,
+            1.0,
+        ),
+        (
+            r#"vfio_sandbox_dra_failures_total{operation="prepare",reason="not_ours"}"#,
+            1.0,
+        ),
+        (
+            r#"vfio_sandbox_dra_failures_total{operation="prepare",reason="timeout"}"#,
+            1.0,
+        ),
+        (
+            r#"vfio_sandbox_dra_failures_total{operation="prepare",reason="failed"}"#,
+            0.0,
+        ),
+        (
+            r#"vfio_sandbox_dra_call_seconds_count{operation="prepare"}"#,
+            3.0,
+        ),
+        (
+            r#"vfio_sandbox_dra_call_seconds_count{operation="unprepare"}"#,
+            1.0,
+        ),
+        (r#"vfio_sandbox_dra_devices{state="prepared"}"#, 0.0),
+        (r#"vfio_sandbox_dra_devices{state="published"}"#, 4.0),
+        (
+            r#"vfio_sandbox_dra_slice_writes_total{action="create"}"#,
+            1.0,
+        ),
+        (
+            r#"vfio_sandbox_dra_slice_writes_total{action="error"}"#,
+            0.0,
+        ),
+    ] {
+        assert_eq!(value(&text, series), want, "{series}");
+    }
+    // The slow call took about its 1 s bound, and no call more.
+    assert!(
+        value(
+            &text,
+            r#"vfio_sandbox_dra_call_seconds_sum{operation="prepare"}"#
+        ) < 3.0
+    );
+
+    // One Warning Event per failed claim, on the claim, in its namespace.
+    let events = || server.list(&paths::events(NS));
+    driver
+        .wait_until("three Events", || events().len() >= 3)
+        .await;
+    let mut seen: Vec<(String, String, String)> = events()
+        .iter()
+        .map(|e: &Value| {
+            assert_eq!(e["type"], "Warning", "{e}");
+            assert_eq!(e["action"], "PrepareResources", "{e}");
+            assert_eq!(e["regarding"]["kind"], "ResourceClaim", "{e}");
+            assert_eq!(e["regarding"]["apiVersion"], "resource.k8s.io/v1", "{e}");
+            assert_eq!(e["regarding"]["namespace"], NS, "{e}");
+            (
+                e["reason"].as_str().unwrap().to_owned(),
+                e["regarding"]["name"].as_str().unwrap().to_owned(),
+                e["regarding"]["uid"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("IOMMUGroupHeld".into(), "vm3-card".into(), U3.into()),
+            ("NotOurDevice".into(), "vm4-nic".into(), U4.into()),
+            ("PrepareTimedOut".into(), "vm5-disk".into(), U5.into()),
+        ]
+    );
+    let note = |reason: &str| {
+        events()
+            .into_iter()
+            .find(|e| e["reason"] == reason)
+            .and_then(|e| e["note"].as_str().map(str::to_owned))
+            .unwrap()
+    };
+    assert_contains(&note("IOMMUGroupHeld"), &["IOMMU group 5", "vm1-card"]);
+    let (status, log) = driver.terminate().await;
+    assert_eq!(status.code(), Some(0), "{log}");
+}
+
+/// `ready` needs no node name, and `--help` names the probe and the metrics.
+#[test]
+fn help_names_the_probe_the_ready_file_and_the_metrics() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sandbox-dra-driver"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert_contains(
+        &help,
+        &[
+            "ready",
+            "--ready-file",
+            "--metrics-address",
+            "readiness probe",
+        ],
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sandbox-dra-driver"))
+        .env_clear()
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "serving needs --node-name");
+    assert_contains(&String::from_utf8_lossy(&out.stderr), &["--node-name"]);
+}
