@@ -81,6 +81,9 @@ struct Store {
     race: Option<(Method, u32)>,
     /// Requests whose method and path start like this wait this long first.
     latency: Option<(Method, String, std::time::Duration)>,
+    /// Group versions answered with 404, as by an older server that does not
+    /// serve them (`/apis/resource.k8s.io/v1` before Kubernetes 1.34).
+    unserved: Vec<String>,
 }
 
 /// A running fake API server; it stops when dropped.
@@ -239,6 +242,12 @@ impl FakeApiServer {
         lock(&self.store).race = (n > 0).then_some((method, n));
     }
 
+    /// Answers every request under these group versions (`resource.k8s.io/v1`) with
+    /// 404, discovery included, as a server of a release that does not serve them.
+    pub fn set_unserved(&self, group_versions: &[&str]) {
+        lock(&self.store).unserved = group_versions.iter().map(|s| (*s).to_owned()).collect();
+    }
+
     /// Every later `method` request whose path starts with `prefix` waits `delay`
     /// before it is served (a slow or distant API server); `None` stops that.
     pub fn set_latency(&self, latency: Option<(&str, &str, std::time::Duration)>) {
@@ -310,6 +319,20 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
         .uri()
         .path_and_query()
         .map_or_else(|| path.clone(), |p| p.as_str().to_owned());
+    let unserved = lock(store)
+        .unserved
+        .iter()
+        .any(|gv| path == format!("/apis/{gv}") || path.starts_with(&format!("/apis/{gv}/")));
+    if unserved {
+        lock(store)
+            .requests
+            .push((method.to_string(), with_query.clone()));
+        return respond(status(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            "the server could not find the requested resource",
+        ));
+    }
     let delay = lock(store)
         .latency
         .clone()

@@ -121,6 +121,52 @@ pub(crate) const KINDS: &[Kind] = &[
     },
 ];
 
+/// The `APIResourceList` kube-apiserver answers at a group version's root
+/// (`/api/v1`, `/apis/resource.k8s.io/v1`; `discovery/v1` of
+/// staging/src/k8s.io/apiserver/pkg/endpoints/discovery/version.go): each
+/// resource it serves there, with its kind, scope and verbs, and each status
+/// subresource. `None` for any other path.
+fn discovery(path: &str) -> Option<Value> {
+    let segs: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+    let group_version = match segs.as_slice() {
+        ["api", v] => (*v).to_owned(),
+        ["apis", g, v] => format!("{g}/{v}"),
+        _ => return None,
+    };
+    let verbs = json!([
+        "create",
+        "delete",
+        "deletecollection",
+        "get",
+        "list",
+        "patch",
+        "update",
+        "watch"
+    ]);
+    let mut resources = Vec::new();
+    for k in KINDS.iter().filter(|k| k.group_version == group_version) {
+        resources.push(json!({
+            "name": k.plural, "singularName": k.kind.to_lowercase(), "namespaced": k.namespaced,
+            "kind": k.kind, "verbs": verbs,
+        }));
+        if k.status {
+            resources.push(json!({
+                "name": format!("{}/status", k.plural), "singularName": "",
+                "namespaced": k.namespaced, "kind": k.kind, "verbs": ["get", "patch", "update"],
+            }));
+        }
+    }
+    if resources.is_empty() {
+        return None;
+    }
+    Some(json!({
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": group_version,
+        "resources": resources,
+    }))
+}
+
 /// A request path resolved against [`KINDS`].
 #[derive(Debug, Clone)]
 pub(crate) struct Route {
@@ -349,6 +395,12 @@ impl Objects {
         query: &str,
         body: Option<Value>,
     ) -> Answer {
+        if let Some(list) = discovery(path) {
+            return match method {
+                &Method::GET => (StatusCode::OK, list),
+                _ => method_not_allowed(method, path),
+            };
+        }
         let Some(route) = Route::parse(path) else {
             return status(
                 StatusCode::NOT_FOUND,

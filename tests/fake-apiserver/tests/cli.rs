@@ -87,3 +87,44 @@ fn request_reports_the_real_status_codes() {
     assert!(!ok);
     assert!(out.contains("\"code\":400"), "{out}");
 }
+
+/// A group version's root answers its `APIResourceList` (what kube-rs's
+/// `list_api_group_resources` reads), and a group version switched off answers
+/// 404 at the root and below, as a server of an older release.
+#[test]
+fn discovery_lists_the_served_resources_and_an_unserved_version_is_404() {
+    let s = FakeApiServer::start().unwrap();
+    let url = s.url();
+    let (ok, out, _) = run(&[
+        "request",
+        "--server",
+        &url,
+        "GET",
+        "/apis/resource.k8s.io/v1",
+    ]);
+    assert!(ok, "{out}");
+    let list: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(list["kind"], "APIResourceList");
+    assert_eq!(list["groupVersion"], "resource.k8s.io/v1");
+    let names: Vec<&str> = list["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "resourceslices",
+            "resourceclaims",
+            "resourceclaims/status",
+            "deviceclasses"
+        ]
+    );
+    s.set_unserved(&["resource.k8s.io/v1"]);
+    for path in ["/apis/resource.k8s.io/v1", &paths::resourceslices()] {
+        let (ok, out, _) = run(&["request", "--server", &url, "GET", path]);
+        assert!(!ok, "{path}");
+        assert!(out.contains("\"code\":404"), "{path}: {out}");
+    }
+}
