@@ -52,6 +52,26 @@ pub const MAX_DEVICES_PER_SLICE: usize = 128;
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often [`Slices::reconcile`] re-reads and tries again after a conflict.
 pub const ATTEMPTS: u32 = 5;
+/// The group version of every ResourceSlice and ResourceClaim this driver reads
+/// and writes, served from Kubernetes 1.34 on.
+pub const RESOURCE_API: &str = "resource.k8s.io/v1";
+/// What [`RESOURCE_API`] must list for the driver to work.
+const RESOURCES: [&str; 2] = ["resourceslices", "resourceclaims"];
+
+/// Whether the API server serves [`RESOURCE_API`] with ResourceSlices and
+/// ResourceClaims (its discovery document, `GET /apis/resource.k8s.io/v1`):
+/// `Ok(false)` when it answers 404 or lists neither (a server before 1.34, or
+/// one with the group version turned off), an error when it could not be asked.
+pub async fn resource_api_served(client: &Client) -> Result<bool, SliceError> {
+    let action = format!("read the API server's discovery of {RESOURCE_API}");
+    match bounded(&action, client.list_api_group_resources(RESOURCE_API)).await? {
+        Ok(list) => Ok(RESOURCES
+            .iter()
+            .all(|r| list.resources.iter().any(|have| have.name == *r))),
+        Err(e) if api_status(&e).is_some_and(|s| s.code == 404) => Ok(false),
+        Err(e) => Err(request_error(&action, e)),
+    }
+}
 
 /// The root bus of `dev`'s PCIe hierarchy as sysfs names it (`pciDDDD:BB`): the
 /// bus of the topmost function on its canonical path (the root port, or the

@@ -59,6 +59,9 @@ published, it keeps a ready file (--ready-file); `sandbox-dra-driver ready` is i
 readiness probe. A failed prepare is posted as a Warning Event on its ResourceClaim.
 With --metrics-address, Prometheus metrics are served at http://ADDR/metrics.
 
+It needs Kubernetes 1.34 or newer (the resource.k8s.io/v1 API; it exits saying so
+otherwise) and kubelet 1.32 or newer (DRA kubelet API v1beta1; v1 from 1.34).
+
 Exit codes: 0 stopped by a signal (ready: ready), 1 the node or the API server could
 not be used (ready: not ready), 2 bad usage or config (nothing touched).";
 
@@ -366,6 +369,20 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
     let cluster = Cluster::connect(identity)
         .await
         .map_err(|e| anyhow::anyhow!("cannot set up the API server client: {}", error_chain(&e)))?;
+    match vfio_sandbox::dra::resource_api_served(&cluster.kube_client()).await {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(anyhow::anyhow!(
+                "the API server does not serve {} with ResourceSlices and ResourceClaims, which this driver reads and writes: it needs Kubernetes 1.34 or newer (kubelet 1.32 or newer, within the version skew policy)",
+                vfio_sandbox::dra::RESOURCE_API
+            ))
+        }
+        Err(e) => tracing::warn!(
+            error = %error_chain(&e),
+            "cannot tell whether the API server serves {}; going on (publishing retries)",
+            vfio_sandbox::dra::RESOURCE_API
+        ),
+    }
     let publisher = publish::Publisher::new(
         cluster.clone(),
         cli.driver_name.clone(),

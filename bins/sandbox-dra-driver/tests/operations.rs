@@ -230,13 +230,13 @@ async fn prepare_failures_are_counted_by_reason_and_posted_on_their_claims() {
         .await;
     let address = metrics_address(&driver).expect("no metrics address in the log");
     let mut client = scene.client(Version::V1).await;
-    let answers = client.prepare(std::slice::from_ref(&c1)).await.unwrap().claims;
-    assert_eq!(answers[U1].error, "");
     let answers = client
-        .prepare(&[held, elsewhere])
+        .prepare(std::slice::from_ref(&c1))
         .await
         .unwrap()
         .claims;
+    assert_eq!(answers[U1].error, "");
+    let answers = client.prepare(&[held, elsewhere]).await.unwrap().claims;
     assert_contains(&answers[U3].error, &["IOMMU group 5", "vm1-card"]);
     assert_contains(&answers[U4].error, &["node-b"]);
     let text = scrape(&address);
@@ -253,10 +253,18 @@ async fn prepare_failures_are_counted_by_reason_and_posted_on_their_claims() {
         &paths::resourceclaim(NS, "vm5-disk"),
         Duration::from_millis(1500),
     )));
-    let answers = client.prepare(std::slice::from_ref(&slow)).await.unwrap().claims;
+    let answers = client
+        .prepare(std::slice::from_ref(&slow))
+        .await
+        .unwrap()
+        .claims;
     assert_contains(&answers[U5].error, &["took too long"]);
     server.set_latency(None);
-    let answers = client.unprepare(std::slice::from_ref(&c1)).await.unwrap().claims;
+    let answers = client
+        .unprepare(std::slice::from_ref(&c1))
+        .await
+        .unwrap()
+        .claims;
     assert_eq!(answers[U1].error, "");
 
     let text = scrape(&address);
@@ -386,4 +394,44 @@ fn help_names_the_probe_the_ready_file_and_the_metrics() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "serving needs --node-name");
     assert_contains(&String::from_utf8_lossy(&out.stderr), &["--node-name"]);
+}
+
+/// A cluster whose API server does not serve `resource.k8s.io/v1` (Kubernetes
+/// before 1.34) is refused at start, saying which release is needed, before any
+/// socket is offered to kubelet; one that serves it is asked once, at start.
+#[tokio::test]
+async fn an_api_server_before_1_34_is_refused_naming_the_release_needed() {
+    let scene = Scene::new();
+    let server = cluster();
+    server.set_unserved(&["resource.k8s.io/v1"]);
+    let mut child = scene
+        .command("old-server.log")
+        .env("KUBECONFIG", server.write_kubeconfig(scene.root()).unwrap())
+        .env("NODE_NAME", NODE)
+        .spawn()
+        .unwrap();
+    let status = wait_exit(&mut child).await;
+    let log = std::fs::read_to_string(scene.root().join("old-server.log")).unwrap();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert_contains(
+        &log,
+        &[
+            "does not serve resource.k8s.io/v1",
+            "Kubernetes 1.34 or newer",
+        ],
+    );
+    assert!(
+        !scene.registration_socket().exists(),
+        "nothing offered to kubelet"
+    );
+    assert!(slices(&server).is_empty());
+
+    server.set_unserved(&[]);
+    let driver = scene.start(&server).await;
+    assert!(server
+        .requests()
+        .iter()
+        .any(|(m, p)| m == "GET" && p == "/apis/resource.k8s.io/v1"));
+    let (status, log) = driver.terminate().await;
+    assert_eq!(status.code(), Some(0), "{log}");
 }
