@@ -19,6 +19,7 @@
 //! `DRAPlugin` service.
 
 pub mod dra;
+pub mod grpcgo;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -178,7 +179,9 @@ impl Registration for RegistrationService {
     }
 }
 
-/// A gRPC channel over a Unix socket.
+/// A gRPC channel over a Unix socket, sending `:authority` `localhost` as kubelet's
+/// device manager does (`pkg/kubelet/cm/devicemanager/plugin/v1beta1/client.go`,
+/// `dial`: `grpc.WithAuthority("localhost")`).
 pub async fn channel(path: &Path) -> anyhow::Result<Channel> {
     Ok(deviceplugin::unix_channel(path).await?)
 }

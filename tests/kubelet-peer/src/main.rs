@@ -27,7 +27,7 @@ use clap::{Parser, Subcommand};
 use deviceplugin::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, Empty, ListAndWatchResponse,
 };
-use kubelet_peer::dra::{self, Dra, Version};
+use kubelet_peer::dra::{self, Dra, KubeletVersion, Version};
 use kubelet_peer::{connect, Kubelet};
 use tokio_stream::StreamExt;
 use vfio_sandbox::claims::ClaimRef;
@@ -97,6 +97,11 @@ struct Registry {
     /// How long to wait for a registration socket to appear.
     #[arg(long, default_value = "10s", value_parser = vfio_sandbox::cli::parse_duration_or_zero)]
     timeout: Duration,
+    /// The kubelet release to play: its version check and service choice, and the
+    /// `:authority` its DRA client sends (1.32: the percent-encoded socket path;
+    /// 1.34: `localhost`). Registration always sends the percent-encoded path.
+    #[arg(long, default_value = "1.34")]
+    kubelet: KubeletVersion,
 }
 
 #[derive(Debug, clap::Args)]
@@ -124,7 +129,7 @@ enum DraCmd {
 
 /// Registers and connects in the requested (or kubelet's) version.
 async fn dra_client(calls: &Calls) -> anyhow::Result<Dra> {
-    let r = dra::register(&calls.registry.registry, calls.registry.timeout).await?;
+    let r = register(&calls.registry).await?;
     let version = calls.version.unwrap_or(r.chosen);
     if !r.supported_versions.iter().any(|v| v == version.service()) {
         anyhow::bail!(
@@ -134,7 +139,13 @@ async fn dra_client(calls: &Calls) -> anyhow::Result<Dra> {
             r.supported_versions
         );
     }
-    Dra::connect(&r.endpoint_path(), version).await
+    Dra::connect_as(&r.endpoint_path(), version, calls.registry.kubelet).await
+}
+
+/// Finds the registration socket and registers as the chosen kubelet does.
+async fn register(r: &Registry) -> anyhow::Result<dra::Registered> {
+    let socket = dra::find_registration_socket(&r.registry, r.timeout).await?;
+    dra::register_socket_as(&socket, r.kubelet).await
 }
 
 /// Prints the answer and its problems; true when there are none.
@@ -151,7 +162,7 @@ fn report<T: serde::Serialize + dra::ClaimError>(
 async fn run_dra(cmd: DraCmd) -> anyhow::Result<bool> {
     match cmd {
         DraCmd::Register(r) => {
-            let registered = dra::register(&r.registry, r.timeout).await?;
+            let registered = register(&r).await?;
             println!("{}", serde_json::to_string(&registered)?);
             Ok(true)
         }
