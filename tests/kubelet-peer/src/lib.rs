@@ -18,8 +18,10 @@
 //! The [`dra`] module plays kubelet's side of DRA plugin registration and of the
 //! `DRAPlugin` service.
 
+pub mod api;
 pub mod dra;
 pub mod grpcgo;
+pub mod manager;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
