@@ -30,7 +30,12 @@ impl Api {
     }
 
     /// One request; `path` may carry a query.
-    pub async fn call(&self, method: &str, path: &str, body: Option<&Value>) -> anyhow::Result<Reply> {
+    pub async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> anyhow::Result<Reply> {
         let mut conn = tokio::net::TcpStream::connect(&self.host).await?;
         let body = body.map(Value::to_string).unwrap_or_default();
         let mut req = format!(
@@ -71,7 +76,8 @@ fn parse_response(raw: &[u8]) -> anyhow::Result<Reply> {
         .ok_or_else(|| anyhow::anyhow!("bad status line from the API server"))?;
     let chunked = lines.any(|l| {
         l.split_once(':').is_some_and(|(k, v)| {
-            k.trim().eq_ignore_ascii_case("transfer-encoding") && v.trim().eq_ignore_ascii_case("chunked")
+            k.trim().eq_ignore_ascii_case("transfer-encoding")
+                && v.trim().eq_ignore_ascii_case("chunked")
         })
     });
     let mut body = raw[split + 4..].to_vec();
@@ -112,8 +118,14 @@ mod tests {
     #[test]
     fn answers_parse_plain_and_chunked() {
         let plain = b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\n{\"a\":1}";
-        assert_eq!(parse_response(plain).unwrap(), (200, serde_json::json!({"a": 1})));
+        assert_eq!(
+            parse_response(plain).unwrap(),
+            (200, serde_json::json!({"a": 1}))
+        );
         let chunked = b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"b\r\n4\r\n\":2}\r\n0\r\n\r\n";
-        assert_eq!(parse_response(chunked).unwrap(), (404, serde_json::json!({"b": 2})));
+        assert_eq!(
+            parse_response(chunked).unwrap(),
+            (404, serde_json::json!({"b": 2}))
+        );
     }
 }

@@ -238,7 +238,11 @@ pub fn crc32_ieee(data: &[u8]) -> u32 {
     for &b in data {
         crc ^= u32::from(b);
         for _ in 0..8 {
-            crc = if crc & 1 != 0 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
         }
     }
     !crc
@@ -335,7 +339,11 @@ fn read_checkpoint(text: &str) -> anyhow::Result<BTreeMap<(String, String), Clai
         .unwrap_or_default();
     let strings = |v: &Value| -> Vec<String> {
         v.as_array()
-            .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_owned)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s.as_str().map(str::to_owned))
+                    .collect()
+            })
             .unwrap_or_default()
     };
     let mut out = BTreeMap::new();
@@ -428,7 +436,9 @@ struct Peer {
 }
 
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
-    state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    state
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Runs until dropped (abort the task to "kill kubelet"; start again with the
@@ -512,18 +522,24 @@ impl Peer {
         for _ in 0..100 {
             let node = self
                 .api
-                .get(&format!("/api/v1/nodes/{}", percent_encode_query(&self.cfg.node)))
+                .get(&format!(
+                    "/api/v1/nodes/{}",
+                    percent_encode_query(&self.cfg.node)
+                ))
                 .await;
             if matches!(node, Ok((200, _))) {
                 // client-go sends the (empty) DeleteOptions as the body.
-                let body = json!({"kind": "DeleteOptions", "apiVersion": self.cfg.kubelet.resource_api()});
+                let body =
+                    json!({"kind": "DeleteOptions", "apiVersion": self.cfg.kubelet.resource_api()});
                 match self.api.call("DELETE", &path, Some(&body)).await {
                     Ok((200, list)) => {
                         let deleted = list["items"]
                             .as_array()
                             .map(|a| {
                                 a.iter()
-                                    .filter_map(|o| o["metadata"]["name"].as_str().map(str::to_owned))
+                                    .filter_map(|o| {
+                                        o["metadata"]["name"].as_str().map(str::to_owned)
+                                    })
                                     .collect()
                             })
                             .unwrap_or_default();
@@ -574,7 +590,10 @@ impl Peer {
         for (socket, ino) in now {
             let (is_known, retry_at) = {
                 let st = lock(&self.state);
-                (st.known.contains_key(&socket), st.retry_registration.get(&socket).copied())
+                (
+                    st.known.contains_key(&socket),
+                    st.retry_registration.get(&socket).copied(),
+                )
             };
             if is_known || retry_at.is_some_and(|t| Instant::now() < t) {
                 continue;
@@ -589,9 +608,10 @@ impl Peer {
         // instance cannot take over the endpoint of another of the same driver.
         let accept = |info: &deviceplugin::pluginregistration::PluginInfo| {
             let st = lock(&self.state);
-            let taken = st.plugins.get(&info.name).is_some_and(|ps| {
-                ps.iter().any(|p| p.endpoint == Path::new(&info.endpoint))
-            });
+            let taken = st
+                .plugins
+                .get(&info.name)
+                .is_some_and(|ps| ps.iter().any(|p| p.endpoint == Path::new(&info.endpoint)));
             if kubelet == KubeletVersion::V1_34 && taken {
                 return Err(format!(
                     "endpoint {} already registered for DRA driver plugin {}",
@@ -707,7 +727,10 @@ impl Peer {
                 .plugins
                 .get(driver)
                 .is_some_and(|ps| ps.iter().any(|p| p.connected));
-            let pending = st.pending_wipes.get(driver).is_some_and(|h| !h.is_finished());
+            let pending = st
+                .pending_wipes
+                .get(driver)
+                .is_some_and(|h| !h.is_finished());
             (usable, pending)
         };
         if usable {
@@ -725,7 +748,9 @@ impl Peer {
             tokio::time::sleep(delay).await;
             peer.wipe("driver-cleanup", Some(&d)).await;
         });
-        lock(&self.state).pending_wipes.insert(driver.to_owned(), handle);
+        lock(&self.state)
+            .pending_wipes
+            .insert(driver.to_owned(), handle);
         self.emit(Event::WipeScheduled {
             driver: driver.to_owned(),
             delay_ms: u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
@@ -779,15 +804,19 @@ impl Peer {
         let found = {
             let st = lock(&self.state);
             st.plugins.get(driver).and_then(|ps| {
-                let p = ps.iter().rev().find(|p| p.connected).or_else(|| ps.last())?;
+                let p = ps
+                    .iter()
+                    .rev()
+                    .find(|p| p.connected)
+                    .or_else(|| ps.last())?;
                 Some((p.endpoint.clone(), p.chosen, p.client.clone()))
             })
         };
         let Some((endpoint, chosen, client)) = found else {
             return Err(match self.cfg.kubelet {
-                KubeletVersion::V1_32 => format!(
-                    "plugin name {driver} not found in the list of registered DRA plugins"
-                ),
+                KubeletVersion::V1_32 => {
+                    format!("plugin name {driver} not found in the list of registered DRA plugins")
+                }
                 KubeletVersion::V1_34 => format!("DRA driver {driver} is not registered"),
             });
         };
@@ -830,7 +859,10 @@ impl Peer {
             let due = {
                 let st = lock(&self.state);
                 !st.ready.contains(&pod.uid)
-                    && st.retry_pod.get(&pod.uid).is_none_or(|t| Instant::now() >= *t)
+                    && st
+                        .retry_pod
+                        .get(&pod.uid)
+                        .is_none_or(|t| Instant::now() >= *t)
             };
             if due {
                 let peer = self.clone();
@@ -912,7 +944,10 @@ impl Peer {
                 }
                 Err(e) => return Err(format!("fetch ResourceClaim {name}: {e}")),
             };
-            let uid = claim["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
+            let uid = claim["metadata"]["uid"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
             // `resourceclaim.IsReservedForPod`: a reservedFor entry with the pod's uid.
             let reserved = claim["status"]["reservedFor"]
                 .as_array()
@@ -957,7 +992,10 @@ impl Peer {
             let mut st = lock(&self.state);
             for info in &infos {
                 let key = (info.claim.namespace.clone(), info.claim.name.clone());
-                let entry = st.claims.entry(key.clone()).or_insert_with(|| info.claim.clone());
+                let entry = st
+                    .claims
+                    .entry(key.clone())
+                    .or_insert_with(|| info.claim.clone());
                 if entry.uid != info.claim.uid {
                     return Err(format!(
                         "old ResourceClaim with same name {} and different UID {} still exists (previous pod force-deleted?!)",
@@ -1014,7 +1052,10 @@ impl Peer {
                     .claims
                     .get_mut(&(req.namespace.clone(), req.name.clone()))
                     .ok_or_else(|| {
-                        format!("internal error: unable to get claim info for ResourceClaim {}", req.name)
+                        format!(
+                            "internal error: unable to get claim info for ResourceClaim {}",
+                            req.name
+                        )
                     })?;
                 info.drivers
                     .entry(driver.clone())
@@ -1025,7 +1066,9 @@ impl Peer {
             // answered once, and kubelet counts the second as skipped.
             let unfinished = claims.len().saturating_sub(answer.claims.len());
             if unfinished != 0 {
-                return Err(format!("NodePrepareResources skipped {unfinished} ResourceClaims"));
+                return Err(format!(
+                    "NodePrepareResources skipped {unfinished} ResourceClaims"
+                ));
             }
         }
         let mut st = lock(&self.state);
@@ -1094,7 +1137,9 @@ impl Peer {
             }
             let unfinished = claims.len().saturating_sub(answer.claims.len());
             if unfinished != 0 {
-                return Err(format!("NodeUnprepareResources skipped {unfinished} ResourceClaims"));
+                return Err(format!(
+                    "NodeUnprepareResources skipped {unfinished} ResourceClaims"
+                ));
             }
         }
         let mut st = lock(&self.state);
