@@ -300,12 +300,12 @@ fn checkpoint_json(claims: &BTreeMap<(String, String), ClaimInfo>) -> String {
             // Go marshals struct fields in declaration order; serde_json's Map
             // sorts keys, so the entry is spelled out in order.
             format!(
-                "{{\"ClaimUID\":{},\"ClaimName\":{},\"Namespace\":{},\"PodUIDs\":{},\"DriverState\":{}}}",
+                "{{\"ClaimUID\":{},\"ClaimName\":{},\"Namespace\":{},\"PodUIDs\":{},\"DriverState\":{{{}}}}}",
                 json!(c.uid),
                 json!(c.name),
                 json!(c.namespace),
                 Value::Object(pods),
-                format!("{{{}}}", drivers.join(","))
+                drivers.join(",")
             )
         })
         .collect();
