@@ -67,6 +67,29 @@ impl Peer {
         manager::write_pods(&self.config.pods, pods).unwrap();
     }
 
+    /// An event `f` picks among those already seen, else the next one.
+    async fn seen_or_wait(&mut self, what: &str, mut f: impl FnMut(&Event) -> bool) -> Event {
+        match self.seen.iter().find(|e| f(e)) {
+            Some(e) => e.clone(),
+            None => self.wait(what, f).await,
+        }
+    }
+
+    /// The startup wipe (which races with the first registration, as upstream's
+    /// background wipe does), then the driver's slice back.
+    async fn startup_wiped(&mut self, server: &fake_apiserver::FakeApiServer) {
+        self.seen_or_wait(
+            "the startup wipe",
+            |e| matches!(e, Event::Wiped { reason, .. } if reason == "startup"),
+        )
+        .await;
+        let start = Instant::now();
+        while slices(server).len() != 1 {
+            assert!(start.elapsed() < WAIT, "no slice after the startup wipe");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The next event `f` picks, within [`WAIT`].
     async fn wait(&mut self, what: &str, mut f: impl FnMut(&Event) -> bool) -> Event {
         let deadline = Instant::now() + WAIT;
@@ -178,7 +201,7 @@ async fn the_peer_wipes_the_nodes_slices_at_start_and_the_driver_restores_them()
     assert_eq!(deleted.len(), 1, "the driver's slice was deleted");
     slices_back(&mut driver, &server, Duration::from_secs(1)).await;
     let reg = peer
-        .wait("the registration", |e| {
+        .seen_or_wait("the registration", |e| {
             matches!(e, Event::Registered { .. })
         })
         .await;
@@ -410,11 +433,11 @@ async fn the_driver_stopping_deregisters_it_and_its_slices_go_after_the_delay() 
         KubeletVersion::V1_34,
         Duration::from_millis(500),
     );
-    peer.wait("the registration", |e| {
+    peer.seen_or_wait("the registration", |e| {
         matches!(e, Event::Registered { .. })
     })
     .await;
-    peer.wait("the connection", |e| {
+    peer.seen_or_wait("the connection", |e| {
         matches!(
             e,
             Event::Connection {
@@ -424,11 +447,7 @@ async fn the_driver_stopping_deregisters_it_and_its_slices_go_after_the_delay() 
         )
     })
     .await;
-    let start = Instant::now();
-    while slices(&server).len() != 1 {
-        assert!(start.elapsed() < WAIT, "no slice");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    peer.startup_wiped(&server).await;
 
     let (status, _) = driver.terminate().await;
     assert!(status.success());
@@ -486,10 +505,11 @@ async fn kubelet_1_32_cancels_the_wipe_when_the_driver_comes_back_in_time() {
         KubeletVersion::V1_32,
         Duration::from_secs(5),
     );
-    peer.wait("the registration", |e| {
+    peer.seen_or_wait("the registration", |e| {
         matches!(e, Event::Registered { .. })
     })
     .await;
+    peer.startup_wiped(&server).await;
     driver.terminate().await;
     peer.wait("the de-registration", |e| {
         matches!(e, Event::Deregistered { last: true, .. })
