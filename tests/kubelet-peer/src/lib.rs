@@ -16,7 +16,11 @@
 //! `GetPreferredAllocation` as kubelet would.
 //!
 //! The [`dra`] module plays kubelet's side of DRA plugin registration and of the
-//! `DRAPlugin` service.
+//! `DRAPlugin` service, dialing as grpc-go does ([`grpcgo`]: the percent-encoded
+//! socket path as `:authority` where kubelet dials a bare path); [`manager`] runs
+//! it as kubelet's long-lived DRA side (plugin watcher, slice wiping through the
+//! API server ([`api`]), prepare / unprepare for the node's pods with kubelet's
+//! checkpoint), for kubelet 1.32 or 1.34.
 
 pub mod api;
 pub mod dra;
