@@ -23,12 +23,15 @@ step "cargo test"
 cargo test --workspace --locked -- --skip every_fault_and_crash_point --skip every_step_of_a_claims_life
 step "fault injection: fail and crash at every kernel write, module syscall and state save (a node's VM-mode life; two DRA claims' life)"
 cargo test -p vfio-sandbox --test faults --test claims --locked -- --nocapture
-step "gRPC interop: a grpc-core client (Python grpcio from PyPI) against the device plugin"
+step "gRPC interop: a grpc-core client (Python grpcio from PyPI) against the device plugin and the DRA driver (registration, DRA v1 and v1beta1)"
 python3 -m venv .cache/grpc-venv
 .cache/grpc-venv/bin/pip install --quiet --disable-pip-version-check -r tests/grpc-interop/requirements.txt
-cargo build --locked -p sandbox-device-plugin -p kubelet-peer
+cargo build --locked -p sandbox-device-plugin -p sandbox-dra-driver -p kubelet-peer -p fake-apiserver
 .cache/grpc-venv/bin/python tests/grpc-interop/grpc_core_client.py \
     --plugin target/debug/sandbox-device-plugin --peer target/debug/kubelet-peer
+.cache/grpc-venv/bin/python tests/grpc-interop/grpc_core_dra_client.py \
+    --driver target/debug/sandbox-dra-driver --apiserver target/debug/fake-apiserver \
+    --peer target/debug/kubelet-peer
 step "VM harness self-test (stall watchdog, fake QEMU)"
 tests/vm/harness-selftest.sh
 step "real-kernel scenarios (QEMU) on Debian 12 and 13 kernels, and the demo so it cannot rot"

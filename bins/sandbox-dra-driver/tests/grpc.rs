@@ -174,11 +174,10 @@ async fn the_peer_finds_the_registration_socket_and_gets_exact_plugin_info() {
     s.stop().await.unwrap();
 }
 
-/// What grpc-go puts in `:authority` for a dial target that is a socket path:
-/// the path with every `/` percent-encoded (the test paths hold no other
-/// character grpc-go escapes).
+/// What grpc-go puts in `:authority` for a dial target that is a socket path
+/// (grpc-go's `encodeAuthority`, as the kubelet-like peer reproduces it).
 fn grpc_go_authority(path: &Path) -> String {
-    path.display().to_string().replace('/', "%2F")
+    kubelet_peer::grpcgo::path_authority(path)
 }
 
 /// kubelet's plugin watcher (`pkg/kubelet/pluginmanager/operationexecutor/

@@ -401,6 +401,16 @@ impl Objects {
                 _ => method_not_allowed(method, path),
             };
         }
+        if let Some(v1_path) = v1beta1_view(path) {
+            return match *method {
+                Method::GET | Method::DELETE => {
+                    let (code, mut answer) = self.handle(method, &v1_path, query, body);
+                    relabel_v1beta1(&mut answer);
+                    (code, answer)
+                }
+                _ => method_not_allowed(method, path),
+            };
+        }
         let Some(route) = Route::parse(path) else {
             return status(
                 StatusCode::NOT_FOUND,
@@ -784,6 +794,44 @@ impl Objects {
     }
 }
 
+/// The `resource.k8s.io/v1beta1` resources read and deleted through the `v1`
+/// ones: kubelet 1.32 calls `ResourceV1beta1()` (`ResourceClaims().Get` in
+/// `pkg/kubelet/cm/dra/manager.go`, `ResourceSlices().DeleteCollection` in
+/// `pkg/kubelet/cm/dra/plugin/registration.go`), which a 1.34 API server still
+/// serves from the same storage, converting each object. This stand-in does not
+/// convert: the objects keep their `v1` shape under a `v1beta1` label. What kubelet
+/// reads (metadata, `status.allocation.devices.results[].driver`,
+/// `status.reservedFor`) and the slice field selectors are the same in both.
+/// Writes in `v1beta1` are not served.
+const V1BETA1_VIEWS: &[&str] = &["resourceslices", "resourceclaims"];
+
+/// The `v1` path of a `v1beta1` view path.
+fn v1beta1_view(path: &str) -> Option<String> {
+    let rest = path.strip_prefix("/apis/resource.k8s.io/v1beta1/")?;
+    let segs: Vec<&str> = rest.split('/').collect();
+    let plural = match segs.as_slice() {
+        ["namespaces", _, p, ..] => p,
+        [p, ..] => p,
+        [] => return None,
+    };
+    V1BETA1_VIEWS
+        .contains(plural)
+        .then(|| format!("/apis/resource.k8s.io/v1/{rest}"))
+}
+
+/// Labels a `v1` answer (an object or a list) as `v1beta1`.
+fn relabel_v1beta1(answer: &mut Value) {
+    fn one(o: &mut Value) {
+        if o.get("apiVersion").and_then(Value::as_str) == Some("resource.k8s.io/v1") {
+            o["apiVersion"] = "resource.k8s.io/v1beta1".into();
+        }
+    }
+    one(answer);
+    if let Some(items) = answer.get_mut("items").and_then(Value::as_array_mut) {
+        items.iter_mut().for_each(one);
+    }
+}
+
 /// Keeps what a client cannot change by writing the object: uid, creation time,
 /// and the status of a resource with a status subresource.
 fn keep_server_fields(new: &mut Value, old: &Value, status: bool) {
@@ -1027,6 +1075,46 @@ mod verbs {
         );
         assert_eq!(names(&deleted), ["a", "b"]);
         assert_eq!(names(&o.handle(&Method::GET, SLICES, "", None)), ["c"]);
+    }
+
+    #[test]
+    fn kubelet_1_32_reads_and_wipes_through_v1beta1() {
+        let mut o = Objects::default();
+        for (n, node, driver) in [("a", "n1", "d"), ("b", "n1", "e"), ("c", "n2", "d")] {
+            o.handle(&Method::POST, SLICES, "", Some(slice(n, node, driver)));
+        }
+        let names = |a: &Answer| -> Vec<String> {
+            a.1["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|i| meta(i, "name").unwrap().to_owned())
+                .collect()
+        };
+        let wiped = o.handle(
+            &Method::DELETE,
+            "/apis/resource.k8s.io/v1beta1/resourceslices",
+            "fieldSelector=spec.driver%3Dd%2Cspec.nodeName%3Dn1",
+            Some(json!({"kind": "DeleteOptions", "apiVersion": "resource.k8s.io/v1beta1"})),
+        );
+        assert_eq!(code(&wiped), 200);
+        assert_eq!(names(&wiped), ["a"]);
+        assert_eq!(wiped.1["apiVersion"], "resource.k8s.io/v1beta1");
+        assert_eq!(wiped.1["items"][0]["apiVersion"], "resource.k8s.io/v1beta1");
+        let left = o.handle(
+            &Method::GET,
+            "/apis/resource.k8s.io/v1/resourceslices",
+            "",
+            None,
+        );
+        assert_eq!(names(&left), ["b", "c"]);
+        let put = o.handle(
+            &Method::POST,
+            "/apis/resource.k8s.io/v1beta1/resourceslices",
+            "",
+            Some(slice("x", "n1", "d")),
+        );
+        assert_eq!(code(&put), 405);
     }
 
     #[test]

@@ -86,30 +86,130 @@ impl Registered {
     }
 }
 
-/// Checks `info` as kubelet's DRA handler does; the version kubelet would use.
+/// The kubelet release the peer plays: what differs between them on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum KubeletVersion {
+    /// kubelet 1.32: `RegistrationHandler` (`pkg/kubelet/cm/dra/plugin/registration.go`),
+    /// DRA service `v1beta1` (or the `v1alpha4` fallback), `grpc.Dial(endpoint)`,
+    /// `resource.k8s.io/v1beta1`.
+    #[serde(rename = "1.32")]
+    V1_32,
+    /// kubelet 1.34: `DRAPluginManager`
+    /// (`pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go`), DRA services `v1` and
+    /// `v1beta1`, `grpc.NewClient("unix:" + endpoint)`, `resource.k8s.io/v1`.
+    #[default]
+    #[serde(rename = "1.34")]
+    V1_34,
+}
+
+impl std::str::FromStr for KubeletVersion {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim_start_matches('v') {
+            "1.32" => Ok(Self::V1_32),
+            "1.34" => Ok(Self::V1_34),
+            _ => Err(format!("unknown kubelet {s:?} (1.32 or 1.34)")),
+        }
+    }
+}
+
+/// What kubelet 1.32 falls back to when a plugin lists no service it knows:
+/// `drapbv1alpha4.NodeService` (`registration.go`, `validateSupportedServices`).
+pub const V1ALPHA4_NODE_SERVICE: &str = "v1alpha3.Node";
+
+/// The service version a kubelet chose for a plugin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chosen {
+    /// One this peer speaks.
+    Speaks(Version),
+    /// kubelet 1.32's silent fallback to the alpha service, which this peer does
+    /// not speak (the plugin is registered all the same, as 1.32 does).
+    V1alpha4,
+}
+
+impl KubeletVersion {
+    /// The version check of `ValidatePlugin` / `RegisterPlugin`
+    /// (`validateSupportedServices`):
+    /// - 1.32 (`registration.go`) walks its own list, most recent first
+    ///   (`v1beta1.DRAPlugin`, then the alpha `v1alpha3.Node`), and falls back to
+    ///   the alpha service when the plugin lists neither; only an empty list fails;
+    /// - 1.34 (`dra_plugin_manager.go`) walks the plugin's list in the plugin's
+    ///   order and takes the first that it supports (`v1.DRAPlugin`,
+    ///   `v1beta1.DRAPlugin`), failing when none is.
+    ///
+    /// Errors are worded as that kubelet words them.
+    pub fn choose(self, name: &str, endpoint: &str, services: &[String]) -> Result<Chosen, String> {
+        const EMPTY: &str = "empty list of supported gRPC services (aka supported versions)";
+        match self {
+            Self::V1_32 => {
+                if services.is_empty() {
+                    return Err(format!("invalid versions of plugin {name}: {EMPTY}"));
+                }
+                if services.iter().any(|s| s == Version::V1beta1.service()) {
+                    Ok(Chosen::Speaks(Version::V1beta1))
+                } else {
+                    Ok(Chosen::V1alpha4)
+                }
+            }
+            Self::V1_34 => {
+                let wrap = |e: String| {
+                    format!(
+                        "invalid supported gRPC versions of DRA driver plugin {name} at endpoint {endpoint}: {e}"
+                    )
+                };
+                if services.is_empty() {
+                    return Err(wrap(EMPTY.into()));
+                }
+                services
+                    .iter()
+                    .find_map(|s| Version::ALL.into_iter().find(|v| v.service() == s))
+                    .map(Chosen::Speaks)
+                    .ok_or_else(|| {
+                        wrap(format!(
+                            "none of services supported by the plugin ({services:?}) are supported by the kubelet ({:?})",
+                            Version::ALL.map(Version::service)
+                        ))
+                    })
+            }
+        }
+    }
+
+    /// The `:authority` this kubelet's DRA client sends to `endpoint`: 1.32 dials
+    /// the bare path (`plugin.go`, `grpc.Dial(p.endpoint, …)`), so grpc-go's
+    /// passthrough resolver makes it the percent-encoded path; 1.34 dials
+    /// `"unix:" + endpoint` (`dra_plugin_manager.go`, `add`), whose resolver
+    /// answers `localhost` ([`crate::grpcgo`]).
+    pub fn dra_authority(self, endpoint: &Path) -> String {
+        match self {
+            Self::V1_32 => crate::grpcgo::path_authority(endpoint),
+            Self::V1_34 => crate::grpcgo::dial_authority(&format!("unix:{}", endpoint.display()))
+                .unwrap_or_else(|_| crate::grpcgo::LOCALHOST.to_owned()),
+        }
+    }
+
+    /// The `resource.k8s.io` version its client-go calls: 1.32 `ResourceV1beta1()`
+    /// (`registration.go`, `manager.go`), 1.34 `ResourceV1()`.
+    pub fn resource_api(self) -> &'static str {
+        match self {
+            Self::V1_32 => "resource.k8s.io/v1beta1",
+            Self::V1_34 => "resource.k8s.io/v1",
+        }
+    }
+}
+
+/// Checks `info` as kubelet 1.34 does; the version it would use.
 pub fn check_info(info: &PluginInfo) -> Result<Version, String> {
     if info.r#type != deviceplugin::DRA_PLUGIN_TYPE {
         return Err(format!(
-            "plugin type {:?} is not {:?}",
-            info.r#type,
-            deviceplugin::DRA_PLUGIN_TYPE
+            "no handler registered for plugin type: {}",
+            info.r#type
         ));
     }
-    if info.name.is_empty() {
-        return Err("empty plugin name".into());
+    match KubeletVersion::V1_34.choose(&info.name, &info.endpoint, &info.supported_versions)? {
+        Chosen::Speaks(v) => Ok(v),
+        Chosen::V1alpha4 => Err("v1alpha4 is not spoken".into()),
     }
-    if info.supported_versions.is_empty() {
-        return Err("empty list of supported gRPC services (aka supported versions)".into());
-    }
-    info.supported_versions
-        .iter()
-        .find_map(|s| Version::ALL.into_iter().find(|v| v.service() == s))
-        .ok_or_else(|| {
-            format!(
-                "none of the services the plugin supports ({:?}) are known",
-                info.supported_versions
-            )
-        })
 }
 
 /// The registration sockets (`*-reg.sock`) in `dir` now, sorted.
@@ -150,73 +250,173 @@ pub async fn find_registration_socket(dir: &Path, timeout: Duration) -> anyhow::
     }
 }
 
+/// How long the plugin watcher's blocking dial may take (`dialTimeoutDuration`),
+/// how long `GetInfo` may take, and `NotifyRegistrationStatus`
+/// (`notifyTimeoutDuration`), from `operation_generator.go`.
+const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+const GET_INFO_TIMEOUT: Duration = Duration::from_secs(1);
+const NOTIFY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The plugin watcher's connection to a registration socket: one connection for
+/// `GetInfo` and `NotifyRegistrationStatus`, dialed with the bare socket path, so
+/// grpc-go sends the percent-encoded path as `:authority`
+/// (`pkg/kubelet/pluginmanager/operationexecutor/operation_generator.go`, `dial`;
+/// [`crate::grpcgo`]).
 async fn registration_client(socket: &Path) -> anyhow::Result<RegistrationClient<Channel>> {
-    let channel = deviceplugin::unix_channel(socket)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot connect to {}: {e}", socket.display()))?;
+    let authority = crate::grpcgo::path_authority(socket);
+    let channel = tokio::time::timeout(
+        DIAL_TIMEOUT,
+        deviceplugin::unix_channel_with_authority(socket, &authority),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("failed to dial socket {}: timed out", socket.display()))?
+    .map_err(|e| anyhow::anyhow!("failed to dial socket {}, err: {e}", socket.display()))?;
     Ok(RegistrationClient::new(channel))
 }
 
 /// `GetInfo` on a registration socket.
 pub async fn get_info(socket: &Path) -> anyhow::Result<PluginInfo> {
     let mut client = registration_client(socket).await?;
-    let info = client
-        .get_info(InfoRequest {})
-        .await
-        .map_err(|e| anyhow::anyhow!("GetInfo on {}: {e}", socket.display()))?;
+    get_info_on(&mut client, socket).await
+}
+
+async fn get_info_on(
+    client: &mut RegistrationClient<Channel>,
+    socket: &Path,
+) -> anyhow::Result<PluginInfo> {
+    let mut req = tonic::Request::new(InfoRequest {});
+    req.set_timeout(GET_INFO_TIMEOUT);
+    let info = client.get_info(req).await.map_err(|e| {
+        anyhow::anyhow!(
+            "RegisterPlugin error -- failed to get plugin info using RPC GetInfo at socket {}, err: {e}",
+            socket.display()
+        )
+    })?;
     Ok(info.into_inner())
 }
 
 /// `NotifyRegistrationStatus` on a registration socket.
 pub async fn notify(socket: &Path, status: RegistrationStatus) -> anyhow::Result<()> {
     let mut client = registration_client(socket).await?;
-    client
-        .notify_registration_status(status)
-        .await
-        .map_err(|e| anyhow::anyhow!("NotifyRegistrationStatus on {}: {e}", socket.display()))?;
+    notify_on(&mut client, socket, status).await
+}
+
+async fn notify_on(
+    client: &mut RegistrationClient<Channel>,
+    socket: &Path,
+    status: RegistrationStatus,
+) -> anyhow::Result<()> {
+    let mut req = tonic::Request::new(status);
+    req.set_timeout(NOTIFY_TIMEOUT);
+    client.notify_registration_status(req).await.map_err(|e| {
+        anyhow::anyhow!(
+            "RegisterPlugin error -- failed to send registration status at socket {}, err: {e}",
+            socket.display()
+        )
+    })?;
     Ok(())
 }
 
-/// Registers the plugin at `socket` as kubelet does: `GetInfo`, check, notify
-/// (accepted, or refused with the reason, which is then the error).
-pub async fn register_socket(socket: &Path) -> anyhow::Result<Registered> {
-    let info = get_info(socket).await?;
-    match check_info(&info) {
-        Ok(chosen) => {
-            notify(
-                socket,
-                RegistrationStatus {
-                    plugin_registered: true,
-                    error: String::new(),
-                },
-            )
-            .await?;
-            Ok(Registered {
-                socket: socket.to_owned(),
-                kind: info.r#type,
-                name: info.name,
-                endpoint: info.endpoint,
-                supported_versions: info.supported_versions,
-                chosen,
-            })
-        }
-        Err(why) => {
-            let error = format!("plugin at {} refused: {why}", socket.display());
-            notify(
-                socket,
-                RegistrationStatus {
-                    plugin_registered: false,
-                    error: error.clone(),
-                },
-            )
-            .await?;
+/// The plugin watcher's verdict on a registration socket.
+#[derive(Debug)]
+pub enum Verdict {
+    /// Validated, registered and told so.
+    Registered(Registered),
+    /// Registered and told so, but with kubelet 1.32's alpha fallback
+    /// ([`Chosen::V1alpha4`]): this peer cannot call it.
+    RegisteredAlpha(PluginInfo),
+}
+
+/// Registers the plugin at `socket` as kubelet's plugin watcher does
+/// (`operation_generator.go`, `GenerateRegisterPluginFunc`), with the DRA handler
+/// of `kubelet`: `GetInfo` (1 s); no handler for its type → notify `false` with
+/// "no handler registered for plugin type"; an empty endpoint becomes the
+/// registration socket; `ValidatePlugin` (the version check) failing → notify
+/// `false` with "plugin validation failed"; `RegisterPlugin` failing (`accept`, the
+/// handler's own bookkeeping) → notify `false` with "plugin registration failed";
+/// else notify `true`. A refusal is the error.
+pub async fn register_as(
+    socket: &Path,
+    kubelet: KubeletVersion,
+    accept: impl FnOnce(&PluginInfo) -> Result<(), String>,
+) -> anyhow::Result<Verdict> {
+    let mut client = registration_client(socket).await?;
+    let mut info = get_info_on(&mut client, socket).await?;
+    let refuse = |error: String| RegistrationStatus {
+        plugin_registered: false,
+        error,
+    };
+    if info.r#type != deviceplugin::DRA_PLUGIN_TYPE {
+        let error = format!(
+            "RegisterPlugin error -- no handler registered for plugin type: {} at socket {}",
+            info.r#type,
+            socket.display()
+        );
+        notify_on(&mut client, socket, refuse(error.clone())).await?;
+        anyhow::bail!(error)
+    }
+    if info.endpoint.is_empty() {
+        info.endpoint = socket.display().to_string();
+    }
+    let chosen = match kubelet.choose(&info.name, &info.endpoint, &info.supported_versions) {
+        Ok(c) => c,
+        Err(e) => {
+            let error = format!("RegisterPlugin error -- plugin validation failed with err: {e}");
+            notify_on(&mut client, socket, refuse(error.clone())).await?;
             anyhow::bail!(error)
         }
+    };
+    if let Err(e) = accept(&info) {
+        let error = format!("RegisterPlugin error -- plugin registration failed with err: {e}");
+        notify_on(&mut client, socket, refuse(error.clone())).await?;
+        anyhow::bail!(error)
+    }
+    notify_on(
+        &mut client,
+        socket,
+        RegistrationStatus {
+            plugin_registered: true,
+            error: String::new(),
+        },
+    )
+    .await?;
+    Ok(match chosen {
+        Chosen::Speaks(chosen) => Verdict::Registered(Registered {
+            socket: socket.to_owned(),
+            kind: info.r#type,
+            name: info.name,
+            endpoint: info.endpoint,
+            supported_versions: info.supported_versions,
+            chosen,
+        }),
+        Chosen::V1alpha4 => Verdict::RegisteredAlpha(info),
+    })
+}
+
+/// Registers the plugin at `socket` as kubelet `kubelet` does ([`register_as`]);
+/// kubelet 1.32's alpha fallback is an error here, after the plugin was told it
+/// is registered.
+pub async fn register_socket_as(
+    socket: &Path,
+    kubelet: KubeletVersion,
+) -> anyhow::Result<Registered> {
+    match register_as(socket, kubelet, |_| Ok(())).await? {
+        Verdict::Registered(r) => Ok(r),
+        Verdict::RegisteredAlpha(info) => anyhow::bail!(
+            "kubelet {kubelet:?} registered {} but would call {V1ALPHA4_NODE_SERVICE} (it lists {:?}), which this peer does not speak",
+            info.name,
+            info.supported_versions
+        ),
     }
 }
 
+/// Registers the plugin at `socket` as kubelet 1.34 does.
+pub async fn register_socket(socket: &Path) -> anyhow::Result<Registered> {
+    register_socket_as(socket, KubeletVersion::V1_34).await
+}
+
 /// Finds a registration socket in `registry` (waiting up to `timeout`) and
-/// registers the plugin behind it.
+/// registers the plugin behind it as kubelet 1.34 does.
 pub async fn register(registry: &Path, timeout: Duration) -> anyhow::Result<Registered> {
     let socket = find_registration_socket(registry, timeout).await?;
     register_socket(&socket).await
@@ -359,9 +559,30 @@ macro_rules! prepared {
 }
 
 impl Dra {
-    /// Connects to the service socket at `endpoint`, speaking `version`.
+    /// Connects to the service socket at `endpoint`, speaking `version`, sending
+    /// `:authority` `localhost` (kubelet 1.33 and later).
     pub async fn connect(endpoint: &Path, version: Version) -> anyhow::Result<Self> {
-        let channel = deviceplugin::unix_channel(endpoint)
+        Self::connect_with_authority(endpoint, version, crate::grpcgo::LOCALHOST).await
+    }
+
+    /// Connects as kubelet `kubelet`'s DRA client does
+    /// ([`KubeletVersion::dra_authority`]).
+    pub async fn connect_as(
+        endpoint: &Path,
+        version: Version,
+        kubelet: KubeletVersion,
+    ) -> anyhow::Result<Self> {
+        Self::connect_with_authority(endpoint, version, &kubelet.dra_authority(endpoint)).await
+    }
+
+    /// Connects to the service socket at `endpoint`, speaking `version`, with every
+    /// request's `:authority` set to `authority`.
+    pub async fn connect_with_authority(
+        endpoint: &Path,
+        version: Version,
+        authority: &str,
+    ) -> anyhow::Result<Self> {
+        let channel = deviceplugin::unix_channel_with_authority(endpoint, authority)
             .await
             .map_err(|e| anyhow::anyhow!("cannot connect to {}: {e}", endpoint.display()))?;
         Ok(match version {
@@ -478,6 +699,37 @@ mod tests {
         assert!(check_info(&info("DRAPlugin", &[])).is_err());
         assert!(check_info(&info("DRAPlugin", &["v1alpha4.DRAPlugin"])).is_err());
         assert!(check_info(&info("CSIPlugin", &["v1.DRAPlugin"])).is_err());
+    }
+
+    #[test]
+    fn kubelet_1_32_prefers_v1beta1_and_falls_back_to_alpha() {
+        let k = KubeletVersion::V1_32;
+        let v = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            k.choose("d", "/e", &v(&["v1.DRAPlugin", "v1beta1.DRAPlugin"])),
+            Ok(Chosen::Speaks(Version::V1beta1))
+        );
+        assert_eq!(
+            k.choose("d", "/e", &v(&["v1.DRAPlugin"])),
+            Ok(Chosen::V1alpha4)
+        );
+        assert!(k
+            .choose("d", "/e", &[])
+            .unwrap_err()
+            .starts_with("invalid versions of plugin d: empty list"));
+        assert_eq!(
+            KubeletVersion::V1_34.choose("d", "/e", &v(&["v1beta1.DRAPlugin", "v1.DRAPlugin"])),
+            Ok(Chosen::Speaks(Version::V1beta1)),
+            "1.34 follows the plugin's order"
+        );
+        assert_eq!(
+            k.dra_authority(Path::new("/p/d/dra.sock")),
+            "%2Fp%2Fd%2Fdra.sock"
+        );
+        assert_eq!(
+            KubeletVersion::V1_34.dra_authority(Path::new("/p/d/dra.sock")),
+            "localhost"
+        );
     }
 
     #[test]

@@ -16,9 +16,16 @@
 //! `GetPreferredAllocation` as kubelet would.
 //!
 //! The [`dra`] module plays kubelet's side of DRA plugin registration and of the
-//! `DRAPlugin` service.
+//! `DRAPlugin` service, dialing as grpc-go does ([`grpcgo`]: the percent-encoded
+//! socket path as `:authority` where kubelet dials a bare path); [`manager`] runs
+//! it as kubelet's long-lived DRA side (plugin watcher, slice wiping through the
+//! API server ([`api`]), prepare / unprepare for the node's pods with kubelet's
+//! checkpoint), for kubelet 1.32 or 1.34.
 
+pub mod api;
 pub mod dra;
+pub mod grpcgo;
+pub mod manager;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -178,7 +185,9 @@ impl Registration for RegistrationService {
     }
 }
 
-/// A gRPC channel over a Unix socket.
+/// A gRPC channel over a Unix socket, sending `:authority` `localhost` as kubelet's
+/// device manager does (`pkg/kubelet/cm/devicemanager/plugin/v1beta1/client.go`,
+/// `dial`: `grpc.WithAuthority("localhost")`).
 pub async fn channel(path: &Path) -> anyhow::Result<Channel> {
     Ok(deviceplugin::unix_channel(path).await?)
 }

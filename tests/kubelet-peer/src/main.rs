@@ -11,7 +11,12 @@
 //! kubelet-peer dra register  --registry D [--timeout 10s]          # PluginInfo as JSON
 //! kubelet-peer dra prepare   --registry D [--version v1|v1beta1] --claim NS/NAME/UID...
 //! kubelet-peer dra unprepare --registry D [--version v1|v1beta1] --claim NS/NAME/UID...
+//! kubelet-peer dra kubelet   --registry D --api URL --node N --state-dir S --pods F
+//!                            [--kubelet 1.32|1.34] [--wiping-delay 30s]
 //! ```
+//!
+//! `register`, `prepare` and `unprepare` take `--kubelet 1.32|1.34` (default 1.34):
+//! the release whose version check, service choice and DRA `:authority` to use.
 //!
 //! The `dra` commands print one line of JSON (maps sorted by claim uid):
 //! `{"claims":{UID:{"devices":[...],"error":""}}}` for prepare, `{"claims":{UID:
@@ -27,7 +32,7 @@ use clap::{Parser, Subcommand};
 use deviceplugin::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, Empty, ListAndWatchResponse,
 };
-use kubelet_peer::dra::{self, Dra, Version};
+use kubelet_peer::dra::{self, Dra, KubeletVersion, Version};
 use kubelet_peer::{connect, Kubelet};
 use tokio_stream::StreamExt;
 use vfio_sandbox::claims::ClaimRef;
@@ -97,6 +102,11 @@ struct Registry {
     /// How long to wait for a registration socket to appear.
     #[arg(long, default_value = "10s", value_parser = vfio_sandbox::cli::parse_duration_or_zero)]
     timeout: Duration,
+    /// The kubelet release to play: its version check and service choice, and the
+    /// `:authority` its DRA client sends (1.32: the percent-encoded socket path;
+    /// 1.34: `localhost`). Registration always sends the percent-encoded path.
+    #[arg(long, default_value = "1.34")]
+    kubelet: KubeletVersion,
 }
 
 #[derive(Debug, clap::Args)]
@@ -120,11 +130,48 @@ enum DraCmd {
     Prepare(Calls),
     /// Register, then NodeUnprepareResources for the claims; print the answer as JSON.
     Unprepare(Calls),
+    /// Run as kubelet's DRA side until killed: wipe this node's ResourceSlices at
+    /// start, register every plugin that appears in the registry (and deregister
+    /// it when its socket goes, wiping its slices after --wiping-delay), prepare
+    /// the claims of each pod listed in --pods and unprepare them when the pod
+    /// leaves the file, keeping kubelet's checkpoint in --state-dir (a restart
+    /// with the same directory re-sends prepare for the listed pods). One line of
+    /// JSON per event on stdout.
+    Kubelet(KubeletArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct KubeletArgs {
+    /// kubelet's plugin registry directory, watched for `*-reg.sock`.
+    #[arg(long, default_value = deviceplugin::DEFAULT_REGISTRY_DIR)]
+    registry: PathBuf,
+    /// The API server, http://host:port.
+    #[arg(long)]
+    api: String,
+    /// This node's name.
+    #[arg(long)]
+    node: String,
+    /// kubelet's root directory, for its DRA checkpoint (`dra_manager_state`).
+    #[arg(long)]
+    state_dir: PathBuf,
+    /// JSON list of the pods running on the node:
+    /// `[{"uid","namespace","name","claims":[ResourceClaim name...]}]`.
+    #[arg(long)]
+    pods: PathBuf,
+    /// The kubelet release to play (1.32 or 1.34).
+    #[arg(long, default_value = "1.34")]
+    kubelet: KubeletVersion,
+    /// How long after a driver became unusable its slices are wiped (kubelet: 30s).
+    #[arg(long, default_value = "30s", value_parser = vfio_sandbox::cli::parse_duration_or_zero)]
+    wiping_delay: Duration,
+    /// How often the registry, the plugins' connections and the pods are looked at.
+    #[arg(long, default_value = "100ms", value_parser = vfio_sandbox::cli::parse_duration_or_zero)]
+    poll: Duration,
 }
 
 /// Registers and connects in the requested (or kubelet's) version.
 async fn dra_client(calls: &Calls) -> anyhow::Result<Dra> {
-    let r = dra::register(&calls.registry.registry, calls.registry.timeout).await?;
+    let r = register(&calls.registry).await?;
     let version = calls.version.unwrap_or(r.chosen);
     if !r.supported_versions.iter().any(|v| v == version.service()) {
         anyhow::bail!(
@@ -134,7 +181,13 @@ async fn dra_client(calls: &Calls) -> anyhow::Result<Dra> {
             r.supported_versions
         );
     }
-    Dra::connect(&r.endpoint_path(), version).await
+    Dra::connect_as(&r.endpoint_path(), version, calls.registry.kubelet).await
+}
+
+/// Finds the registration socket and registers as the chosen kubelet does.
+async fn register(r: &Registry) -> anyhow::Result<dra::Registered> {
+    let socket = dra::find_registration_socket(&r.registry, r.timeout).await?;
+    dra::register_socket_as(&socket, r.kubelet).await
 }
 
 /// Prints the answer and its problems; true when there are none.
@@ -151,13 +204,36 @@ fn report<T: serde::Serialize + dra::ClaimError>(
 async fn run_dra(cmd: DraCmd) -> anyhow::Result<bool> {
     match cmd {
         DraCmd::Register(r) => {
-            let registered = dra::register(&r.registry, r.timeout).await?;
+            let registered = register(&r).await?;
             println!("{}", serde_json::to_string(&registered)?);
             Ok(true)
         }
         DraCmd::Prepare(calls) => {
             let answer = dra_client(&calls).await?.prepare(&calls.claims).await?;
             Ok(report(&answer, &calls.claims))
+        }
+        DraCmd::Kubelet(a) => {
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+            let config = kubelet_peer::manager::Config {
+                registry: a.registry,
+                api: a.api,
+                node: a.node,
+                state_dir: a.state_dir,
+                pods: a.pods,
+                kubelet: a.kubelet,
+                wiping_delay: a.wiping_delay,
+                poll: a.poll.max(Duration::from_millis(10)),
+            };
+            let printer = tokio::spawn(async move {
+                while let Some(e) = rx.recv().await {
+                    if let Ok(line) = serde_json::to_string(&e) {
+                        println!("{line}");
+                    }
+                }
+            });
+            let r = kubelet_peer::manager::run(config, tx).await;
+            let _ = printer.await;
+            r.map(|()| true)
         }
         DraCmd::Unprepare(calls) => {
             let answer = dra_client(&calls).await?.unprepare(&calls.claims).await?;

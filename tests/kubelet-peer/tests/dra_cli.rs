@@ -102,19 +102,21 @@ fn serve(dir: &Path) -> mpsc::UnboundedReceiver<RegistrationStatus> {
     let (tx, rx) = mpsc::unbounded_channel();
     let reg = tokio::net::UnixListener::bind(registry.join("example.com-reg.sock")).unwrap();
     let dra = tokio::net::UnixListener::bind(&endpoint).unwrap();
-    tokio::spawn(
-        Server::builder()
-            .add_service(RegistrationServer::new(Reg {
-                endpoint,
-                notified: tx,
-            }))
-            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(reg)),
-    );
-    tokio::spawn(
-        Server::builder()
-            .add_service(v1::dra_plugin_server::DraPluginServer::new(Plugin))
-            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(dra)),
-    );
+    // As the real driver does (`deviceplugin::serve`): kubelet's plugin watcher
+    // sends the percent-encoded socket path as :authority, which h2 alone refuses.
+    std::mem::forget(deviceplugin::serve::spawn(
+        reg,
+        Server::builder().add_service(RegistrationServer::new(Reg {
+            endpoint,
+            notified: tx,
+        })),
+        "registration",
+    ));
+    std::mem::forget(deviceplugin::serve::spawn(
+        dra,
+        Server::builder().add_service(v1::dra_plugin_server::DraPluginServer::new(Plugin)),
+        "dra",
+    ));
     rx
 }
 
