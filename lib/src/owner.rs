@@ -17,6 +17,10 @@
 //! but the record names the *other* program with devices still moved. An unreadable
 //! record under a free lock names no owner (and is logged).
 //!
+//! The record is written and read under a second, brief lock on `<lock>.gate`, so a
+//! refused taker reads the record of the holder that beat it, never the one left by
+//! an earlier owner nor a half-written one.
+//!
 //! ```
 //! use vfio_sandbox::owner::{Owner, Program};
 //! let dir = tempfile::tempdir().unwrap();
@@ -132,7 +136,7 @@ impl fmt::Display for Holder {
                 "{} (pid {}, since {}; exited with {} device(s) still moved)",
                 r.owner, r.pid, r.since, r.devices
             ),
-            None => f.write_str("another program (its record is not written yet)"),
+            None => f.write_str("another program (its record is not readable)"),
         }
     }
 }
@@ -216,6 +220,7 @@ impl Owner {
                 .create(dir)
                 .wrap(Action::Create, dir)?;
         }
+        let _gate = gate(lock, FlockArg::LockExclusive, true)?;
         let file = open(lock, true)?;
         let file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(f) => f,
@@ -248,7 +253,7 @@ impl Owner {
                 devices,
             },
         };
-        owner.write()?;
+        owner.write_record()?;
         tracing::info!(lock = %lock.display(), devices, "took ownership of this node's devices");
         Ok(owner)
     }
@@ -261,6 +266,7 @@ impl Owner {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
             _ => {}
         }
+        let _gate = gate(lock, FlockArg::LockShared, false)?;
         let file = open(lock, false)?;
         let (record, running) = match Flock::lock(file, FlockArg::LockSharedNonblock) {
             Ok(file) => (read_record(&file, lock)?, false),
@@ -301,7 +307,9 @@ impl Owner {
         }
         let before = self.record.devices;
         self.record.devices = devices;
-        if let Err(e) = self.write() {
+        let written =
+            gate(&self.lock, FlockArg::LockExclusive, true).and_then(|_gate| self.write_record());
+        if let Err(e) = written {
             self.record.devices = before;
             return Err(e);
         }
@@ -311,7 +319,7 @@ impl Owner {
     /// Rewrites the record in place: the `flock` belongs to this file, so it is
     /// never replaced by a rename. The new text goes first, then the file is cut
     /// to its length (see [`OwnerRecord::parse`]).
-    fn write(&self) -> Result<(), OwnerError> {
+    fn write_record(&self) -> Result<(), OwnerError> {
         let mut json = serde_json::to_vec(&self.record).unwrap_or_default();
         json.push(b'\n');
         let shown = String::from_utf8_lossy(&json).into_owned();
@@ -320,6 +328,24 @@ impl Owner {
             .and_then(|()| self.file.set_len(json.len() as u64))
             .wrap_write(&self.lock, &shown)?;
         Ok(())
+    }
+}
+
+/// Takes the gate beside `lock`, waiting: it is held only while a record is
+/// written or read. `None` when it is absent and `create` is false.
+fn gate(lock: &Path, arg: FlockArg, create: bool) -> Result<Option<Flock<File>>, OwnerError> {
+    let mut path = lock.as_os_str().to_owned();
+    path.push(".gate");
+    let path = PathBuf::from(path);
+    if !create && std::fs::symlink_metadata(&path).is_err() {
+        return Ok(None);
+    }
+    let file = open(&path, create)?;
+    match Flock::lock(file, arg) {
+        Ok(f) => Ok(Some(f)),
+        Err((_, errno)) => {
+            Err(IoError::new(Action::Open, &path, std::io::Error::from(errno)).into())
+        }
     }
 }
 
