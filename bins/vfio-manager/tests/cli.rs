@@ -563,7 +563,9 @@ fn bind_unbind_and_run_refuse_a_node_of_sandbox_dra_driver() {
         lock.display()
     );
     // The driver is gone but its devices are still on vfio: the node stays its own.
+    // (It left the lock file and the gate beside it that record writes take.)
     std::fs::write(&lock, driver_record(2)).unwrap();
+    std::fs::write(format!("{}.gate", lock.display()), "").unwrap();
     let before = snapshot(dir.path());
     for args in [
         &["bind", "--all"][..],
