@@ -218,7 +218,7 @@ coexistence() {
 
 # The DRA overlay (alone and with every component) runs the DRA driver and
 # no VM-mode agent, stays off every node a vfio-manager of the other
-# overlays is scheduled on, and only reads vfio-manager's state.
+# overlays is scheduled on, and shares only the owner lock with vfio-manager.
 dra_overlay() {
     local r="$cache/render" rc=0 f others=()
     for f in rebellions standalone nvidia; do

@@ -163,8 +163,6 @@ pub enum Failure {
     Timeout,
     /// The claim could not be read from the API server.
     ApiServer,
-    /// Another agent owns the node's devices.
-    NotOwner,
     /// kubelet unprepared the claim while this prepare was on its way.
     Unprepared,
     /// The request cannot be served as asked (names, a changed allocation).
@@ -175,12 +173,11 @@ pub enum Failure {
 
 impl Failure {
     /// Every failure, for series present at zero.
-    pub const ALL: [Failure; 8] = [
+    pub const ALL: [Failure; 7] = [
         Failure::GroupHeld,
         Failure::NotOurs,
         Failure::Timeout,
         Failure::ApiServer,
-        Failure::NotOwner,
         Failure::Unprepared,
         Failure::Refused,
         Failure::Failed,
@@ -193,7 +190,6 @@ impl Failure {
             Self::NotOurs => "not_ours",
             Self::Timeout => "timeout",
             Self::ApiServer => "api_server",
-            Self::NotOwner => "not_owner",
             Self::Unprepared => "unprepared",
             Self::Refused => "refused",
             Self::Failed => "failed",
@@ -207,7 +203,6 @@ impl Failure {
             Self::NotOurs => "NotOurDevice",
             Self::Timeout => "PrepareTimedOut",
             Self::ApiServer => "ClaimReadFailed",
-            Self::NotOwner => "NodeOwnedByOther",
             Self::Unprepared => "UnpreparedMeanwhile",
             Self::Refused => "PrepareRefused",
             Self::Failed => "PrepareFailed",

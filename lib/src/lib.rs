@@ -29,6 +29,7 @@ pub mod kernel;
 pub mod metrics;
 pub mod module;
 pub mod out;
+pub mod owner;
 pub mod passthrough;
 pub mod ready;
 pub mod state;

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use crate::io::{read_optional, IoError};
 use crate::kernel::Kernel;
+use crate::owner::{Owner, OwnerError};
 use crate::PciAddress;
 
 /// Default state file.
@@ -42,6 +43,9 @@ pub enum StateError {
         #[source]
         source: std::io::Error,
     },
+    /// The node-wide owner record could not be kept current.
+    #[error(transparent)]
+    Owner(#[from] OwnerError),
     /// The file is not a state file we understand.
     #[error("state file {path} is corrupt (move it aside only after checking which devices are on vfio-pci)")]
     Corrupt {
@@ -184,6 +188,18 @@ struct OnDisk {
 }
 
 impl State {
+    /// How many distinct devices this state holds: moved (recorded) or held by a
+    /// claim. The node's owner record carries this number.
+    pub fn held_devices(&self) -> usize {
+        let mut held: std::collections::BTreeSet<&PciAddress> = self.devices.keys().collect();
+        held.extend(
+            self.claims
+                .values()
+                .flat_map(|c| c.devices.iter().map(|d| &d.address)),
+        );
+        held.len()
+    }
+
     fn empty() -> Self {
         Self {
             version: VERSION,
@@ -271,12 +287,18 @@ impl State {
 /// Invariant — *a record is never replaced by a later snapshot*: [`Self::record`]
 /// keeps an existing record (the first original seen is the true one), and a record
 /// leaves only through [`Self::forget`], which callers use after a confirmed restore.
+///
+/// Invariant — *the owner record never says less than is held*: given the node's
+/// [`Owner`] ([`Self::attach_owner`]), each save that holds more devices updates its
+/// record before the caller may move one, or fails; a save that holds fewer updates
+/// it too, and a failure there only leaves the record over-counting (logged).
 #[derive(Debug)]
 pub struct StateFile {
     path: PathBuf,
     state: State,
     persist: bool,
     _lock: Option<nix::fcntl::Flock<std::fs::File>>,
+    owner: Option<Owner>,
 }
 
 /// The lock file beside a state file.
@@ -325,7 +347,16 @@ impl StateFile {
             state,
             persist,
             _lock: lock,
+            owner: None,
         })
+    }
+
+    /// Keeps `owner` (the node's owner lock, held until this value is dropped) and
+    /// its record's device count current from now on, starting with this state's.
+    pub fn attach_owner(&mut self, mut owner: Owner) -> Result<(), StateError> {
+        owner.set_devices(self.state.held_devices())?;
+        self.owner = Some(owner);
+        Ok(())
     }
 
     /// The file's path.
@@ -423,6 +454,15 @@ impl StateFile {
             let mut json = serde_json::to_vec_pretty(&next).unwrap_or_default();
             json.push(b'\n');
             kernel.replace_file(&self.path, &json)?;
+        }
+        if let Some(owner) = &mut self.owner {
+            let (before, after) = (self.state.held_devices(), next.held_devices());
+            if let Err(e) = owner.set_devices(after) {
+                if after > before {
+                    return Err(e.into());
+                }
+                tracing::warn!(error = %crate::error_chain(&e), devices = after, "the owner record still counts more devices than are held");
+            }
         }
         self.state = next;
         Ok(())

@@ -54,6 +54,20 @@ SHARED_HOST_PATHS = {
     "/var/snap/microk8s/common/var/lib/kubelet/device-plugins",
 }
 
+# The node-wide owner lock's directory: vfio-manager and sandbox-dra-driver
+# must share it (it is how they keep each other off a node's devices); two
+# vfio-managers must not (the second would never get the lock).
+OWNER_LOCK_DIR = "/run/vfio-sandbox/owner"
+
+
+def owner_lock_shared_by_design(path, users_a, users_b):
+    """True for the owner lock directory shared by the DRA driver and vfio-manager."""
+    def runs(users, what):
+        return users and all(n.split("/")[-1].startswith(what) for n, _, _ in users)
+    return path == OWNER_LOCK_DIR and (
+        (runs(users_a, "sandbox-dra-driver") and runs(users_b, "vfio-manager"))
+        or (runs(users_a, "vfio-manager") and runs(users_b, "sandbox-dra-driver")))
+
 
 # API versions that a Kubernetes release before the one named does not
 # serve: an object of one is validated only against releases that do.
@@ -179,7 +193,8 @@ def cmd_coexist(a_path, b_path):
         for pb, users_b in sorted(b_paths.items()):
             if not overlaps(pa, pb):
                 continue
-            if pa == pb and pa in SHARED_HOST_PATHS:
+            if pa == pb and (pa in SHARED_HOST_PATHS
+                             or owner_lock_shared_by_design(pa, users_a, users_b)):
                 shared += 1
                 continue
             if all(ro for _, _, ro in users_a) or all(ro for _, _, ro in users_b):
@@ -194,7 +209,7 @@ def cmd_coexist(a_path, b_path):
           if not failed else f"coexist: {failed} conflict(s)")
     if not failed:
         print(f"coexist: host paths shared by design: {shared} "
-              f"({', '.join(sorted(p for p in a_paths if p in b_paths and p in SHARED_HOST_PATHS))})")
+              f"({', '.join(sorted(p for p in a_paths if p in b_paths and (p in SHARED_HOST_PATHS or owner_lock_shared_by_design(p, a_paths[p], b_paths[p]))))})")
     return 1 if failed else 0
 
 

@@ -17,13 +17,14 @@ use vfio_sandbox::cluster::{Cluster, Identity, Verdict};
 use vfio_sandbox::host::DEFAULT_MODULES_ROOT;
 use vfio_sandbox::kernel::SysKernel;
 use vfio_sandbox::metrics::{self as endpoint, ListenAddress};
+use vfio_sandbox::owner::DEFAULT_OWNER_LOCK;
 use vfio_sandbox::passthrough::Passthrough;
-use vfio_sandbox::state::{StateError, StateFile, DEFAULT_DRA_STATE_FILE, DEFAULT_STATE_FILE};
+use vfio_sandbox::state::{StateError, StateFile, DEFAULT_DRA_STATE_FILE};
 use vfio_sandbox::{error_chain, module};
 
 use sandbox_dra_driver::metrics::Metrics;
 use sandbox_dra_driver::ready::{self, Readiness, DEFAULT_READY_FILE};
-use sandbox_dra_driver::{grpc, publish, service, worker};
+use sandbox_dra_driver::{grpc, owner, publish, service, worker};
 
 const PROGRAM: &str = "sandbox-dra-driver";
 
@@ -49,9 +50,12 @@ KubeVirt reads. NodeUnprepareResources gives every device back to the driver it 
 refuses while a VM holds /dev/vfio/<group> (kubelet retries). After a crash the next start
 rolls a half-prepared claim back and finishes a half-unprepared one.
 
-A node runs either vfio-manager or this driver: it refuses to start while vfio-manager's
-state file lists devices. SIGTERM/SIGINT stop serving; devices of prepared claims stay
-with their VMs. If the DaemonSet no longer selects this node (an uninstall), the
+A node runs either vfio-manager or this driver: before it moves any device it takes the
+node-wide owner lock (--owner-lock), shared with vfio-manager, and holds it for its life.
+While vfio-manager holds it, or still holds devices it moved, the driver recovers
+nothing and publishes no ResourceSlice, refuses every claim with an error naming the
+owner, and tries again every --owner-retry-interval. SIGTERM/SIGINT stop serving;
+devices of prepared claims stay with their VMs. If the DaemonSet no longer selects this node (an uninstall), the
 ResourceSlice is deleted too.
 
 While kubelet has accepted its registration and this node's ResourceSlices are
@@ -111,9 +115,15 @@ struct Cli {
     /// The record of prepared claims and of every device moved (keep it on /run).
     #[arg(long, env = "VFIO_SANDBOX_STATE_FILE", default_value = DEFAULT_DRA_STATE_FILE, value_name = "FILE")]
     state_file: PathBuf,
-    /// vfio-manager's state file: while it lists devices this driver does not start.
-    #[arg(long, env = "VFIO_SANDBOX_MANAGER_STATE_FILE", default_value = DEFAULT_STATE_FILE, value_name = "FILE")]
-    manager_state_file: PathBuf,
+    /// The node-wide owner lock, shared with vfio-manager: taken before any device
+    /// moves and held for the driver's life. It records the owner and how many
+    /// devices it holds; created with its directory if absent.
+    #[arg(long, env = "VFIO_SANDBOX_OWNER_LOCK", default_value = DEFAULT_OWNER_LOCK, value_name = "FILE")]
+    owner_lock: PathBuf,
+    /// While vfio-manager owns the node, how often to try the owner lock again
+    /// (90s, 5m, 500ms, seconds).
+    #[arg(long, env = "VFIO_SANDBOX_OWNER_RETRY_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    owner_retry_interval: Duration,
     /// Kernel modules tree holding <release>/modules.dep (vfio-pci is loaded from it).
     #[arg(long, env = "VFIO_SANDBOX_MODULES_ROOT", default_value = DEFAULT_MODULES_ROOT, value_name = "DIR")]
     modules_root: PathBuf,
@@ -191,9 +201,23 @@ fn main() -> ExitCode {
         Ok(l) => l,
         Err(e) => return fail(PROGRAM, &e, EXIT_USAGE),
     };
-    if let Err(e) = check_no_manager(&cli.manager_state_file) {
-        return fail(PROGRAM, &Usage(e), EXIT_USAGE);
-    }
+    // Not ready until this process is registered and has published: a ready file
+    // left by a killed predecessor goes before anything else.
+    let readiness = Arc::new(Readiness::new(
+        cli.ready_file.clone(),
+        grpc_config(&cli).sockets(),
+    ));
+    // The node first: nothing below moves a device before it is ours.
+    let owner = match owner::take_or_wait(
+        &cli.owner_lock,
+        cli.owner_retry_interval,
+        grpc_config(&cli),
+        &cli.state_file,
+    ) {
+        Ok(Some(owner)) => owner,
+        Ok(None) => return ExitCode::SUCCESS,
+        Err(e) => return fail(PROGRAM, e.as_ref(), EXIT_NOT_READY),
+    };
     let mut host = cli.common.host();
     host.modules = cli.modules_root.clone();
     let files = Files {
@@ -213,6 +237,9 @@ fn main() -> ExitCode {
         }
         Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
     };
+    if let Err(e) = state.attach_owner(owner) {
+        return fail(PROGRAM, &e, EXIT_NOT_READY);
+    }
     let release = module::kernel_release();
     // Finish what a killed predecessor left half-done before serving anything.
     let recovery = Claims {
@@ -279,6 +306,7 @@ fn main() -> ExitCode {
         worker,
         registry,
         metrics,
+        readiness,
     };
     match runtime.block_on(run(cli, setup)) {
         Ok(()) => ExitCode::SUCCESS,
@@ -298,31 +326,9 @@ impl std::fmt::Display for Usage {
 
 impl std::error::Error for Usage {}
 
-/// A node runs vfio-manager or this driver, never both.
-fn check_no_manager(path: &std::path::Path) -> Result<(), String> {
-    let state = StateFile::load(path, false).map_err(|e| {
-        format!(
-            "cannot tell whether vfio-manager owns devices on this node: {}",
-            error_chain(&e)
-        )
-    })?;
-    let devices: Vec<String> = state
-        .state()
-        .devices
-        .keys()
-        .map(|a| a.to_string())
-        .collect();
-    if devices.is_empty() {
-        return Ok(());
-    }
-    Err(format!(
-        "vfio-manager owns {} device(s) on this node ({}, per {}): a node runs either vfio-manager \
-         (the whole node in VM mode) or {PROGRAM}, not both. Take the node out of vfio-manager's \
-         DaemonSet (it restores the devices on SIGTERM) before deploying {PROGRAM} here",
-        devices.len(),
-        devices.join(", "),
-        path.display()
-    ))
+/// Where kubelet finds the driver's sockets.
+fn grpc_config(cli: &Cli) -> grpc::GrpcConfig {
+    grpc::GrpcConfig::new(&cli.driver_name, &cli.registry_dir, &cli.plugins_dir)
 }
 
 /// What serving needs beside the command line.
@@ -333,6 +339,7 @@ struct Serve {
     worker: worker::Worker,
     registry: endpoint::Registry,
     metrics: Arc<Metrics>,
+    readiness: Arc<Readiness>,
 }
 
 async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
@@ -343,6 +350,7 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
         worker,
         registry,
         metrics,
+        readiness,
     } = setup;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
@@ -352,15 +360,7 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
         tracing::info!(address = %listener.local_addr()?, "serving metrics at /metrics");
         tokio::spawn(endpoint::serve(listener, Arc::new(registry)));
     }
-    let grpc_config = grpc::GrpcConfig {
-        driver_name: cli.driver_name.clone(),
-        registry_dir: cli.registry_dir.clone(),
-        plugins_dir: cli.plugins_dir.clone(),
-    };
-    let readiness = Arc::new(Readiness::new(
-        cli.ready_file.clone(),
-        grpc_config.sockets(),
-    ));
+    let grpc_config = grpc_config(&cli);
     let identity = Identity {
         node: node_name.clone(),
         pod: cli.pod_namespace.clone().zip(cli.pod_name.clone()),

@@ -112,7 +112,7 @@ impl Metrics {
         );
         registry.register(
             "dra_failures",
-            "Claims that failed, by operation and reason: group_held (another claim or a VM holds an IOMMU group), not_ours (not this node's devices), timeout, api_server, not_owner (vfio-manager owns the node), unprepared (unprepared while on its way), refused, failed (a step on the node)",
+            "Claims that failed, by operation and reason: group_held (another claim or a VM holds an IOMMU group), not_ours (not this node's devices), timeout, api_server, unprepared (unprepared while on its way), refused, failed (a step on the node)",
             m.failures.clone(),
         );
         registry.register(

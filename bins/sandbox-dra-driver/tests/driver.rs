@@ -1121,40 +1121,45 @@ async fn a_claim_prepared_before_a_kill_stays_prepared_after_the_restart() {
 async fn a_node_run_by_vfio_manager_is_refused_and_left_alone() {
     let scene = Scene::new();
     let server = cluster();
-    let manager = scene.manager_state_file();
-    std::fs::create_dir_all(manager.parent().unwrap()).unwrap();
-    let state = json!({"version": 1, "devices": {"0000:02:00.0": {
-        "original_driver": "e1000e", "original_override": null, "driver": "vfio-pci",
-        "role": "selected", "resource": "example.com/NIC_PT", "group": 6}}});
-    std::fs::write(&manager, state.to_string()).unwrap();
-    let mut c = scene.command("refused.log");
-    c.env("KUBECONFIG", server.write_kubeconfig(scene.root()).unwrap())
-        .env("NODE_NAME", NODE);
-    let status = c.status().unwrap();
-    let err = read(&scene.root().join("refused.log"));
-    assert_eq!(status.code(), Some(2), "{err}");
-    assert_contains(
-        &err,
-        &[
-            "vfio-manager owns 1 device(s) on this node (0000:02:00.0, per",
-            manager.to_str().unwrap(),
-        ],
+    // vfio-manager exited with a device still on vfio-pci: the node stays its own.
+    let lock = scene.owner_lock();
+    std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
+    let record =
+        r#"{"owner":"vfio-manager","pid":4242,"since":"2025-01-31T12:00:00Z","devices":1}"#;
+    std::fs::write(&lock, record).unwrap();
+    let c1 = put_v1_claim(&server);
+    let driver = scene.start(&server).await;
+    let refusal = format!(
+        "vfio-manager (pid 4242, since 2025-01-31T12:00:00Z; exited with 1 device(s) still \
+         moved) owns the devices of this node (lock {}); sandbox-dra-driver moves nothing \
+         while it does: a node runs either vfio-manager or sandbox-dra-driver, not both; \
+         take the node out of vfio-manager's DaemonSet",
+        lock.display()
     );
-    for untouched in [
-        scene.registry_dir(),
-        scene.plugins_dir(),
-        scene.cdi_dir(),
-        scene.metadata_dir(),
-        scene.state_file().parent().unwrap().to_owned(),
-    ] {
-        assert!(!untouched.exists(), "{} was created", untouched.display());
-    }
+    let mut v1 = scene.client(Version::V1).await;
+    let answers = prepare(&mut v1, std::slice::from_ref(&c1)).await;
+    assert_contains(&error_of(&answers, U1), &["not prepared: ", &refusal]);
+    // Never prepared here: done already.
     assert_eq!(
-        std::fs::read_to_string(&manager).unwrap(),
-        state.to_string(),
-        "vfio-manager's state is not touched"
+        unprepare(&mut v1, std::slice::from_ref(&c1)).await,
+        BTreeMap::from([(U1.to_string(), String::new())])
     );
-    assert!(server.requests().is_empty(), "{:?}", server.requests());
+    assert_contains(&driver.log(), &[&refusal]);
+    assert_no_files(&scene, U1);
+    assert!(
+        !scene.state_file().exists(),
+        "nothing recovered or recorded"
+    );
+    assert_eq!(std::fs::read_to_string(&lock).unwrap(), record);
+    assert!(slices(&server).is_empty(), "no slice published");
+    assert!(
+        server.requests().is_empty(),
+        "the API server is not even asked: {:?}",
+        server.requests()
+    );
+    let (status, log) = driver.terminate().await;
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(!scene.registration_socket().exists(), "{log}");
 }
 
 // ---------------------------------------------------------------- 7. CLI
@@ -1176,7 +1181,8 @@ async fn the_command_line_explains_itself_and_refuses_bad_starts() {
             "vfio-manager",
             "--node-name",
             "[env: NODE_NAME=]",
-            "--manager-state-file",
+            "--owner-lock",
+            "--owner-retry-interval",
             "Exit codes",
         ],
     );
@@ -1210,12 +1216,16 @@ async fn the_command_line_explains_itself_and_refuses_bad_starts() {
     let status = second.status().unwrap();
     let err = read(&scene.root().join("second.log"));
     assert_eq!(status.code(), Some(1), "{err}");
-    let lock = format!("{}.lock", scene.state_file().display());
     assert_contains(
         &err,
-        &[&format!(
-            "{lock} is locked by another sandbox-dra-driver on this node"
-        )],
+        &[
+            &format!("sandbox-dra-driver (pid {}, since ", first.child.id()),
+            &format!(
+                "owns the devices of this node (lock {})",
+                scene.owner_lock().display()
+            ),
+            "another sandbox-dra-driver is at work on this node",
+        ],
     );
     assert_eq!(
         inode(&scene.registration_socket()),

@@ -48,6 +48,18 @@ fn assert_contains(text: &str, parts: &[&str]) {
 async fn ready_means_registered_and_published() {
     let scene = Scene::new();
     let server = cluster();
+    // A ready file a killed predecessor left, naming the sockets this one serves.
+    let stale = scene.ready_file();
+    std::fs::create_dir_all(stale.parent().unwrap()).unwrap();
+    std::fs::write(
+        &stale,
+        serde_json::json!({
+            "registered": true, "slices": ["old"],
+            "sockets": [scene.registration_socket(), scene.service_socket()],
+        })
+        .to_string(),
+    )
+    .unwrap();
     let mut driver = scene.start(&server).await;
     driver
         .wait_until("the slice", || !slices(&server).is_empty())

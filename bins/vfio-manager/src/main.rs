@@ -8,9 +8,10 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use vfio_sandbox::cli::{CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
 use vfio_sandbox::host::DEFAULT_MODULES_ROOT;
+use vfio_sandbox::owner::{Owner, OwnerError, Program, DEFAULT_OWNER_LOCK};
 use vfio_sandbox::passthrough::DEFAULT_BIND_JOBS;
 use vfio_sandbox::ready::{DEFAULT_STATUS_DIR, MANAGER_READY_FILE};
-use vfio_sandbox::state::{StateFile, DEFAULT_DRA_STATE_FILE, DEFAULT_STATE_FILE};
+use vfio_sandbox::state::{StateFile, DEFAULT_STATE_FILE};
 use vfio_sandbox::Host;
 
 mod commands;
@@ -27,8 +28,10 @@ Every change is recorded in the state file before it is made, so `unbind` restor
 original drivers even after a crash. Devices a running VM holds are never unbound.
 
 A node runs either vfio-manager (the whole node in VM mode) or sandbox-dra-driver
-(devices moved per ResourceClaim), not both: `bind` and `run` refuse (exit 2) while the
-DRA driver's state file (--dra-state-file) lists claims or devices.
+(devices moved per ResourceClaim), not both: `bind`, `unbind` and `run` take the
+node-wide owner lock (--owner-lock) before they move a device and hold it while they
+work (`run`: for its life). They refuse (exit 2), naming the owner, while the DRA driver
+holds it or still holds devices it moved.
 
 In a cluster, `run` keeps the devices bound across a rollout: on SIGTERM it asks the API
 server (NODE_NAME, POD_NAME, POD_NAMESPACE and the pod's service account) whether its
@@ -67,11 +70,12 @@ struct ManagerArgs {
     /// before devices are restored, since the node is no longer ready for VMs.
     #[arg(long, env = "VFIO_SANDBOX_STATUS_DIR", global = true, default_value = DEFAULT_STATUS_DIR, value_name = "DIR")]
     validator_status_dir: PathBuf,
-    /// sandbox-dra-driver's state file: while it lists claims or devices, `bind` and
-    /// `run` refuse to move devices (a node runs vfio-manager or sandbox-dra-driver,
-    /// not both). Read only; absent means no DRA driver.
-    #[arg(long, env = "VFIO_SANDBOX_DRA_STATE_FILE", global = true, default_value = DEFAULT_DRA_STATE_FILE, value_name = "FILE")]
-    dra_state_file: PathBuf,
+    /// The node-wide owner lock, shared with sandbox-dra-driver: `bind`, `unbind` and
+    /// `run` take it before they move a device (a node runs vfio-manager or
+    /// sandbox-dra-driver, not both). It records the owner and how many devices it
+    /// holds; created with its directory if absent.
+    #[arg(long, env = "VFIO_SANDBOX_OWNER_LOCK", global = true, default_value = DEFAULT_OWNER_LOCK, value_name = "FILE")]
+    owner_lock: PathBuf,
     /// How many IOMMU groups `bind` and `run` move to vfio at once. A native driver's
     /// unbind and vfio-pci's probe can each take a second on a GPU, so with several
     /// jobs entering VM mode takes about the slowest group's time, not the sum. Each
@@ -108,8 +112,8 @@ pub struct Context {
     pub ready_file: PathBuf,
     /// The validator's status directory.
     pub validator_status_dir: PathBuf,
-    /// sandbox-dra-driver's state file, read to stay off its devices.
-    pub dra_state_file: PathBuf,
+    /// The node-wide owner lock.
+    pub owner_lock: PathBuf,
     /// IOMMU groups bound at once.
     pub bind_jobs: NonZeroUsize,
 }
@@ -118,6 +122,19 @@ impl Context {
     /// Opens the state file; a dry run keeps changes in memory.
     pub fn state(&self, persist: bool) -> anyhow::Result<StateFile> {
         Ok(StateFile::load(&self.state_file, persist)?)
+    }
+
+    /// Takes the node's owner lock, or says who owns the node.
+    pub fn take_owner(&self) -> Result<Owner, OwnerError> {
+        Owner::take(&self.owner_lock, Program::VfioManager)
+    }
+
+    /// The state file locked, with the node's owner lock taken first and kept
+    /// (with its device count current) until the state is dropped.
+    pub fn owned_state(&self, owner: Owner) -> anyhow::Result<StateFile> {
+        let mut state = self.state(true)?;
+        state.attach_owner(owner)?;
+        Ok(state)
     }
 }
 
@@ -140,7 +157,7 @@ fn main() -> ExitCode {
         state_file: cli.manager.state_file,
         ready_file: cli.manager.ready_file,
         validator_status_dir: cli.manager.validator_status_dir,
-        dra_state_file: cli.manager.dra_state_file,
+        owner_lock: cli.manager.owner_lock,
         bind_jobs: cli.manager.bind_jobs,
     };
     let result = match cli.command {
@@ -154,6 +171,9 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(err) => {
             let usage = err.downcast_ref::<UsageError>().is_some()
+                || err
+                    .downcast_ref::<OwnerError>()
+                    .is_some_and(OwnerError::by_other_program)
                 || err
                     .downcast_ref::<vfio_sandbox::config::ConfigError>()
                     .is_some();

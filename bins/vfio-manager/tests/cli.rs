@@ -233,6 +233,8 @@ fn help_explains_the_interface() {
         "--config",
         "--sysfs-root",
         "--state-file",
+        "--owner-lock",
+        "VFIO_SANDBOX_OWNER_LOCK",
         "Exit codes",
     ] {
         assert!(t.contains(word), "--help lacks {word}: {t}");
@@ -339,8 +341,8 @@ fn run_with_config(dir: &Path, config: &Path, args: &[&str]) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_vfio-manager"))
         .args(["--sysfs-root", &dir.join("sys").to_string_lossy()])
         .args([
-            "--dra-state-file",
-            &dir.join(common::DRA_STATE_FILE).to_string_lossy(),
+            "--owner-lock",
+            &dir.join(common::OWNER_LOCK).to_string_lossy(),
         ])
         .args(["--dev-root", &dir.join("dev").to_string_lossy()])
         .args(["--modules-root", &dir.join("lib/modules").to_string_lossy()])
@@ -538,108 +540,84 @@ fn a_malformed_device_is_shown_by_status_and_left_out_of_bind() {
     }
 }
 
-/// sandbox-dra-driver's state file with one prepared claim holding the NIC pair.
-const DRA_STATE: &str = r#"{
-  "version": 1,
-  "devices": {
-    "0000:01:00.0": {"original_driver": "e1000e", "driver": "vfio-pci", "role": "selected",
-                     "resource": "example.com/NIC_PT", "group": 4},
-    "0000:01:00.1": {"original_driver": "e1000e", "driver": "vfio-pci", "role": "companion",
-                     "group": 4}
-  },
-  "unloaded_modules": [],
-  "claims": {
-    "7f3c1a52-0d5e-4c1b-9a43-2b8e6f0c9d11": {
-      "namespace": "vms", "name": "vm-a-nic", "phase": "prepared",
-      "devices": [{"request_names": ["nic"], "pool": "node-a", "device": "pci-0000-01-00-0",
-                   "address": "0000:01:00.0", "group": 4}]
-    }
-  }
-}"#;
+/// The owner record sandbox-dra-driver leaves with `devices` still moved (0: none).
+fn driver_record(devices: usize) -> String {
+    format!(
+        r#"{{"owner":"sandbox-dra-driver","pid":4242,"since":"2025-01-31T12:00:00Z","devices":{devices}}}"#
+    )
+}
 
 #[test]
-fn bind_and_run_refuse_a_node_of_sandbox_dra_driver() {
+fn bind_unbind_and_run_refuse_a_node_of_sandbox_dra_driver() {
     let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
     node(dir.path());
-    let dra = dir.path().join(common::DRA_STATE_FILE);
-    std::fs::create_dir_all(dra.parent().unwrap()).unwrap();
+    let lock = dir.path().join(common::OWNER_LOCK);
+    std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
     let ready = dir.path().join("run/ready");
     let ready_arg = ready.to_string_lossy().into_owned();
-    let dra_path = dra.display().to_string();
-    // A claim, devices, or both: each is enough to refuse.
-    let full: serde_json::Value = serde_json::from_str(DRA_STATE).unwrap();
-    let mut claims_only = full.clone();
-    claims_only["devices"] = serde_json::json!({});
-    let mut devices_only = full.clone();
-    devices_only.as_object_mut().unwrap().remove("claims");
-    for (what, doc, words) in [
-        (
-            "claims and devices",
-            &full,
-            &[
-                "1 claim(s): vms/vm-a-nic (7f3c1a52-0d5e-4c1b-9a43-2b8e6f0c9d11)",
-                "2 device(s): 0000:01:00.0, 0000:01:00.1",
-            ][..],
-        ),
-        (
-            "claims only",
-            &claims_only,
-            &["1 claim(s): vms/vm-a-nic"][..],
-        ),
-        (
-            "devices only",
-            &devices_only,
-            &["2 device(s): 0000:01:00.0, 0000:01:00.1"][..],
-        ),
-    ] {
-        std::fs::write(&dra, doc.to_string()).unwrap();
-        let before = snapshot(dir.path());
-        for args in [
-            &["bind", "--all"][..],
-            &["bind", "--device", "0000:01:00.0", "--dry-run"][..],
-            &["run", "--ready-file", &ready_arg, "--resync-interval", "1s"][..],
-        ] {
-            let out = run(dir.path(), args);
-            let t = text(&out);
-            assert_eq!(out.status.code(), Some(2), "{what}: {args:?}: {t}");
-            for w in words {
-                assert!(t.contains(w), "{what}: {args:?}: missing {w:?} in {t}");
-            }
-            assert!(t.contains(&dra_path), "{what}: {args:?}: {t}");
-            assert!(
-                t.contains("a node runs either vfio-manager")
-                    && t.contains("or sandbox-dra-driver"),
-                "{what}: {args:?}: {t}"
-            );
-            assert_eq!(
-                before,
-                snapshot(dir.path()),
-                "{what}: {args:?} touched the node"
-            );
-        }
-        // What does not move devices still works: status, and unbind of what
-        // vfio-manager itself recorded (nothing here).
-        let out = run(dir.path(), &["status"]);
-        assert!(out.status.success(), "{what}: status: {}", text(&out));
-        let out = run(dir.path(), &["unbind", "--all"]);
-        assert!(out.status.success(), "{what}: unbind: {}", text(&out));
-        let out = run(dir.path(), &["ready", "--ready-file", &ready_arg]);
-        assert_eq!(out.status.code(), Some(1), "{what}: ready: {}", text(&out));
-        assert!(!text(&out).contains("sandbox-dra-driver"), "{}", text(&out));
-    }
-    // An empty record (the driver running, holding nothing) does not block a bind.
-    std::fs::write(&dra, r#"{"version": 1, "devices": {}, "claims": {}}"#).unwrap();
-    let out = run(dir.path(), &["bind", "--all", "--dry-run"]);
-    assert!(out.status.success(), "{}", text(&out));
-    // A state file that cannot be read cannot be shown free: not binding, exit 1.
-    std::fs::write(&dra, "{not json").unwrap();
+    let refusal = format!(
+        "sandbox-dra-driver (pid 4242, since 2025-01-31T12:00:00Z; exited with 2 device(s) \
+         still moved) owns the devices of this node (lock {}); vfio-manager moves nothing \
+         while it does: a node runs either vfio-manager or sandbox-dra-driver, not both; \
+         delete the ResourceClaims prepared on this node",
+        lock.display()
+    );
+    // The driver is gone but its devices are still on vfio: the node stays its own.
+    // (It left the lock file and the gate beside it that record writes take.)
+    std::fs::write(&lock, driver_record(2)).unwrap();
+    std::fs::write(format!("{}.gate", lock.display()), "").unwrap();
     let before = snapshot(dir.path());
-    let out = run(dir.path(), &["bind", "--all"]);
+    for args in [
+        &["bind", "--all"][..],
+        &["bind", "--device", "0000:01:00.0", "--dry-run"][..],
+        &["unbind", "--all"][..],
+        &["run", "--ready-file", &ready_arg, "--resync-interval", "1s"][..],
+    ] {
+        let out = run(dir.path(), args);
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {t}");
+        assert!(t.contains(&refusal), "{args:?}: {t}");
+        assert_eq!(before, snapshot(dir.path()), "{args:?} touched the node");
+    }
+    // What does not move devices still works.
+    let out = run(dir.path(), &["status"]);
+    assert!(out.status.success(), "status: {}", text(&out));
+    let out = run(dir.path(), &["ready", "--ready-file", &ready_arg]);
+    assert_eq!(out.status.code(), Some(1), "ready: {}", text(&out));
+    assert!(!text(&out).contains("sandbox-dra-driver"), "{}", text(&out));
+    // Its devices given back, the driver's record keeps nobody out; neither does a
+    // garbled one. A real bind takes the node and says so in the record.
+    for record in [driver_record(0), "{not json".to_owned()] {
+        std::fs::write(&lock, &record).unwrap();
+        let out = run(dir.path(), &["bind", "--all", "--dry-run"]);
+        assert!(out.status.success(), "{record}: {}", text(&out));
+        assert_eq!(std::fs::read_to_string(&lock).unwrap(), record, "dry run");
+    }
+    let out = run(dir.path(), &["unbind", "--all"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let now: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&lock).unwrap()).unwrap();
+    assert_eq!(now["owner"], "vfio-manager", "{now}");
+    assert_eq!(now["devices"], 0, "{now}");
+}
+
+/// A lock file planted as a symlink is refused, its target left alone.
+#[test]
+fn a_symlinked_owner_lock_is_refused_not_followed() {
+    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    node(dir.path());
+    let lock = dir.path().join(common::OWNER_LOCK);
+    std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, "keep").unwrap();
+    std::os::unix::fs::symlink(&victim, &lock).unwrap();
+    let out = run(dir.path(), &["unbind", "--all"]);
     let t = text(&out);
     assert_eq!(out.status.code(), Some(1), "{t}");
     assert!(
-        t.contains("cannot tell whether sandbox-dra-driver holds devices") && t.contains(&dra_path),
+        t.contains("must be a regular file, not a symlink")
+            && t.contains(&lock.display().to_string()),
         "{t}"
     );
-    assert_eq!(before, snapshot(dir.path()));
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
 }

@@ -102,8 +102,49 @@ impl Scene {
         self.root().join("run/dra/ready")
     }
 
+    /// The node-wide owner lock this scene's driver (and vfio-manager) share.
+    pub fn owner_lock(&self) -> PathBuf {
+        self.root().join("run/owner/owner.lock")
+    }
+
+    /// vfio-manager's state file on this node.
     pub fn manager_state_file(&self) -> PathBuf {
         self.root().join("run/vfio-manager/state.json")
+    }
+
+    /// The owner lock's record, parsed (null when absent or empty).
+    pub fn owner(&self) -> Value {
+        std::fs::read_to_string(self.owner_lock())
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or(Value::Null)
+    }
+
+    /// The real `vfio-manager` on this scene's node and owner lock, its output
+    /// discarded and its stderr in `log`.
+    pub fn manager(&self, log: &str) -> Command {
+        let mut c = Command::new(vfio_manager_binary());
+        let arg = |p: PathBuf| p.to_string_lossy().into_owned();
+        c.env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .args(["--sysfs-root", &arg(self.root().join("sys"))])
+            .args(["--dev-root", &arg(self.root().join("dev"))])
+            .args(["--modules-root", &arg(self.root().join("lib/modules"))])
+            .args(["--config", &arg(self.root().join("list.json"))])
+            .args(["--state-file", &arg(self.manager_state_file())])
+            .args(["--owner-lock", &arg(self.owner_lock())])
+            .args([
+                "--ready-file",
+                &arg(self.root().join("run/vfio-manager/ready")),
+            ])
+            .args([
+                "--validator-status-dir",
+                &arg(self.root().join("run/validations")),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        c.stderr(std::fs::File::create(self.root().join(log)).unwrap());
+        c
     }
 
     pub fn registration_socket(&self) -> PathBuf {
@@ -155,7 +196,7 @@ impl Scene {
             .args(["--metadata-dir", &arg(self.metadata_dir())])
             .args(["--state-file", &arg(self.state_file())])
             .args(["--ready-file", &arg(self.ready_file())])
-            .args(["--manager-state-file", &arg(self.manager_state_file())])
+            .args(["--owner-lock", &arg(self.owner_lock())])
             .args(["--resync-interval", "1h"])
             .env("VFIO_SANDBOX_PREPARE_TIMEOUT", "10s")
             .stdin(Stdio::null())
@@ -199,6 +240,32 @@ impl Scene {
     pub async fn client(&self, version: Version) -> Dra {
         Dra::connect(&self.service_socket(), version).await.unwrap()
     }
+}
+
+/// The `vfio-manager` binary beside ours, built once per test binary: Cargo
+/// builds only this package's binaries for its tests.
+pub fn vfio_manager_binary() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let ours = Path::new(env!("CARGO_BIN_EXE_sandbox-dra-driver"));
+            let dir = ours.parent().unwrap();
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let mut build = Command::new(cargo);
+            build
+                .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+                .args(["build", "--locked", "--quiet", "-p", "vfio-manager"])
+                .args(["--bin", "vfio-manager"]);
+            if dir.file_name().is_some_and(|n| n == "release") {
+                build.arg("--release");
+            }
+            let status = build.status().unwrap();
+            assert!(status.success(), "building vfio-manager failed: {status}");
+            let path = dir.join("vfio-manager");
+            assert!(path.is_file(), "{} was not built", path.display());
+            path
+        })
+        .clone()
 }
 
 /// The inode of the file at `path`, if there is one.

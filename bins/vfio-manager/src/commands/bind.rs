@@ -5,15 +5,12 @@ use std::process::ExitCode;
 use vfio_sandbox::inventory::Inventory;
 use vfio_sandbox::passthrough::target_drivers;
 
-use super::{check_no_dra_driver, groups_for, with_passthrough, ChangeArgs};
+use super::{groups_for, with_passthrough, ChangeArgs};
 use crate::{report, Context};
 
 /// Runs `bind`.
 pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
     let list = ctx.common.resource_list()?;
-    // Before anything else, dry run included: it shows what a bind would do, and
-    // this bind would do nothing.
-    check_no_dra_driver(&ctx.dra_state_file)?;
     let inv = Inventory::scan(&ctx.host, &list)?;
     let groups = groups_for(ctx, &inv, &args.which)?;
     // With --all, a device the scan had to skip (and its group) is not bound: say so,

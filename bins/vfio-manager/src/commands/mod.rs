@@ -6,13 +6,11 @@ pub mod run;
 pub mod status;
 pub mod unbind;
 
-use std::path::Path;
-
 use vfio_sandbox::inventory::{Inventory, Role};
 use vfio_sandbox::kernel::{DryRun, Kernel, SysKernel};
 use vfio_sandbox::module::kernel_release;
+use vfio_sandbox::owner::{Owner, Program};
 use vfio_sandbox::passthrough::Passthrough;
-use vfio_sandbox::state::StateFile;
 use vfio_sandbox::{PciAddress, PciDevice};
 
 use crate::{Context, UsageError};
@@ -39,8 +37,10 @@ pub struct ChangeArgs {
     pub dry_run: bool,
 }
 
-/// Runs `f` on the real kernel with the state file locked, or on a dry run that
-/// prints each change and keeps the state in memory.
+/// Runs `f` on the real kernel holding the node's owner lock and the state file's,
+/// or on a dry run that prints each change and keeps the state in memory. Either
+/// way it is refused first while sandbox-dra-driver owns the node: a dry run shows
+/// what a run would do, and this run would do nothing.
 pub fn with_passthrough<T>(
     ctx: &Context,
     dry_run: bool,
@@ -48,7 +48,12 @@ pub fn with_passthrough<T>(
 ) -> anyhow::Result<T> {
     let dry = DryRun::new();
     let kernel: &dyn Kernel = if dry_run { &dry } else { &SysKernel };
-    let mut state = ctx.state(!dry_run)?;
+    let mut state = if dry_run {
+        Owner::check(&ctx.owner_lock, Program::VfioManager)?;
+        ctx.state(false)?
+    } else {
+        ctx.owned_state(ctx.take_owner()?)?
+    };
     f(&mut Passthrough {
         host: &ctx.host,
         kernel,
@@ -94,60 +99,6 @@ pub fn groups_for(ctx: &Context, inv: &Inventory, which: &Which) -> anyhow::Resu
     groups.sort_unstable();
     groups.dedup();
     Ok(groups)
-}
-
-/// Refuses to move devices while sandbox-dra-driver holds any on this node.
-///
-/// The two must not share a node: each moves devices on its own and restores what
-/// its own state file records, so one would take devices from under the other's
-/// claims or VMs. sandbox-dra-driver checks vfio-manager's state file the same way
-/// when it starts. A DRA state file listing claims or devices is a usage error
-/// (exit 2); one that cannot be read fails too, since it cannot be shown to be free.
-pub fn check_no_dra_driver(path: &Path) -> anyhow::Result<()> {
-    let state = StateFile::load(path, false).map_err(|e| {
-        anyhow::anyhow!(
-            "cannot tell whether sandbox-dra-driver holds devices on this node: {}; not binding",
-            vfio_sandbox::error_chain(&e)
-        )
-    })?;
-    let state = state.state();
-    if state.claims.is_empty() && state.devices.is_empty() {
-        return Ok(());
-    }
-    let mut held = Vec::new();
-    if !state.claims.is_empty() {
-        let claims: Vec<String> = state
-            .claims
-            .iter()
-            .map(|(uid, c)| format!("{}/{} ({uid})", c.namespace, c.name))
-            .collect();
-        held.push(format!("{} claim(s): {}", claims.len(), first_ten(&claims)));
-    }
-    if !state.devices.is_empty() {
-        let devices: Vec<String> = state.devices.keys().map(ToString::to_string).collect();
-        held.push(format!(
-            "{} device(s): {}",
-            devices.len(),
-            first_ten(&devices)
-        ));
-    }
-    Err(UsageError(format!(
-        "sandbox-dra-driver holds {} on this node (per {}): a node runs either vfio-manager \
-         (the whole node in VM mode) or sandbox-dra-driver (devices per claim), not both; \
-         not binding. Take the node out of sandbox-dra-driver's DaemonSet and let it give \
-         the devices back (its claims released) before running vfio-manager here",
-        held.join(" and "),
-        path.display()
-    ))
-    .into())
-}
-
-/// Up to ten items, then a count.
-fn first_ten(items: &[String]) -> String {
-    match items.len() {
-        0..=10 => items.join(", "),
-        n => format!("{}, and {} more", items[..10].join(", "), n - 10),
-    }
 }
 
 /// Where the resource list came from, for messages.

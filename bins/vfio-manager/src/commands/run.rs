@@ -70,8 +70,9 @@ const RETRY: Duration = Duration::from_secs(1);
 pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     let signals = block_signals()?;
     let list = ctx.common.resource_list()?;
-    // A node with sandbox-dra-driver's claims is not ours: exit 2 before touching it.
-    super::check_no_dra_driver(&ctx.dra_state_file)?;
+    // The node's owner lock, held for the life of `run`: while sandbox-dra-driver
+    // owns the node, exit 2 before touching it; once held, it cannot come in.
+    let owner = ctx.take_owner()?;
     // A ready file left by a killed predecessor must not vouch for this process.
     remove_if_present(&ctx.ready_file)?;
     // After block_signals: the side thread inherits the blocked mask, so the
@@ -86,7 +87,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
             None
         }
     };
-    let mut state = ctx.state(true)?;
+    let mut state = ctx.owned_state(owner)?;
     let mut pt = Passthrough {
         host: &ctx.host,
         kernel: &SysKernel,
@@ -97,8 +98,6 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     pt.prepare(&inv, &args.unload_modules)?;
     let mut pass = Pass {
         ready_file: &ctx.ready_file,
-        dra_state_file: &ctx.dra_state_file,
-        refused: None,
         side: &side,
         metrics: &metrics,
         converged: false,
@@ -267,11 +266,6 @@ fn listing<'a>(addrs: impl Iterator<Item = &'a vfio_sandbox::PciAddress>) -> Str
 /// What the passes of `run` carry from one to the next.
 struct Pass<'a> {
     ready_file: &'a std::path::Path,
-    /// sandbox-dra-driver's state file, checked before each bind.
-    dra_state_file: &'a std::path::Path,
-    /// Why the last pass did not bind (sandbox-dra-driver holds devices), reported
-    /// once until it changes.
-    refused: Option<String>,
     side: &'a Side,
     metrics: &'a Metrics,
     /// Whether the last pass found every device bound.
@@ -296,26 +290,9 @@ impl Pass<'_> {
         for s in self.skipped.note(&inv.skipped).new {
             tracing::warn!(bdf = %s.address, reason = %s, "device left out: it cannot be read");
         }
-        let mut needs_work = inv.entries.iter().any(|e| !e.is_bound());
-        if needs_work {
-            // sandbox-dra-driver may have started on this node since: checked at
-            // start, checked again before every bind.
-            let refused = super::check_no_dra_driver(self.dra_state_file)
-                .err()
-                .map(|e| error_chain(e.as_ref()));
-            if refused.is_some() && refused != self.refused {
-                let reason = refused.clone().unwrap_or_default();
-                tracing::error!(error = %reason, "not binding");
-                self.side.event(NodeEvent {
-                    warning: true,
-                    reason: "BindRefused",
-                    action: "Bind",
-                    note: reason,
-                });
-            }
-            needs_work = refused.is_none();
-            self.refused = refused;
-        }
+        // No check of sandbox-dra-driver here: `run` holds the owner lock, so it
+        // cannot have come in since.
+        let needs_work = inv.entries.iter().any(|e| !e.is_bound());
         if needs_work {
             pt.load_modules(&target_drivers(&inv, &[]))?;
             let bind = pt.bind_concurrent(&inv, &[], self.bind_jobs);

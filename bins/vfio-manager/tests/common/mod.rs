@@ -4,14 +4,11 @@ use std::path::Path;
 use std::process::Command;
 
 /// The real binary pointed at the fake node under `dir` (`sys/`, `dev/`,
-/// `lib/modules/`, `run/state.json`, `run/sandbox-dra-driver/state.json`, `list.json`).
+/// `lib/modules/`, `run/state.json`, `run/owner/owner.lock`, `list.json`).
 pub fn command(dir: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_vfio-manager"));
     c.args(["--sysfs-root", &dir.join("sys").to_string_lossy()])
-        .args([
-            "--dra-state-file",
-            &dir.join(DRA_STATE_FILE).to_string_lossy(),
-        ])
+        .args(["--owner-lock", &dir.join(OWNER_LOCK).to_string_lossy()])
         .args(["--dev-root", &dir.join("dev").to_string_lossy()])
         .args(["--modules-root", &dir.join("lib/modules").to_string_lossy()])
         .args([
@@ -19,13 +16,13 @@ pub fn command(dir: &Path) -> Command {
             &dir.join("run/state.json").to_string_lossy(),
         ])
         .args(["--config", &dir.join("list.json").to_string_lossy()])
-        .env_remove("VFIO_SANDBOX_CONFIG");
+        .env_remove("VFIO_SANDBOX_CONFIG")
+        .env_remove("VFIO_SANDBOX_OWNER_LOCK");
     c
 }
 
-/// sandbox-dra-driver's state file under the fake node's directory.
-#[allow(dead_code)] // not every test binary uses every helper
-pub const DRA_STATE_FILE: &str = "run/sandbox-dra-driver/state.json";
+/// The node-wide owner lock under the fake node's directory.
+pub const OWNER_LOCK: &str = "run/owner/owner.lock";
 
 /// The resource list of [`nic_node`]: Intel 82574L NICs stand in for NPUs.
 pub const NIC_LIST: &str =

@@ -1,0 +1,234 @@
+//! One owner per node, with the real binaries: `vfio-manager` and
+//! `sandbox-dra-driver` started at the same moment on one fake node, and a claim
+//! sent to the driver while vfio-manager owns the node.
+//!
+//! The fake tree has no PCI core behind it, so "moving devices" is seen as doing
+//! the work that moves them: vfio-manager's `run` writing its ready file (every
+//! selected device checked and bound), the driver publishing its ResourceSlice and
+//! preparing claims. The loser must stop before any of it and name the winner.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kubelet_peer::dra::Version;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+const RUNS: usize = 50;
+
+/// What one side of a race did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Owned,
+    /// Refused, naming the other by its pid.
+    Refused,
+}
+
+fn stop(child: &mut Child) {
+    if let Ok(None) = child.try_wait() {
+        let pid = Pid::from_raw(i32::try_from(child.id()).unwrap());
+        let _ = kill(pid, Signal::SIGKILL);
+    }
+    let _ = child.wait();
+}
+
+#[tokio::test]
+async fn started_together_exactly_one_owns_the_node_fifty_times_out_of_fifty() {
+    let (mut manager_won, mut driver_won) = (0, 0);
+    let started = Instant::now();
+    for run in 0..RUNS {
+        let scene = Scene::new();
+        let server = cluster();
+        let mut driver = scene.command("driver.log");
+        driver
+            .env("KUBECONFIG", server.write_kubeconfig(scene.root()).unwrap())
+            .env("NODE_NAME", NODE)
+            // The loser keeps refusing for the whole run.
+            .env("VFIO_SANDBOX_OWNER_RETRY_INTERVAL", "1h");
+        let mut manager = scene.manager("manager.log");
+        manager.args(["run", "--resync-interval", "1h"]);
+        let mut manager = manager.spawn().unwrap();
+        let mut driver = driver.spawn().unwrap();
+        let (manager_pid, driver_pid) = (manager.id(), driver.id());
+        let ready = scene.root().join("run/vfio-manager/ready");
+        let log = |name: &str| std::fs::read_to_string(scene.root().join(name)).unwrap_or_default();
+        let names = |log: &str, who: &str, pid: u32| {
+            log.contains(&format!("{who} (pid {pid}, since "))
+                && log.contains("owns the devices of this node")
+        };
+        let deadline = Instant::now() + WAIT;
+        let (m, d) = loop {
+            let m = if ready.exists() {
+                Some(Side::Owned)
+            } else if manager.try_wait().unwrap().is_some() {
+                Some(Side::Refused)
+            } else {
+                None
+            };
+            let d = if !slices(&server).is_empty() {
+                Some(Side::Owned)
+            } else if names(&log("driver.log"), "vfio-manager", manager_pid) {
+                Some(Side::Refused)
+            } else {
+                None
+            };
+            if let (Some(m), Some(d)) = (m, d) {
+                break (m, d);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "run {run}: no outcome: manager {m:?}, driver {d:?}\nmanager:\n{}\ndriver:\n{}",
+                log("manager.log"),
+                log("driver.log")
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let (manager_log, driver_log) = (log("manager.log"), log("driver.log"));
+        let context = format!("run {run}:\nmanager:\n{manager_log}\ndriver:\n{driver_log}");
+        match (m, d) {
+            (Side::Owned, Side::Refused) => {
+                manager_won += 1;
+                assert!(slices(&server).is_empty(), "{context}");
+                assert!(!scene.state_file().exists(), "{context}");
+                assert_eq!(scene.owner()["owner"], "vfio-manager", "{context}");
+            }
+            (Side::Refused, Side::Owned) => {
+                driver_won += 1;
+                let status = manager.wait().unwrap();
+                assert_eq!(status.code(), Some(2), "{context}");
+                assert!(
+                    names(&manager_log, "sandbox-dra-driver", driver_pid),
+                    "{context}"
+                );
+                assert!(!ready.exists(), "{context}");
+                assert_eq!(scene.owner()["owner"], "sandbox-dra-driver", "{context}");
+            }
+            other => panic!("{other:?}: both or neither owned the node; {context}"),
+        }
+        stop(&mut manager);
+        stop(&mut driver);
+    }
+    println!(
+        "both owned: 0/{RUNS}, neither: 0/{RUNS}, vfio-manager owned: {manager_won}/{RUNS}, \
+         sandbox-dra-driver owned: {driver_won}/{RUNS} ({:.1?})",
+        started.elapsed()
+    );
+}
+
+/// vfio-manager's record of one device it moved from e1000e.
+const MANAGER_STATE: &str = r#"{"version": 1, "devices": {"0000:02:00.0": {
+  "original_driver": "e1000e", "original_override": null, "driver": "vfio-pci",
+  "role": "selected", "resource": "example.com/NIC_PT", "group": 6}}}"#;
+
+const UID: &str = "5d1f0c4e-8a2b-4c3d-9e7f-0a1b2c3d4e5f";
+
+#[tokio::test]
+async fn a_claim_is_refused_while_vfio_manager_owns_the_node_and_prepared_once_it_lets_go() {
+    let scene = Scene::new();
+    let server = cluster();
+    let claim = put_claim(
+        &server,
+        "vm1-card",
+        UID,
+        Some(&[ours("card", "pci-0000-01-00-0")]),
+        None,
+    );
+    std::fs::create_dir_all(scene.manager_state_file().parent().unwrap()).unwrap();
+    std::fs::write(scene.manager_state_file(), MANAGER_STATE).unwrap();
+    let status = scene
+        .manager("bind.log")
+        .args(["bind", "--all"])
+        .status()
+        .unwrap();
+    let bind_log = std::fs::read_to_string(scene.root().join("bind.log")).unwrap();
+    assert!(status.success(), "{bind_log}");
+    let record = scene.owner();
+    assert_eq!(record["owner"], "vfio-manager", "{record}");
+    assert_eq!(record["devices"], 1, "{record}");
+
+    // vfio-manager has exited; its device is still on vfio: the driver waits.
+    let mut driver = scene
+        .start_with(&server, &[("VFIO_SANDBOX_OWNER_RETRY_INTERVAL", "100ms")])
+        .await;
+    let mut client = scene.client(Version::V1).await;
+    let answers = client
+        .prepare(std::slice::from_ref(&claim))
+        .await
+        .unwrap()
+        .claims;
+    let error = &answers[UID].error;
+    for part in [
+        &format!("claim {NS}/vm1-card"),
+        &format!("vfio-manager (pid {}, since ", record["pid"]),
+        "exited with 1 device(s) still moved) owns the devices of this node",
+        &format!("(lock {})", scene.owner_lock().display()),
+        "take the node out of vfio-manager's DaemonSet",
+    ] {
+        assert!(error.contains(part), "{part:?} in {error}");
+    }
+    assert!(answers[UID].devices.is_empty());
+    assert!(!scene.state_file().exists() && !scene.cdi_dir().exists());
+    assert!(slices(&server).is_empty());
+    assert_eq!(scene.owner(), record, "the refusal writes nothing");
+
+    // vfio-manager gives its device back (the fake tree has no PCI core to re-probe
+    // e1000e: play it), and its record says none is left.
+    let reg = inode(&scene.registration_socket());
+    scene
+        .node
+        .attach(&"0000:02:00.0".parse().unwrap(), "e1000e");
+    let status = scene
+        .manager("unbind.log")
+        .args(["unbind", "--all"])
+        .status()
+        .unwrap();
+    let unbind_log = std::fs::read_to_string(scene.root().join("unbind.log")).unwrap();
+    assert!(status.success(), "{unbind_log}");
+
+    // The driver takes the node at its next try and serves anew.
+    driver
+        .wait_until("the driver to own the node", || {
+            scene.owner()["owner"] == "sandbox-dra-driver"
+        })
+        .await;
+    driver
+        .wait_until("a new registration socket", || {
+            inode(&scene.registration_socket()).is_some_and(|i| Some(i) != reg)
+        })
+        .await;
+    driver
+        .wait_until("the ResourceSlice", || !slices(&server).is_empty())
+        .await;
+    let mut client = scene.client(Version::V1).await;
+    let answers = client
+        .prepare(std::slice::from_ref(&claim))
+        .await
+        .unwrap()
+        .claims;
+    assert_eq!(answers[UID].error, "", "{}", driver.log());
+    assert_eq!(answers[UID].devices.len(), 1);
+    assert_eq!(scene.owner()["devices"], 1, "the claim's device is counted");
+
+    // Now vfio-manager is the one refused, naming the driver.
+    let status = scene
+        .manager("refused.log")
+        .args(["bind", "--all"])
+        .status()
+        .unwrap();
+    let refused = std::fs::read_to_string(scene.root().join("refused.log")).unwrap();
+    assert_eq!(status.code(), Some(2), "{refused}");
+    assert!(
+        refused.contains(&format!(
+            "sandbox-dra-driver (pid {}, since ",
+            driver.child.id()
+        )),
+        "{refused}"
+    );
+    let (status, log) = driver.terminate().await;
+    assert_eq!(status.code(), Some(0), "{log}");
+}
