@@ -122,7 +122,8 @@ def run(args, checks, root):
              "--registry-dir", registry, "--plugins-dir", os.path.join(root, "plugins"),
              "--cdi-dir", os.path.join(root, "cdi"), "--metadata-dir", os.path.join(root, "metadata"),
              "--state-file", os.path.join(root, "run", "dra", "state.json"),
-             "--manager-state-file", os.path.join(root, "run", "vfio-manager", "state.json"),
+             "--owner-lock", os.path.join(root, "run", "owner", "owner.lock"),
+             "--ready-file", os.path.join(root, "run", "dra", "ready"),
              "--log-level", "debug,deviceplugin=trace"],
             stdout=subprocess.DEVNULL, stderr=log, env=env)
         wait_for("registration socket", lambda: os.path.exists(reg_sock) or driver.poll() is not None)
