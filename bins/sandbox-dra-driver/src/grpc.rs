@@ -56,9 +56,10 @@ pub trait Driver: Send + Sync + 'static {
     ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>>;
     /// Unprepares each claim; one entry per claim uid.
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>>;
-    /// kubelet's verdict on a registration (`NotifyRegistrationStatus`). kubelet
-    /// may wipe the driver's ResourceSlices around a registration, so a driver
-    /// republishes them on `true`.
+    /// kubelet's verdict on a registration (`NotifyRegistrationStatus`). kubelet's
+    /// wipe of the driver's ResourceSlices (at its start, and 30 s after the
+    /// driver's last registration went away) can land just before or after a
+    /// registration, so a driver republishes them on `true`.
     fn registration_status(&self, _registered: bool) {}
 }
 

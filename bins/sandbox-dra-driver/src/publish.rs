@@ -3,9 +3,12 @@
 //! after every registration kubelet accepts, and within moments of anyone else
 //! deleting or changing them.
 //!
-//! kubelet deletes a driver's slices for its node when it starts and when it
-//! replaces a stale registration (`pkg/kubelet/cm/dra/plugin/registration.go`,
-//! `wipeResourceSlices`), and newer kubelets some time after a de-registration.
+//! kubelet deletes the slices of its node when it starts, and a driver's slices
+//! 30 s after that driver's last registration went away unless it registers again
+//! first (1.32: `pkg/kubelet/cm/dra/plugin/registration.go`, `wipeResourceSlices`;
+//! 1.34: `dra_plugin_manager.go`, where a dropped connection counts too). A
+//! re-registration itself wipes nothing. A wipe at kubelet's start can still land
+//! after our first registration (it runs in the background).
 //! Upstream's ResourceSlice controller answers that by watching the driver's own
 //! slices and publishing again at once; so does this module: a kube-rs watcher on
 //! ResourceSlices of this driver and node wakes the loop on every event that is not
