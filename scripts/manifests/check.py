@@ -14,8 +14,8 @@
       Two renders meant to run in one cluster: no two objects share
       kind/namespace/name, and no host directory is mounted by both unless
       it is one every node agent shares by design (kernel and kubelet
-      interfaces), or one of the two only reads it (every mount read-only:
-      the DRA driver looking at vfio-manager's state).
+      interfaces, the owner lock vfio-manager and the DRA driver take), or
+      one of the two only reads it (every mount read-only).
   check.py kubevirt SCHEMA.json FILE...
       Validate KubeVirt objects against KubeVirt's API schema (built by
       kubevirt_schema.py). A file without apiVersion/kind is a partial
@@ -414,7 +414,8 @@ def cmd_dra(dra_path, others):
                     names.add(argv[i + 1])
         print(f"dra: {name_of(ds)} runs sandbox-dra-driver; its node affinity excludes "
               f"{excluded} vfio-manager node label(s) of {len(others)} render(s); "
-              f"reads vfio-manager's state read-only ({', '.join(sorted(watched)) or 'none'})")
+              f"mounts no vfio-manager state directory writable"
+              f"{' (reads ' + ', '.join(sorted(watched)) + ')' if watched else ''}")
     driver = names.pop() if len(names) == 1 else DRA_DRIVER_NAME
     if names:
         fail(f"more than one driver name set: {sorted(names | {driver})}")
