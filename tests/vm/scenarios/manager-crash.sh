@@ -28,7 +28,8 @@ step "ready file present" -- test -e "$READY"
 expect_not_contains "restart moved nothing" /tmp/run2.log "bound bdf"
 expect_driver "CARD_FN0 still on vfio-pci" "$CARD_FN0" vfio-pci
 expect_fail "unbind while run is active is refused" 1 -- vfio-manager unbind --all
-expect_contains "refusal names the lock" "$TB_OUT" "state.json.lock is locked by another vfio-manager"
+expect_contains "refusal names the running vfio-manager" "$TB_OUT" "vfio-manager (pid $pid, since"
+expect_contains "refusal names the node's owner lock" "$TB_OUT" "(lock /run/vfio-sandbox/owner/owner.lock)"
 expect_driver "refused unbind touched nothing" "$CARD_FN0" vfio-pci
 step "kill -9 the restarted run" -- kill -9 "$pid"
 wait "$pid" 2>/dev/null
