@@ -58,6 +58,7 @@ slices() { fake-apiserver request GET /apis/resource.k8s.io/v1/resourceslices >/
 
 note "registration and the ResourceSlice"
 start_driver
+expect_fail "readiness probe: not ready before kubelet registered it" 1 -- sandbox-dra-driver ready
 step "the peer registers the driver" -- peer register
 cp "$TB_OUT" /tmp/reg.json
 run_logged cat /tmp/reg.json
@@ -72,6 +73,7 @@ done
 expect_contains "slice: this node's pool" /tmp/slices.json "\"nodeName\":\"$NODE\""
 expect_contains "slice: the card's IOMMU group" /tmp/slices.json "\"iommuGroup\":{\"int\":$CARD_GROUP}"
 step "slice: the NVMe (not selected) is not offered" -- sh -c "! grep -q $NVME_PF /tmp/slices.json"
+wait_for "readiness probe: ready once registered and published" 10 -- sandbox-dra-driver ready
 
 note "prepare the card's claim (v1): the whole group moves"
 uid_card=$(claim vm-card "$CARD_FN0")
