@@ -307,6 +307,8 @@ fn work(
                         tracing::warn!(claim = %claim, error = %e.message, "prepare failed")
                     }
                 }
+                // The gauges first: whoever reads them after the answer sees it.
+                held(&setup);
                 let _ = reply.send(answer);
             }
             Job::Unprepare { claim, reply } => {
@@ -323,10 +325,11 @@ fn work(
                         tracing::warn!(claim = %claim, error = %e.message, "unprepare failed")
                     }
                 }
+                // The gauges first: whoever reads them after the answer sees it.
+                held(&setup);
                 let _ = reply.send(answer);
             }
         }
-        held(&setup);
         continue_after(&busy);
     }
 }
