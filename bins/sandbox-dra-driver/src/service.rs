@@ -63,23 +63,27 @@ impl Service {
         }
     }
 
-    /// Counts each answer, and posts a Warning Event on each claim whose prepare
-    /// failed (in the background: kubelet's answer does not wait for it).
+    /// Counts each answer, posts a Warning Event on each claim whose prepare failed
+    /// (in the background: kubelet's answer does not wait for it), and gives the
+    /// answers as kubelet gets them.
     fn report<T>(
         &self,
         op: Operation,
         started: Instant,
-        answers: &[(ClaimRef, &Result<T, Failed>)],
-    ) {
+        asked: Vec<ClaimRef>,
+        out: BTreeMap<String, Result<T, Failed>>,
+    ) -> BTreeMap<String, Result<T, String>> {
         self.metrics.call(op, started.elapsed().as_secs_f64());
-        for (claim, answer) in answers {
-            let failed = answer.as_ref().err();
+        for claim in asked {
+            let failed = match out.get(&claim.uid) {
+                Some(answer) => answer.as_ref().err(),
+                None => continue,
+            };
             self.metrics.claim(op, failed.map(|f| f.failure));
             let (Some(failed), Operation::Prepare) = (failed, op) else {
                 continue;
             };
             let cluster = self.cluster.clone();
-            let claim = claim.clone();
             let reason = failed.failure.event_reason();
             let note = failed.message.clone();
             tokio::spawn(async move {
@@ -91,6 +95,9 @@ impl Service {
                 }
             });
         }
+        out.into_iter()
+            .map(|(uid, a)| (uid, a.map_err(|f| f.message)))
+            .collect()
     }
 }
 
@@ -180,14 +187,7 @@ impl crate::grpc::Driver for Service {
                 e.insert(Err(Failed::new(Failure::Timeout, why)));
             }
         }
-        let answered: Vec<_> = asked
-            .into_iter()
-            .filter_map(|c| out.get(&c.uid).map(|a| (c, a)))
-            .collect();
-        self.report(Operation::Prepare, started, &answered);
-        out.into_iter()
-            .map(|(uid, a)| (uid, a.map_err(|f| f.message)))
-            .collect()
+        self.report(Operation::Prepare, started, asked, out)
     }
 
     fn registration_status(&self, registered: bool) {
@@ -219,13 +219,6 @@ impl crate::grpc::Driver for Service {
         for (uid, job) in pending {
             out.insert(uid, self.worker.answer(job, deadline).await);
         }
-        let answered: Vec<_> = asked
-            .into_iter()
-            .filter_map(|c| out.get(&c.uid).map(|a| (c, a)))
-            .collect();
-        self.report(Operation::Unprepare, started, &answered);
-        out.into_iter()
-            .map(|(uid, a)| (uid, a.map_err(|f| f.message)))
-            .collect()
+        self.report(Operation::Unprepare, started, asked, out)
     }
 }
