@@ -23,7 +23,7 @@ while (($#)); do
     esac
     shift
 done
-cargo build -q --release -p vfio-sandbox --example node_entry
+cargo build -q --release -p passthrough --example node_entry
 for n in 1 8; do
     out=$(for _ in $(seq "$runs"); do
         target/release/examples/node_entry --devices "$n" --latency-ms "$latency" "${jobs[@]}"

@@ -7,9 +7,9 @@
 //! client send — reach the service instead of being reset by the HTTP/2 layer.
 //!
 //! ```no_run
-//! # async fn f(router: tonic::transport::server::Router) -> Result<(), deviceplugin::serve::ListenError> {
-//! let listener = deviceplugin::serve::listen(std::path::Path::new("/var/lib/kubelet/plugins/d/dra.sock"))?;
-//! let stop = deviceplugin::serve::spawn(listener, router, "DRA service");
+//! # async fn f(router: tonic::transport::server::Router) -> Result<(), kubelet_api::serve::ListenError> {
+//! let listener = kubelet_api::serve::listen(std::path::Path::new("/var/lib/kubelet/plugins/d/dra.sock"))?;
+//! let stop = kubelet_api::serve::spawn(listener, router, "DRA service");
 //! // ... later
 //! let _ = stop.send(());
 //! # Ok(()) }

@@ -96,7 +96,7 @@ def run(args, checks, root):
          "--dev-root", os.path.join(root, "dev"), "--kubelet-dir", kubelet,
          "--config", os.path.join(root, "list.json"),
          # the authority rewrite logs each change at trace level
-         "--log-level", "debug,deviceplugin=trace"],
+         "--log-level", "debug,kubelet_api=trace"],
         stdout=subprocess.DEVNULL, stderr=log,
         env={k: v for k, v in os.environ.items() if not k.startswith("VFIO_SANDBOX_")})
     try:

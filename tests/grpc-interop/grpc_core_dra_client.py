@@ -124,7 +124,7 @@ def run(args, checks, root):
              "--state-file", os.path.join(root, "run", "dra", "state.json"),
              "--owner-lock", os.path.join(root, "run", "owner", "owner.lock"),
              "--ready-file", os.path.join(root, "run", "dra", "ready"),
-             "--log-level", "debug,deviceplugin=trace"],
+             "--log-level", "debug,kubelet_api=trace"],
             stdout=subprocess.DEVNULL, stderr=log, env=env)
         wait_for("registration socket", lambda: os.path.exists(reg_sock) or driver.poll() is not None)
         if driver.poll() is not None:

@@ -7,9 +7,9 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
-use deviceplugin::v1beta1::{ContainerAllocateResponse, DeviceSpec};
-use vfio_sandbox::config::ResourceName;
-use vfio_sandbox::PciAddress;
+use kubelet_api::v1beta1::{ContainerAllocateResponse, DeviceSpec};
+use passthrough::config::ResourceName;
+use sysfs_pci::PciAddress;
 
 use crate::devices::DeviceState;
 

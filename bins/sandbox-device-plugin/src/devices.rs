@@ -12,10 +12,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use vfio_sandbox::config::{ResourceList, ResourceName};
-use vfio_sandbox::device::{iommu_group_of, Detail, DeviceError};
-use vfio_sandbox::inventory::{Inventory, SkipLog, Skipped};
-use vfio_sandbox::{Host, PciAddress};
+use passthrough::config::{ResourceList, ResourceName};
+use passthrough::inventory::{Inventory, SkipLog, Skipped};
+use sysfs_pci::device::{iommu_group_of, Detail, DeviceError};
+use sysfs_pci::{Host, PciAddress};
 
 /// One advertised device.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,7 +94,7 @@ impl Tracker {
         }
         let mut scope = addresses.clone();
         for &group in &groups {
-            scope.extend(vfio_sandbox::group::members(host, group)?);
+            scope.extend(sysfs_pci::group::members(host, group)?);
             scope.extend(
                 self.known
                     .values()
@@ -245,13 +245,13 @@ fn vfio_cdev(host: &Host, address: &PciAddress) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vfio_sandbox::fake::{FakeDevice, FakeNode};
+    use sysfs_pci::testing::{FakeDevice, FakeNode};
 
     const LIST: &str =
         r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
 
     fn setup() -> (tempfile::TempDir, FakeNode, ResourceList) {
-        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
         let node = FakeNode::new(dir.path());
         node.add_driver("vfio-pci");
         node.add_driver("e1000e");
@@ -549,7 +549,7 @@ mod tests {
             /// tracker where a full rescan would.
             #[test]
             fn refreshing_what_the_events_name_equals_a_rescan(steps in prop::collection::vec(change(), 1..12)) {
-                let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+                let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
                 let node = FakeNode::new(dir.path());
                 for drv in ["vfio-pci", "e1000e", "snd_hda_intel"] {
                     node.add_driver(drv);

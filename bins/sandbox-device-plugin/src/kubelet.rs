@@ -10,13 +10,13 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use deviceplugin::v1beta1::device_plugin_server::DevicePluginServer;
-use deviceplugin::v1beta1::registration_client::RegistrationClient;
-use deviceplugin::v1beta1::RegisterRequest;
-use deviceplugin::{KUBELET_SOCKET, VERSION};
+use kubelet_api::v1beta1::device_plugin_server::DevicePluginServer;
+use kubelet_api::v1beta1::registration_client::RegistrationClient;
+use kubelet_api::v1beta1::RegisterRequest;
+use kubelet_api::{KUBELET_SOCKET, VERSION};
+use passthrough::config::ResourceName;
 use tokio::sync::{mpsc, oneshot, watch};
 use tonic::transport::Server;
-use vfio_sandbox::config::ResourceName;
 
 use crate::devices::Snapshot;
 use crate::metrics::{Metrics, ResourceMetrics};
@@ -351,10 +351,10 @@ fn start_server(
     streams: Arc<Streams>,
     metrics: &ResourceMetrics,
 ) -> Option<oneshot::Sender<()>> {
-    let listener = match deviceplugin::serve::listen(path) {
+    let listener = match kubelet_api::serve::listen(path) {
         Ok(l) => l,
         Err(e) => {
-            tracing::error!(error = %vfio_sandbox::error_chain(&e), "cannot serve; retrying");
+            tracing::error!(error = %sysfs_pci::error_chain(&e), "cannot serve; retrying");
             return None;
         }
     };
@@ -366,7 +366,7 @@ fn start_server(
         metrics: metrics.clone(),
     };
     let router = Server::builder().add_service(DevicePluginServer::new(service));
-    let tx = deviceplugin::serve::spawn(listener, router, "device plugin");
+    let tx = kubelet_api::serve::spawn(listener, router, "device plugin");
     tracing::info!(resource = %resource, socket = %path.display(), "serving");
     Some(tx)
 }
@@ -384,7 +384,7 @@ async fn wait_or_command(
 async fn register_once(dir: &Path, endpoint: &str, resource: &ResourceName) -> anyhow::Result<()> {
     let socket = dir.join(KUBELET_SOCKET);
     let call = async {
-        let channel = deviceplugin::unix_channel(socket.clone()).await?;
+        let channel = kubelet_api::unix_channel(socket.clone()).await?;
         RegistrationClient::new(channel)
             .register(RegisterRequest {
                 version: VERSION.into(),
@@ -402,7 +402,7 @@ async fn register_once(dir: &Path, endpoint: &str, resource: &ResourceName) -> a
             anyhow::anyhow!(
                 "Register on {}: {}",
                 socket.display(),
-                vfio_sandbox::error_chain(e.as_ref())
+                sysfs_pci::error_chain(e.as_ref())
             )
         })
 }
@@ -432,7 +432,7 @@ mod tests {
 
     #[test]
     fn a_socket_registers_with_one_kubelet_only() {
-        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
         let first = new_kubelet(dir.path());
         let s = served(dir.path(), first);
         assert_eq!(s.assess(dir.path(), first), Verdict::Ignore, "same kubelet");
@@ -455,7 +455,7 @@ mod tests {
 
     #[test]
     fn an_unregistered_socket_retries_a_new_kubelet_and_a_deleted_one_is_replaced() {
-        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
         let s = served(dir.path(), None);
         assert_eq!(
             s.assess(dir.path(), None),
@@ -497,7 +497,7 @@ mod tests {
         )
         .parse()
         .unwrap();
-        let path = Path::new(deviceplugin::DEFAULT_KUBELET_DIR).join(socket_name(&long, 99));
+        let path = Path::new(kubelet_api::DEFAULT_KUBELET_DIR).join(socket_name(&long, 99));
         assert!(path.as_os_str().len() < 108, "{}", path.display());
     }
 }

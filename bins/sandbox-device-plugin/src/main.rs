@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use node_agent::cli::{fail, parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
+use node_agent::metrics::{self as endpoint, ListenAddress};
+use passthrough::config::ResourceName;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{mpsc, watch};
-use vfio_sandbox::cli::{fail, parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
-use vfio_sandbox::config::ResourceName;
-use vfio_sandbox::metrics::{self as endpoint, ListenAddress};
 
 mod allocate;
 mod devices;
@@ -46,7 +46,7 @@ struct Cli {
     #[command(flatten)]
     common: CommonArgs,
     /// kubelet's device-plugin directory (holds kubelet.sock and our sockets).
-    #[arg(long, env = "VFIO_SANDBOX_KUBELET_DIR", default_value = deviceplugin::DEFAULT_KUBELET_DIR, value_name = "DIR")]
+    #[arg(long, env = "VFIO_SANDBOX_KUBELET_DIR", default_value = kubelet_api::DEFAULT_KUBELET_DIR, value_name = "DIR")]
     kubelet_dir: PathBuf,
     /// Full rescan period beneath the event-driven health updates (90s, 5m, 500ms,
     /// seconds). Default: 30s when kernel uevents reach us (host network namespace),
@@ -84,7 +84,7 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(cli: Cli, list: vfio_sandbox::config::ResourceList) -> anyhow::Result<()> {
+async fn run(cli: Cli, list: passthrough::config::ResourceList) -> anyhow::Result<()> {
     let host = cli.common.host();
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;

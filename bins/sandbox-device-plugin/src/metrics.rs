@@ -1,18 +1,18 @@
 //! The plugin's metrics, served with `--metrics-address` (see
-//! [`vfio_sandbox::metrics`]).
+//! [`node_agent::metrics`]).
 //!
 //! Labels carry resource names only, never device IDs, so the number of series stays
 //! the number of resources however many devices a node has. The hot paths (Allocate,
 //! ListAndWatch) hold ready handles per resource ([`ResourceMetrics`]): recording is
 //! an atomic add, with no label lookup or allocation.
 
+use passthrough::config::ResourceName;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
-use vfio_sandbox::config::ResourceName;
 
 use crate::devices::Snapshot;
 

@@ -4,18 +4,18 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use deviceplugin::v1beta1::device_plugin_server::DevicePlugin;
-use deviceplugin::v1beta1::{
+use kubelet_api::v1beta1::device_plugin_server::DevicePlugin;
+use kubelet_api::v1beta1::{
     AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, Device,
     DevicePluginOptions, Empty, ListAndWatchResponse, NumaNode, PreStartContainerRequest,
     PreStartContainerResponse, PreferredAllocationRequest, PreferredAllocationResponse,
     TopologyInfo,
 };
-use deviceplugin::{HEALTHY, UNHEALTHY};
+use kubelet_api::{HEALTHY, UNHEALTHY};
+use passthrough::config::ResourceName;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
-use vfio_sandbox::config::ResourceName;
 
 use crate::allocate::{allocate, preferred};
 use crate::devices::{DeviceState, Snapshot};

@@ -12,11 +12,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inotify::{EventMask, Inotify, WatchMask};
+use passthrough::config::{ResourceList, ResourceName};
+use sysfs_pci::{error_chain, uevent, Host, PciAddress};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
-use vfio_sandbox::config::{ResourceList, ResourceName};
-use vfio_sandbox::{error_chain, uevent, Host, PciAddress};
 
 use crate::devices::{Snapshot, Tracker};
 use crate::kubelet::Sockets;
@@ -55,7 +55,7 @@ pub async fn watch_node(
     publish: watch::Sender<Arc<Snapshot>>,
     resync: Option<Duration>,
 ) {
-    let uevents = match uevent::async_socket() {
+    let uevents = match node_agent::watch::async_socket() {
         Ok(u) => Some(u),
         Err(e) => {
             tracing::warn!(error = %e, "no kernel uevents (needs the host network namespace); health follows the periodic resync");
@@ -265,7 +265,7 @@ pub async fn watch_kubelet_dir(
             let Some(name) = ev.name.as_ref().and_then(|n| n.to_str()) else {
                 continue;
             };
-            if name == deviceplugin::KUBELET_SOCKET && !ev.mask.contains(EventMask::DELETE) {
+            if name == kubelet_api::KUBELET_SOCKET && !ev.mask.contains(EventMask::DELETE) {
                 tracing::info!("kubelet.sock (re)created: kubelet restarted");
                 let _ = restart.send(None);
             } else if ev.mask.contains(EventMask::DELETE) {

@@ -7,7 +7,7 @@ use std::process::Command;
 
 #[test]
 fn hostile_resync_intervals_exit_2_naming_the_flag() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     for (value, why) in [
         ("0", "at least 1ms"),
         ("0ms", "at least 1ms"),

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use deviceplugin::v1beta1::{
+use kubelet_api::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
     ContainerPreferredAllocationRequest, DeviceSpec, Empty, ListAndWatchResponse,
     PreferredAllocationRequest,
@@ -18,8 +18,8 @@ use kubelet_peer::{scenario, Kubelet, Registered};
 /// The longest one scenario may take.
 const DEADLINE: Duration = Duration::from_secs(30);
 use prost::Message;
+use sysfs_pci::testing::{FakeDevice, FakeNode};
 use tokio_stream::StreamExt;
-use vfio_sandbox::fake::{FakeDevice, FakeNode};
 
 const NIC: &str = "example.com/NIC_PT";
 const NVME: &str = "example.com/NVME_PT";
@@ -36,7 +36,7 @@ impl Bed {
     /// (group 6, NUMA 1), an nvme (group 7, no NUMA), all on vfio-pci; the plugin
     /// started against it.
     fn start() -> Self {
-        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
         let node = kubelet_peer::fake_node(dir.path()).unwrap();
         let plugin = spawn_plugin(dir.path());
         Bed { dir, node, plugin }
@@ -311,7 +311,7 @@ fn preferred_allocation_packs_by_numa_then_bridge() {
                 allocation_size: size,
             }],
         };
-        let pick = |r: deviceplugin::v1beta1::PreferredAllocationResponse| {
+        let pick = |r: kubelet_api::v1beta1::PreferredAllocationResponse| {
             r.container_responses[0].device_i_ds.clone()
         };
         assert_eq!(
@@ -347,7 +347,7 @@ fn preferred_allocation_packs_by_numa_then_bridge() {
 /// A node with `n` NICs on vfio-pci (group 100+i, NUMA i%2, behind one of 8 bridges),
 /// the plugin started against it.
 fn big_bed(n: usize) -> Bed {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let node = FakeNode::new(dir.path());
     node.add_driver("vfio-pci");
     for b in 0..8 {

@@ -10,15 +10,15 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
+use kubelet_api::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
 use kubelet_peer::{scenario, Kubelet, Registered};
 
 /// The longest one scenario may take.
 const DEADLINE: Duration = Duration::from_secs(30);
+use sysfs_pci::testing::FakeNode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_stream::StreamExt;
-use vfio_sandbox::fake::FakeNode;
 
 const NIC: &str = "example.com/NIC_PT";
 const NVME: &str = "example.com/NVME_PT";
@@ -34,7 +34,7 @@ struct Bed {
 impl Bed {
     /// The fake node of `kubelet_peer::fake_node` and the plugin on it, with `args`.
     fn start(args: &[&str]) -> Self {
-        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
         let node = kubelet_peer::fake_node(dir.path()).unwrap();
         let log = std::fs::File::create(dir.path().join("plugin.log")).unwrap();
         let plugin = kubelet_peer::plugin_command(Path::new(BIN), dir.path())
@@ -123,7 +123,7 @@ fn value(samples: &BTreeMap<String, f64>, series: &str) -> f64 {
 }
 
 async fn allocate(
-    client: &mut deviceplugin::v1beta1::device_plugin_client::DevicePluginClient<
+    client: &mut kubelet_api::v1beta1::device_plugin_client::DevicePluginClient<
         tonic::transport::Channel,
     >,
     ids: &[&str],
@@ -287,7 +287,7 @@ fn without_the_flag_no_port_is_opened() {
 
 #[test]
 fn the_env_twin_sets_the_address() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     kubelet_peer::fake_node(dir.path()).unwrap();
     let log = std::fs::File::create(dir.path().join("plugin.log")).unwrap();
     let mut plugin = kubelet_peer::plugin_command(Path::new(BIN), dir.path())
@@ -315,7 +315,7 @@ fn the_env_twin_sets_the_address() {
 
 #[test]
 fn bad_addresses_exit_2_naming_the_flag_and_a_taken_port_exits_1() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     kubelet_peer::fake_node(dir.path()).unwrap();
     let run = |args: &[&str], env: Option<&str>| {
         let mut cmd = kubelet_peer::plugin_command(Path::new(BIN), dir.path());

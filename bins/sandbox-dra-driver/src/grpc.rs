@@ -31,19 +31,19 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::claims::{ClaimRef, PreparedDevice};
 use anyhow::Context as _;
-use deviceplugin::dra::{v1, v1beta1};
-use deviceplugin::pluginregistration::registration_server::{Registration, RegistrationServer};
-use deviceplugin::pluginregistration::{
+use inotify::{EventMask, Inotify, WatchMask};
+use kubelet_api::dra::{v1, v1beta1};
+use kubelet_api::pluginregistration::registration_server::{Registration, RegistrationServer};
+use kubelet_api::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
-use inotify::{EventMask, Inotify, WatchMask};
 use tokio::net::UnixListener;
 use tokio::sync::oneshot;
 use tokio_stream::StreamExt;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
-use vfio_sandbox::claims::{ClaimRef, PreparedDevice};
 
 /// What the gRPC side asks of the driver. Both calls are idempotent (kubelet
 /// retries) and answer for every claim they are given.
@@ -93,7 +93,7 @@ impl GrpcConfig {
         self.registry_dir.join(format!(
             "{}{}",
             self.driver_name,
-            deviceplugin::DRA_REGISTRATION_SUFFIX
+            kubelet_api::DRA_REGISTRATION_SUFFIX
         ))
     }
 
@@ -101,7 +101,7 @@ impl GrpcConfig {
     pub fn service_socket(&self) -> PathBuf {
         self.plugins_dir
             .join(&self.driver_name)
-            .join(deviceplugin::DRA_SERVICE_SOCKET)
+            .join(kubelet_api::DRA_SERVICE_SOCKET)
     }
 
     /// Both sockets kubelet dials.
@@ -113,12 +113,12 @@ impl GrpcConfig {
     /// socket, and both versions, v1 first (kubelet picks the first it knows).
     pub fn plugin_info(&self) -> PluginInfo {
         PluginInfo {
-            r#type: deviceplugin::DRA_PLUGIN_TYPE.into(),
+            r#type: kubelet_api::DRA_PLUGIN_TYPE.into(),
             name: self.driver_name.clone(),
             endpoint: self.service_socket().to_string_lossy().into_owned(),
             supported_versions: vec![
-                deviceplugin::DRA_V1_SERVICE.into(),
-                deviceplugin::DRA_V1BETA1_SERVICE.into(),
+                kubelet_api::DRA_V1_SERVICE.into(),
+                kubelet_api::DRA_V1BETA1_SERVICE.into(),
             ],
         }
     }
@@ -233,7 +233,7 @@ impl Socket {
     /// Binds a fresh socket at the path and serves it; the previous server (if any)
     /// finishes its calls in flight and stops.
     fn bind(&mut self) -> anyhow::Result<()> {
-        let listener = deviceplugin::serve::listen(&self.path)?;
+        let listener = kubelet_api::serve::listen(&self.path)?;
         let meta = std::fs::symlink_metadata(&self.path)
             .with_context(|| format!("cannot stat {}", self.path.display()))?;
         self.bound = Some((meta.dev(), meta.ino()));
@@ -304,7 +304,7 @@ fn spawn_dra(listener: UnixListener, driver: Arc<dyn Driver>) -> oneshot::Sender
     let router = Server::builder()
         .add_service(v1::dra_plugin_server::DraPluginServer::new(service.clone()))
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(service));
-    deviceplugin::serve::spawn(listener, router, "DRA service")
+    kubelet_api::serve::spawn(listener, router, "DRA service")
 }
 
 fn spawn_registration(
@@ -316,7 +316,7 @@ fn spawn_registration(
         info,
         driver,
     }));
-    deviceplugin::serve::spawn(listener, router, "registration")
+    kubelet_api::serve::spawn(listener, router, "registration")
 }
 
 /// `pluginregistration.Registration`.

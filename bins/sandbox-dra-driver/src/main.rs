@@ -9,18 +9,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use node_agent::cli::{fail, parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
+use node_agent::cluster::{Cluster, Identity, Verdict};
+use node_agent::metrics::{self as endpoint, ListenAddress};
+use passthrough::owner::DEFAULT_OWNER_LOCK;
+use passthrough::state::{StateError, StateFile, DEFAULT_DRA_STATE_FILE};
+use passthrough::Passthrough;
+use sandbox_dra_driver::cdi::{DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
+use sandbox_dra_driver::claims::{Claims, Files};
+use sysfs_pci::host::DEFAULT_MODULES_ROOT;
+use sysfs_pci::kernel::SysKernel;
+use sysfs_pci::{error_chain, module};
 use tokio::signal::unix::{signal, SignalKind};
-use vfio_sandbox::cdi::{DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
-use vfio_sandbox::claims::{Claims, Files};
-use vfio_sandbox::cli::{fail, parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
-use vfio_sandbox::cluster::{Cluster, Identity, Verdict};
-use vfio_sandbox::host::DEFAULT_MODULES_ROOT;
-use vfio_sandbox::kernel::SysKernel;
-use vfio_sandbox::metrics::{self as endpoint, ListenAddress};
-use vfio_sandbox::owner::DEFAULT_OWNER_LOCK;
-use vfio_sandbox::passthrough::Passthrough;
-use vfio_sandbox::state::{StateError, StateFile, DEFAULT_DRA_STATE_FILE};
-use vfio_sandbox::{error_chain, module};
 
 use sandbox_dra_driver::metrics::Metrics;
 use sandbox_dra_driver::ready::{self, Readiness, DEFAULT_READY_FILE};
@@ -164,11 +164,11 @@ fn main() -> ExitCode {
     if let Some(Command::Ready) = cli.command {
         return match ready::probe(&cli.ready_file) {
             Ok(what) => {
-                vfio_sandbox::outln!("ready: {what}");
+                sysfs_pci::outln!("ready: {what}");
                 ExitCode::SUCCESS
             }
             Err(why) => {
-                vfio_sandbox::outln!("not ready: {why}");
+                sysfs_pci::outln!("not ready: {why}");
                 ExitCode::from(EXIT_NOT_READY)
             }
         };
@@ -334,8 +334,8 @@ fn grpc_config(cli: &Cli) -> grpc::GrpcConfig {
 /// What serving needs beside the command line.
 struct Serve {
     node_name: String,
-    host: vfio_sandbox::Host,
-    list: vfio_sandbox::config::ResourceList,
+    host: sysfs_pci::Host,
+    list: passthrough::config::ResourceList,
     worker: worker::Worker,
     registry: endpoint::Registry,
     metrics: Arc<Metrics>,
@@ -369,18 +369,18 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
     let cluster = Cluster::connect(identity)
         .await
         .map_err(|e| anyhow::anyhow!("cannot set up the API server client: {}", error_chain(&e)))?;
-    match vfio_sandbox::dra::resource_api_served(&cluster.kube_client()).await {
+    match sandbox_dra_driver::slices::resource_api_served(&cluster.kube_client()).await {
         Ok(true) => {}
         Ok(false) => {
             return Err(anyhow::anyhow!(
                 "the API server does not serve {} with ResourceSlices and ResourceClaims, which this driver reads and writes: it needs Kubernetes 1.34 or newer (kubelet 1.32 or newer, within the version skew policy)",
-                vfio_sandbox::dra::RESOURCE_API
+                sandbox_dra_driver::slices::RESOURCE_API
             ))
         }
         Err(e) => tracing::warn!(
             error = %error_chain(&e),
             "cannot tell whether the API server serves {}; going on (publishing retries)",
-            vfio_sandbox::dra::RESOURCE_API
+            sandbox_dra_driver::slices::RESOURCE_API
         ),
     }
     let publisher = publish::Publisher::new(

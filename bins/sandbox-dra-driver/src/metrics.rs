@@ -1,15 +1,15 @@
 //! The driver's metrics, served with `--metrics-address` (see
-//! [`vfio_sandbox::metrics`]). Labels are fixed words, never claim names or device
+//! [`node_agent::metrics`]). Labels are fixed words, never claim names or device
 //! addresses, so the number of series is bounded.
 
+use crate::claims::Failure;
+use crate::slices::Report;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use vfio_sandbox::claims::Failure;
-use vfio_sandbox::dra::Report;
 
 /// `NodePrepareResources` or `NodeUnprepareResources`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

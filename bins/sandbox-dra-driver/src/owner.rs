@@ -1,5 +1,5 @@
 //! Taking the node before any device moves: the node-wide owner lock
-//! (`vfio_sandbox::owner`), shared with vfio-manager.
+//! (`passthrough::owner`), shared with vfio-manager.
 //!
 //! While vfio-manager owns the node the driver recovers nothing and publishes no
 //! ResourceSlice, but it serves kubelet, so a claim sent here gets an answer that
@@ -12,11 +12,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::claims::{ClaimRef, PreparedDevice};
+use passthrough::owner::{Owner, OwnerError, Program};
+use passthrough::state::StateFile;
+use sysfs_pci::error_chain;
 use tokio::signal::unix::{signal, SignalKind};
-use vfio_sandbox::claims::{ClaimRef, PreparedDevice};
-use vfio_sandbox::error_chain;
-use vfio_sandbox::owner::{Owner, OwnerError, Program};
-use vfio_sandbox::state::StateFile;
 
 use crate::grpc::{self, GrpcConfig};
 
@@ -94,13 +94,13 @@ struct Refusing {
 
 impl Refusing {
     fn refusal(&self) -> String {
-        vfio_sandbox::kernel::lock(&self.refusal).clone()
+        sysfs_pci::kernel::lock(&self.refusal).clone()
     }
 
     /// A retry failed: says so when the reason changed.
     fn still_refused(&self, e: &OwnerError) {
         let now = error_chain(e);
-        let mut refusal = vfio_sandbox::kernel::lock(&self.refusal);
+        let mut refusal = sysfs_pci::kernel::lock(&self.refusal);
         if *refusal != now {
             tracing::error!(error = %now, "the node is still not ours");
             *refusal = now;

@@ -19,16 +19,17 @@ use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::slices;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::Api;
+use node_agent::cluster::Cluster;
+use passthrough::config::ResourceList;
+use passthrough::inventory::Inventory;
+use sysfs_pci::{error_chain, uevent, Host};
 use tokio::sync::Notify;
 use tokio_stream::StreamExt;
-use vfio_sandbox::cluster::Cluster;
-use vfio_sandbox::config::ResourceList;
-use vfio_sandbox::inventory::Inventory;
-use vfio_sandbox::{dra, error_chain, uevent, Host};
 
 use crate::metrics::Metrics;
 use crate::ready::Readiness;
@@ -39,7 +40,7 @@ const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 /// Publishes the slices.
 #[derive(Clone)]
 pub struct Publisher {
-    slices: Arc<tokio::sync::Mutex<dra::Slices>>,
+    slices: Arc<tokio::sync::Mutex<slices::Slices>>,
     client: kube::Client,
     host: Host,
     list: ResourceList,
@@ -73,7 +74,7 @@ impl Publisher {
     ) -> Self {
         let client = cluster.kube_client();
         Self {
-            slices: Arc::new(tokio::sync::Mutex::new(dra::Slices::new(
+            slices: Arc::new(tokio::sync::Mutex::new(slices::Slices::new(
                 client.clone(),
                 &driver,
                 &node,
@@ -92,7 +93,7 @@ impl Publisher {
     /// Reconciles now and after every change, until aborted. `registered` is
     /// notified when kubelet accepts a registration.
     pub async fn run(self, registered: Arc<Notify>) {
-        let events = match uevent::async_socket() {
+        let events = match node_agent::watch::async_socket() {
             Ok(fd) => Some(fd),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot watch PCI uevents; rescanning every resync interval only");
@@ -165,7 +166,7 @@ impl Publisher {
             s.metadata.name.clone().unwrap_or_default(),
             s.metadata.resource_version.clone().unwrap_or_default(),
         );
-        vfio_sandbox::kernel::lock(&self.ours).contains(&key)
+        sysfs_pci::kernel::lock(&self.ours).contains(&key)
     }
 
     /// Publishes the node's devices; the names of our slices.
@@ -176,7 +177,7 @@ impl Publisher {
             .await
             .map_err(|e| format!("the scan stopped: {e}"))?
             .map_err(|e| format!("cannot scan the node's PCI devices: {}", error_chain(&e)))?;
-        let devices = dra::slice_devices(&inv);
+        let devices = slices::slice_devices(&inv);
         let report = self
             .slices
             .lock()
@@ -186,7 +187,7 @@ impl Publisher {
             .map_err(|e| error_chain(&e))?;
         tracing::debug!(?report, "ResourceSlices reconciled");
         self.metrics.published(devices.len(), &report);
-        *vfio_sandbox::kernel::lock(&self.ours) = report.versions.into_iter().collect();
+        *sysfs_pci::kernel::lock(&self.ours) = report.versions.into_iter().collect();
         Ok(report.names)
     }
 

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use serde_json::json;
-use vfio_sandbox::io::{read_small_file, remove_if_present, write_atomic, SmallFileError};
+use sysfs_pci::io::{read_small_file, remove_if_present, write_atomic, SmallFileError};
 
 /// The default ready file.
 pub const DEFAULT_READY_FILE: &str = "/run/sandbox-dra-driver/ready";
@@ -60,7 +60,7 @@ impl Readiness {
     }
 
     fn update(&self, change: impl FnOnce(&mut Seen)) {
-        let mut seen = vfio_sandbox::kernel::lock(&self.seen);
+        let mut seen = sysfs_pci::kernel::lock(&self.seen);
         let was = is_ready(&seen);
         change(&mut seen);
         let now = is_ready(&seen);

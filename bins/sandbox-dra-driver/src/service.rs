@@ -7,10 +7,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::claims::{ClaimRef, Failure, PreparedDevice};
+use crate::slices;
+use node_agent::cluster::Cluster;
+use sysfs_pci::error_chain;
 use tokio::sync::{Notify, Semaphore};
-use vfio_sandbox::claims::{ClaimRef, Failure, PreparedDevice};
-use vfio_sandbox::cluster::Cluster;
-use vfio_sandbox::{dra, error_chain};
 
 use crate::metrics::{Metrics, Operation};
 use crate::ready::Readiness;
@@ -87,8 +88,9 @@ impl Service {
             let reason = failed.failure.event_reason();
             let note = failed.message.clone();
             tokio::spawn(async move {
+                let (reference, what) = claim.event_target(reason);
                 if let Err(e) = cluster
-                    .claim_event(&claim, reason, "PrepareResources", &note)
+                    .event(&reference, &what, true, reason, "PrepareResources", &note)
                     .await
                 {
                     tracing::debug!(claim = %claim, error = %error_chain(&e), "cannot post an Event on the claim");
@@ -145,7 +147,7 @@ impl crate::grpc::Driver for Service {
             reads.spawn(async move {
                 let _permit = permits.acquire().await;
                 let allocation =
-                    dra::claim_allocation(&cluster.kube_client(), &claim, &driver, &pool)
+                    slices::claim_allocation(&cluster.kube_client(), &claim, &driver, &pool)
                         .await
                         .map_err(|e| Failed::new(e.failure(), error_chain(&e)));
                 (claim, ticket, allocation)

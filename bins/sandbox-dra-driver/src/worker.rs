@@ -19,14 +19,14 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::claims::{Allocation, ClaimRef, Claims, Failure, Files, PreparedDevice};
+use passthrough::config::ResourceList;
+use passthrough::inventory::Inventory;
+use passthrough::state::StateFile;
+use passthrough::Passthrough;
+use sysfs_pci::kernel::SysKernel;
+use sysfs_pci::{error_chain, Host};
 use tokio::sync::oneshot;
-use vfio_sandbox::claims::{Allocation, ClaimRef, Claims, Failure, Files, PreparedDevice};
-use vfio_sandbox::config::ResourceList;
-use vfio_sandbox::inventory::Inventory;
-use vfio_sandbox::kernel::SysKernel;
-use vfio_sandbox::passthrough::Passthrough;
-use vfio_sandbox::state::StateFile;
-use vfio_sandbox::{error_chain, Host};
 
 use crate::metrics::Metrics;
 
@@ -47,8 +47,8 @@ impl Failed {
     }
 }
 
-impl From<vfio_sandbox::claims::ClaimError> for Failed {
-    fn from(e: vfio_sandbox::claims::ClaimError) -> Self {
+impl From<crate::claims::ClaimError> for Failed {
+    fn from(e: crate::claims::ClaimError) -> Self {
         Self::new(e.failure(), error_chain(&e))
     }
 }
@@ -107,7 +107,7 @@ impl Unprepared {
 
     fn mark(&self, uid: &str) {
         let now = self.tick();
-        let mut m = vfio_sandbox::kernel::lock(&self.marks);
+        let mut m = sysfs_pci::kernel::lock(&self.marks);
         let (by_uid, by_time) = &mut *m;
         if let Some(old) = by_uid.insert(uid.to_owned(), now) {
             by_time.remove(&old);
@@ -122,7 +122,7 @@ impl Unprepared {
 
     /// True when `uid` was unprepared after `ticket` was taken.
     fn since(&self, uid: &str, ticket: Ticket) -> bool {
-        let m = vfio_sandbox::kernel::lock(&self.marks);
+        let m = sysfs_pci::kernel::lock(&self.marks);
         m.0.get(uid).is_some_and(|t| *t > ticket.0)
     }
 }

@@ -16,9 +16,9 @@ use std::time::Instant;
 
 use common::*;
 use fake_apiserver::paths;
+use kubelet_peer::dra::{ClaimRef, PreparedDevice};
 use kubelet_peer::dra::{Dra, Prepared, Version};
 use serde_json::{json, Value};
-use vfio_sandbox::claims::{ClaimRef, PreparedDevice};
 
 const U1: &str = "0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a";
 const U2: &str = "5e1c9a40-2b7d-4f8e-a6c3-91d0e2f4b6a8";
@@ -634,7 +634,7 @@ async fn three_hundred_functions_are_published_as_one_pool_of_three_slices() {
     let scene = Scene::new();
     for i in 0..296u32 {
         scene.node.add_device(
-            &vfio_sandbox::fake::FakeDevice::new(
+            &sysfs_pci::testing::FakeDevice::new(
                 &format!("0000:{:02x}:{:02x}.0", 0x10 + i / 32, i % 32),
                 0x8086,
                 0x10d3,

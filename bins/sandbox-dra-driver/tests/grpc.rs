@@ -10,9 +10,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kubelet_peer::dra::{self, Dra, Version};
+use kubelet_peer::dra::{ClaimRef, PreparedDevice};
+use sandbox_dra_driver::claims;
 use sandbox_dra_driver::grpc::{self, Driver, GrpcConfig};
 use tokio::sync::oneshot;
-use vfio_sandbox::claims::{ClaimRef, PreparedDevice};
 
 const DRIVER: &str = "vfio-sandbox.rebellions.ai";
 const WAIT: Duration = Duration::from_secs(5);
@@ -37,28 +38,52 @@ fn device(c: &ClaimRef) -> PreparedDevice {
     }
 }
 
+/// The claim as the peer (kubelet) names it, from the driver's own type.
+fn as_sent(c: &claims::ClaimRef) -> ClaimRef {
+    ClaimRef {
+        uid: c.uid.clone(),
+        namespace: c.namespace.clone(),
+        name: c.name.clone(),
+    }
+}
+
 #[tonic::async_trait]
 impl Driver for Recorder {
     async fn prepare(
         &self,
-        claims: Vec<ClaimRef>,
-    ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>> {
-        self.prepared.lock().unwrap().push(claims.clone());
+        claims: Vec<claims::ClaimRef>,
+    ) -> BTreeMap<String, Result<Vec<claims::PreparedDevice>, String>> {
+        self.prepared
+            .lock()
+            .unwrap()
+            .push(claims.iter().map(as_sent).collect());
         claims
             .iter()
             .map(|c| {
                 let r = if c.name.starts_with("fail") {
                     Err(format!("cannot prepare {}/{}", c.namespace, c.name))
                 } else {
-                    Ok(vec![device(c)])
+                    let d = device(&as_sent(c));
+                    Ok(vec![claims::PreparedDevice {
+                        request_names: d.request_names,
+                        pool_name: d.pool_name,
+                        device_name: d.device_name,
+                        cdi_device_ids: d.cdi_device_ids,
+                    }])
                 };
                 (c.uid.clone(), r)
             })
             .collect()
     }
 
-    async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
-        self.unprepared.lock().unwrap().push(claims.clone());
+    async fn unprepare(
+        &self,
+        claims: Vec<claims::ClaimRef>,
+    ) -> BTreeMap<String, Result<(), String>> {
+        self.unprepared
+            .lock()
+            .unwrap()
+            .push(claims.iter().map(as_sent).collect());
         claims
             .iter()
             .map(|c| {
@@ -84,7 +109,7 @@ struct Served {
 
 impl Served {
     async fn start() -> Self {
-        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
         let cfg = GrpcConfig::new(
             DRIVER,
             dir.path().join("plugins_registry"),
@@ -164,7 +189,7 @@ async fn the_peer_finds_the_registration_socket_and_gets_exact_plugin_info() {
     // kubelet also reports refusals; the plugin accepts those notifications too.
     dra::notify(
         &r.socket,
-        deviceplugin::pluginregistration::RegistrationStatus {
+        kubelet_api::pluginregistration::RegistrationStatus {
             plugin_registered: false,
             error: "some reason".into(),
         },
@@ -183,25 +208,25 @@ fn grpc_go_authority(path: &Path) -> String {
 /// kubelet's plugin watcher (`pkg/kubelet/pluginmanager/operationexecutor/
 /// operation_generator.go`, `dial`) and kubelet 1.32's DRA client dial with grpc-go
 /// and no authority override, so every call carries the percent-encoded socket
-/// path as `:authority`; without the shared [`deviceplugin::serve`] layer the
+/// path as `:authority`; without the shared [`kubelet_api::serve`] layer the
 /// HTTP/2 server resets each such call with PROTOCOL_ERROR.
 #[tokio::test]
 async fn calls_carrying_the_socket_path_as_authority_reach_every_service() {
-    use deviceplugin::dra::{v1, v1beta1};
-    use deviceplugin::pluginregistration::registration_client::RegistrationClient;
+    use kubelet_api::dra::{v1, v1beta1};
+    use kubelet_api::pluginregistration::registration_client::RegistrationClient;
     let s = Served::start().await;
     let reg = s.cfg.registration_socket();
-    let channel = deviceplugin::unix_channel_with_authority(&reg, &grpc_go_authority(&reg))
+    let channel = kubelet_api::unix_channel_with_authority(&reg, &grpc_go_authority(&reg))
         .await
         .unwrap();
     let info = RegistrationClient::new(channel)
-        .get_info(deviceplugin::pluginregistration::InfoRequest {})
+        .get_info(kubelet_api::pluginregistration::InfoRequest {})
         .await
         .expect("GetInfo with the socket path as :authority")
         .into_inner();
     assert_eq!(info.name, DRIVER);
     let svc = s.cfg.service_socket();
-    let channel = deviceplugin::unix_channel_with_authority(&svc, &grpc_go_authority(&svc))
+    let channel = kubelet_api::unix_channel_with_authority(&svc, &grpc_go_authority(&svc))
         .await
         .unwrap();
     let c = claim("ns", "c1", "uid-1");
@@ -408,7 +433,7 @@ async fn shutdown_removes_our_sockets() {
 
 #[tokio::test]
 async fn a_stale_socket_is_replaced_and_anything_else_refused() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let cfg = GrpcConfig::new(DRIVER, dir.path().join("reg"), dir.path().join("plugins"));
     let driver: Arc<dyn Driver> = Arc::new(Recorder::default());
 
@@ -487,7 +512,7 @@ struct Garbage {
 #[tokio::test]
 async fn a_request_that_is_not_protobuf_gets_a_grpc_error_and_the_server_lives_on() {
     let s = Served::start().await;
-    let channel = deviceplugin::unix_channel(s.cfg.service_socket())
+    let channel = kubelet_api::unix_channel(s.cfg.service_socket())
         .await
         .unwrap();
     for path in [
@@ -498,7 +523,7 @@ async fn a_request_that_is_not_protobuf_gets_a_grpc_error_and_the_server_lives_o
         grpc.ready().await.unwrap();
         let codec = tonic_prost::ProstCodec::<
             Garbage,
-            deviceplugin::dra::v1::NodePrepareResourcesResponse,
+            kubelet_api::dra::v1::NodePrepareResourcesResponse,
         >::default();
         let status = grpc
             .unary(

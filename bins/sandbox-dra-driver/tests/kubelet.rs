@@ -171,7 +171,7 @@ async fn the_peer_wipes_the_nodes_slices_at_start_and_the_driver_restores_them()
     let mut driver = scene
         .start_with(
             &server,
-            &[("VFIO_SANDBOX_LOG_LEVEL", "debug,deviceplugin=trace")],
+            &[("VFIO_SANDBOX_LOG_LEVEL", "debug,kubelet_api=trace")],
         )
         .await;
     driver
@@ -256,7 +256,7 @@ async fn prepare_and_unprepare_as(kubelet: KubeletVersion, version: Version) {
     let _driver = scene
         .start_with(
             &server,
-            &[("VFIO_SANDBOX_LOG_LEVEL", "debug,deviceplugin=trace")],
+            &[("VFIO_SANDBOX_LOG_LEVEL", "debug,kubelet_api=trace")],
         )
         .await;
     card(&server, &[("vm-a", POD_A)]);

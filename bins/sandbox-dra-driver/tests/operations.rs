@@ -82,7 +82,7 @@ async fn ready_means_registered_and_published() {
     // until it accepts one again.
     dra::notify(
         &scene.registration_socket(),
-        deviceplugin::pluginregistration::RegistrationStatus {
+        kubelet_api::pluginregistration::RegistrationStatus {
             plugin_registered: false,
             error: "no supported version".into(),
         },

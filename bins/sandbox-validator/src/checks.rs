@@ -5,12 +5,12 @@ use std::collections::BTreeSet;
 use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
 
-use vfio_sandbox::config::ResourceList;
-use vfio_sandbox::group::iommu_enabled;
-use vfio_sandbox::inventory::{Inventory, Role};
-use vfio_sandbox::module::is_loaded;
-use vfio_sandbox::passthrough::VFIO_MODULES;
-use vfio_sandbox::{error_chain, Host};
+use passthrough::config::ResourceList;
+use passthrough::inventory::{Inventory, Role};
+use passthrough::VFIO_MODULES;
+use sysfs_pci::group::iommu_enabled;
+use sysfs_pci::module::is_loaded;
+use sysfs_pci::{error_chain, Host};
 
 /// One check's outcome.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -254,7 +254,7 @@ fn check_container(host: &Host) -> Check {
     }
 }
 
-fn check_groups(inv: &Inventory, selected: &[&vfio_sandbox::inventory::Entry]) -> Check {
+fn check_groups(inv: &Inventory, selected: &[&passthrough::inventory::Entry]) -> Check {
     let mut problems: Vec<String> = selected
         .iter()
         .filter(|e| e.device.iommu_group.is_none())
@@ -301,7 +301,7 @@ fn check_groups(inv: &Inventory, selected: &[&vfio_sandbox::inventory::Entry]) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vfio_sandbox::fake::{FakeDevice, FakeNode};
+    use sysfs_pci::testing::{FakeDevice, FakeNode};
 
     const LIST: &str =
         r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
@@ -309,7 +309,7 @@ mod tests {
     /// A ready node: vfio loaded, a two-function card in group 5 on vfio-pci, char
     /// device nodes (links to /dev/null stand in for the kernel's).
     fn ready_node() -> (tempfile::TempDir, FakeNode, ResourceList) {
-        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
         let node = FakeNode::new(dir.path());
         node.add_driver("vfio-pci");
         node.add_driver("e1000e");

@@ -7,11 +7,11 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use vfio_sandbox::cli::{
+use node_agent::cli::{
     fail, parse_duration, parse_duration_or_zero, CommonArgs, OutputFormat, EXIT_NOT_READY,
     EXIT_USAGE,
 };
-use vfio_sandbox::io::write_atomic;
+use sysfs_pci::io::write_atomic;
 
 mod checks;
 
@@ -54,7 +54,7 @@ struct Cli {
     #[arg(
         long,
         env = "VFIO_SANDBOX_STATUS_DIR",
-        default_value = vfio_sandbox::ready::DEFAULT_STATUS_DIR,
+        default_value = node_agent::ready::DEFAULT_STATUS_DIR,
         value_name = "DIR"
     )]
     status_dir: PathBuf,
@@ -71,7 +71,7 @@ fn main() -> ExitCode {
         Err(e) => return fail(PROGRAM, &e, EXIT_USAGE),
     };
     let host = cli.common.host();
-    let ready = vfio_sandbox::ready::validator_ready_file(&cli.status_dir);
+    let ready = node_agent::ready::validator_ready_file(&cli.status_dir);
     let start = Instant::now();
     let mut shown: Option<Report> = None;
     loop {
@@ -84,7 +84,7 @@ fn main() -> ExitCode {
         print_changes(&cli, shown.as_ref(), &report, done, start.elapsed());
         if done {
             if cli.wait && !passed {
-                vfio_sandbox::errln!("sandbox-validator: still failing after {:?}", cli.timeout);
+                sysfs_pci::errln!("sandbox-validator: still failing after {:?}", cli.timeout);
             }
             return if passed {
                 ExitCode::SUCCESS
@@ -115,7 +115,7 @@ fn publish(ready: &Path, report: &Report) -> anyhow::Result<()> {
         });
         write_atomic(ready, format!("{doc:#}\n").as_bytes())?;
     } else {
-        vfio_sandbox::io::remove_if_present(ready)?;
+        sysfs_pci::io::remove_if_present(ready)?;
     }
     Ok(())
 }
@@ -137,7 +137,7 @@ fn print_changes(
                 "devices": report.devices,
                 "groups": report.groups,
             });
-            vfio_sandbox::outln!("{doc}");
+            sysfs_pci::outln!("{doc}");
         }
         return;
     }
@@ -151,18 +151,18 @@ fn print_changes(
     };
     if !changed.is_empty() {
         if before.is_some() {
-            vfio_sandbox::outln!("-- changed after {:.1}s:", elapsed.as_secs_f64());
+            sysfs_pci::outln!("-- changed after {:.1}s:", elapsed.as_secs_f64());
         }
         print_table(&changed);
     }
     if done {
         let failed = report.checks.iter().filter(|c| !c.passed).count();
         match failed {
-            0 => vfio_sandbox::outln!(
+            0 => sysfs_pci::outln!(
                 "node is ready for VFIO passthrough ({} device(s))",
                 report.devices.len()
             ),
-            n => vfio_sandbox::outln!("node is NOT ready: {n} check(s) failed"),
+            n => sysfs_pci::outln!("node is NOT ready: {n} check(s) failed"),
         }
     }
 }
@@ -170,12 +170,12 @@ fn print_changes(
 fn print_table(checks: &[&checks::Check]) {
     // Fixed to the longest check name, so updates line up with the first table.
     let width = "vfio-container".len();
-    vfio_sandbox::outln!("{:<width$}  RESULT  DETAIL", "CHECK");
+    sysfs_pci::outln!("{:<width$}  RESULT  DETAIL", "CHECK");
     for c in checks {
         let result = if c.passed { "ok" } else { "FAIL" };
-        vfio_sandbox::outln!("{:<width$}  {result:<6}  {}", c.name, c.reason);
+        sysfs_pci::outln!("{:<width$}  {result:<6}  {}", c.name, c.reason);
         if let Some(h) = &c.hint {
-            vfio_sandbox::outln!("{:<width$}          hint: {h}", "");
+            sysfs_pci::outln!("{:<width$}          hint: {h}", "");
         }
     }
 }

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use vfio_sandbox::fake::{FakeDevice, FakeNode};
+use sysfs_pci::testing::{FakeDevice, FakeNode};
 
 const LIST: &str =
     r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
@@ -62,7 +62,7 @@ fn bind(node: &FakeNode) {
 
 #[test]
 fn one_shot_fails_then_passes_and_keeps_the_ready_file_true() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let node = node(dir.path());
     let ready = dir.path().join("status/vfio-pci-ready");
     std::fs::create_dir_all(ready.parent().unwrap()).unwrap();
@@ -91,7 +91,7 @@ fn one_shot_fails_then_passes_and_keeps_the_ready_file_true() {
 
 #[test]
 fn bad_config_exits_2() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     std::fs::write(
         dir.path().join("list.json"),
@@ -104,7 +104,7 @@ fn bad_config_exits_2() {
 
 #[test]
 fn wait_prints_only_changes_and_passes_within_one_interval() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let node = node(dir.path());
     let child = cmd(
         dir.path(),
@@ -144,7 +144,7 @@ fn wait_prints_only_changes_and_passes_within_one_interval() {
 
 #[test]
 fn wait_gives_up_at_the_timeout() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let t = Instant::now();
     let out = cmd(
@@ -175,7 +175,7 @@ const HOSTILE_DURATIONS: &[(&str, &str)] = &[
 
 #[test]
 fn hostile_intervals_exit_2_naming_the_flag() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     for (value, why) in HOSTILE_DURATIONS {
         let out = cmd(dir.path(), &["--wait", &format!("--interval={value}")])
@@ -197,7 +197,7 @@ fn hostile_intervals_exit_2_naming_the_flag() {
 
 #[test]
 fn hostile_timeouts_exit_2_naming_the_flag() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     for (value, why) in HOSTILE_DURATIONS
         .iter()
@@ -214,7 +214,7 @@ fn hostile_timeouts_exit_2_naming_the_flag() {
 
 #[test]
 fn wait_with_timeout_zero_checks_once() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let t = Instant::now();
     let out = cmd(
@@ -232,7 +232,7 @@ fn wait_with_timeout_zero_checks_once() {
 
 #[test]
 fn config_that_is_a_fifo_exits_2_without_blocking() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let list = dir.path().join("list.json");
     std::fs::remove_file(&list).unwrap();
@@ -258,7 +258,7 @@ fn config_that_is_a_fifo_exits_2_without_blocking() {
 
 #[test]
 fn a_malformed_device_is_named_and_does_not_hide_the_good_one() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let node = node(dir.path());
     bind(&node);
     node.add_device(&FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000).group(6));
@@ -281,7 +281,7 @@ fn a_malformed_device_is_named_and_does_not_hide_the_good_one() {
 #[test]
 fn a_closed_stdout_never_kills_the_validator() {
     use std::os::unix::process::ExitStatusExt;
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     // `sandbox-validator | head` after head has exited: writes get EPIPE.
     for (args, want) in [

@@ -6,13 +6,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use vfio_sandbox::cli::{CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
-use vfio_sandbox::host::DEFAULT_MODULES_ROOT;
-use vfio_sandbox::owner::{Owner, OwnerError, Program, DEFAULT_OWNER_LOCK};
-use vfio_sandbox::passthrough::DEFAULT_BIND_JOBS;
-use vfio_sandbox::ready::{DEFAULT_STATUS_DIR, MANAGER_READY_FILE};
-use vfio_sandbox::state::{StateFile, DEFAULT_STATE_FILE};
-use vfio_sandbox::Host;
+use node_agent::cli::{CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
+use node_agent::ready::{DEFAULT_STATUS_DIR, MANAGER_READY_FILE};
+use passthrough::owner::{Owner, OwnerError, Program, DEFAULT_OWNER_LOCK};
+use passthrough::state::{StateFile, DEFAULT_STATE_FILE};
+use passthrough::DEFAULT_BIND_JOBS;
+use sysfs_pci::host::DEFAULT_MODULES_ROOT;
+use sysfs_pci::Host;
 
 mod commands;
 mod metrics;
@@ -144,7 +144,7 @@ impl Context {
 pub struct UsageError(pub String);
 
 fn main() -> ExitCode {
-    // Test builds only: arm the steps named in FAILPOINTS (see vfio_sandbox::failpoint).
+    // Test builds only: arm the steps named in FAILPOINTS (see sysfs_pci::failpoint).
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
     let cli = Cli::parse();
@@ -175,10 +175,10 @@ fn main() -> ExitCode {
                     .downcast_ref::<OwnerError>()
                     .is_some_and(OwnerError::by_other_program)
                 || err
-                    .downcast_ref::<vfio_sandbox::config::ConfigError>()
+                    .downcast_ref::<passthrough::config::ConfigError>()
                     .is_some();
             let code = if usage { EXIT_USAGE } else { EXIT_NOT_READY };
-            vfio_sandbox::cli::fail("vfio-manager", err.as_ref(), code)
+            node_agent::cli::fail("vfio-manager", err.as_ref(), code)
         }
     }
 }

@@ -1,13 +1,13 @@
 //! vfio-manager's metrics, served by `run --metrics-address` (see
-//! [`vfio_sandbox::metrics`]). Labels are fixed words, never device addresses.
+//! [`node_agent::metrics`]). Labels are fixed words, never device addresses.
 
+use passthrough::inventory::Inventory;
+use passthrough::{BindReport, RestoreReport};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use vfio_sandbox::inventory::Inventory;
-use vfio_sandbox::passthrough::{BindReport, RestoreReport};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct State {

@@ -1,22 +1,22 @@
 //! Turning library reports into lines for people.
 
-use vfio_sandbox::error_chain as chain;
-use vfio_sandbox::passthrough::{BindReport, RestoreReport};
+use passthrough::{BindReport, RestoreReport};
+use sysfs_pci::error_chain as chain;
 
 /// Prints a bind report (of a dry run when `dry`); true when nothing failed.
 pub fn print_bind(report: &BindReport, dry: bool) -> bool {
     for (addr, previous) in &report.bound {
         let from = previous.as_deref().unwrap_or("no driver");
         match dry {
-            true => vfio_sandbox::outln!("would bind {addr} (now on {from})"),
-            false => vfio_sandbox::outln!("bound {addr} (was on {from})"),
+            true => sysfs_pci::outln!("would bind {addr} (now on {from})"),
+            false => sysfs_pci::outln!("bound {addr} (was on {from})"),
         }
     }
     for addr in &report.already {
-        vfio_sandbox::outln!("already bound {addr}");
+        sysfs_pci::outln!("already bound {addr}");
     }
     for e in &report.failed {
-        vfio_sandbox::errln!("vfio-manager: error: {}", chain(e));
+        sysfs_pci::errln!("vfio-manager: error: {}", chain(e));
     }
     report.failed.is_empty()
 }
@@ -26,28 +26,28 @@ pub fn print_bind(report: &BindReport, dry: bool) -> bool {
 pub fn print_restore(report: &RestoreReport, dry: bool) -> bool {
     let verb = if dry { "would restore" } else { "restored" };
     for m in &report.reloaded {
-        vfio_sandbox::outln!(
+        sysfs_pci::outln!(
             "{} module {m}",
             if dry { "would reload" } else { "reloaded" }
         );
     }
     for (addr, driver) in &report.restored {
-        vfio_sandbox::outln!(
+        sysfs_pci::outln!(
             "{verb} {addr} to {}",
             driver.as_deref().unwrap_or("no driver")
         );
     }
     for (addr, group) in &report.in_use {
-        vfio_sandbox::errln!(
+        sysfs_pci::errln!(
             "vfio-manager: warning: skipped {addr}: /dev/vfio/{group} is open (a VM holds the group); \
              its record is kept, run unbind again once the VM has stopped"
         );
     }
     for addr in &report.gone {
-        vfio_sandbox::errln!("vfio-manager: warning: {addr} no longer exists; dropped its record");
+        sysfs_pci::errln!("vfio-manager: warning: {addr} no longer exists; dropped its record");
     }
     for e in &report.failed {
-        vfio_sandbox::errln!("vfio-manager: error: {}", chain(e));
+        sysfs_pci::errln!("vfio-manager: error: {}", chain(e));
     }
     report.failed.is_empty() && report.in_use.is_empty()
 }

@@ -10,10 +10,10 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use node_agent::cluster::{Cluster, Identity, Verdict, EVENT_TIMEOUT, STOP_LOOKUP_TIMEOUT};
+use node_agent::metrics::{self as endpoint, ListenAddress, Registry};
+use sysfs_pci::error_chain;
 use tokio::sync::mpsc;
-use vfio_sandbox::cluster::{Cluster, Identity, Verdict, EVENT_TIMEOUT, STOP_LOOKUP_TIMEOUT};
-use vfio_sandbox::error_chain;
-use vfio_sandbox::metrics::{self as endpoint, ListenAddress, Registry};
 
 /// An Event about the Node.
 #[derive(Debug, Clone)]

@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 
 mod common;
 
-use vfio_sandbox::fake::{FakeDevice, FakeNode};
+use sysfs_pci::testing::{FakeDevice, FakeNode};
 
 const LIST: &str =
     r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
@@ -80,7 +80,7 @@ fn walk(dir: &Path) -> Vec<(String, String)> {
 
 #[test]
 fn status_shows_selected_and_companion_with_group_viability() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let out = run(dir.path(), &["status"]);
     let t = text(&out);
@@ -101,11 +101,11 @@ fn status_shows_selected_and_companion_with_group_viability() {
 
 #[test]
 fn dry_run_prints_every_write_and_touches_nothing() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let node = node(dir.path());
     // vfio_iommu_type1 is not loaded: the dry run must say it would load it.
     std::fs::remove_dir(node.host.module_dir("vfio_iommu_type1")).unwrap();
-    let release = vfio_sandbox::module::kernel_release();
+    let release = sysfs_pci::module::kernel_release();
     node.add_modules_dep(
         &release,
         "kernel/vfio_iommu_type1.ko: kernel/vfio.ko\nkernel/vfio.ko:\n",
@@ -144,7 +144,7 @@ fn dry_run_prints_every_write_and_touches_nothing() {
 
 #[test]
 fn bad_config_exits_2_naming_the_entry_and_touches_nothing() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     std::fs::write(
         dir.path().join("list.json"),
@@ -164,7 +164,7 @@ fn bad_config_exits_2_naming_the_entry_and_touches_nothing() {
 
 #[test]
 fn unknown_and_unselected_devices_exit_2() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let out = run(dir.path(), &["bind", "--device", "0000:09:00.0"]);
     assert_eq!(out.status.code(), Some(2));
@@ -188,7 +188,7 @@ fn unknown_and_unselected_devices_exit_2() {
 
 #[test]
 fn iommu_off_exits_1_with_a_hint() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let node = FakeNode::new(dir.path());
     node.add_driver("vfio-pci");
     node.add_device(&FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000).driver("e1000e"));
@@ -206,7 +206,7 @@ fn iommu_off_exits_1_with_a_hint() {
 
 #[test]
 fn unbind_with_nothing_recorded_is_a_no_op() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     std::fs::write(dir.path().join("list.json"), "not json").unwrap();
     let out = run(dir.path(), &["unbind", "--all"]);
@@ -268,7 +268,7 @@ fn bind_jobs_is_documented_validated_and_keeps_a_dry_run_in_order() {
     for word in ["--bind-jobs", "VFIO_MANAGER_BIND_JOBS", "[default: 8]"] {
         assert!(t.contains(word), "bind --help lacks {word}: {t}");
     }
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let before = snapshot(dir.path());
     for bad in ["0", "-1", "many", ""] {
@@ -306,7 +306,7 @@ fn bind_jobs_is_documented_validated_and_keeps_a_dry_run_in_order() {
 
 #[test]
 fn hostile_resync_intervals_exit_2_before_touching_anything() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let before = snapshot(dir.path());
     let ready = dir.path().join("run/ready");
@@ -371,10 +371,10 @@ fn run_with_config(dir: &Path, config: &Path, args: &[&str]) -> Output {
 
 #[test]
 fn config_that_is_not_a_regular_file_or_too_big_exits_2() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     // Outside the tree `snapshot` reads (reading a FIFO would block the test).
-    let other = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let other = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let fifo = other.path().join("fifo.json");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
     let big = dir.path().join("big.json");
@@ -404,7 +404,7 @@ fn config_that_is_not_a_regular_file_or_too_big_exits_2() {
 
 #[test]
 fn config_naming_a_host_driver_exits_2_listing_what_is_allowed() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     std::fs::write(
         dir.path().join("list.json"),
@@ -455,7 +455,7 @@ fn spoil(node: &FakeNode, bdf: &str, name: &str, contents: &[u8]) {
 #[test]
 fn a_malformed_device_is_shown_by_status_and_left_out_of_bind() {
     for (name, contents, file) in GARBAGE {
-        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
         let node = node(dir.path());
         node.add_device(
             &FakeDevice::new("0000:03:00.0", 0x8086, 0x10d3, 0x02_0000)
@@ -549,7 +549,7 @@ fn driver_record(devices: usize) -> String {
 
 #[test]
 fn bind_unbind_and_run_refuse_a_node_of_sandbox_dra_driver() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let lock = dir.path().join(common::OWNER_LOCK);
     std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
@@ -604,7 +604,7 @@ fn bind_unbind_and_run_refuse_a_node_of_sandbox_dra_driver() {
 /// A lock file planted as a symlink is refused, its target left alone.
 #[test]
 fn a_symlinked_owner_lock_is_refused_not_followed() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let lock = dir.path().join(common::OWNER_LOCK);
     std::fs::create_dir_all(lock.parent().unwrap()).unwrap();

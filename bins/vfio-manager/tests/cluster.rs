@@ -15,7 +15,7 @@ mod common;
 use common::command;
 use fake_apiserver::{objects, paths, FakeApiServer};
 use serde_json::json;
-use vfio_sandbox::fake::FakeNode;
+use sysfs_pci::testing::FakeNode;
 
 const NS: &str = "vfio-sandbox";
 const DS: &str = "vfio-manager";
@@ -148,7 +148,7 @@ fn event_reasons(s: &FakeApiServer) -> Vec<String> {
 
 #[test]
 fn a_rollout_leaves_the_devices_bound_and_says_so() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let node = node(dir.path());
     let server = cluster();
     let child = start(dir.path(), Some(&server));
@@ -191,7 +191,7 @@ fn a_rollout_leaves_the_devices_bound_and_says_so() {
 
 /// The node leaving VM mode in each way the cluster can say it.
 fn assert_leaving_restores(change: impl FnOnce(&FakeApiServer), why: &str) {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let node = node(dir.path());
     let server = cluster();
     let child = start(dir.path(), Some(&server));
@@ -253,7 +253,7 @@ fn an_api_server_that_fails_on_the_stop_restores() {
 
 #[test]
 fn without_api_access_it_says_so_at_start_and_restores() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let node = node(dir.path());
     let child = start(dir.path(), None);
     let (_, _, err) = stop(child);
@@ -265,7 +265,7 @@ fn without_api_access_it_says_so_at_start_and_restores() {
 
 #[test]
 fn with_a_node_name_but_no_reachable_server_it_warns_at_start_and_restores() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let gone = FakeApiServer::start().unwrap();
     let kubeconfig = gone.write_kubeconfig(dir.path()).unwrap();
@@ -300,7 +300,7 @@ fn with_a_node_name_but_no_reachable_server_it_warns_at_start_and_restores() {
 
 #[test]
 fn node_events_say_what_was_restored() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let server = cluster();
     let child = start(dir.path(), Some(&server));

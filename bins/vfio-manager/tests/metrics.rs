@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 use common::command;
-use vfio_sandbox::fake::FakeNode;
+use sysfs_pci::testing::FakeNode;
 
 fn node(dir: &Path) -> FakeNode {
     // The fake tree never rebinds, so binding the second one fails every pass.
@@ -68,7 +68,7 @@ fn stop(mut child: Child) -> String {
 
 #[test]
 fn run_serves_device_states_and_bind_outcomes() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let port = free_port();
     let child = command(dir.path())
@@ -139,7 +139,7 @@ fn run_serves_device_states_and_bind_outcomes() {
 
 #[test]
 fn no_listener_without_the_flag_and_a_bad_address_is_bad_usage() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let out = command(dir.path())
         .args(["run", "--metrics-address", "not-an-address"])

@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 
 mod common;
 use common::command;
-use vfio_sandbox::fake::FakeNode;
+use sysfs_pci::testing::FakeNode;
 
 fn node(dir: &Path, driver: &str) -> FakeNode {
     let node = common::nic_node(dir, &[("0000:01:00.0", driver, 4)]);
@@ -33,7 +33,7 @@ fn ready(dir: &Path) -> (Option<i32>, String) {
 
 #[test]
 fn ready_needs_the_ready_file_and_the_devices_still_bound() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path(), "vfio-pci");
     let (code, out) = ready(dir.path());
     assert_eq!(code, Some(1), "{out}");
@@ -86,7 +86,7 @@ fn ready_needs_the_ready_file_and_the_devices_still_bound() {
 
 #[test]
 fn ready_fails_when_a_listed_device_left_vfio() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path(), "e1000e");
     std::fs::write(
         dir.path().join("run/ready"),
@@ -122,7 +122,7 @@ fn with_closed_stdout(mut cmd: Command) -> std::process::ExitStatus {
 
 #[test]
 fn a_closed_stdout_never_kills_a_command() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path(), "e1000e");
     let cases: [(&[&str], i32); 7] = [
         (&["--help"], 0),
@@ -153,7 +153,7 @@ fn a_closed_stdout_never_kills_a_command() {
 #[test]
 fn a_closed_stderr_never_kills_run() {
     // `vfio-manager run 2>&1 | head -1`: logs go to a pipe that closed.
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path(), "vfio-pci");
     let ready_file = dir.path().join("run/ready");
     let (read, write) = nix::unistd::pipe().unwrap();

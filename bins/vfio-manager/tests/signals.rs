@@ -10,7 +10,7 @@ mod common;
 use common::command;
 use std::time::{Duration, Instant};
 
-use vfio_sandbox::fake::{FakeDevice, FakeNode};
+use sysfs_pci::testing::{FakeDevice, FakeNode};
 
 fn node(dir: &Path) -> FakeNode {
     common::nic_node(dir, &[("0000:01:00.0", "vfio-pci", 4)])
@@ -29,7 +29,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 
 #[test]
 fn sighup_stops_run_like_sigterm() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     node(dir.path());
     let ready = dir.path().join("run/ready");
     let mut child = command(dir.path())
@@ -65,7 +65,7 @@ fn sighup_stops_run_like_sigterm() {
 
 #[test]
 fn a_dry_run_unbind_never_opens_the_group_node() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let node = node(dir.path());
     let state = r#"{"version":1,"devices":{"0000:01:00.0":{"original_driver":"e1000e","original_override":null,"driver":"vfio-pci","role":"selected","group":4}},"unloaded_modules":[]}"#;
     std::fs::create_dir_all(dir.path().join("run")).unwrap();
@@ -113,7 +113,7 @@ fn a_dry_run_unbind_never_opens_the_group_node() {
 
 #[test]
 fn run_logs_an_unreadable_device_once_and_keeps_the_rest() {
-    let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let node = node(dir.path());
     node.add_device(&FakeDevice::new("0000:03:00.0", 0x8086, 0x10d3, 0x02_0000).group(7));
     let bad = node.host.device_dir(&"0000:03:00.0".parse().unwrap());

@@ -16,11 +16,46 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use deviceplugin::dra::{v1, v1beta1};
-use deviceplugin::pluginregistration::registration_client::RegistrationClient;
-use deviceplugin::pluginregistration::{InfoRequest, PluginInfo, RegistrationStatus};
+use kubelet_api::dra::{v1, v1beta1};
+use kubelet_api::pluginregistration::registration_client::RegistrationClient;
+use kubelet_api::pluginregistration::{InfoRequest, PluginInfo, RegistrationStatus};
 use tonic::transport::Channel;
-use vfio_sandbox::claims::{ClaimRef, PreparedDevice};
+
+/// A claim as kubelet names it in `NodePrepareResources`: kubelet's `claimInfo`
+/// keeps the same three (`pkg/kubelet/cm/dra/state`, `ClaimInfoState`: `ClaimUID`,
+/// `ClaimName`, `Namespace`). The peer has its own type, as kubelet does: it shares
+/// nothing with the driver under test but the wire.
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+pub struct ClaimRef {
+    /// The claim's UID.
+    pub uid: String,
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+}
+
+impl std::fmt::Display for ClaimRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{} (uid {})", self.namespace, self.name, self.uid)
+    }
+}
+
+/// One device a driver prepared, as kubelet keeps it (`pkg/kubelet/cm/dra/state`,
+/// `Device`: `PoolName`, `DeviceName`, `RequestNames`, `CDIDeviceIDs`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PreparedDevice {
+    /// The request(s) it satisfies.
+    pub request_names: Vec<String>,
+    /// Its pool.
+    pub pool_name: String,
+    /// Its name in the ResourceSlice.
+    pub device_name: String,
+    /// The fully qualified CDI device ids the container runtime applies.
+    pub cdi_device_ids: Vec<String>,
+}
 
 /// A DRA service version kubelet speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -39,8 +74,8 @@ impl Version {
     /// The name a plugin lists in `PluginInfo.supported_versions`.
     pub fn service(self) -> &'static str {
         match self {
-            Version::V1 => deviceplugin::DRA_V1_SERVICE,
-            Version::V1beta1 => deviceplugin::DRA_V1BETA1_SERVICE,
+            Version::V1 => kubelet_api::DRA_V1_SERVICE,
+            Version::V1beta1 => kubelet_api::DRA_V1BETA1_SERVICE,
         }
     }
 }
@@ -200,7 +235,7 @@ impl KubeletVersion {
 
 /// Checks `info` as kubelet 1.34 does; the version it would use.
 pub fn check_info(info: &PluginInfo) -> Result<Version, String> {
-    if info.r#type != deviceplugin::DRA_PLUGIN_TYPE {
+    if info.r#type != kubelet_api::DRA_PLUGIN_TYPE {
         return Err(format!(
             "no handler registered for plugin type: {}",
             info.r#type
@@ -220,7 +255,7 @@ pub fn registration_sockets(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
         let e = e?;
         let name = e.file_name();
         let is_reg = name.to_str().is_some_and(|n| {
-            n.ends_with(deviceplugin::DRA_REGISTRATION_SUFFIX) && !n.starts_with('.')
+            n.ends_with(kubelet_api::DRA_REGISTRATION_SUFFIX) && !n.starts_with('.')
         });
         if is_reg && e.file_type()?.is_socket() {
             found.push(e.path());
@@ -242,7 +277,7 @@ pub async fn find_registration_socket(dir: &Path, timeout: Duration) -> anyhow::
         if tokio::time::Instant::now() >= deadline {
             anyhow::bail!(
                 "no *{} socket in {} within {timeout:?}",
-                deviceplugin::DRA_REGISTRATION_SUFFIX,
+                kubelet_api::DRA_REGISTRATION_SUFFIX,
                 dir.display()
             );
         }
@@ -266,7 +301,7 @@ async fn registration_client(socket: &Path) -> anyhow::Result<RegistrationClient
     let authority = crate::grpcgo::path_authority(socket);
     let channel = tokio::time::timeout(
         DIAL_TIMEOUT,
-        deviceplugin::unix_channel_with_authority(socket, &authority),
+        kubelet_api::unix_channel_with_authority(socket, &authority),
     )
     .await
     .map_err(|_| anyhow::anyhow!("failed to dial socket {}: timed out", socket.display()))?
@@ -346,7 +381,7 @@ pub async fn register_as(
         plugin_registered: false,
         error,
     };
-    if info.r#type != deviceplugin::DRA_PLUGIN_TYPE {
+    if info.r#type != kubelet_api::DRA_PLUGIN_TYPE {
         let error = format!(
             "RegisterPlugin error -- no handler registered for plugin type: {} at socket {}",
             info.r#type,
@@ -582,7 +617,7 @@ impl Dra {
         version: Version,
         authority: &str,
     ) -> anyhow::Result<Self> {
-        let channel = deviceplugin::unix_channel_with_authority(endpoint, authority)
+        let channel = kubelet_api::unix_channel_with_authority(endpoint, authority)
             .await
             .map_err(|e| anyhow::anyhow!("cannot connect to {}: {e}", endpoint.display()))?;
         Ok(match version {

@@ -32,9 +32,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
-use deviceplugin::v1beta1::registration_server::{Registration, RegistrationServer};
-use deviceplugin::v1beta1::{Empty, RegisterRequest};
+use kubelet_api::v1beta1::device_plugin_client::DevicePluginClient;
+use kubelet_api::v1beta1::registration_server::{Registration, RegistrationServer};
+use kubelet_api::v1beta1::{Empty, RegisterRequest};
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio_stream::StreamExt;
 use tonic::transport::{Channel, Server};
@@ -51,7 +51,7 @@ pub struct Registered {
     /// The request as sent.
     pub request: RegisterRequest,
     /// What `GetDevicePluginOptions` answered on the dial-back.
-    pub options: deviceplugin::v1beta1::DevicePluginOptions,
+    pub options: kubelet_api::v1beta1::DevicePluginOptions,
     /// When the `Register` call arrived.
     pub at: Instant,
 }
@@ -140,7 +140,7 @@ impl Registration for RegistrationService {
         if self.hang {
             std::future::pending::<()>().await;
         }
-        if req.version != deviceplugin::VERSION {
+        if req.version != kubelet_api::VERSION {
             return Err(Status::invalid_argument(format!(
                 "unsupported version {:?}",
                 req.version
@@ -189,7 +189,7 @@ impl Registration for RegistrationService {
 /// device manager does (`pkg/kubelet/cm/devicemanager/plugin/v1beta1/client.go`,
 /// `dial`: `grpc.WithAuthority("localhost")`).
 pub async fn channel(path: &Path) -> anyhow::Result<Channel> {
-    Ok(deviceplugin::unix_channel(path).await?)
+    Ok(kubelet_api::unix_channel(path).await?)
 }
 
 /// The plugin binary `bin` pointed at a fake node under `root` (`sys/`, `dev/`,
@@ -244,7 +244,7 @@ impl Kubelet {
     async fn start_inner(dir: &Path, watch: bool, hang: bool) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir)?;
         Self::clean_directory(dir)?;
-        let socket = dir.join(deviceplugin::KUBELET_SOCKET);
+        let socket = dir.join(kubelet_api::KUBELET_SOCKET);
         let listener = tokio::net::UnixListener::bind(&socket)?;
         let started = Instant::now();
         let (tx, rx) = mpsc::unbounded_channel();
@@ -355,7 +355,7 @@ impl Kubelet {
     pub async fn stop(self) {
         let dir = self.dir.clone();
         self.kill().await;
-        let _ = std::fs::remove_file(dir.join(deviceplugin::KUBELET_SOCKET));
+        let _ = std::fs::remove_file(dir.join(kubelet_api::KUBELET_SOCKET));
     }
 
     /// Goes away like a killed kubelet: every connection drops (its ListAndWatch
@@ -383,8 +383,8 @@ pub const FAKE_NODE_LIST: &str = r#"{"resources":[
 /// A fake node under `root` with a two-function NIC (group 5, NUMA 0, behind bridge
 /// 0000:00:01.0), a lone NIC (group 6, NUMA 1) and an nvme (group 7, no NUMA), all on
 /// vfio-pci; `root/list.json` holds [`FAKE_NODE_LIST`] and `root/kubelet` exists.
-pub fn fake_node(root: &std::path::Path) -> std::io::Result<vfio_sandbox::fake::FakeNode> {
-    use vfio_sandbox::fake::{FakeDevice, FakeNode};
+pub fn fake_node(root: &std::path::Path) -> std::io::Result<sysfs_pci::testing::FakeNode> {
+    use sysfs_pci::testing::{FakeDevice, FakeNode};
     let node = FakeNode::new(root);
     node.add_driver("vfio-pci");
     node.add_driver("e1000e");

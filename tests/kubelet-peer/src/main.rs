@@ -29,13 +29,13 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use deviceplugin::v1beta1::{
+use kubelet_api::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, Empty, ListAndWatchResponse,
 };
+use kubelet_peer::dra::ClaimRef;
 use kubelet_peer::dra::{self, Dra, KubeletVersion, Version};
 use kubelet_peer::{connect, Kubelet};
 use tokio_stream::StreamExt;
-use vfio_sandbox::claims::ClaimRef;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -44,7 +44,7 @@ use vfio_sandbox::claims::ClaimRef;
 )]
 struct Cli {
     /// The device-plugins directory.
-    #[arg(long, default_value = deviceplugin::DEFAULT_KUBELET_DIR)]
+    #[arg(long, default_value = kubelet_api::DEFAULT_KUBELET_DIR)]
     dir: PathBuf,
     #[command(subcommand)]
     command: Cmd,
@@ -97,10 +97,10 @@ enum Cmd {
 #[derive(Debug, clap::Args)]
 struct Registry {
     /// kubelet's plugin registry directory, scanned for `*-reg.sock`.
-    #[arg(long, default_value = deviceplugin::DEFAULT_REGISTRY_DIR)]
+    #[arg(long, default_value = kubelet_api::DEFAULT_REGISTRY_DIR)]
     registry: PathBuf,
     /// How long to wait for a registration socket to appear.
-    #[arg(long, default_value = "10s", value_parser = vfio_sandbox::cli::parse_duration_or_zero)]
+    #[arg(long, default_value = "10s", value_parser = node_agent::cli::parse_duration_or_zero)]
     timeout: Duration,
     /// The kubelet release to play: its version check and service choice, and the
     /// `:authority` its DRA client sends (1.32: the percent-encoded socket path;
@@ -143,7 +143,7 @@ enum DraCmd {
 #[derive(Debug, clap::Args)]
 struct KubeletArgs {
     /// kubelet's plugin registry directory, watched for `*-reg.sock`.
-    #[arg(long, default_value = deviceplugin::DEFAULT_REGISTRY_DIR)]
+    #[arg(long, default_value = kubelet_api::DEFAULT_REGISTRY_DIR)]
     registry: PathBuf,
     /// The API server, http://host:port.
     #[arg(long)]
@@ -162,10 +162,10 @@ struct KubeletArgs {
     #[arg(long, default_value = "1.34")]
     kubelet: KubeletVersion,
     /// How long after a driver became unusable its slices are wiped (kubelet: 30s).
-    #[arg(long, default_value = "30s", value_parser = vfio_sandbox::cli::parse_duration_or_zero)]
+    #[arg(long, default_value = "30s", value_parser = node_agent::cli::parse_duration_or_zero)]
     wiping_delay: Duration,
     /// How often the registry, the plugins' connections and the pods are looked at.
-    #[arg(long, default_value = "100ms", value_parser = vfio_sandbox::cli::parse_duration_or_zero)]
+    #[arg(long, default_value = "100ms", value_parser = node_agent::cli::parse_duration_or_zero)]
     poll: Duration,
 }
 

@@ -24,12 +24,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::dra::{ClaimRef, PreparedDevice};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use vfio_sandbox::claims::{ClaimRef, PreparedDevice};
 
 use crate::api::Api;
 use crate::dra::{self, Dra, KubeletVersion, PrepareResult, UnprepareResult, Verdict, Version};
@@ -606,7 +606,7 @@ impl Peer {
         let kubelet = self.cfg.kubelet;
         // `RegisterPlugin` → `add` (1.34, `dra_plugin_manager.go`): one plugin
         // instance cannot take over the endpoint of another of the same driver.
-        let accept = |info: &deviceplugin::pluginregistration::PluginInfo| {
+        let accept = |info: &kubelet_api::pluginregistration::PluginInfo| {
             let st = lock(&self.state);
             let taken = st
                 .plugins

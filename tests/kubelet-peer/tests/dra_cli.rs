@@ -7,9 +7,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use deviceplugin::dra::v1;
-use deviceplugin::pluginregistration::registration_server::{Registration, RegistrationServer};
-use deviceplugin::pluginregistration::{
+use kubelet_api::dra::v1;
+use kubelet_api::pluginregistration::registration_server::{Registration, RegistrationServer};
+use kubelet_api::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
 use tokio::sync::mpsc;
@@ -102,9 +102,9 @@ fn serve(dir: &Path) -> mpsc::UnboundedReceiver<RegistrationStatus> {
     let (tx, rx) = mpsc::unbounded_channel();
     let reg = tokio::net::UnixListener::bind(registry.join("example.com-reg.sock")).unwrap();
     let dra = tokio::net::UnixListener::bind(&endpoint).unwrap();
-    // As the real driver does (`deviceplugin::serve`): kubelet's plugin watcher
+    // As the real driver does (`kubelet_api::serve`): kubelet's plugin watcher
     // sends the percent-encoded socket path as :authority, which h2 alone refuses.
-    std::mem::forget(deviceplugin::serve::spawn(
+    std::mem::forget(kubelet_api::serve::spawn(
         reg,
         Server::builder().add_service(RegistrationServer::new(Reg {
             endpoint,
@@ -112,7 +112,7 @@ fn serve(dir: &Path) -> mpsc::UnboundedReceiver<RegistrationStatus> {
         })),
         "registration",
     ));
-    std::mem::forget(deviceplugin::serve::spawn(
+    std::mem::forget(kubelet_api::serve::spawn(
         dra,
         Server::builder().add_service(v1::dra_plugin_server::DraPluginServer::new(Plugin)),
         "dra",

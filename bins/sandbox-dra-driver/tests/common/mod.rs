@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use fake_apiserver::objects::{self, DeviceResult};
 use fake_apiserver::{paths, FakeApiServer};
+use kubelet_peer::dra::ClaimRef;
 use kubelet_peer::dra::{self, Dra, Version};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::{json, Value};
-use vfio_sandbox::claims::ClaimRef;
-use vfio_sandbox::fake::{FakeDevice, FakeNode};
+use sysfs_pci::testing::{FakeDevice, FakeNode};
 
 /// The driver name (the default).
 pub const DRIVER: &str = "vfio-sandbox.rebellions.ai";
@@ -49,7 +49,7 @@ impl Scene {
     /// and a device of no resource on its own driver in group 8; the vfio modules
     /// show as loaded.
     pub fn new() -> Self {
-        let dir = tempfile::tempdir_in(vfio_sandbox::fake::scratch_root()).unwrap();
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
         let node = kubelet_peer::fake_node(dir.path()).unwrap();
         node.add_device(
             &FakeDevice::new("0000:01:00.2", 0x8086, 0x293e, 0x04_0300)

@@ -2,8 +2,8 @@
 
 use std::process::ExitCode;
 
-use vfio_sandbox::inventory::Inventory;
-use vfio_sandbox::passthrough::target_drivers;
+use passthrough::inventory::Inventory;
+use passthrough::target_drivers;
 
 use super::{groups_for, with_passthrough, ChangeArgs};
 use crate::{report, Context};
@@ -18,7 +18,7 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
     let skipped_ok = !args.which.all || inv.skipped.is_empty();
     if args.which.all {
         for s in &inv.skipped {
-            vfio_sandbox::errln!("vfio-manager: error: not binding {s}");
+            sysfs_pci::errln!("vfio-manager: error: not binding {s}");
         }
     }
     if inv.entries.is_empty() {

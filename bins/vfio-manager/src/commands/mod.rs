@@ -6,12 +6,12 @@ pub mod run;
 pub mod status;
 pub mod unbind;
 
-use vfio_sandbox::inventory::{Inventory, Role};
-use vfio_sandbox::kernel::{DryRun, Kernel, SysKernel};
-use vfio_sandbox::module::kernel_release;
-use vfio_sandbox::owner::{Owner, Program};
-use vfio_sandbox::passthrough::Passthrough;
-use vfio_sandbox::{PciAddress, PciDevice};
+use passthrough::inventory::{Inventory, Role};
+use passthrough::owner::{Owner, Program};
+use passthrough::Passthrough;
+use sysfs_pci::kernel::{DryRun, Kernel, SysKernel};
+use sysfs_pci::module::kernel_release;
+use sysfs_pci::{PciAddress, PciDevice};
 
 use crate::{Context, UsageError};
 
@@ -72,10 +72,7 @@ pub fn groups_for(ctx: &Context, inv: &Inventory, which: &Which) -> anyhow::Resu
         }
         let Some(entry) = inv.get(addr) else {
             let dev = PciDevice::read(&ctx.host, addr).map_err(|e| {
-                UsageError(format!(
-                    "--device {addr}: {}",
-                    vfio_sandbox::error_chain(&e)
-                ))
+                UsageError(format!("--device {addr}: {}", sysfs_pci::error_chain(&e)))
             })?;
             return Err(UsageError(format!(
                 "--device {addr} ({:04x}:{:04x}) is not selected by the resource list ({}); \
@@ -93,7 +90,7 @@ pub fn groups_for(ctx: &Context, inv: &Inventory, which: &Which) -> anyhow::Resu
             .into());
         }
         // A device without a group: the IOMMU is off; say so (exit 1, nothing touched).
-        vfio_sandbox::driver::check_bindable(&ctx.host, &entry.device)?;
+        sysfs_pci::bind::check_bindable(&ctx.host, &entry.device)?;
         groups.extend(entry.device.iommu_group);
     }
     groups.sort_unstable();

@@ -4,10 +4,10 @@
 
 use std::process::ExitCode;
 
-use vfio_sandbox::cli::EXIT_NOT_READY;
-use vfio_sandbox::inventory::Inventory;
-use vfio_sandbox::io::{read_small_file, SmallFileError};
-use vfio_sandbox::PciAddress;
+use node_agent::cli::EXIT_NOT_READY;
+use passthrough::inventory::Inventory;
+use sysfs_pci::io::{read_small_file, SmallFileError};
+use sysfs_pci::PciAddress;
 
 use crate::Context;
 
@@ -18,7 +18,7 @@ const MAX_READY_FILE: u64 = 1 << 20;
 pub fn run(ctx: &Context) -> anyhow::Result<ExitCode> {
     let path = &ctx.ready_file;
     let not_ready = |why: String| {
-        vfio_sandbox::outln!("not ready: {why}");
+        sysfs_pci::outln!("not ready: {why}");
         Ok(ExitCode::from(EXIT_NOT_READY))
     };
     let text = match read_small_file(path, MAX_READY_FILE) {
@@ -71,7 +71,7 @@ pub fn run(ctx: &Context) -> anyhow::Result<ExitCode> {
             e.target_driver
         ));
     }
-    vfio_sandbox::outln!(
+    sysfs_pci::outln!(
         "ready: {} device(s) bound ({})",
         listed.len(),
         path.display()

@@ -5,7 +5,7 @@
 //! appears later (hot-plug, PCI rescan, VFs enabled) is bound too — until SIGTERM,
 //! SIGINT or SIGHUP. Then, unless `--keep-bound-on-exit`, it asks the API server
 //! whether the node stays in VM mode (a rollout: leave the devices bound for the next
-//! pod) or leaves it (restore like `unbind --all`); see `vfio_sandbox::cluster`.
+//! pod) or leaves it (restore like `unbind --all`); see `node_agent::cluster`.
 //!
 //! The loop sleeps in `poll(2)` on a signalfd and a kernel uevent socket, so an idle
 //! node costs nothing; a periodic resync covers a uevent socket we could not open.
@@ -17,14 +17,14 @@ use std::time::{Duration, Instant};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
-use vfio_sandbox::cli::parse_duration;
-use vfio_sandbox::cluster::{Identity, Verdict};
-use vfio_sandbox::error_chain;
-use vfio_sandbox::inventory::{Inventory, SkipLog};
-use vfio_sandbox::io::{remove_if_present, write_atomic};
-use vfio_sandbox::kernel::SysKernel;
-use vfio_sandbox::module::kernel_release;
-use vfio_sandbox::passthrough::{target_drivers, Passthrough};
+use node_agent::cli::parse_duration;
+use node_agent::cluster::{Identity, Verdict};
+use passthrough::inventory::{Inventory, SkipLog};
+use passthrough::{target_drivers, Passthrough};
+use sysfs_pci::error_chain;
+use sysfs_pci::io::{remove_if_present, write_atomic};
+use sysfs_pci::kernel::SysKernel;
+use sysfs_pci::module::kernel_release;
 
 use crate::metrics::Metrics;
 use crate::side::{NodeEvent, Side};
@@ -54,8 +54,8 @@ pub struct Args {
     /// Serve Prometheus metrics (OpenMetrics text) at http://ADDR/metrics: devices
     /// bound, not bound and held by a VM; binds, restores and stops with their
     /// outcome. ADDR is HOST:PORT, [IPV6]:PORT or :PORT (all addresses). Off by default.
-    #[arg(long, env = "VFIO_SANDBOX_METRICS_ADDRESS", value_name = "ADDR", value_parser = vfio_sandbox::metrics::parse_address)]
-    metrics_address: Option<vfio_sandbox::metrics::ListenAddress>,
+    #[arg(long, env = "VFIO_SANDBOX_METRICS_ADDRESS", value_name = "ADDR", value_parser = node_agent::metrics::parse_address)]
+    metrics_address: Option<node_agent::metrics::ListenAddress>,
     /// Full rescan period, besides reacting to kernel uevents (90s, 5m, 500ms, seconds).
     #[arg(long, env = "VFIO_MANAGER_RESYNC_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     resync_interval: Duration,
@@ -77,10 +77,10 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     remove_if_present(&ctx.ready_file)?;
     // After block_signals: the side thread inherits the blocked mask, so the
     // signalfd sees every stop signal.
-    let mut registry = vfio_sandbox::metrics::registry();
+    let mut registry = node_agent::metrics::registry();
     let metrics = Metrics::new(&mut registry);
     let side = Side::start(identity(args), args.metrics_address.map(|a| (a, registry)))?;
-    let uevents = match vfio_sandbox::uevent::socket_nonblocking() {
+    let uevents = match sysfs_pci::uevent::socket_nonblocking() {
         Ok(s) => Some(s),
         Err(e) => {
             tracing::warn!(error = %e, "no kernel uevents; relying on the periodic resync");
@@ -247,7 +247,7 @@ pub fn restore_all(
 
 /// Removes the validator's ready file: it vouches for a node in VM mode.
 pub fn clear_validator_ready_file(ctx: &Context) {
-    let path = vfio_sandbox::ready::validator_ready_file(&ctx.validator_status_dir);
+    let path = node_agent::ready::validator_ready_file(&ctx.validator_status_dir);
     match remove_if_present(&path) {
         Ok(()) => tracing::debug!(file = %path.display(), "removed the validator's ready file"),
         Err(e) => tracing::warn!(error = %error_chain(&e), "the validator's ready file stays"),
@@ -255,7 +255,7 @@ pub fn clear_validator_ready_file(ctx: &Context) {
 }
 
 /// Up to ten addresses, then a count.
-fn listing<'a>(addrs: impl Iterator<Item = &'a vfio_sandbox::PciAddress>) -> String {
+fn listing<'a>(addrs: impl Iterator<Item = &'a sysfs_pci::PciAddress>) -> String {
     let all: Vec<String> = addrs.map(ToString::to_string).collect();
     match all.len() {
         0..=10 => all.join(", "),
@@ -284,7 +284,7 @@ impl Pass<'_> {
     fn converge(
         &mut self,
         pt: &mut Passthrough<'_>,
-        list: &vfio_sandbox::config::ResourceList,
+        list: &passthrough::config::ResourceList,
     ) -> anyhow::Result<()> {
         let inv = Inventory::scan(pt.host, list)?;
         for s in self.skipped.note(&inv.skipped).new {
@@ -407,6 +407,6 @@ fn wait(
         Ok(Some(info)) => Signal::try_from(info.ssi_signo as i32).ok(),
         _ => None,
     };
-    let uevent = uevents.is_some_and(|u| vfio_sandbox::uevent::drain(u.as_fd()));
+    let uevent = uevents.is_some_and(|u| sysfs_pci::uevent::drain(u.as_fd()));
     Ok((signal, uevent))
 }

@@ -6,9 +6,9 @@
 
 use std::process::ExitCode;
 
-use vfio_sandbox::cli::{OutputFormat, EXIT_NOT_READY};
-use vfio_sandbox::inventory::{device_name, Entry, Inventory, Role, Skipped};
-use vfio_sandbox::{Host, PciDevice};
+use node_agent::cli::{OutputFormat, EXIT_NOT_READY};
+use passthrough::inventory::{device_name, Entry, Inventory, Role, Skipped};
+use sysfs_pci::{Host, PciDevice};
 
 use crate::Context;
 
@@ -40,7 +40,7 @@ struct Row {
     recorded_original_driver: Option<String>,
 }
 
-fn row(entry: &Entry, inv: &Inventory, ctx_state: &vfio_sandbox::state::State) -> Row {
+fn row(entry: &Entry, inv: &Inventory, ctx_state: &passthrough::state::State) -> Row {
     let d = &entry.device;
     let (role, companion_of) = match &entry.role {
         Role::Selected { .. } => ("selected", None),
@@ -87,7 +87,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
             let groups: Vec<_> = inv.groups.values().collect();
             let skipped: Vec<SkippedRow> = inv.skipped.iter().map(SkippedRow::from).collect();
             let doc = serde_json::json!({ "devices": rows, "groups": groups, "skipped": skipped });
-            vfio_sandbox::outln!("{}", serde_json::to_string_pretty(&doc)?);
+            sysfs_pci::outln!("{}", serde_json::to_string_pretty(&doc)?);
         }
         OutputFormat::Table => print_table(&ctx.host, &rows, &inv),
     }
@@ -117,7 +117,7 @@ impl<'a> From<&'a Skipped> for SkippedRow<'a> {
 
 fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
     if rows.is_empty() && inv.skipped.is_empty() {
-        vfio_sandbox::outln!("no devices selected by the resource list");
+        sysfs_pci::outln!("no devices selected by the resource list");
         return;
     }
     let dash = || "-".to_string();
@@ -192,7 +192,7 @@ fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
                 s.push_str(&format!("{c:<w$}  ", w = widths[i]));
             }
         }
-        vfio_sandbox::outln!("{}", s.trim_end());
+        sysfs_pci::outln!("{}", s.trim_end());
     };
     line(&header.map(String::from));
     for r in &table {
@@ -200,7 +200,7 @@ fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
     }
     for v in inv.groups.values().filter(|v| !v.is_viable()) {
         for b in &v.blockers {
-            vfio_sandbox::outln!(
+            sysfs_pci::outln!(
                 "group {} is not viable: {} is on {} (must be on a vfio driver, pci-stub or none)",
                 v.group,
                 b.address,
@@ -209,6 +209,6 @@ fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
         }
     }
     for s in &inv.skipped {
-        vfio_sandbox::outln!("skipped {s}");
+        sysfs_pci::outln!("skipped {s}");
     }
 }

@@ -32,8 +32,8 @@ pub const NIC_LIST: &str =
 /// loaded, `list.json` selecting 8086:10d3, and one such NIC per `(BDF, driver,
 /// IOMMU group)`.
 #[allow(dead_code)] // not every test binary uses every helper
-pub fn nic_node(dir: &Path, nics: &[(&str, &str, u32)]) -> vfio_sandbox::fake::FakeNode {
-    use vfio_sandbox::fake::{FakeDevice, FakeNode};
+pub fn nic_node(dir: &Path, nics: &[(&str, &str, u32)]) -> sysfs_pci::testing::FakeNode {
+    use sysfs_pci::testing::{FakeDevice, FakeNode};
     let node = FakeNode::new(dir);
     node.add_driver("vfio-pci");
     node.add_driver("e1000e");

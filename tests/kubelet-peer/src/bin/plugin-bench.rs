@@ -15,14 +15,14 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use deviceplugin::v1beta1::{
+use kubelet_api::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
     PreferredAllocationRequest,
 };
 use kubelet_peer::Kubelet;
+use sysfs_pci::testing::{FakeDevice, FakeNode};
+use sysfs_pci::PciAddress;
 use tokio_stream::StreamExt;
-use vfio_sandbox::fake::{FakeDevice, FakeNode};
-use vfio_sandbox::PciAddress;
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -262,7 +262,7 @@ async fn main() -> anyhow::Result<()> {
 /// Makes `change(unhealthy)` alternately (Unhealthy first) and times each until the
 /// stream reports the target that way; sorted.
 async fn time_changes(
-    stream: &mut tonic::Streaming<deviceplugin::v1beta1::ListAndWatchResponse>,
+    stream: &mut tonic::Streaming<kubelet_api::v1beta1::ListAndWatchResponse>,
     target: &PciAddress,
     changes: usize,
     change: impl Fn(bool),

@@ -1,0 +1,708 @@
+//! The files prepare writes for a claim: the CDI spec and the device metadata.
+//!
+//! Pure functions: [`claim_files`] turns a prepared claim into the exact bytes of
+//! every file and the CDI device ids kubelet gets back; the DRA engine writes the
+//! files atomically and removes [`cdi_spec_path`] and [`metadata_claim_dir`] at
+//! unprepare. Every name that reaches a path or a CDI id comes from outside
+//! (kubelet, the API server), so each is checked against the grammar Kubernetes
+//! gives it; anything else is an error, never a path outside the two directories.
+//!
+//! # The CDI spec (cncf-tags/container-device-interface)
+//!
+//! Fields from `specs-go/config.go` (`Spec{cdiVersion, kind, devices, containerEdits}`,
+//! `Device{name, containerEdits}`, `ContainerEdits{env, deviceNodes, hooks, mounts}`,
+//! `DeviceNode{path, hostPath, type, major, minor, fileMode, permissions, uid, gid}`,
+//! `Mount{hostPath, containerPath, options, type}`); we write only `deviceNodes`
+//! (`path`, `hostPath` when needed, `permissions: "mrw"`, as the device plugin's
+//! `Allocate` does; the runtime stats the node for type and numbers) and `mounts`.
+//!
+//! - `cdiVersion`: the lowest version that has what the spec uses, as upstream's
+//!   `MinimumRequiredVersion` (`specs-go/version.go`) computes it. Device nodes,
+//!   mounts with options and a kind class without dots are all in 0.3.0, the floor
+//!   of that computation (`vEarliest`), so we write **`0.3.0`**; only a
+//!   `--dev-root` other than `/dev` makes us write `deviceNodes[].hostPath`, added
+//!   in 0.5.0, and then we write **`0.5.0`**. CDI device names starting with a
+//!   digit also need 0.5.0, which is why ours start with a letter (below).
+//! - `kind`: `<vendor>/<class>` = `<driver>/vfio`. The vendor must start with a
+//!   letter and hold only letters, digits, `-`, `_`, `.`, ending in a letter or digit
+//!   (`api/producer/identifiers.go`, `ValidateVendorName`); a Kubernetes driver name
+//!   (DNS subdomain, at most 63 characters) that starts with a letter fits.
+//! - Device names: letters, digits, `-`, `_`, `.`, `:`, starting and ending with a
+//!   letter or digit (`ValidateDeviceName`). A name must be unique per kind across
+//!   *all* spec files (`pkg/cdi/cache.go` drops both copies of a clash between two
+//!   files of the same directory), so each carries
+//!   the claim UID: `<slice device name>-<claim uid>` (e.g.
+//!   `pci-0000-01-00-0-<uid>`) for a function's device nodes and
+//!   `metadata-<request>-<claim uid>` for a request's metadata mount.
+//! - Fully qualified id (`pkg/parser/parser.go`, `QualifiedName`):
+//!   `<vendor>/<class>=<name>`.
+//! - File name: `GenerateTransientSpecName(vendor, class, id)` in
+//!   `api/producer/spec-names.go` gives `<vendor>-<class>_<id>`, `/` in the id
+//!   turned into `_`; with `.json`, as `dra-example-driver` does per claim UID:
+//!   `<cdi dir>/<driver>-vfio_<claim uid>.json`.
+//!
+//! Every function device is self-sufficient: its edits give `/dev/vfio/vfio` and its
+//! `/dev/vfio/<group>` (two functions of one group repeat the group node: applying
+//! edits replaces a device node or mount of the same path, `pkg/cdi/container-edits.go`)
+//! and, when iommufd is asked for, also `/dev/iommu` and its `/dev/vfio/devices/vfioN`,
+//! in the device plugin's order.
+//!
+//! # The device metadata (KEP-5304, "DRA device attributes downward API")
+//!
+//! Sources, which agree on everything below: kubernetes/kubernetes
+//! `staging/src/k8s.io/dynamic-resource-allocation/api/metadata/{types.go,helpers.go,
+//! v1alpha1/types.go}` and `kubeletplugin/metadata.go` (the helper that writes them),
+//! the Kubernetes documentation's "device metadata protocol", and KubeVirt's reader
+//! `pkg/dra/metadata/types.go` + `pkg/dra/devicemetadata/decode.go`.
+//!
+//! - Container path (the protocol's fixed part; what virt-launcher reads):
+//!   `/var/run/kubernetes.io/dra-device-attributes/resourceclaims/<claim name>/<request>/<driver>-metadata.json`
+//!   for a claim the pod names directly, and
+//!   `…/resourceclaimtemplates/<pod claim name>/<request>/<driver>-metadata.json` for
+//!   a claim made from a template; the pod claim name
+//!   (`pod.spec.resourceClaims[].name`) is the claim's
+//!   [`POD_CLAIM_NAME_ANNOTATION`]. `<request>` is the top-level request: a
+//!   `request/subrequest` reference loses its `/subrequest` in the path but keeps
+//!   it in `requests[].name`.
+//! - Content: a stream of `DeviceMetadata` objects, one per API version, newest first;
+//!   readers take the first they understand. KubeVirt understands only
+//!   `metadata.resource.k8s.io/v1alpha1`, so we write exactly that one object: `kind`,
+//!   `apiVersion`, `metadata{name, namespace, uid, generation}`, `podClaimName` (only
+//!   for template claims), `requests[{name, devices[{driver, pool, name,
+//!   attributes}]}]`, attributes as in a ResourceSlice (`{"string": …}`, `{"int": …}`,
+//!   `{"bool": …}`, `{"version": …}`), two-space indented with a final newline as the
+//!   upstream writer does. `generation` is 1: we never rewrite a prepared claim's file.
+//!   Every device carries `resource.kubernetes.io/pciBusID`, which KubeVirt takes for
+//!   the `<hostdev>` address (after `mdevUUID`, which we never set).
+//! - Exposure: a read-only bind mount through CDI (`options: ["ro", "bind"]`). The
+//!   upstream helper writes it as a separate spec of kind `<driver>/metadata`; we keep
+//!   one spec file per claim, so the mount is a device of our own kind, one per
+//!   request, and its id is returned for every function device of that request.
+//! - Host path: the protocol leaves it to the driver. Upstream uses
+//!   `<kubelet>/plugins/<driver>/dra-device-metadata/<namespace>_<claim>/<request>/metadata.json`;
+//!   ours is `<metadata dir>/<driver>/<claim uid>/<request>/metadata.json`. The driver
+//!   segment keeps drivers apart if the directory is shared, and the UID (unlike
+//!   `<namespace>_<name>`) cannot be reused by a recreated claim before the old one is
+//!   unprepared.
+//! - Second container path, for KubeVirt 1.8.0–1.8.2: those releases read the
+//!   earlier KEP draft's layout,
+//!   `/var/run/dra-device-attributes/<claim name>/<request>/*-metadata.json`, and for
+//!   a template claim glob `/var/run/dra-device-attributes/*/<request>/` and match
+//!   the file's `podClaimName`; the `kubernetes.io` layout arrived in KubeVirt 1.8.3.
+//!   The same file is mounted there too ([`LEGACY_CONTAINER_METADATA_DIR`]), always
+//!   under the claim's own name, so every KubeVirt from 1.8.0 finds it.
+//!
+//! Uncertainty: the schema is alpha (Kubernetes 1.36); `v1beta1` exists upstream
+//! with the same fields but KubeVirt does not read it yet.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::claims::{parse_device_name, ClaimRef};
+use sysfs_pci::PciAddress;
+
+/// Where CDI spec files go by default.
+pub const DEFAULT_CDI_DIR: &str = "/var/run/cdi";
+/// The host directory the metadata files go to by default (see the module docs).
+pub const DEFAULT_METADATA_DIR: &str = "/var/run/kubernetes.io/dra-device-attributes";
+/// The CDI class of our kind, `<driver>/vfio`.
+pub const CDI_CLASS: &str = "vfio";
+/// The well-known directory inside containers where metadata files appear.
+pub const CONTAINER_METADATA_DIR: &str = "/var/run/kubernetes.io/dra-device-attributes";
+/// Where KubeVirt 1.8.0–1.8.2 look for metadata files (the KEP draft's layout):
+/// `<dir>/<claim name>/<request>/<driver>-metadata.json`.
+pub const LEGACY_CONTAINER_METADATA_DIR: &str = "/var/run/dra-device-attributes";
+/// The only metadata API version KubeVirt reads, and the one we write.
+pub const METADATA_API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
+/// The standard attribute holding a PCI function's address.
+pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
+/// The annotation a claim made from a template carries: the pod's name for it.
+pub const POD_CLAIM_NAME_ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
+
+/// Permissions of every device node, as in the device plugin's `Allocate`.
+const PERMISSIONS: &str = "mrw";
+
+/// A ResourceSlice attribute value, serialized as Kubernetes does (`{"int": 5}`).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttributeValue {
+    /// An integer.
+    Int(i64),
+    /// A boolean.
+    Bool(bool),
+    /// A string.
+    String(String),
+    /// A semantic version.
+    Version(String),
+}
+
+/// One prepared function of a claim, as prepare knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimDevice {
+    /// The ResourceSlice device name; must be `claims::device_name(address)`.
+    pub device_name: String,
+    /// Its pool (the node's name).
+    pub pool: String,
+    /// The claim requests it satisfies (`request` or `request/subrequest`).
+    pub request_names: Vec<String>,
+    /// Its PCI address.
+    pub address: PciAddress,
+    /// Its IOMMU group.
+    pub group: u32,
+    /// Its ResourceSlice attributes; [`PCI_BUS_ID`] is added when missing.
+    pub attributes: BTreeMap<String, AttributeValue>,
+    /// Its iommufd node name (`vfioN` under `/dev/vfio/devices/`), when iommufd is
+    /// asked for.
+    pub iommufd_node: Option<String>,
+}
+
+/// Everything prepare writes for a claim, and what it returns to kubelet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimFiles {
+    /// The CDI spec: its path and exact text.
+    pub cdi: (PathBuf, String),
+    /// One metadata file per request: path and exact text.
+    pub metadata: Vec<(PathBuf, String)>,
+    /// The fully qualified CDI device ids of each device, by slice device name.
+    pub device_ids: BTreeMap<String, Vec<String>>,
+}
+
+/// Why the files for a claim cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum CdiError {
+    /// A name from outside does not follow its grammar.
+    #[error("invalid {what} {}: {reason}", shown(value))]
+    InvalidName {
+        /// Which name (driver name, claim UID, request name, …).
+        what: &'static str,
+        /// The name as given.
+        value: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A directory that ends up in a spec is not absolute UTF-8.
+    #[error("{what} {path:?} must be an absolute UTF-8 path")]
+    InvalidDir {
+        /// Which directory.
+        what: &'static str,
+        /// The path as given.
+        path: PathBuf,
+    },
+    /// The claim has no device of ours.
+    #[error("claim {0} has no devices to prepare")]
+    NoDevices(String),
+    /// A device appears twice in the claim.
+    #[error("device {0} appears twice in the claim")]
+    DuplicateDevice(String),
+    /// A device satisfies no request.
+    #[error("device {0} satisfies no request")]
+    NoRequest(String),
+    /// A device's name is not the name of its address.
+    #[error("device name {name:?} does not name {address}")]
+    DeviceNameMismatch {
+        /// The device name.
+        name: String,
+        /// Its address.
+        address: PciAddress,
+    },
+    /// A device's pciBusID attribute is not its address.
+    #[error("device {device}: attribute {PCI_BUS_ID} is {value:?}, not {address}")]
+    PciBusIdMismatch {
+        /// The device name.
+        device: String,
+        /// The attribute's value.
+        value: AttributeValue,
+        /// Its address.
+        address: PciAddress,
+    },
+    /// Two subrequests of one request in the same claim.
+    #[error("request {request} is allocated through both {first} and {second}")]
+    SubrequestConflict {
+        /// The top-level request.
+        request: String,
+        /// One reference.
+        first: String,
+        /// The other.
+        second: String,
+    },
+    /// JSON encoding failed (cannot happen with these types).
+    #[error("encoding a claim file")]
+    Encode(#[source] serde_json::Error),
+}
+
+/// A value for an error message: quoted, and cut after 64 characters.
+fn shown(value: &str) -> String {
+    let cut: String = value.chars().take(64).collect();
+    if cut.len() < value.len() {
+        format!("{cut:?}… ({} bytes)", value.len())
+    } else {
+        format!("{cut:?}")
+    }
+}
+
+fn invalid(what: &'static str, value: &str, reason: &'static str) -> CdiError {
+    CdiError::InvalidName {
+        what,
+        value: value.to_string(),
+        reason,
+    }
+}
+
+/// A DNS label (RFC 1123): 1–63 of `a-z0-9-`, starting and ending alphanumeric.
+fn check_label(what: &'static str, s: &str) -> Result<(), CdiError> {
+    let alnum = |c: u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+    let b = s.as_bytes();
+    match (b.first(), b.last()) {
+        (None, _) | (_, None) => Err(invalid(what, s, "empty")),
+        _ if b.len() > 63 => Err(invalid(what, s, "longer than 63 characters")),
+        _ if !b.iter().all(|&c| alnum(c) || c == b'-') => {
+            Err(invalid(what, s, "only a-z, 0-9 and '-' are allowed"))
+        }
+        (Some(&f), Some(&l)) if !alnum(f) || !alnum(l) => {
+            Err(invalid(what, s, "must start and end with a-z or 0-9"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A DNS subdomain (RFC 1123) of at most `max` characters: dot-separated labels.
+fn check_subdomain(what: &'static str, s: &str, max: usize) -> Result<(), CdiError> {
+    if s.len() > max {
+        return Err(invalid(what, s, "too long"));
+    }
+    s.split('.').try_for_each(|label| {
+        check_label(what, label).map_err(|_| invalid(what, s, "not a DNS subdomain"))
+    })
+}
+
+/// A driver name: a DNS subdomain of at most 63 characters that starts with a
+/// letter (a CDI vendor must).
+fn check_driver(driver: &str) -> Result<(), CdiError> {
+    check_subdomain("driver name", driver, 63)?;
+    if !driver.starts_with(|c: char| c.is_ascii_lowercase()) {
+        return Err(invalid("driver name", driver, "must start with a letter"));
+    }
+    Ok(())
+}
+
+/// A claim UID: 1–64 of `A-Za-z0-9-`, starting and ending alphanumeric. Real UIDs
+/// are RFC 4122 strings; nothing here can be `.`, `..` or hold a `/`.
+fn check_uid(uid: &str) -> Result<(), CdiError> {
+    let b = uid.as_bytes();
+    let ok_ends = matches!((b.first(), b.last()),
+        (Some(f), Some(l)) if f.is_ascii_alphanumeric() && l.is_ascii_alphanumeric());
+    if b.is_empty() || b.len() > 64 {
+        Err(invalid("claim UID", uid, "must be 1 to 64 characters"))
+    } else if !b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'-') {
+        Err(invalid(
+            "claim UID",
+            uid,
+            "only A-Z, a-z, 0-9 and '-' are allowed",
+        ))
+    } else if !ok_ends {
+        Err(invalid(
+            "claim UID",
+            uid,
+            "must start and end with a letter or digit",
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// A request reference, `request` or `request/subrequest`; returns the request.
+fn base_request(reference: &str) -> Result<&str, CdiError> {
+    let (base, sub) = match reference.split_once('/') {
+        Some((b, s)) => (b, Some(s)),
+        None => (reference, None),
+    };
+    check_label("request name", base).map_err(|_| {
+        invalid(
+            "request name",
+            reference,
+            "want a DNS label, or two joined by '/'",
+        )
+    })?;
+    if let Some(sub) = sub {
+        check_label("request name", sub).map_err(|_| {
+            invalid(
+                "request name",
+                reference,
+                "want a DNS label, or two joined by '/'",
+            )
+        })?;
+    }
+    Ok(base)
+}
+
+/// An iommufd node name: `vfio` and a number.
+fn check_iommufd_node(node: &str) -> Result<(), CdiError> {
+    let digits = node.strip_prefix("vfio").unwrap_or("");
+    if digits.is_empty() || digits.len() > 10 || !digits.bytes().all(|c| c.is_ascii_digit()) {
+        return Err(invalid("iommufd node", node, "want vfio<N>"));
+    }
+    Ok(())
+}
+
+fn utf8_dir<'a>(what: &'static str, dir: &'a Path) -> Result<&'a str, CdiError> {
+    match dir.to_str() {
+        Some(s) if dir.is_absolute() => Ok(s.trim_end_matches('/')),
+        _ => Err(CdiError::InvalidDir {
+            what,
+            path: dir.to_path_buf(),
+        }),
+    }
+}
+
+/// The CDI kind of a driver's specs, `<driver>/vfio`.
+pub fn cdi_kind(driver: &str) -> Result<String, CdiError> {
+    check_driver(driver)?;
+    Ok(format!("{driver}/{CDI_CLASS}"))
+}
+
+/// The claim's CDI spec file, `<cdi_dir>/<driver>-vfio_<claim uid>.json`; what
+/// unprepare deletes.
+pub fn cdi_spec_path(driver: &str, cdi_dir: &Path, claim_uid: &str) -> Result<PathBuf, CdiError> {
+    check_driver(driver)?;
+    check_uid(claim_uid)?;
+    Ok(cdi_dir.join(format!("{driver}-{CDI_CLASS}_{claim_uid}.json")))
+}
+
+/// The claim's metadata directory, `<metadata_dir>/<driver>/<claim uid>`; what
+/// unprepare removes with everything in it.
+pub fn metadata_claim_dir(
+    driver: &str,
+    metadata_dir: &Path,
+    claim_uid: &str,
+) -> Result<PathBuf, CdiError> {
+    check_driver(driver)?;
+    check_uid(claim_uid)?;
+    Ok(metadata_dir.join(driver).join(claim_uid))
+}
+
+// The JSON shapes, fields in the order upstream writes them.
+
+#[derive(Serialize)]
+struct Spec {
+    #[serde(rename = "cdiVersion")]
+    cdi_version: &'static str,
+    kind: String,
+    devices: Vec<Device>,
+}
+
+#[derive(Serialize)]
+struct Device {
+    name: String,
+    #[serde(rename = "containerEdits")]
+    container_edits: Edits,
+}
+
+#[derive(Serialize)]
+struct Edits {
+    #[serde(rename = "deviceNodes", skip_serializing_if = "Vec::is_empty")]
+    device_nodes: Vec<Node>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    mounts: Vec<Mount>,
+}
+
+#[derive(Serialize)]
+struct Node {
+    path: String,
+    #[serde(rename = "hostPath", skip_serializing_if = "Option::is_none")]
+    host_path: Option<String>,
+    permissions: &'static str,
+}
+
+#[derive(Serialize)]
+struct Mount {
+    #[serde(rename = "hostPath")]
+    host_path: String,
+    #[serde(rename = "containerPath")]
+    container_path: String,
+    options: [&'static str; 2],
+}
+
+#[derive(Serialize)]
+struct Metadata<'a> {
+    kind: &'static str,
+    #[serde(rename = "apiVersion")]
+    api_version: &'static str,
+    metadata: ObjectMeta<'a>,
+    #[serde(rename = "podClaimName", skip_serializing_if = "Option::is_none")]
+    pod_claim_name: Option<&'a str>,
+    requests: [MetaRequest<'a>; 1],
+}
+
+#[derive(Serialize)]
+struct ObjectMeta<'a> {
+    name: &'a str,
+    namespace: &'a str,
+    uid: &'a str,
+    generation: i64,
+}
+
+#[derive(Serialize)]
+struct MetaRequest<'a> {
+    name: &'a str,
+    devices: Vec<MetaDevice<'a>>,
+}
+
+#[derive(Serialize)]
+struct MetaDevice<'a> {
+    driver: &'a str,
+    pool: &'a str,
+    name: &'a str,
+    attributes: BTreeMap<&'a str, AttributeValue>,
+}
+
+fn pretty<T: Serialize>(value: &T) -> Result<String, CdiError> {
+    let mut s = serde_json::to_string_pretty(value).map_err(CdiError::Encode)?;
+    s.push('\n');
+    Ok(s)
+}
+
+/// One function's device nodes: `/dev/vfio/vfio`, `/dev/vfio/<group>`, and with
+/// iommufd `/dev/iommu` and `/dev/vfio/devices/vfioN`. Host paths follow `dev_root`
+/// and are written only when it is not `/dev`.
+fn device_nodes(dev: &ClaimDevice, dev_root: Option<&str>) -> Vec<Node> {
+    let mut rel = vec!["vfio/vfio".to_string(), format!("vfio/{}", dev.group)];
+    if let Some(node) = &dev.iommufd_node {
+        rel.push("iommu".into());
+        rel.push(format!("vfio/devices/{node}"));
+    }
+    rel.into_iter()
+        .map(|r| Node {
+            path: format!("/dev/{r}"),
+            host_path: dev_root.map(|root| format!("{root}/{r}")),
+            permissions: PERMISSIONS,
+        })
+        .collect()
+}
+
+/// A device, checked: its name is its address's, its requests are well formed, its
+/// iommufd node is `vfioN`; returns its attributes with its [`PCI_BUS_ID`].
+fn checked(dev: &ClaimDevice) -> Result<BTreeMap<&str, AttributeValue>, CdiError> {
+    if parse_device_name(&dev.device_name) != Some(dev.address) {
+        return Err(CdiError::DeviceNameMismatch {
+            name: dev.device_name.clone(),
+            address: dev.address,
+        });
+    }
+    check_subdomain("pool name", &dev.pool, 253)?;
+    if dev.request_names.is_empty() {
+        return Err(CdiError::NoRequest(dev.device_name.clone()));
+    }
+    dev.request_names
+        .iter()
+        .try_for_each(|r| base_request(r).map(|_| ()))?;
+    if let Some(node) = &dev.iommufd_node {
+        check_iommufd_node(node)?;
+    }
+    let bdf = AttributeValue::String(dev.address.to_string());
+    match dev.attributes.get(PCI_BUS_ID) {
+        Some(v) if *v != bdf => Err(CdiError::PciBusIdMismatch {
+            device: dev.device_name.clone(),
+            value: v.clone(),
+            address: dev.address,
+        }),
+        _ => {
+            let mut attributes: BTreeMap<&str, AttributeValue> = dev
+                .attributes
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.clone()))
+                .collect();
+            attributes.insert(PCI_BUS_ID, bdf);
+            Ok(attributes)
+        }
+    }
+}
+
+/// Where a claim's metadata appears in containers, after checking the names that
+/// make the path: `<container dir>/resourceclaims/<claim name>`, or
+/// `<container dir>/resourceclaimtemplates/<pod claim name>` for a template claim.
+fn container_claim_dir(claim: &ClaimRef, pod_claim_name: Option<&str>) -> Result<String, CdiError> {
+    check_label("namespace", &claim.namespace)?;
+    check_subdomain("claim name", &claim.name, 253)?;
+    match pod_claim_name {
+        Some(p) => {
+            check_label("pod claim name", p)?;
+            Ok(format!(
+                "{CONTAINER_METADATA_DIR}/resourceclaimtemplates/{p}"
+            ))
+        }
+        None => Ok(format!(
+            "{CONTAINER_METADATA_DIR}/resourceclaims/{}",
+            claim.name
+        )),
+    }
+}
+
+/// One request's metadata file: a single `v1alpha1` `DeviceMetadata`, generation 1.
+fn metadata_text(
+    claim: &ClaimRef,
+    pod_claim_name: Option<&str>,
+    reference: &str,
+    devices: Vec<MetaDevice>,
+) -> Result<String, CdiError> {
+    pretty(&Metadata {
+        kind: "DeviceMetadata",
+        api_version: METADATA_API_VERSION,
+        metadata: ObjectMeta {
+            name: &claim.name,
+            namespace: &claim.namespace,
+            uid: &claim.uid,
+            generation: 1,
+        },
+        pod_claim_name,
+        requests: [MetaRequest {
+            name: reference,
+            devices,
+        }],
+    })
+}
+
+/// The CDI spec, the metadata files and the CDI ids for a prepared claim.
+///
+/// `pod_claim_name` is the claim's [`POD_CLAIM_NAME_ANNOTATION`] (a claim made from
+/// a template), which decides the container path of the metadata. Device order does
+/// not matter: devices and requests are written sorted by name, so the same claim
+/// always gives the same bytes.
+pub fn claim_files(
+    driver: &str,
+    cdi_dir: &Path,
+    metadata_dir: &Path,
+    dev_root: &Path,
+    claim: &ClaimRef,
+    pod_claim_name: Option<&str>,
+    devices: &[ClaimDevice],
+) -> Result<ClaimFiles, CdiError> {
+    let kind = cdi_kind(driver)?;
+    let uid = claim.uid.as_str();
+    let spec_path = cdi_spec_path(driver, cdi_dir, uid)?;
+    let claim_dir = metadata_claim_dir(driver, metadata_dir, uid)?;
+    let claim_dir_str = utf8_dir("metadata directory", &claim_dir)?.to_string();
+    let dev_root = utf8_dir("device root", dev_root)?;
+    let dev_root = (dev_root != "/dev").then_some(dev_root);
+    let container_claim_dir = container_claim_dir(claim, pod_claim_name)?;
+    if devices.is_empty() {
+        return Err(CdiError::NoDevices(uid.to_string()));
+    }
+
+    let mut sorted: Vec<&ClaimDevice> = devices.iter().collect();
+    sorted.sort_by(|a, b| a.device_name.cmp(&b.device_name));
+    let mut cdi_devices = Vec::new();
+    let mut device_ids = BTreeMap::new();
+    // Top-level request → (full reference, its devices).
+    let mut requests: BTreeMap<&str, (&str, Vec<MetaDevice>)> = BTreeMap::new();
+    for dev in &sorted {
+        let attributes = checked(dev)?;
+        let name = format!("{}-{uid}", dev.device_name);
+        let mut ids = vec![format!("{kind}={name}")];
+        cdi_devices.push(Device {
+            name,
+            container_edits: Edits {
+                device_nodes: device_nodes(dev, dev_root),
+                mounts: Vec::new(),
+            },
+        });
+        let mut bases = BTreeSet::new();
+        for reference in &dev.request_names {
+            let base = base_request(reference)?;
+            let (first, devs) = requests.entry(base).or_insert((reference, Vec::new()));
+            if first != reference {
+                return Err(CdiError::SubrequestConflict {
+                    request: base.to_string(),
+                    first: first.to_string(),
+                    second: reference.clone(),
+                });
+            }
+            if bases.insert(base) {
+                ids.push(format!("{kind}=metadata-{base}-{uid}"));
+                devs.push(MetaDevice {
+                    driver,
+                    pool: &dev.pool,
+                    name: &dev.device_name,
+                    attributes: attributes.clone(),
+                });
+            }
+        }
+        if device_ids.insert(dev.device_name.clone(), ids).is_some() {
+            return Err(CdiError::DuplicateDevice(dev.device_name.clone()));
+        }
+    }
+
+    let mut metadata = Vec::new();
+    for (base, (reference, devs)) in requests {
+        let host = format!("{claim_dir_str}/{base}/metadata.json");
+        cdi_devices.push(Device {
+            name: format!("metadata-{base}-{uid}"),
+            container_edits: Edits {
+                device_nodes: Vec::new(),
+                mounts: vec![
+                    Mount {
+                        host_path: host.clone(),
+                        container_path: format!(
+                            "{container_claim_dir}/{base}/{driver}-metadata.json"
+                        ),
+                        options: ["ro", "bind"],
+                    },
+                    Mount {
+                        host_path: host.clone(),
+                        container_path: format!(
+                            "{LEGACY_CONTAINER_METADATA_DIR}/{}/{base}/{driver}-metadata.json",
+                            claim.name
+                        ),
+                        options: ["ro", "bind"],
+                    },
+                ],
+            },
+        });
+        let text = metadata_text(claim, pod_claim_name, reference, devs)?;
+        metadata.push((PathBuf::from(host), text));
+    }
+
+    let spec = Spec {
+        cdi_version: if dev_root.is_some() { "0.5.0" } else { "0.3.0" },
+        kind,
+        devices: cdi_devices,
+    };
+    Ok(ClaimFiles {
+        cdi: (spec_path, pretty(&spec)?),
+        metadata,
+        device_ids,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_their_kubernetes_grammar() {
+        assert!(check_label("x", "a").is_ok());
+        assert!(check_label("x", &"a".repeat(63)).is_ok());
+        for bad in ["", "-a", "a-", "A", "a.b", "a_b", "..", &"a".repeat(64)] {
+            assert!(check_label("x", bad).is_err(), "{bad:?}");
+        }
+        assert!(check_subdomain("x", "vfio-sandbox.rebellions.ai", 63).is_ok());
+        for bad in ["", ".", "a.", ".a", "a..b", "a/b"] {
+            assert!(check_subdomain("x", bad, 253).is_err(), "{bad:?}");
+        }
+        assert!(check_uid("0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a").is_ok());
+        assert!(check_uid("A1").is_ok());
+        assert_eq!(base_request("gpu/big").ok(), Some("gpu"));
+        assert!(check_iommufd_node("vfio12").is_ok());
+        assert!(check_iommufd_node("vfio12345678901").is_err());
+    }
+
+    #[test]
+    fn errors_show_long_values_cut() {
+        let e = invalid("claim UID", &"x".repeat(300), "too long");
+        let text = e.to_string();
+        assert!(text.starts_with("invalid claim UID \"xxxx"), "{text}");
+        assert!(text.ends_with("… (300 bytes): too long"), "{text}");
+        assert!(text.len() < 120, "{text}");
+    }
+}

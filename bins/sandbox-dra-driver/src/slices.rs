@@ -1,0 +1,1047 @@
+//! The DRA driver's view of the cluster (kube-rs): ResourceSlices and ResourceClaims.
+//!
+//! - [`slice_devices`] turns the inventory into the devices this node offers: one
+//!   per selected PCI function, named by [`claims::device_name`], with the standard
+//!   `resource.kubernetes.io/pciBusID` and `resource.kubernetes.io/pcieRoot`
+//!   attributes and our own (`vendorID`, `deviceID`, `resourceName`, `numaNode`,
+//!   `iommuGroup`). Companions and bridges are never offered: they travel with
+//!   their group. A device that prepare could never hand over is withdrawn
+//!   ([`withdrawn`]).
+//! - [`Slices`] publishes them as one pool per node (pool = node name, in as many
+//!   ResourceSlices of at most 128 devices as it needs, `spec.nodeName` set, owned
+//!   by the Node so they die with it), writing only when something changed and
+//!   retrying conflicts.
+//! - [`claim_allocation`] reads a ResourceClaim kubelet asks to prepare and keeps
+//!   the devices allocated to this driver in this node's pool.
+//!
+//! ```no_run
+//! # async fn f(inv: &passthrough::inventory::Inventory) -> Result<(), Box<dyn std::error::Error>> {
+//! use node_agent::cluster;
+//! use sandbox_dra_driver::slices;
+//! let client = cluster::client(cluster::infer_config().await?)?;
+//! let mut slices = slices::Slices::new(client, slices::DEFAULT_DRIVER_NAME, "node-a");
+//! let report = slices.reconcile(&slices::slice_devices(inv)).await?;
+//! println!("{:?} generation {}", report.action, report.generation);
+//! # Ok(()) }
+//! ```
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{
+    Device, DeviceAttribute, ResourceClaim, ResourcePool, ResourceSlice, ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions};
+use kube::Client;
+
+use crate::claims::{self, Allocation, ClaimRef};
+use passthrough::inventory::{Entry, Inventory};
+use sysfs_pci::{PciAddress, PciDevice};
+
+/// The driver name when `--driver-name` is not given.
+pub const DEFAULT_DRIVER_NAME: &str = "vfio-sandbox.rebellions.ai";
+/// Standard attribute: the function's PCI address (`0000:3b:00.0`).
+pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
+/// Standard attribute: the PCIe root complex above the function (`pci0000:00`).
+pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
+/// The most devices one ResourceSlice may hold (API validation); a larger pool is
+/// published as several slices.
+pub const MAX_DEVICES_PER_SLICE: usize = 128;
+/// Upper bound for one request to the API server.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often [`Slices::reconcile`] re-reads and tries again after a conflict.
+pub const ATTEMPTS: u32 = 5;
+/// The group version of every ResourceSlice and ResourceClaim this driver reads
+/// and writes, served from Kubernetes 1.34 on.
+pub const RESOURCE_API: &str = "resource.k8s.io/v1";
+/// What [`RESOURCE_API`] must list for the driver to work.
+const RESOURCES: [&str; 2] = ["resourceslices", "resourceclaims"];
+
+/// Whether the API server serves [`RESOURCE_API`] with ResourceSlices and
+/// ResourceClaims (its discovery document, `GET /apis/resource.k8s.io/v1`):
+/// `Ok(false)` when it answers 404 or lists neither (a server before 1.34, or
+/// one with the group version turned off), an error when it could not be asked.
+pub async fn resource_api_served(client: &Client) -> Result<bool, SliceError> {
+    let action = format!("read the API server's discovery of {RESOURCE_API}");
+    match bounded(&action, client.list_api_group_resources(RESOURCE_API)).await? {
+        Ok(list) => Ok(RESOURCES
+            .iter()
+            .all(|r| list.resources.iter().any(|have| have.name == *r))),
+        Err(e) if api_status(&e).is_some_and(|s| s.code == 404) => Ok(false),
+        Err(e) => Err(request_error(&action, e)),
+    }
+}
+
+/// The root bus of `dev`'s PCIe hierarchy as sysfs names it (`pciDDDD:BB`): the
+/// bus of the topmost function on its canonical path (the root port, or the
+/// device itself when it sits on the root bus). This is the `pciDDDD:BB`
+/// directory under `/sys/devices` that the path starts from.
+pub fn pcie_root(dev: &PciDevice) -> String {
+    let top = dev.upstream.last().copied().unwrap_or(dev.address);
+    format!("pci{:04x}:{:02x}", top.domain(), top.bus())
+}
+
+/// A selected device that is not offered, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Withdrawn {
+    /// The device.
+    pub address: PciAddress,
+    /// Why prepare could not hand it over.
+    pub reason: String,
+}
+
+/// Why `entry` cannot be offered, if it cannot.
+///
+/// The viability of [`sysfs_pci::group::judge`] is not the test here: between claims
+/// the devices and their companions are on their native drivers, which is exactly
+/// what prepare changes. What prepare cannot change withdraws a device: no IOMMU
+/// group (the IOMMU is off), or a member of its group that would have to move but
+/// has SR-IOV VFs enabled (vfio-pci refuses it; [`sysfs_pci::bind::check_bindable`]).
+/// A group with a member that cannot be read is not in the inventory at all
+/// ([`passthrough::inventory::SkipReason`]), nor is a device that is gone.
+fn withdraw_reason(inv: &Inventory, entry: &Entry) -> Option<String> {
+    let Some(group) = entry.device.iommu_group else {
+        return Some("it has no IOMMU group (the IOMMU is off)".into());
+    };
+    if !inv.groups.contains_key(&group) {
+        return Some(format!("its IOMMU group {group} was not read"));
+    }
+    inv.in_group(group)
+        .find(|m| !m.is_bound() && m.device.has_vfs_enabled())
+        .map(|m| {
+            let vfs = m.device.sriov.map_or(0, |s| s.num_vfs);
+            format!(
+                "{} in its IOMMU group {group} has {vfs} SR-IOV VFs enabled, so vfio-pci cannot take it",
+                m.device.address
+            )
+        })
+}
+
+/// The selected devices [`slice_devices`] leaves out, and why.
+pub fn withdrawn(inv: &Inventory) -> Vec<Withdrawn> {
+    inv.selected()
+        .filter_map(|e| {
+            withdraw_reason(inv, e).map(|reason| Withdrawn {
+                address: e.device.address,
+                reason,
+            })
+        })
+        .collect()
+}
+
+fn string(s: String) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(s),
+        ..DeviceAttribute::default()
+    }
+}
+
+fn int(i: u32) -> DeviceAttribute {
+    DeviceAttribute {
+        int: Some(i64::from(i)),
+        ..DeviceAttribute::default()
+    }
+}
+
+/// The ResourceSlice device for one selected function.
+fn slice_device(entry: &Entry) -> Option<Device> {
+    let resource = entry.resource()?;
+    let d = &entry.device;
+    let mut attributes = BTreeMap::from([
+        (PCI_BUS_ID.to_owned(), string(d.address.to_string())),
+        (PCIE_ROOT.to_owned(), string(pcie_root(d))),
+        ("vendorID".to_owned(), string(format!("0x{:04x}", d.vendor))),
+        ("deviceID".to_owned(), string(format!("0x{:04x}", d.device))),
+        ("resourceName".to_owned(), string(resource.to_string())),
+    ]);
+    if let Some(numa) = d.numa_node {
+        attributes.insert("numaNode".into(), int(numa));
+    }
+    if let Some(group) = d.iommu_group {
+        attributes.insert("iommuGroup".into(), int(group));
+    }
+    Some(Device {
+        name: claims::device_name(&d.address),
+        attributes: Some(attributes),
+        ..Device::default()
+    })
+}
+
+/// The devices this node offers, sorted by address: one per selected function
+/// that is not [`withdrawn`].
+pub fn slice_devices(inv: &Inventory) -> Vec<Device> {
+    let mut entries: Vec<&Entry> = inv
+        .selected()
+        .filter(|e| withdraw_reason(inv, e).is_none())
+        .collect();
+    entries.sort_by_key(|e| e.device.address);
+    entries.into_iter().filter_map(slice_device).collect()
+}
+
+/// Why the ResourceSlices could not be brought up to date.
+#[derive(Debug, thiserror::Error)]
+pub enum SliceError {
+    /// The Node that owns the slices does not exist.
+    #[error("Node {node} is not found, and a node-local ResourceSlice needs it as owner")]
+    NodeMissing {
+        /// The node.
+        node: String,
+    },
+    /// A request failed.
+    #[error("failed to {action}")]
+    Request {
+        /// What was asked (`update ResourceSlice node-a-...`).
+        action: String,
+        /// The client's error.
+        #[source]
+        source: kube::Error,
+    },
+    /// A request took too long.
+    #[error("{action} timed out after {after:?}")]
+    Timeout {
+        /// What was asked.
+        action: String,
+        /// The limit.
+        after: Duration,
+    },
+    /// Another writer kept changing the slices.
+    #[error("ResourceSlices of driver {driver} on node {node} kept changing under us ({attempts} attempts)")]
+    Conflicts {
+        /// Our driver.
+        driver: String,
+        /// Our node.
+        node: String,
+        /// Attempts made.
+        attempts: u32,
+    },
+}
+
+/// What [`Slices::reconcile`] did to the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// None of its slices existed; all were created.
+    Created,
+    /// It was out of date; its slices were rewritten at a new generation.
+    Updated,
+    /// It was up to date: nothing was written.
+    Unchanged,
+}
+
+/// The result of one reconcile.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    /// What happened to the pool.
+    pub action: Action,
+    /// Its slices' names, in order ([`slice_names`]).
+    pub names: Vec<String>,
+    /// The pool generation they carry now.
+    pub generation: i64,
+    /// Slices created by this reconcile.
+    pub created: usize,
+    /// Slices rewritten by this reconcile.
+    pub updated: usize,
+    /// Other slices of ours on this node that were deleted (duplicates, stale pools).
+    pub deleted: Vec<String>,
+    /// `(name, resourceVersion)` of each of our slices as they stand now: a watch
+    /// event carrying one of these is our own write.
+    pub versions: Vec<(String, String)>,
+}
+
+/// What a write that may race another writer came to.
+enum Write<T> {
+    Done(T),
+    /// 409 or 404: re-read and try again.
+    Raced,
+}
+
+/// The name of `driver`'s first slice on `node`: `<node>-<driver with dots as
+/// dashes>`, cut to the 253 characters of a DNS subdomain.
+pub fn slice_name(node: &str, driver: &str) -> String {
+    cut(&format!("{node}-{}", driver.replace('.', "-")), 253)
+}
+
+fn cut(name: &str, max: usize) -> String {
+    let name: String = name.chars().take(max).collect();
+    name.trim_end_matches(['-', '.']).to_owned()
+}
+
+/// The names of a pool of `count` slices: [`slice_name`], then `<name>-1`,
+/// `<name>-2`, … (the base cut so each stays within 253 characters).
+pub fn slice_names(node: &str, driver: &str, count: usize) -> Vec<String> {
+    let base = slice_name(node, driver);
+    (0..count.max(1))
+        .map(|i| match i {
+            0 => base.clone(),
+            i => {
+                let suffix = format!("-{i}");
+                format!("{}{suffix}", cut(&base, 253 - suffix.len()))
+            }
+        })
+        .collect()
+}
+
+/// The ResourceSlices of one driver on one node: one pool named after the node, in
+/// as many slices as its devices need ([`MAX_DEVICES_PER_SLICE`] each, at least
+/// one), all at one pool generation with `resourceSliceCount` set, as upstream's
+/// ResourceSlice controller publishes a pool
+/// (`staging/src/k8s.io/dynamic-resource-allocation/resourceslice/resourceslicecontroller.go`).
+///
+/// The slices have fixed names ([`slice_names`]) rather than upstream's
+/// `generateName`: a create whose answer is lost and that is retried then meets
+/// `AlreadyExists` and re-reads, instead of leaving a second slice behind (upstream
+/// needs a mutation cache for that). Slices of ours found under other names are
+/// deleted, after the pool's new generation is written (consumers use only the
+/// newest generation of a pool, so the pool is never seen incomplete).
+pub struct Slices {
+    client: Client,
+    driver: String,
+    node: String,
+}
+
+impl std::fmt::Debug for Slices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slices")
+            .field("driver", &self.driver)
+            .field("node", &self.node)
+            .finish_non_exhaustive()
+    }
+}
+
+async fn bounded<T>(
+    action: &str,
+    fut: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<Result<T, kube::Error>, SliceError> {
+    tokio::time::timeout(REQUEST_TIMEOUT, fut)
+        .await
+        .map_err(|_| SliceError::Timeout {
+            action: action.to_owned(),
+            after: REQUEST_TIMEOUT,
+        })
+}
+
+fn request_error(action: &str, source: kube::Error) -> SliceError {
+    SliceError::Request {
+        action: action.to_owned(),
+        source,
+    }
+}
+
+fn api_status(e: &kube::Error) -> Option<&kube::core::Status> {
+    match e {
+        kube::Error::Api(s) => Some(s),
+        _ => None,
+    }
+}
+
+fn generation(s: &ResourceSlice) -> i64 {
+    s.spec.pool.generation
+}
+
+/// Devices equal, reading an absent list as an empty one (the server omits it).
+fn same_devices(have: Option<&Vec<Device>>, want: &[Device]) -> bool {
+    have.map_or(&[][..], Vec::as_slice) == want
+}
+
+fn version(s: &ResourceSlice) -> (String, String) {
+    (
+        s.metadata.name.clone().unwrap_or_default(),
+        s.metadata.resource_version.clone().unwrap_or_default(),
+    )
+}
+
+impl Slices {
+    /// The slices of `driver` for `node` (whose pool is named after it).
+    pub fn new(client: Client, driver: &str, node: &str) -> Self {
+        Self {
+            client,
+            driver: driver.to_owned(),
+            node: node.to_owned(),
+        }
+    }
+
+    /// The pool: this node's name.
+    pub fn pool(&self) -> &str {
+        &self.node
+    }
+
+    /// The name our first slice gets ([`slice_name`]).
+    pub fn slice_name(&self) -> String {
+        slice_name(&self.node, &self.driver)
+    }
+
+    /// The field selector that picks our slices: the API server filters by node
+    /// and driver (it has no field selector for the pool name). Lists and watches
+    /// of our slices use it.
+    pub fn selector(&self) -> String {
+        format!("spec.nodeName={},spec.driver={}", self.node, self.driver)
+    }
+
+    fn api(&self) -> Api<ResourceSlice> {
+        Api::all(self.client.clone())
+    }
+
+    /// True when `s` is one of ours (the selector checked again on this side: a
+    /// selector is only as good as the server that applies it).
+    pub fn is_ours(&self, s: &ResourceSlice) -> bool {
+        s.spec.driver == self.driver && s.spec.node_name.as_deref() == Some(&self.node)
+    }
+
+    /// Our slices, sorted by name.
+    async fn list(&self) -> Result<Vec<ResourceSlice>, SliceError> {
+        let action = format!(
+            "list ResourceSlices of driver {} on node {}",
+            self.driver, self.node
+        );
+        let lp = ListParams::default().fields(&self.selector());
+        let list = bounded(&action, self.api().list(&lp))
+            .await?
+            .map_err(|e| request_error(&action, e))?;
+        let mut ours: Vec<ResourceSlice> =
+            list.items.into_iter().filter(|s| self.is_ours(s)).collect();
+        ours.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        Ok(ours)
+    }
+
+    /// The owner reference to this node, read at every reconcile: a Node deleted
+    /// and created again has a new uid, and a slice owned by the old one would be
+    /// deleted by the garbage collector.
+    async fn owner(&self) -> Result<OwnerReference, SliceError> {
+        let action = format!("get Node {}", self.node);
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let node = bounded(&action, nodes.get_opt(&self.node))
+            .await?
+            .map_err(|e| request_error(&action, e))?
+            .ok_or_else(|| SliceError::NodeMissing {
+                node: self.node.clone(),
+            })?;
+        Ok(OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: self.node.clone(),
+            uid: node.metadata.uid.unwrap_or_default(),
+            controller: Some(true),
+            block_owner_deletion: None,
+        })
+    }
+
+    fn spec(&self, devices: &[Device], generation: i64, count: usize) -> ResourceSliceSpec {
+        ResourceSliceSpec {
+            driver: self.driver.clone(),
+            node_name: Some(self.node.clone()),
+            pool: ResourcePool {
+                name: self.node.clone(),
+                generation,
+                resource_slice_count: i64::try_from(count).unwrap_or(i64::MAX),
+            },
+            devices: Some(devices.to_vec()),
+            ..ResourceSliceSpec::default()
+        }
+    }
+
+    /// Brings the node's pool to `devices`, in slices of at most
+    /// [`MAX_DEVICES_PER_SLICE`]: when anything differs — a device, a slice
+    /// missing, the owner, a stray slice of ours — every slice is written (created
+    /// or replaced) at a generation one above every slice seen, then the strays
+    /// are deleted; when nothing differs nothing is written. A write that meets a
+    /// conflict re-reads and tries again, [`ATTEMPTS`] times.
+    pub async fn reconcile(&mut self, devices: &[Device]) -> Result<Report, SliceError> {
+        let owner = self.owner().await?;
+        let chunks: Vec<&[Device]> = if devices.is_empty() {
+            vec![&[]]
+        } else {
+            devices.chunks(MAX_DEVICES_PER_SLICE).collect()
+        };
+        let names = slice_names(&self.node, &self.driver, chunks.len());
+        for _ in 0..ATTEMPTS {
+            let slices = self.list().await?;
+            let top = slices.iter().map(generation).max().unwrap_or(0);
+            let current: Vec<Option<&ResourceSlice>> = names
+                .iter()
+                .map(|n| {
+                    slices.iter().find(|s| {
+                        s.metadata.name.as_deref() == Some(n) && s.spec.pool.name == self.node
+                    })
+                })
+                .collect();
+            let strays: Vec<&ResourceSlice> = slices
+                .iter()
+                .filter(|s| !current.iter().flatten().any(|c| std::ptr::eq(*c, *s)))
+                .collect();
+            let up_to_date = strays.is_empty()
+                && current.iter().zip(&chunks).all(|(s, chunk)| {
+                    s.is_some_and(|s| self.up_to_date(s, chunk, &owner, top, chunks.len()))
+                });
+            if up_to_date {
+                return Ok(Report {
+                    action: Action::Unchanged,
+                    names,
+                    generation: top,
+                    created: 0,
+                    updated: 0,
+                    deleted: Vec::new(),
+                    versions: slices.iter().map(version).collect(),
+                });
+            }
+            let generation = top + 1;
+            let mut versions = Vec::new();
+            let mut raced = false;
+            for ((name, have), chunk) in names.iter().zip(&current).zip(&chunks) {
+                let written = match have {
+                    Some(s) => {
+                        self.replace(s, chunk, &owner, generation, chunks.len())
+                            .await?
+                    }
+                    None => {
+                        self.create(name, chunk, &owner, generation, chunks.len())
+                            .await?
+                    }
+                };
+                match written {
+                    Write::Done(s) => versions.push(version(&s)),
+                    Write::Raced => {
+                        raced = true;
+                        break;
+                    }
+                }
+            }
+            if raced {
+                continue;
+            }
+            let mut deleted = Vec::new();
+            for s in &strays {
+                match self.delete(s).await? {
+                    Write::Done(n) => deleted.push(n),
+                    Write::Raced => raced = true,
+                }
+            }
+            if raced {
+                continue;
+            }
+            let action = if current.iter().all(Option::is_none) {
+                Action::Created
+            } else {
+                Action::Updated
+            };
+            tracing::info!(slices = %names.join(","), ?action, generation, devices = devices.len(), "ResourceSlices written");
+            let created = current.iter().filter(|s| s.is_none()).count();
+            return Ok(Report {
+                action,
+                created,
+                updated: names.len() - created,
+                names,
+                generation,
+                deleted,
+                versions,
+            });
+        }
+        Err(SliceError::Conflicts {
+            driver: self.driver.clone(),
+            node: self.node.clone(),
+            attempts: ATTEMPTS,
+        })
+    }
+
+    fn up_to_date(
+        &self,
+        s: &ResourceSlice,
+        devices: &[Device],
+        owner: &OwnerReference,
+        top: i64,
+        count: usize,
+    ) -> bool {
+        let pool = &s.spec.pool;
+        pool.name == self.node
+            && usize::try_from(pool.resource_slice_count) == Ok(count)
+            && pool.generation == top
+            && same_devices(s.spec.devices.as_ref(), devices)
+            && s.spec.node_selector.is_none()
+            && s.spec.all_nodes.is_none_or(|a| !a)
+            && s.metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|o| o.uid == owner.uid && o.kind == "Node")
+    }
+
+    async fn replace(
+        &self,
+        current: &ResourceSlice,
+        devices: &[Device],
+        owner: &OwnerReference,
+        generation: i64,
+        count: usize,
+    ) -> Result<Write<ResourceSlice>, SliceError> {
+        let name = current.metadata.name.clone().unwrap_or_default();
+        let action = format!("update ResourceSlice {name}");
+        let mut slice = current.clone();
+        slice.spec = self.spec(devices, generation, count);
+        let mut owners: Vec<OwnerReference> = slice
+            .metadata
+            .owner_references
+            .take()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|o| o.kind != "Node")
+            .collect();
+        owners.push(owner.clone());
+        slice.metadata.owner_references = Some(owners);
+        match bounded(
+            &action,
+            self.api().replace(&name, &PostParams::default(), &slice),
+        )
+        .await?
+        {
+            Ok(s) => Ok(Write::Done(s)),
+            Err(e) if api_status(&e).is_some_and(|s| s.is_conflict() || s.is_not_found()) => {
+                tracing::debug!(slice = %name, "ResourceSlice changed meanwhile; reading it again");
+                Ok(Write::Raced)
+            }
+            Err(e) => Err(request_error(&action, e)),
+        }
+    }
+
+    async fn create(
+        &self,
+        name: &str,
+        devices: &[Device],
+        owner: &OwnerReference,
+        generation: i64,
+        count: usize,
+    ) -> Result<Write<ResourceSlice>, SliceError> {
+        let action = format!("create ResourceSlice {name}");
+        let slice = ResourceSlice {
+            metadata: ObjectMeta {
+                name: Some(name.to_owned()),
+                owner_references: Some(vec![owner.clone()]),
+                ..ObjectMeta::default()
+            },
+            spec: self.spec(devices, generation, count),
+        };
+        match bounded(&action, self.api().create(&PostParams::default(), &slice)).await? {
+            Ok(s) => Ok(Write::Done(s)),
+            Err(e) if api_status(&e).is_some_and(|s| s.is_already_exists() || s.is_conflict()) => {
+                Ok(Write::Raced)
+            }
+            Err(e) => Err(request_error(&action, e)),
+        }
+    }
+
+    /// Deletes `s` if it is still the version we read; gone already counts as done.
+    async fn delete(&self, s: &ResourceSlice) -> Result<Write<String>, SliceError> {
+        let name = s.metadata.name.clone().unwrap_or_default();
+        let action = format!("delete ResourceSlice {name}");
+        let dp = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: s.metadata.uid.clone(),
+                resource_version: s.metadata.resource_version.clone(),
+            }),
+            ..DeleteParams::default()
+        };
+        match bounded(&action, self.api().delete(&name, &dp)).await? {
+            Ok(_) => {
+                tracing::info!(slice = %name, "ResourceSlice deleted");
+                Ok(Write::Done(name))
+            }
+            Err(e) if api_status(&e).is_some_and(|s| s.is_not_found()) => Ok(Write::Done(name)),
+            Err(e) if api_status(&e).is_some_and(|s| s.is_conflict()) => Ok(Write::Raced),
+            Err(e) => Err(request_error(&action, e)),
+        }
+    }
+
+    /// Deletes every slice of this driver on this node (a clean uninstall); the
+    /// names deleted.
+    pub async fn delete_all(&self) -> Result<Vec<String>, SliceError> {
+        let mut deleted = Vec::new();
+        for _ in 0..ATTEMPTS {
+            let mut raced = false;
+            for s in self.list().await? {
+                match self.delete(&s).await? {
+                    Write::Done(n) => deleted.push(n),
+                    Write::Raced => raced = true,
+                }
+            }
+            if !raced {
+                return Ok(deleted);
+            }
+        }
+        Err(SliceError::Conflicts {
+            driver: self.driver.clone(),
+            node: self.node.clone(),
+            attempts: ATTEMPTS,
+        })
+    }
+}
+
+/// Why a claim's allocation cannot be used on this node.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// The claim does not exist.
+    #[error("ResourceClaim {claim} is not found")]
+    NotFound {
+        /// `namespace/name`.
+        claim: String,
+    },
+    /// The claim under that name is another one than kubelet asked for.
+    #[error("ResourceClaim {claim} has uid {have}, kubelet asked for {want} (the claim was deleted and made again)")]
+    UidMismatch {
+        /// `namespace/name`.
+        claim: String,
+        /// The uid the server has.
+        have: String,
+        /// The uid kubelet gave.
+        want: String,
+    },
+    /// The scheduler has not allocated it.
+    #[error("ResourceClaim {claim} is not allocated")]
+    NotAllocated {
+        /// `namespace/name`.
+        claim: String,
+    },
+    /// Devices of this driver were allocated from other pools (other nodes).
+    #[error("ResourceClaim {claim} has devices of driver {driver} from other pools than {pool}, so not on this node: {others}")]
+    OtherPool {
+        /// `namespace/name`.
+        claim: String,
+        /// Our driver.
+        driver: String,
+        /// Our pool.
+        pool: String,
+        /// `pool/device`, the first few.
+        others: String,
+    },
+    /// Nothing of this driver in this pool.
+    #[error("ResourceClaim {claim} has no device of driver {driver} in pool {pool}")]
+    NoDevices {
+        /// `namespace/name`.
+        claim: String,
+        /// Our driver.
+        driver: String,
+        /// Our pool.
+        pool: String,
+    },
+    /// A result asks for admin access, which shares a device with its user.
+    #[error("ResourceClaim {claim}: device {device} of request {request} is allocated with admin access, which this driver does not give (moving it to vfio-pci would take it from its user)")]
+    AdminAccess {
+        /// `namespace/name`.
+        claim: String,
+        /// The device.
+        device: String,
+        /// The request.
+        request: String,
+    },
+    /// The read failed.
+    #[error("failed to get ResourceClaim {claim}")]
+    Request {
+        /// `namespace/name`.
+        claim: String,
+        /// The client's error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The read took too long.
+    #[error("get ResourceClaim {claim} timed out after {after:?}")]
+    Timeout {
+        /// `namespace/name`.
+        claim: String,
+        /// The limit.
+        after: Duration,
+    },
+}
+
+impl ClaimError {
+    /// Why, in one word: the claim is not this node's to prepare, or the API
+    /// server did not answer.
+    pub fn failure(&self) -> crate::claims::Failure {
+        use crate::claims::Failure;
+        match self {
+            Self::Request { .. } | Self::Timeout { .. } => Failure::ApiServer,
+            Self::NotFound { .. }
+            | Self::UidMismatch { .. }
+            | Self::NotAllocated { .. }
+            | Self::OtherPool { .. }
+            | Self::NoDevices { .. } => Failure::NotOurs,
+            Self::AdminAccess { .. } => Failure::Refused,
+        }
+    }
+
+    /// True when asking again may give another answer (the API server was not
+    /// reached, or the claim may yet be written); kubelet retries every error, so
+    /// this only tunes what is logged.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            Self::Request { .. }
+                | Self::Timeout { .. }
+                | Self::NotFound { .. }
+                | Self::NotAllocated { .. }
+        )
+    }
+}
+
+/// At most five names, then how many more.
+fn first_few(names: &[String]) -> String {
+    let mut s = names.iter().take(5).cloned().collect::<Vec<_>>().join(", ");
+    if names.len() > 5 {
+        s.push_str(&format!(" and {} more", names.len() - 5));
+    }
+    s
+}
+
+/// What prepare needs of a ResourceClaim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimAllocation {
+    /// Its devices of this driver in this pool, in result order.
+    pub allocations: Vec<Allocation>,
+    /// Its `resource.kubernetes.io/pod-claim-name` annotation: set when the claim was
+    /// made from a template, and part of the path the pod reads its metadata at.
+    pub pod_claim_name: Option<String>,
+}
+
+/// The devices of ResourceClaim `claim` allocated to `driver` in `pool`, read from
+/// the API server now.
+///
+/// The claim must be the one kubelet named (same uid) and allocated; results of
+/// other drivers are left to them. Like upstream's kubelet plugin helper this does
+/// not look at `status.reservedFor`: kubelet checked that the pod is a consumer
+/// before asking, and the list may change under a running pod. Device names are
+/// not checked here: the engine refuses devices it does not know.
+pub async fn claim_allocation(
+    client: &Client,
+    claim: &ClaimRef,
+    driver: &str,
+    pool: &str,
+) -> Result<ClaimAllocation, ClaimError> {
+    let id = format!("{}/{}", claim.namespace, claim.name);
+    let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &claim.namespace);
+    let found = tokio::time::timeout(REQUEST_TIMEOUT, api.get_opt(&claim.name))
+        .await
+        .map_err(|_| ClaimError::Timeout {
+            claim: id.clone(),
+            after: REQUEST_TIMEOUT,
+        })?
+        .map_err(|source| ClaimError::Request {
+            claim: id.clone(),
+            source,
+        })?
+        .ok_or_else(|| ClaimError::NotFound { claim: id.clone() })?;
+    Ok(ClaimAllocation {
+        allocations: allocation_of(&found, claim, driver, pool)?,
+        pod_claim_name: found
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(crate::cdi::POD_CLAIM_NAME_ANNOTATION))
+            .cloned(),
+    })
+}
+
+/// [`claim_allocation`] on a claim already read.
+pub fn allocation_of(
+    found: &ResourceClaim,
+    claim: &ClaimRef,
+    driver: &str,
+    pool: &str,
+) -> Result<Vec<Allocation>, ClaimError> {
+    let id = format!("{}/{}", claim.namespace, claim.name);
+    let have = found.metadata.uid.clone().unwrap_or_default();
+    if have != claim.uid {
+        return Err(ClaimError::UidMismatch {
+            claim: id,
+            have,
+            want: claim.uid.clone(),
+        });
+    }
+    let Some(allocation) = found.status.as_ref().and_then(|s| s.allocation.as_ref()) else {
+        return Err(ClaimError::NotAllocated { claim: id });
+    };
+    let results = allocation
+        .devices
+        .as_ref()
+        .and_then(|d| d.results.as_deref())
+        .unwrap_or(&[]);
+    let ours: Vec<_> = results.iter().filter(|r| r.driver == driver).collect();
+    let others: Vec<String> = ours
+        .iter()
+        .filter(|r| r.pool != pool)
+        .map(|r| format!("{}/{}", r.pool, r.device))
+        .collect();
+    if !others.is_empty() {
+        return Err(ClaimError::OtherPool {
+            claim: id,
+            driver: driver.to_owned(),
+            pool: pool.to_owned(),
+            others: first_few(&others),
+        });
+    }
+    if let Some(r) = ours.iter().find(|r| r.admin_access == Some(true)) {
+        return Err(ClaimError::AdminAccess {
+            claim: id,
+            device: r.device.clone(),
+            request: r.request.clone(),
+        });
+    }
+    if ours.is_empty() {
+        return Err(ClaimError::NoDevices {
+            claim: id,
+            driver: driver.to_owned(),
+            pool: pool.to_owned(),
+        });
+    }
+    Ok(ours
+        .into_iter()
+        .map(|r| Allocation {
+            request_names: vec![r.request.clone()],
+            pool: r.pool.clone(),
+            device: r.device.clone(),
+        })
+        .collect())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use passthrough::config::ResourceList;
+    use sysfs_pci::testing::{FakeDevice, FakeNode};
+
+    const LIST: &str =
+        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
+
+    fn attr<'d>(d: &'d Device, key: &str) -> &'d DeviceAttribute {
+        d.attributes.as_ref().unwrap().get(key).unwrap()
+    }
+
+    fn scan(node: &FakeNode) -> Inventory {
+        Inventory::scan(&node.host, &ResourceList::parse(LIST).unwrap()).unwrap()
+    }
+
+    /// A root port at 00:01.0 with the two-function card behind it (group 6, the
+    /// second function a companion of another vendor), a device on the root bus of
+    /// a second host bridge (group 7, NUMA node 1), and one on another domain.
+    fn node(dir: &std::path::Path) -> FakeNode {
+        let node = FakeNode::new(dir);
+        node.add_device(&FakeDevice::new("0000:00:01.0", 0x8086, 0x7c10, 0x06_0400).group(5));
+        node.add_device(
+            &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
+                .parent("0000:00:01.0")
+                .driver("e1000e")
+                .group(6),
+        );
+        node.add_device(
+            &FakeDevice::new("0000:01:00.1", 0x10ec, 0x0887, 0x04_0300)
+                .parent("0000:00:01.0")
+                .driver("snd_hda_intel")
+                .group(6),
+        );
+        node.add_device(
+            &FakeDevice::new("0000:80:02.0", 0x8086, 0x10d3, 0x02_0000)
+                .group(7)
+                .numa(1),
+        );
+        node.add_device(&FakeDevice::new("0001:00:03.0", 0x8086, 0x10d3, 0x02_0000).group(8));
+        node
+    }
+
+    #[test]
+    fn one_device_per_selected_function_with_the_fixed_attributes() {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let inv = scan(&node(dir.path()));
+        let devices = slice_devices(&inv);
+        let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["pci-0000-01-00-0", "pci-0000-80-02-0", "pci-0001-00-03-0"]
+        );
+        let card = &devices[0];
+        assert_eq!(
+            attr(card, PCI_BUS_ID).string.as_deref(),
+            Some("0000:01:00.0")
+        );
+        assert_eq!(attr(card, PCIE_ROOT).string.as_deref(), Some("pci0000:00"));
+        assert_eq!(attr(card, "vendorID").string.as_deref(), Some("0x8086"));
+        assert_eq!(attr(card, "deviceID").string.as_deref(), Some("0x10d3"));
+        assert_eq!(
+            attr(card, "resourceName").string.as_deref(),
+            Some("example.com/NIC_PT")
+        );
+        assert_eq!(attr(card, "iommuGroup").int, Some(6));
+        assert!(
+            !card.attributes.as_ref().unwrap().contains_key("numaNode"),
+            "-1 is left out"
+        );
+        assert_eq!(card.attributes.as_ref().unwrap().len(), 6);
+        assert_eq!(
+            attr(&devices[1], PCIE_ROOT).string.as_deref(),
+            Some("pci0000:80")
+        );
+        assert_eq!(attr(&devices[1], "numaNode").int, Some(1));
+        assert_eq!(
+            attr(&devices[2], PCIE_ROOT).string.as_deref(),
+            Some("pci0001:00")
+        );
+        assert!(withdrawn(&inv).is_empty());
+        // The same tree gives the same list, byte for byte.
+        assert_eq!(
+            serde_json::to_string(&devices).unwrap(),
+            serde_json::to_string(&slice_devices(&inv)).unwrap()
+        );
+    }
+
+    #[test]
+    fn devices_prepare_could_never_hand_over_are_withdrawn() {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let node = node(dir.path());
+        // No IOMMU group, and a group whose other member has VFs enabled.
+        node.add_device(&FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000));
+        node.add_device(&FakeDevice::new("0000:03:00.0", 0x8086, 0x10d3, 0x02_0000).group(9));
+        node.add_device(
+            &FakeDevice::new("0000:03:00.1", 0x15b3, 0x1017, 0x02_0000)
+                .driver("mlx5_core")
+                .sriov(8, 4)
+                .group(9),
+        );
+        let inv = scan(&node);
+        let names: Vec<String> = slice_devices(&inv).into_iter().map(|d| d.name).collect();
+        assert_eq!(
+            names,
+            ["pci-0000-01-00-0", "pci-0000-80-02-0", "pci-0001-00-03-0"]
+        );
+        let w = withdrawn(&inv);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].reason.contains("no IOMMU group"), "{w:?}");
+        assert!(
+            w[1].reason.contains("0000:03:00.1") && w[1].reason.contains("4 SR-IOV VFs"),
+            "{w:?}"
+        );
+    }
+
+    #[test]
+    fn a_group_with_an_unreadable_member_is_not_offered() {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let node = node(dir.path());
+        let companion: PciAddress = "0000:01:00.1".parse().unwrap();
+        std::fs::write(node.canonical_dir(&companion).join("class"), "junk").unwrap();
+        let names: Vec<String> = slice_devices(&scan(&node))
+            .into_iter()
+            .map(|d| d.name)
+            .collect();
+        assert_eq!(names, ["pci-0000-80-02-0", "pci-0001-00-03-0"]);
+    }
+
+    #[test]
+    fn slice_names_are_dns_subdomains_of_bounded_length() {
+        assert_eq!(
+            slice_name("node-a", DEFAULT_DRIVER_NAME),
+            "node-a-vfio-sandbox-rebellions-ai"
+        );
+        let long = slice_name(&"n".repeat(252), DEFAULT_DRIVER_NAME);
+        assert_eq!(
+            long.len(),
+            252,
+            "cut to 253, then the trailing dash dropped"
+        );
+        assert!(!long.ends_with('-'));
+    }
+}

@@ -1,0 +1,471 @@
+//! Passthrough per claim: prepare and unprepare on a fake kernel, and the checkpoint
+//! proved by failing, then "crashing", every step of a claim's whole life in turn.
+//!
+//! The node: a two-function card (group 1: a selected NIC plus an audio companion on
+//! snd_hda_intel), a NIC pinned to its native driver by `driver_override` (group 2)
+//! and a NIC with no driver (group 3). Claim A takes the card, claim B the other two.
+//! After every fault a fresh process does what the restarted driver and kubelet do:
+//! recover, prepare both claims again (kubelet retries), check them, unprepare both.
+//! Every device must end on its original driver with its original override, with no
+//! record, claim or file left.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+
+use passthrough::config::ResourceList;
+use passthrough::inventory::Inventory;
+use passthrough::state::{ClaimPhase, StateFile};
+use passthrough::Passthrough;
+use sandbox_dra_driver::claims::{device_name, Allocation, ClaimError, ClaimRef, Claims, Files};
+use sysfs_pci::kernel::Kernel;
+use sysfs_pci::testing::{Crashed, FakeDevice, FakeKernel, FakeNode, Fault, FaultKernel, Point};
+use sysfs_pci::{error_chain, PciAddress};
+
+const LIST: &str =
+    r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
+const RELEASE: &str = "6.1.0-claims";
+const POOL: &str = "node-a";
+
+type Snapshot = BTreeMap<String, (Option<String>, String)>;
+
+struct Node {
+    dir: tempfile::TempDir,
+    node: FakeNode,
+    kernel: FakeKernel,
+    state_path: PathBuf,
+    list: ResourceList,
+    files: Files,
+}
+
+fn addr(s: &str) -> PciAddress {
+    s.parse().unwrap()
+}
+
+fn node() -> Node {
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let node = FakeNode::new(dir.path());
+    let nic = |a: &str, g: u32| FakeDevice::new(a, 0x8086, 0x10d3, 0x02_0000).group(g);
+    node.add_device(&nic("0000:01:00.0", 1).driver("e1000e"));
+    node.add_device(
+        &FakeDevice::new("0000:01:00.1", 0x8086, 0x293e, 0x04_0300)
+            .driver("snd_hda_intel")
+            .group(1),
+    );
+    node.add_device(&nic("0000:02:00.0", 2).driver("e1000e"));
+    node.add_device(&nic("0000:03:00.0", 3));
+    let pinned = node.host.device_dir(&addr("0000:02:00.0"));
+    fs::write(pinned.join("driver_override"), "e1000e\n").unwrap();
+    let dep = "kernel/drivers/vfio/pci/vfio-pci.ko: kernel/drivers/vfio/vfio_iommu_type1.ko kernel/drivers/vfio/vfio.ko
+kernel/drivers/vfio/vfio_iommu_type1.ko: kernel/drivers/vfio/vfio.ko
+kernel/drivers/vfio/vfio.ko:
+";
+    node.add_modules_dep(RELEASE, dep);
+    let kernel = FakeKernel::new(&node);
+    kernel.learn_native_drivers();
+    kernel
+        .module_drivers
+        .lock()
+        .unwrap()
+        .insert("vfio_pci".into(), "vfio-pci".into());
+    Node {
+        state_path: dir.path().join("run/sandbox-dra-driver/state.json"),
+        files: Files {
+            driver: "vfio-sandbox.example.com".into(),
+            cdi_dir: dir.path().join("var/run/cdi"),
+            metadata_dir: dir.path().join("var/run/dra-device-attributes"),
+            iommufd: false,
+        },
+        dir,
+        node,
+        kernel,
+        list: ResourceList::parse(LIST).unwrap(),
+    }
+}
+
+fn claim(name: &str) -> ClaimRef {
+    ClaimRef {
+        uid: format!("uid-{name}"),
+        namespace: "vms".into(),
+        name: name.into(),
+    }
+}
+
+fn alloc(bdfs: &[&str]) -> Vec<Allocation> {
+    bdfs.iter()
+        .map(|b| Allocation {
+            request_names: vec!["npu".into()],
+            pool: POOL.into(),
+            device: device_name(&addr(b)),
+        })
+        .collect()
+}
+
+const A: [&str; 1] = ["0000:01:00.0"];
+const B: [&str; 2] = ["0000:02:00.0", "0000:03:00.0"];
+
+impl Node {
+    fn snapshot(&self) -> Snapshot {
+        self.node.drivers_and_overrides()
+    }
+
+    /// One driver process: the state file locked for its lifetime.
+    fn process<T>(
+        &self,
+        kernel: &dyn Kernel,
+        f: impl FnOnce(&mut Claims<'_>, &Inventory) -> T,
+    ) -> T {
+        let mut state = StateFile::load(&self.state_path, true).unwrap();
+        let inv = Inventory::scan(&self.node.host, &self.list).unwrap();
+        let mut claims = Claims {
+            pt: Passthrough {
+                host: &self.node.host,
+                kernel,
+                state: &mut state,
+                release: RELEASE.into(),
+            },
+            pool: POOL,
+            files: &self.files,
+        };
+        f(&mut claims, &inv)
+    }
+
+    fn prepare(
+        &self,
+        kernel: &dyn Kernel,
+        c: &ClaimRef,
+        bdfs: &[&str],
+    ) -> Result<Vec<String>, String> {
+        self.process(kernel, |cl, inv| {
+            cl.prepare(c, None, &alloc(bdfs), inv)
+                .map(|devs| devs.into_iter().flat_map(|d| d.cdi_device_ids).collect())
+                .map_err(|e| error_chain(&e))
+        })
+    }
+
+    fn unprepare(&self, kernel: &dyn Kernel, c: &ClaimRef) -> Result<(), ClaimError> {
+        self.process(kernel, |cl, _| cl.unprepare(c))
+    }
+
+    fn files(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for root in [&self.files.cdi_dir, &self.files.metadata_dir] {
+            for e in walk(root) {
+                out.push(
+                    e.strip_prefix(self.dir.path())
+                        .unwrap()
+                        .display()
+                        .to_string(),
+                );
+            }
+        }
+        out
+    }
+
+    fn on_vfio(&self, bdfs: &[&str]) -> bool {
+        bdfs.iter()
+            .all(|b| self.node.driver_of(&addr(b)).as_deref() == Some("vfio-pci"))
+    }
+
+    /// What is not as it was: devices, records, claims, files.
+    fn lost(&self, before: &Snapshot) -> Vec<String> {
+        let after = self.snapshot();
+        let mut lost: Vec<String> = before
+            .iter()
+            .filter(|(a, was)| after.get(*a) != Some(was))
+            .map(|(a, was)| format!("{a}: was {was:?}, now {:?}", after.get(a)))
+            .collect();
+        let state = StateFile::load(&self.state_path, false).unwrap();
+        if !state.state().devices.is_empty() || !state.state().claims.is_empty() {
+            lost.push(format!("state not empty: {:?}", state.state()));
+        }
+        lost.extend(self.files().into_iter().map(|f| format!("file left: {f}")));
+        lost
+    }
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn a_claim_moves_its_whole_group_and_gives_it_back() {
+    let n = node();
+    let before = n.snapshot();
+    let ids = n.prepare(&n.kernel, &claim("a"), &A).unwrap();
+    assert_eq!(
+        ids,
+        [
+            "vfio-sandbox.example.com/vfio=pci-0000-01-00-0-uid-a",
+            "vfio-sandbox.example.com/vfio=metadata-npu-uid-a"
+        ]
+    );
+    assert!(
+        n.on_vfio(&["0000:01:00.0", "0000:01:00.1"]),
+        "the companion moves too"
+    );
+    assert!(n.node.host.vfio_group_node(1).exists());
+    assert!(!n.files().is_empty(), "the claim's files are written");
+    let state = StateFile::load(&n.state_path, false).unwrap();
+    let record = &state.state().claims["uid-a"];
+    assert_eq!(record.phase, ClaimPhase::Prepared);
+    assert_eq!(record.groups(), vec![1]);
+    // Prepared again (kubelet retries): the same answer, not one write.
+    let writes = n.kernel.write_log().len();
+    assert_eq!(n.prepare(&n.kernel, &claim("a"), &A).unwrap(), ids);
+    assert_eq!(n.kernel.write_log().len(), writes);
+    n.unprepare(&n.kernel, &claim("a")).unwrap();
+    assert_eq!(n.lost(&before), Vec::<String>::new());
+    // A claim already gone is done.
+    n.unprepare(&n.kernel, &claim("a")).unwrap();
+    n.unprepare(&n.kernel, &claim("never-seen")).unwrap();
+}
+
+#[test]
+fn a_group_belongs_to_one_claim_and_an_allocation_cannot_change() {
+    let n = node();
+    n.prepare(&n.kernel, &claim("a"), &A).unwrap();
+    let writes = n.kernel.write_log().len();
+    let err = n.prepare(&n.kernel, &claim("other"), &A).unwrap_err();
+    assert!(
+        err.contains("IOMMU group 1, which is prepared for claim vms/a (uid uid-a)"),
+        "{err}"
+    );
+    let err = n.prepare(&n.kernel, &claim("a"), &B).unwrap_err();
+    assert!(err.contains("unprepare it first"), "{err}");
+    let renamed = ClaimRef {
+        name: "imposter".into(),
+        ..claim("a")
+    };
+    let err = n.prepare(&n.kernel, &renamed, &A).unwrap_err();
+    assert!(err.contains("its uid is prepared for vms/a"), "{err}");
+    assert_eq!(
+        n.kernel.write_log().len(),
+        writes,
+        "a refusal touches nothing"
+    );
+    // Two claims at once, on different groups.
+    n.prepare(&n.kernel, &claim("b"), &B).unwrap();
+    assert!(n.on_vfio(&[
+        "0000:01:00.0",
+        "0000:01:00.1",
+        "0000:02:00.0",
+        "0000:03:00.0"
+    ]));
+}
+
+#[test]
+fn a_held_group_is_not_given_back_until_the_vm_lets_go() {
+    let n = node();
+    let before = n.snapshot();
+    n.prepare(&n.kernel, &claim("a"), &A).unwrap();
+    let node1 = n.node.host.vfio_group_node(1);
+    n.kernel.busy_groups.lock().unwrap().insert(node1.clone());
+    let writes = n.kernel.write_log().len();
+    let err = n.unprepare(&n.kernel, &claim("a")).unwrap_err();
+    assert!(
+        matches!(err, ClaimError::InUse { ref groups, .. } if groups == &[1]),
+        "{err}"
+    );
+    assert!(
+        error_chain(&err).contains("/dev/vfio/1 still open"),
+        "{}",
+        error_chain(&err)
+    );
+    assert_eq!(n.kernel.write_log().len(), writes);
+    assert!(n.on_vfio(&["0000:01:00.0", "0000:01:00.1"]));
+    n.kernel.busy_groups.lock().unwrap().remove(&node1);
+    n.unprepare(&n.kernel, &claim("a")).unwrap();
+    assert_eq!(n.lost(&before), Vec::<String>::new());
+}
+
+#[test]
+fn hostile_claims_are_refused_without_touching_the_node() {
+    let n = node();
+    let before = n.snapshot();
+    let bad = |c: ClaimRef, allocs: Vec<Allocation>| {
+        n.process(&n.kernel, |cl, inv| cl.prepare(&c, None, &allocs, inv))
+            .map(|_| ())
+            .map_err(|e| error_chain(&e))
+            .unwrap_err()
+    };
+    let dev = |d: &str, pool: &str| Allocation {
+        request_names: vec!["r".into()],
+        pool: pool.into(),
+        device: d.into(),
+    };
+    let cases = [
+        (claim("x"), vec![], "no device of this driver"),
+        (
+            claim("x"),
+            vec![dev("pci-0000-01-00-0", "node-b")],
+            "not this node's pool",
+        ),
+        (
+            claim("x"),
+            vec![dev("gpu-0", POOL)],
+            "not a device this driver publishes",
+        ),
+        (
+            claim("x"),
+            vec![dev("pci-0000-09-00-0", POOL)],
+            "does not select it",
+        ),
+        (
+            claim("x"),
+            vec![dev("pci-0000-01-00-1", POOL)],
+            "does not select it",
+        ),
+        (
+            ClaimRef {
+                uid: String::new(),
+                ..claim("x")
+            },
+            alloc(&A),
+            "no uid",
+        ),
+        (
+            ClaimRef {
+                uid: "../../etc".into(),
+                ..claim("x")
+            },
+            alloc(&A),
+            "invalid claim UID",
+        ),
+    ];
+    for (c, allocs, want) in cases {
+        let err = bad(c, allocs);
+        assert!(err.contains(want), "{err} (wanted {want})");
+    }
+    // A thousand allocations, none of them ours.
+    let many: Vec<Allocation> = (0..1000)
+        .map(|i| dev(&format!("pci-ffff-{i:02x}-00-0"), POOL))
+        .collect();
+    assert!(bad(claim("x"), many).contains("does not select it"));
+    assert!(n.kernel.write_log().is_empty());
+    assert_eq!(n.lost(&before), Vec::<String>::new());
+}
+
+/// Runs `f`, turning a simulated crash into `true`; any other panic propagates.
+fn crashes(f: impl FnOnce()) -> bool {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(()) => false,
+        Err(payload) if payload.is::<Crashed>() => true,
+        Err(payload) => std::panic::resume_unwind(payload),
+    }
+}
+
+/// A whole life: prepare A and B, unprepare both. Errors are what kubelet sees.
+fn life(n: &Node, kernel: &dyn Kernel) -> Vec<String> {
+    let mut errors = Vec::new();
+    errors.extend(n.prepare(kernel, &claim("a"), &A).err());
+    errors.extend(n.prepare(kernel, &claim("b"), &B).err());
+    for c in ["a", "b"] {
+        errors.extend(
+            n.unprepare(kernel, &claim(c))
+                .err()
+                .map(|e| error_chain(&e)),
+        );
+    }
+    errors
+}
+
+/// What the restarted driver and kubelet do after a fault; the claims must come up
+/// and go away cleanly.
+fn aftermath(n: &Node) -> Vec<String> {
+    let mut problems = Vec::new();
+    let recovery = n.process(&n.kernel, |cl, _| cl.recover());
+    problems.extend(recovery.failed.iter().map(|f| format!("recover: {f}")));
+    for (c, bdfs) in [("a", &A[..]), ("b", &B[..])] {
+        if let Err(e) = n.prepare(&n.kernel, &claim(c), bdfs) {
+            problems.push(format!("retry prepare {c}: {e}"));
+        }
+    }
+    if !n.on_vfio(&[
+        "0000:01:00.0",
+        "0000:01:00.1",
+        "0000:02:00.0",
+        "0000:03:00.0",
+    ]) {
+        problems.push("retried claims are not on vfio-pci".into());
+    }
+    for c in ["a", "b"] {
+        if let Err(e) = n.unprepare(&n.kernel, &claim(c)) {
+            problems.push(format!("unprepare {c}: {}", error_chain(&e)));
+        }
+    }
+    problems
+}
+
+#[test]
+fn every_step_of_a_claims_life_fails_or_crashes_and_nothing_is_lost() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if !info.payload().is::<Crashed>() {
+            default(info);
+        }
+    }));
+    let points = {
+        let n = node();
+        let before = n.snapshot();
+        let counting = FaultKernel::new(&n.kernel, None);
+        assert_eq!(
+            life(&n, &counting),
+            Vec::<String>::new(),
+            "a clean life has no errors"
+        );
+        assert_eq!(n.lost(&before), Vec::<String>::new());
+        counting.points()
+    };
+    let count = |k: Point| points.iter().filter(|(p, _)| *p == k).count();
+    assert!(
+        count(Point::Write) >= 16 && count(Point::Save) >= 10,
+        "{points:?}"
+    );
+    let mut lost = Vec::new();
+    let mut crashed = 0;
+    for fault in [Fault::Fail, Fault::Crash] {
+        for (i, (_, what)) in points.iter().enumerate() {
+            let n = node();
+            let before = n.snapshot();
+            let faulty = FaultKernel::new(&n.kernel, Some((i, fault)));
+            let mut errors = Vec::new();
+            if crashes(|| errors = life(&n, &faulty)) {
+                crashed += 1;
+            } else if fault == Fault::Fail && errors.is_empty() {
+                lost.push(format!(
+                    "{fault:?} at {i} ({what}): the failure was not reported"
+                ));
+            }
+            for p in aftermath(&n).into_iter().chain(n.lost(&before)) {
+                lost.push(format!("{fault:?} at {i} ({what}): {p}"));
+            }
+        }
+    }
+    println!(
+        "claims: {} injection points ({} writes, {} module calls, {} saves) x fail and crash; crashes {crashed}; lost: {}",
+        points.len(),
+        count(Point::Write),
+        count(Point::Module),
+        count(Point::Save),
+        lost.len()
+    );
+    assert_eq!(crashed, points.len(), "every crash point is reached");
+    assert!(lost.is_empty(), "{}", lost.join("\n"));
+}

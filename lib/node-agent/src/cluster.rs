@@ -1,0 +1,603 @@
+//! The node agent's view of the cluster: is this node still meant to be in VM mode?
+//!
+//! A DaemonSet pod is stopped for two very different reasons. In a rollout (new
+//! image, new resource list) or a pod restart the node stays in VM mode and a new pod
+//! follows at once: restoring would bounce every idle device to its native driver and
+//! back, and the device plugin would report them Unhealthy meanwhile. When the node
+//! leaves VM mode (its label removed or set to `container`, the DaemonSet deleted) the
+//! devices must go back. Only the API server knows which one it is, so on a stop the
+//! agent asks it:
+//!
+//! 1. its own Pod (`POD_NAMESPACE`/`POD_NAME`) names the DaemonSet that controls it;
+//! 2. that DaemonSet must still exist and not be being deleted;
+//! 3. its pod template's node selector and required node affinity must still match
+//!    the labels of the agent's Node (`NODE_NAME`) — the same test the DaemonSet
+//!    controller makes to decide whether a pod belongs on the node.
+//!
+//! Only when all three hold is the stop a rollout ([`Verdict::Keep`]). Anything else
+//! — an object missing, the API server unreachable or slow, a pod without a
+//! DaemonSet — restores ([`Verdict::Restore`]): restoring is always safe (it never
+//! touches a device a VM holds), keeping is only an optimisation.
+//!
+//! The decision itself ([`decide`], [`node_selected`]) is a pure function of the
+//! three objects, so it is tested case by case; [`Cluster`] fetches them with
+//! kube-rs and posts Events about the Node.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, ObjectReference, Pod, PodSpec};
+use kube::api::Api;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::Client;
+
+/// Upper bound for answering "keep or restore?" on a stop (the grace period must
+/// still hold the restore after it).
+pub const STOP_LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Upper bound for posting one Event.
+pub const EVENT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Who this agent is in the cluster (from the downward API).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// `spec.nodeName` of the pod: the Node to read.
+    pub node: String,
+    /// `metadata.namespace` and `metadata.name` of the pod, when given.
+    pub pod: Option<(String, String)>,
+    /// The reporting controller's name in Events (`vfio-manager`).
+    pub controller: String,
+}
+
+/// What a stop should do, and why (said in the log and in an Event).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// The node stays in VM mode: leave the devices bound for the next pod.
+    Keep(String),
+    /// The node leaves VM mode (or that cannot be shown): restore.
+    Restore(String),
+}
+
+/// Whether `spec` (a pod template) would be scheduled onto `node` by its node
+/// selector and required node affinity; `Err` names the first requirement the
+/// node's labels do not meet.
+pub fn node_selected(spec: &PodSpec, node: &Node) -> Result<(), String> {
+    let empty = BTreeMap::new();
+    let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
+    let name = node.metadata.name.as_deref().unwrap_or("");
+    for (k, v) in spec.node_selector.iter().flatten() {
+        match labels.get(k) {
+            Some(have) if have == v => {}
+            Some(have) => return Err(format!("label {k}={have}, the node selector wants {k}={v}")),
+            None => {
+                return Err(format!(
+                    "label {k} is gone, the node selector wants {k}={v}"
+                ))
+            }
+        }
+    }
+    let required = spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|a| {
+            a.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        });
+    let Some(required) = required else {
+        return Ok(());
+    };
+    // Terms are ORed; within a term every expression and field must hold. A term
+    // with neither matches nothing (as in the scheduler).
+    let mut why = Vec::new();
+    for term in &required.node_selector_terms {
+        let exprs = term.match_expressions.as_deref().unwrap_or(&[]);
+        let fields = term.match_fields.as_deref().unwrap_or(&[]);
+        if exprs.is_empty() && fields.is_empty() {
+            why.push("an empty node selector term".to_owned());
+            continue;
+        }
+        let failed = exprs
+            .iter()
+            .find_map(|r| requirement_holds(r, labels.get(&r.key).map(String::as_str)).err())
+            .or_else(|| {
+                fields.iter().find_map(|r| {
+                    let value = (r.key == "metadata.name").then_some(name);
+                    requirement_holds(r, value).err()
+                })
+            });
+        match failed {
+            None => return Ok(()),
+            Some(w) => why.push(w),
+        }
+    }
+    Err(format!(
+        "no required node affinity term matches ({})",
+        why.join("; ")
+    ))
+}
+
+fn requirement_holds(r: &NodeSelectorRequirement, value: Option<&str>) -> Result<(), String> {
+    let values = r.values.as_deref().unwrap_or(&[]);
+    let number = |s: &str| s.trim().parse::<i64>().ok();
+    let holds = match r.operator.as_str() {
+        "In" => value.is_some_and(|v| values.iter().any(|x| x == v)),
+        "NotIn" => value.is_none_or(|v| values.iter().all(|x| x != v)),
+        "Exists" => value.is_some(),
+        "DoesNotExist" => value.is_none(),
+        "Gt" | "Lt" => match (
+            value.and_then(number),
+            values.first().and_then(|x| number(x)),
+        ) {
+            (Some(have), Some(bound)) if r.operator == "Gt" => have > bound,
+            (Some(have), Some(bound)) => have < bound,
+            _ => false,
+        },
+        _ => false,
+    };
+    if holds {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} {} {:?} is not met by {}",
+            r.key,
+            r.operator,
+            values,
+            value.map_or_else(|| "its absence".to_owned(), |v| format!("{v:?}"))
+        ))
+    }
+}
+
+/// An object the API server may not have.
+#[derive(Debug, Clone)]
+pub enum Lookup<T> {
+    /// Found.
+    Found(T),
+    /// The server answered 404.
+    Missing,
+}
+
+/// The decision of a stop, from what the API server said.
+pub fn decide(
+    identity: &Identity,
+    pod: &Lookup<Pod>,
+    ds: Option<&Lookup<DaemonSet>>,
+    node: &Lookup<Node>,
+) -> Verdict {
+    let pod_name = identity
+        .pod
+        .as_ref()
+        .map_or_else(String::new, |(ns, n)| format!("{ns}/{n}"));
+    let Lookup::Found(pod) = pod else {
+        return Verdict::Restore(format!("Pod {pod_name} is not found"));
+    };
+    let Some(owner) = daemonset_owner(pod) else {
+        return Verdict::Restore(format!("Pod {pod_name} is not managed by a DaemonSet"));
+    };
+    let ns = pod.metadata.namespace.as_deref().unwrap_or("");
+    let ds_name = format!("{ns}/{owner}");
+    let ds = match ds {
+        Some(Lookup::Found(ds)) => ds,
+        Some(Lookup::Missing) | None => {
+            return Verdict::Restore(format!("DaemonSet {ds_name} was deleted"))
+        }
+    };
+    if ds.metadata.deletion_timestamp.is_some() {
+        return Verdict::Restore(format!("DaemonSet {ds_name} is being deleted"));
+    }
+    let node_name = &identity.node;
+    let Lookup::Found(node) = node else {
+        return Verdict::Restore(format!("Node {node_name} is not found"));
+    };
+    if node.metadata.deletion_timestamp.is_some() {
+        return Verdict::Restore(format!("Node {node_name} is being deleted"));
+    }
+    let Some(spec) = ds.spec.as_ref().and_then(|s| s.template.spec.as_ref()) else {
+        return Verdict::Restore(format!("DaemonSet {ds_name} has no pod template"));
+    };
+    match node_selected(spec, node) {
+        Ok(()) => Verdict::Keep(format!(
+            "Node {node_name} is still selected by DaemonSet {ds_name} (a rollout or a pod restart)"
+        )),
+        Err(why) => Verdict::Restore(format!(
+            "Node {node_name} is no longer selected by DaemonSet {ds_name}: {why}"
+        )),
+    }
+}
+
+/// The name of the DaemonSet that controls `pod`.
+pub fn daemonset_owner(pod: &Pod) -> Option<String> {
+    pod.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| {
+            o.controller == Some(true)
+                && o.kind == "DaemonSet"
+                && o.api_version.starts_with("apps/")
+        })
+        .map(|o| o.name.clone())
+}
+
+/// Why the cluster cannot be reached.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// Neither a kubeconfig nor an in-cluster service account.
+    #[error("no API server configuration (in-cluster service account or KUBECONFIG): {0}")]
+    Config(String),
+    /// The client could not be built.
+    #[error("failed to build an API client: {0}")]
+    Client(#[source] kube::Error),
+    /// A request failed.
+    #[error("{what}: {source}")]
+    Request {
+        /// What was asked.
+        what: String,
+        /// The client's error.
+        #[source]
+        source: kube::Error,
+    },
+    /// A request took too long.
+    #[error("{0} timed out after {1:?}")]
+    Timeout(String, Duration),
+}
+
+/// The configuration of the in-cluster service account, or `KUBECONFIG` /
+/// `~/.kube/config` outside a cluster.
+pub async fn infer_config() -> Result<kube::Config, ClusterError> {
+    kube::Config::infer()
+        .await
+        .map_err(|e| ClusterError::Config(e.to_string()))
+}
+
+/// A client for `config` with the agents' short connect, read and write timeouts
+/// (a node agent never waits long on the API server).
+pub fn client(mut config: kube::Config) -> Result<Client, ClusterError> {
+    config.connect_timeout = Some(Duration::from_secs(3));
+    config.read_timeout = Some(Duration::from_secs(5));
+    config.write_timeout = Some(Duration::from_secs(5));
+    Client::try_from(config).map_err(ClusterError::Client)
+}
+
+/// A connection to the API server for one agent.
+#[derive(Clone)]
+pub struct Cluster {
+    client: Client,
+    identity: Identity,
+    recorder: Recorder,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("identity", &self.identity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Cluster {
+    /// Connects with the in-cluster service account, or `KUBECONFIG` /
+    /// `~/.kube/config` outside a cluster. No request is made yet.
+    pub async fn connect(identity: Identity) -> Result<Self, ClusterError> {
+        Self::with_config(identity, infer_config().await?)
+    }
+
+    /// Connects with `config` (tests point it at a stand-in server).
+    pub fn with_config(identity: Identity, config: kube::Config) -> Result<Self, ClusterError> {
+        let client = client(config)?;
+        let reporter = Reporter {
+            controller: identity.controller.clone(),
+            instance: identity.pod.as_ref().map(|(_, n)| n.clone()),
+        };
+        let recorder = Recorder::new(client.clone(), reporter);
+        Ok(Self {
+            client,
+            identity,
+            recorder,
+        })
+    }
+
+    /// The client, for the agent's own requests.
+    pub fn kube_client(&self) -> Client {
+        self.client.clone()
+    }
+
+    /// Who this agent is.
+    pub fn identity(&self) -> &Identity {
+        &self.identity
+    }
+
+    /// Reads this agent's Node (a check that the access works).
+    pub async fn node(&self) -> Result<Node, ClusterError> {
+        let api: Api<Node> = Api::all(self.client.clone());
+        let what = format!("get Node {}", self.identity.node);
+        bounded(&what, EVENT_TIMEOUT, api.get(&self.identity.node)).await
+    }
+
+    /// Keep or restore, asked of the API server now. Never fails: what cannot be
+    /// read, or is not read within [`STOP_LOOKUP_TIMEOUT`], restores.
+    pub async fn stop_verdict(&self) -> Verdict {
+        match self.stop_lookup().await {
+            Ok(v) => v,
+            Err(why) => Verdict::Restore(why),
+        }
+    }
+
+    /// Keep or restore as the API server tells it now; `Err` says why it could not
+    /// tell (an error, or no answer within [`STOP_LOOKUP_TIMEOUT`]), for callers to
+    /// whom "cannot tell" is not "restore".
+    pub async fn stop_lookup(&self) -> Result<Verdict, String> {
+        match tokio::time::timeout(STOP_LOOKUP_TIMEOUT, self.lookup()).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(format!("the API server could not tell whether the node stays in VM mode: {e}")),
+            Err(_) => Err(format!(
+                "the API server did not tell within {STOP_LOOKUP_TIMEOUT:?} whether the node stays in VM mode"
+            )),
+        }
+    }
+
+    async fn lookup(&self) -> Result<Verdict, ClusterError> {
+        let Some((ns, pod_name)) = self.identity.pod.clone() else {
+            return Ok(Verdict::Restore(
+                "POD_NAME/POD_NAMESPACE are not set, so the DaemonSet cannot be found".into(),
+            ));
+        };
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+        let pod = get_opt(&pods, &pod_name, &format!("get Pod {ns}/{pod_name}")).await?;
+        let ds = match &pod {
+            Lookup::Found(p) => match daemonset_owner(p) {
+                Some(owner) => {
+                    let api: Api<DaemonSet> = Api::namespaced(self.client.clone(), &ns);
+                    Some(get_opt(&api, &owner, &format!("get DaemonSet {ns}/{owner}")).await?)
+                }
+                None => None,
+            },
+            Lookup::Missing => None,
+        };
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let node = get_opt(
+            &nodes,
+            &self.identity.node,
+            &format!("get Node {}", self.identity.node),
+        )
+        .await?;
+        Ok(decide(&self.identity, &pod, ds.as_ref(), &node))
+    }
+
+    /// Posts an Event about this agent's Node (in namespace `default`, where Events
+    /// about cluster-scoped objects go). `action` is what was done, `reason` why.
+    pub async fn node_event(
+        &self,
+        warning: bool,
+        reason: &str,
+        action: &str,
+        note: &str,
+    ) -> Result<(), ClusterError> {
+        let reference = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(self.identity.node.clone()),
+            // kubectl describe node matches Events by name and uid; the node's uid is
+            // its name for kubelet's own Events, and ours follow that convention.
+            uid: Some(self.identity.node.clone()),
+            ..ObjectReference::default()
+        };
+        let what = format!("post Event {reason} on Node {}", self.identity.node);
+        self.event(&reference, &what, warning, reason, action, note)
+            .await
+    }
+
+    /// Posts an Event about `reference`; `what` says in an error what was being
+    /// posted where (`post Event PrepareFailed on ResourceClaim ns/name`).
+    pub async fn event(
+        &self,
+        reference: &ObjectReference,
+        what: &str,
+        warning: bool,
+        reason: &str,
+        action: &str,
+        note: &str,
+    ) -> Result<(), ClusterError> {
+        let event = Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.into(),
+            note: Some(truncate(note, 1024)),
+            action: action.into(),
+            secondary: None,
+        };
+        bounded(
+            what,
+            EVENT_TIMEOUT,
+            self.recorder.publish(&event, reference),
+        )
+        .await
+    }
+}
+
+/// An Event note is at most 1 KiB.
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max.saturating_sub(3);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &s[..end])
+}
+
+async fn bounded<T>(
+    what: &str,
+    limit: Duration,
+    fut: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T, ClusterError> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(source)) => Err(ClusterError::Request {
+            what: what.to_owned(),
+            source,
+        }),
+        Err(_) => Err(ClusterError::Timeout(what.to_owned(), limit)),
+    }
+}
+
+async fn get_opt<K>(api: &Api<K>, name: &str, what: &str) -> Result<Lookup<K>, ClusterError>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.get_opt(name).await {
+        Ok(Some(o)) => Ok(Lookup::Found(o)),
+        Ok(None) => Ok(Lookup::Missing),
+        Err(source) => Err(ClusterError::Request {
+            what: what.to_owned(),
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{Affinity, NodeAffinity, NodeSelector, NodeSelectorTerm};
+    use kube::api::ObjectMeta;
+
+    fn node(labels: &[(&str, &str)]) -> Node {
+        Node {
+            metadata: ObjectMeta {
+                name: Some("node-a".into()),
+                labels: Some(
+                    labels
+                        .iter()
+                        .map(|(k, v)| ((*k).into(), (*v).into()))
+                        .collect(),
+                ),
+                ..ObjectMeta::default()
+            },
+            ..Node::default()
+        }
+    }
+
+    fn req(key: &str, op: &str, values: &[&str]) -> NodeSelectorRequirement {
+        NodeSelectorRequirement {
+            key: key.into(),
+            operator: op.into(),
+            values: (!values.is_empty()).then(|| values.iter().map(|v| (*v).into()).collect()),
+        }
+    }
+
+    fn affinity(
+        terms: Vec<(Vec<NodeSelectorRequirement>, Vec<NodeSelectorRequirement>)>,
+    ) -> PodSpec {
+        PodSpec {
+            affinity: Some(Affinity {
+                node_affinity: Some(NodeAffinity {
+                    required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+                        node_selector_terms: terms
+                            .into_iter()
+                            .map(|(e, f)| NodeSelectorTerm {
+                                match_expressions: Some(e),
+                                match_fields: Some(f),
+                            })
+                            .collect(),
+                    }),
+                    ..NodeAffinity::default()
+                }),
+                ..Affinity::default()
+            }),
+            ..PodSpec::default()
+        }
+    }
+
+    #[test]
+    fn node_selector_needs_every_label_with_its_value() {
+        let spec = PodSpec {
+            node_selector: Some(
+                [
+                    ("a".to_owned(), "1".to_owned()),
+                    ("b".to_owned(), "2".to_owned()),
+                ]
+                .into(),
+            ),
+            ..PodSpec::default()
+        };
+        assert!(node_selected(&spec, &node(&[("a", "1"), ("b", "2"), ("c", "3")])).is_ok());
+        let why = node_selected(&spec, &node(&[("a", "1"), ("b", "container")])).unwrap_err();
+        assert!(
+            why.contains("b=container") && why.contains("wants b=2"),
+            "{why}"
+        );
+        let why = node_selected(&spec, &node(&[("b", "2")])).unwrap_err();
+        assert!(why.contains("label a is gone"), "{why}");
+        assert!(
+            node_selected(&PodSpec::default(), &node(&[])).is_ok(),
+            "no selector selects every node"
+        );
+    }
+
+    #[test]
+    fn required_affinity_ors_terms_and_ands_expressions() {
+        let spec = affinity(vec![
+            (
+                vec![
+                    req("mode", "In", &["vm", "vm-passthrough"]),
+                    req("gpu", "Exists", &[]),
+                ],
+                vec![],
+            ),
+            (vec![req("override", "In", &["yes"])], vec![]),
+        ]);
+        assert!(node_selected(&spec, &node(&[("mode", "vm"), ("gpu", "")])).is_ok());
+        assert!(node_selected(&spec, &node(&[("override", "yes")])).is_ok());
+        assert!(node_selected(&spec, &node(&[("mode", "vm")])).is_err());
+        let why = node_selected(&spec, &node(&[("mode", "container"), ("gpu", "x")])).unwrap_err();
+        assert!(why.contains("mode In"), "{why}");
+    }
+
+    #[test]
+    fn every_operator_and_match_fields() {
+        let n = node(&[("count", "8"), ("zone", "a")]);
+        let ok = |r| node_selected(&affinity(vec![(vec![r], vec![])]), &n).is_ok();
+        assert!(ok(req("zone", "NotIn", &["b"])));
+        assert!(!ok(req("zone", "NotIn", &["a"])));
+        assert!(ok(req("missing", "NotIn", &["a"])));
+        assert!(ok(req("missing", "DoesNotExist", &[])));
+        assert!(!ok(req("zone", "DoesNotExist", &[])));
+        assert!(ok(req("count", "Gt", &["7"])));
+        assert!(!ok(req("count", "Gt", &["8"])));
+        assert!(ok(req("count", "Lt", &["9"])));
+        assert!(
+            !ok(req("zone", "Lt", &["9"])),
+            "a non-number never compares"
+        );
+        assert!(
+            !ok(req("zone", "Bogus", &["a"])),
+            "an unknown operator never matches"
+        );
+        let by_name = |v: &str| {
+            node_selected(
+                &affinity(vec![(vec![], vec![req("metadata.name", "In", &[v])])]),
+                &n,
+            )
+            .is_ok()
+        };
+        assert!(by_name("node-a"));
+        assert!(!by_name("node-b"));
+        assert!(
+            node_selected(&affinity(vec![(vec![], vec![])]), &n).is_err(),
+            "an empty term matches nothing"
+        );
+    }
+
+    #[test]
+    fn truncate_keeps_char_boundaries() {
+        assert_eq!(truncate("short", 10), "short");
+        let long = "é".repeat(600);
+        let t = truncate(&long, 1024);
+        assert!(t.len() <= 1024 && t.ends_with("..."));
+    }
+}

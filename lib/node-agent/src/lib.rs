@@ -1,0 +1,13 @@
+//! What every vfio-sandbox daemon shares above the passthrough engine: the
+//! command-line conventions ([`cli`]), ready files ([`ready`]), the metrics endpoint
+//! ([`metrics`], feature `metrics`), the kube-rs view of the cluster ([`cluster`],
+//! feature `kube`) and the one node watcher ([`watch`], feature `watch`).
+
+pub mod cli;
+#[cfg(feature = "kube")]
+pub mod cluster;
+#[cfg(feature = "metrics")]
+pub mod metrics;
+pub mod ready;
+#[cfg(feature = "watch")]
+pub mod watch;

@@ -1,0 +1,161 @@
+//! How long `vfio-manager run` takes to put a node in VM mode, on a fake node whose
+//! native driver is slow: every unbind and every probe of a device takes
+//! `--latency-ms` (a GPU driver's remove or probe can take a second).
+//!
+//! The node: `--devices` NICs (8086:10d3, e1000e-like), each alone in its IOMMU
+//! group, with vfio-pci a module to load. Each run times the library calls
+//! `vfio-manager run` makes to enter VM mode (see bins/vfio-manager/src/commands/
+//! run.rs: `run` and `Pass::converge`): lock and load the state file, scan, prepare
+//! (load the vfio modules), scan again, load the target drivers, bind — once binding
+//! one group at a time and once with `--jobs` groups at once (default: vfio-manager's
+//! `--bind-jobs` default), each on a fresh node. Prints one line:
+//!
+//! ```text
+//! devices=8 latency_ms=1000 jobs=1 entry_ms=16021 jobs=8 entry_ms=2010
+//! ```
+//!
+//! It checks that every device ended on vfio-pci (exit 1 otherwise) and asserts
+//! nothing about time. `scripts/bench-node-entry.sh` runs it and takes medians.
+
+use std::num::NonZeroUsize;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use passthrough::config::ResourceList;
+use passthrough::inventory::Inventory;
+use passthrough::state::StateFile;
+use passthrough::{target_drivers, Passthrough, DEFAULT_BIND_JOBS};
+use sysfs_pci::testing::{FakeDevice, FakeKernel, FakeNode};
+use sysfs_pci::{error_chain, PciAddress};
+
+const LIST: &str =
+    r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
+const RELEASE: &str = "6.1.0-bench";
+const USAGE: &str = "usage: node_entry [--devices N] [--latency-ms MS] [--jobs N]";
+
+struct Args {
+    devices: u16,
+    latency: Duration,
+    jobs: NonZeroUsize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        devices: 8,
+        latency: Duration::from_secs(1),
+        jobs: DEFAULT_BIND_JOBS,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        let bad = |e: &dyn std::fmt::Display| format!("{flag} {value}: {e}");
+        match flag.as_str() {
+            "--devices" => args.devices = value.parse().map_err(|e| bad(&e))?,
+            "--latency-ms" => {
+                args.latency = Duration::from_millis(value.parse().map_err(|e| bad(&e))?)
+            }
+            "--jobs" => args.jobs = value.parse().map_err(|e| bad(&e))?,
+            _ => return Err(format!("unknown flag {flag}")),
+        }
+    }
+    if args.devices == 0 || args.devices > 255 {
+        return Err("--devices must be 1 to 255".into());
+    }
+    Ok(args)
+}
+
+/// A fresh fake node with `devices` NICs on e1000e, one per IOMMU group.
+fn fake_node(root: &std::path::Path, devices: u16, latency: Duration) -> FakeKernel {
+    let node = FakeNode::new(root);
+    for i in 1..=devices {
+        node.add_device(
+            &FakeDevice::new(&format!("0000:{i:02x}:00.0"), 0x8086, 0x10d3, 0x02_0000)
+                .driver("e1000e")
+                .group(u32::from(i)),
+        );
+    }
+    node.add_modules_dep(
+        RELEASE,
+        "kernel/drivers/vfio/pci/vfio-pci.ko: kernel/drivers/vfio/vfio_iommu_type1.ko kernel/drivers/vfio/vfio.ko\n\
+         kernel/drivers/vfio/vfio_iommu_type1.ko: kernel/drivers/vfio/vfio.ko\n\
+         kernel/drivers/vfio/vfio.ko:\n",
+    );
+    let kernel = FakeKernel::new(&node).with_latency(latency);
+    kernel.learn_native_drivers();
+    if let Ok(mut drivers) = kernel.module_drivers.lock() {
+        drivers.insert("vfio_pci".into(), "vfio-pci".into());
+    }
+    kernel
+}
+
+/// Enters VM mode as `vfio-manager run` does; the time it took.
+fn enter(
+    kernel: &FakeKernel,
+    state_path: &std::path::Path,
+    list: &ResourceList,
+    jobs: NonZeroUsize,
+) -> Result<Duration, String> {
+    let host = &kernel.node.host;
+    let started = Instant::now();
+    let mut state = StateFile::load(state_path, true).map_err(|e| error_chain(&e))?;
+    let mut pt = Passthrough {
+        host,
+        kernel,
+        state: &mut state,
+        release: RELEASE.into(),
+    };
+    let inv = Inventory::scan(host, list).map_err(|e| error_chain(&e))?;
+    pt.prepare(&inv, &[]).map_err(|e| error_chain(&e))?;
+    // Pass::converge: rescan, load the target drivers, bind.
+    let inv = Inventory::scan(host, list).map_err(|e| error_chain(&e))?;
+    pt.load_modules(&target_drivers(&inv, &[]))
+        .map_err(|e| error_chain(&e))?;
+    let report = pt.bind_concurrent(&inv, &[], jobs);
+    let took = started.elapsed();
+    if let Some(e) = report.failed.first() {
+        return Err(error_chain(e));
+    }
+    Ok(took)
+}
+
+fn run(args: &Args) -> Result<String, String> {
+    let list = ResourceList::parse(LIST).map_err(|e| error_chain(&e))?;
+    let mut line = format!(
+        "devices={} latency_ms={}",
+        args.devices,
+        args.latency.as_millis()
+    );
+    for jobs in [NonZeroUsize::MIN, args.jobs] {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root())
+            .map_err(|e| format!("cannot create a scratch directory: {e}"))?;
+        let kernel = fake_node(dir.path(), args.devices, args.latency);
+        let took = enter(&kernel, &dir.path().join("run/state.json"), &list, jobs)?;
+        for i in 1..=args.devices {
+            let address: PciAddress = format!("0000:{i:02x}:00.0")
+                .parse()
+                .map_err(|e| format!("{e}"))?;
+            let driver = kernel.node.driver_of(&address);
+            if driver.as_deref() != Some("vfio-pci") {
+                return Err(format!("{address} ended on {driver:?}, not vfio-pci"));
+            }
+        }
+        line.push_str(&format!(" jobs={jobs} entry_ms={}", took.as_millis()));
+    }
+    Ok(line)
+}
+
+fn main() -> ExitCode {
+    let result = parse_args()
+        .map_err(|e| format!("{e}\n{USAGE}"))
+        .and_then(|args| run(&args));
+    match result {
+        Ok(line) => {
+            println!("{line}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("node_entry: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

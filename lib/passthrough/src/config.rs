@@ -1,0 +1,786 @@
+//! The resource list: which PCI functions are moved to vfio, and under which
+//! Kubernetes extended resource name each one is advertised.
+//!
+//! One JSON document is read by every binary, so what is selected, what is validated
+//! and what is advertised never disagree. In the cluster it is a ConfigMap; on the
+//! command line it is `--config FILE` or the [`CONFIG_ENV`] variable. Without a file,
+//! the built-in `rebellions` preset applies ([`ResourceList::builtin_default`]).
+//!
+//! # Format
+//!
+//! ```json
+//! {
+//!   "preset": ["rebellions", "nvidia"],
+//!   "resources": [
+//!     { "name": "example.com/NIC_PT", "vendor": "8086", "devices": ["10d3"], "classes": ["0200"] },
+//!     { "name": "example.com/FPGA_PT", "vendor": "10ee", "devices": ["903f"],
+//!       "addresses": ["0000:3b:00.0", "5e:00.0"] },
+//!     { "name": "nvidia.com/GRACE_GPU", "vendor": "0x10de", "devices": ["2342"], "classes": ["0380"],
+//!       "driver": "nvgrace_gpu_vfio_pci" }
+//!   ]
+//! }
+//! ```
+//!
+//! Top-level keys, both optional (but together they must select something):
+//!
+//! - `preset`: a preset name or a list of names, from [`PRESETS`]. When a file is given
+//!   and `preset` is absent, no preset applies.
+//! - `resources`: explicit entries, each mapping a device selector to a resource name:
+//!   - `name` (required): the extended resource name, `domain/name`, checked the way the
+//!     kubelet checks extended resource names (see [`ResourceName`]).
+//!   - `vendor` (required): the PCI vendor id, up to 4 hex digits, `0x` optional
+//!     (`"1eff"`, `"0x1EFF"`).
+//!   - `devices`: device ids in the same form. Absent means every device of the vendor
+//!     (that also matches `classes`); an empty list is an error.
+//!   - `classes`: class-code prefixes in hex: 2 digits match the base class (`"12"`
+//!     matches `0x12xxxx`), 4 digits base class and subclass (`"0300"`), 6 digits the
+//!     full class code. Absent means any class; an empty list is an error.
+//!   - `addresses`: PCI addresses (`"0000:3b:00.0"`, or `"3b:00.0"` for domain 0000);
+//!     the entry then selects only the functions at these addresses (that also match
+//!     `vendor`, `devices` and `classes`), so some devices of a model can be passed
+//!     through while the others stay with their usual driver. Absent means any
+//!     address; an empty list or an address listed twice is an error. A function
+//!     missing from the node is not an error: it is simply not selected.
+//!   - `driver`: the vfio driver to bind, default [`DEFAULT_DRIVER`]; a vfio-pci variant
+//!     driver such as `nvgrace_gpu_vfio_pci` is allowed, any other driver is an error
+//!     listing what is allowed (see [`is_vfio_driver`]).
+//!
+//! Unknown or repeated keys, `null` values, malformed ids or addresses, duplicate names
+//! and overlapping selectors (among the entries and the presets together) are errors
+//! that name the entry, e.g.
+//! `resources[2] (example.com/NIC_PT): devices[1]: "10g3" is not a hex PCI id`.
+//! Two selectors overlap when one function could match both: entries of the same
+//! model are kept apart only by `addresses` lists with no address in common, so an
+//! entry with `addresses` cannot sit next to a preset or entry without them that
+//! takes the same model.
+//!
+//! # Presets
+//!
+//! - `rebellions` (the default): vendor `1eff`, class `12xxxx`. `1120`, `1220`, `1250`
+//!   and `2030` are `rebellions.ai/ATOM_CA12_PT`, `ATOM_CA22_PT`, `ATOM_CA25_PT` and
+//!   `REBEL_CR03_PT`; their SR-IOV VFs (`1121`, `1221`, `1251`, `2031`) get `_VF_PT`
+//!   instead of `_PT`; any other device is `rebellions.ai/RBLN_<device>_PT`.
+//! - `nvidia`: vendor `10de`, classes `0300xx` and `0302xx`, named from the PCI ID
+//!   database the way NVIDIA's KubeVirt GPU device plugin names them
+//!   (`GH100 [H100 SXM5 80GB]` becomes `nvidia.com/GH100_H100_SXM5_80GB`), falling
+//!   back to `nvidia.com/<device>`.
+//! - `nvidia-nvswitch`: vendor `10de`, class `0680xx` (NVSwitch), named like `nvidia`.
+//!
+//! # Example
+//!
+//! ```
+//! use passthrough::config::{DeviceIds, ResourceList};
+//! use sysfs_pci::PciAddress;
+//!
+//! let list = ResourceList::parse(r#"{
+//!     "preset": "rebellions",
+//!     "resources": [
+//!         { "name": "example.com/NIC_PT", "vendor": "8086", "devices": ["10d3"], "classes": ["0200"],
+//!           "addresses": ["3b:00.0"] }
+//!     ]
+//! }"#)?;
+//!
+//! let nic = DeviceIds { vendor: 0x8086, device: 0x10d3, class: 0x020000 };
+//! let at: PciAddress = "0000:3b:00.0".parse().expect("an address");
+//! let selection = list.select(&at, &nic).expect("the NIC is listed");
+//! assert_eq!(selection.resource.as_str(), "example.com/NIC_PT");
+//! assert_eq!(selection.driver, "vfio-pci");
+//! let elsewhere: PciAddress = "0000:3c:00.0".parse().expect("an address");
+//! assert!(list.select(&elsewhere, &nic).is_none(), "same model, address not listed");
+//!
+//! let npu = DeviceIds { vendor: 0x1eff, device: 0x1220, class: 0x120000 };
+//! let selection = list.select(&elsewhere, &npu).expect("the preset covers it");
+//! assert_eq!(selection.resource.kubevirt_env_var(), "PCI_RESOURCE_REBELLIONS_AI_ATOM_CA22_PT");
+//! # Ok::<(), passthrough::config::ConfigError>(())
+//! ```
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use sysfs_pci::address::PciAddress;
+
+mod json;
+mod name;
+mod preset;
+mod selector;
+
+pub use sysfs_pci::device::DeviceIds;
+pub use sysfs_pci::vfio_driver::{
+    check_vfio_driver, is_vfio_driver, KNOWN_VARIANTS, VARIANT_SUFFIX,
+};
+
+pub use name::{ResourceName, ResourceNameError};
+pub use preset::PRESETS;
+
+use json::Json;
+use preset::Naming;
+use selector::{ClassPrefix, Selector};
+
+/// The environment variable naming the resource-list file.
+pub const CONFIG_ENV: &str = "VFIO_SANDBOX_CONFIG";
+
+/// The largest resource list file read: 1 MiB, far above any real list.
+pub const MAX_FILE_BYTES: u64 = 1024 * 1024;
+
+/// The driver an entry binds when it names none.
+pub const DEFAULT_DRIVER: &str = sysfs_pci::vfio_driver::VFIO_PCI;
+
+/// What a device is selected as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Selection {
+    /// The extended resource it is advertised as.
+    pub resource: ResourceName,
+    /// The vfio driver it is bound to (`vfio-pci` or a variant driver).
+    pub driver: String,
+}
+
+/// The parsed, validated resource list.
+///
+/// No two entries overlap, so a device is selected by at most one entry.
+#[derive(Debug, Clone)]
+pub struct ResourceList {
+    entries: Vec<Entry>,
+}
+
+/// A failure to read or validate a resource list.
+///
+/// Every message names the file (when the list came from one) and the entry.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("failed to read resource list {path}")]
+    ReadFile {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The path is not a regular file (a FIFO would block, `/dev/zero` never ends).
+    #[error("resource list {path} is {kind}, not a regular file")]
+    NotAFile {
+        /// The path.
+        path: PathBuf,
+        /// What it is instead, e.g. `a FIFO`.
+        kind: &'static str,
+    },
+    /// The file is larger than [`MAX_FILE_BYTES`].
+    #[error("resource list {path} is larger than the limit of {limit} bytes")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// The limit, [`MAX_FILE_BYTES`].
+        limit: u64,
+    },
+    /// The document is not JSON.
+    #[error("{}: invalid JSON at line {line} column {column}: {message}", Origin(.file))]
+    Json {
+        /// The file, when the list came from one.
+        file: Option<PathBuf>,
+        /// 1-based line of the error.
+        line: usize,
+        /// Column of the error, 1-based (0 when the input ended before the line had any).
+        column: usize,
+        /// What the JSON parser found wrong.
+        message: String,
+    },
+    /// The document as a whole is wrong: not an object, an unknown or repeated
+    /// top-level key, a malformed `preset`, or nothing selected.
+    #[error("{}: {problem}", Origin(.file))]
+    Document {
+        /// The file, when the list came from one.
+        file: Option<PathBuf>,
+        /// What is wrong.
+        problem: String,
+    },
+    /// One entry of `resources` is wrong.
+    #[error("{}: {entry}: {problem}", Origin(.file))]
+    Entry {
+        /// The file, when the list came from one.
+        file: Option<PathBuf>,
+        /// The entry, e.g. `resources[2] (example.com/NIC_PT)`.
+        entry: String,
+        /// What is wrong with it, e.g. `devices[1]: "10g3" is not a hex PCI id`.
+        problem: String,
+    },
+    /// Two entries advertise the same resource name.
+    #[error("{}: {entry}: name is already used by {other}", Origin(.file))]
+    DuplicateName {
+        /// The file, when the list came from one.
+        file: Option<PathBuf>,
+        /// The later entry.
+        entry: String,
+        /// The earlier entry or the preset that gives the same name.
+        other: String,
+    },
+    /// Two selectors could match the same device.
+    #[error("{}: {entry} overlaps {other}: both would select {example}", Origin(.file))]
+    Overlap {
+        /// The file, when the list came from one.
+        file: Option<PathBuf>,
+        /// The later entry.
+        entry: String,
+        /// The earlier entry or preset.
+        other: String,
+        /// The devices both select, e.g. `vendor 1eff, device 1220, class 12xxxx`.
+        example: String,
+    },
+    /// `preset` names a preset that does not exist.
+    #[error("{}: unknown preset {name:?} (known presets: {})", Origin(.file), PRESETS.join(", "))]
+    UnknownPreset {
+        /// The file, when the list came from one.
+        file: Option<PathBuf>,
+        /// The unknown name.
+        name: String,
+    },
+}
+
+impl ConfigError {
+    /// The file the list came from, if any.
+    pub fn file(&self) -> Option<&Path> {
+        match self {
+            Self::ReadFile { path, .. }
+            | Self::NotAFile { path, .. }
+            | Self::TooLarge { path, .. } => Some(path),
+            Self::Json { file, .. }
+            | Self::Document { file, .. }
+            | Self::Entry { file, .. }
+            | Self::DuplicateName { file, .. }
+            | Self::Overlap { file, .. }
+            | Self::UnknownPreset { file, .. } => file.as_deref(),
+        }
+    }
+
+    fn in_file(mut self, path: &Path) -> Self {
+        match &mut self {
+            Self::ReadFile { .. } | Self::NotAFile { .. } | Self::TooLarge { .. } => {}
+            Self::Json { file, .. }
+            | Self::Document { file, .. }
+            | Self::Entry { file, .. }
+            | Self::DuplicateName { file, .. }
+            | Self::Overlap { file, .. }
+            | Self::UnknownPreset { file, .. } => *file = Some(path.to_owned()),
+        }
+        self
+    }
+
+    fn document(problem: impl Into<String>) -> Self {
+        Self::Document {
+            file: None,
+            problem: problem.into(),
+        }
+    }
+}
+
+/// Where a list came from, as the start of an error message.
+struct Origin<'a>(&'a Option<PathBuf>);
+
+impl fmt::Display for Origin<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(path) => write!(f, "resource list {}", path.display()),
+            None => f.write_str("resource list"),
+        }
+    }
+}
+
+impl ResourceList {
+    /// The list used when no file is given: the rebellions preset.
+    pub fn builtin_default() -> Self {
+        Self {
+            entries: preset::entries("rebellions").unwrap_or_default(),
+        }
+    }
+
+    /// Parses and validates a JSON document (see the [module docs](self) for the format).
+    pub fn parse(json: &str) -> Result<Self, ConfigError> {
+        let doc: Json = serde_json::from_str(json).map_err(|err| json_error(&err))?;
+        let Json::Object(fields) = doc else {
+            return Err(ConfigError::document(format!(
+                "expected a JSON object at the top level, found {}",
+                doc.kind()
+            )));
+        };
+        json::check_unique_keys(&fields).map_err(ConfigError::document)?;
+
+        let mut entries = Vec::new();
+        let mut explicit = Vec::new();
+        for (key, value) in &fields {
+            match key.as_str() {
+                "preset" => entries.extend(parse_presets(value)?),
+                "resources" => explicit = parse_resources(value)?,
+                other => {
+                    return Err(ConfigError::document(format!(
+                        "unknown key {other:?} (expected \"preset\" or \"resources\")"
+                    )))
+                }
+            }
+        }
+        check_names(&entries, &explicit)?;
+        entries.extend(explicit);
+        if entries.is_empty() {
+            return Err(ConfigError::document(
+                "selects no devices: give a \"preset\" or at least one entry in \"resources\"",
+            ));
+        }
+        check_overlaps(&entries)?;
+        Ok(Self { entries })
+    }
+
+    /// Reads `path` and parses it; `None` gives [`ResourceList::builtin_default`].
+    ///
+    /// Only a regular file (or a link to one, as a mounted ConfigMap is) of at most
+    /// [`MAX_FILE_BYTES`] is read. Errors name the file.
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        let Some(path) = path else {
+            return Ok(Self::builtin_default());
+        };
+        let text = read_file(path)?;
+        Self::parse(&text).map_err(|err| err.in_file(path))
+    }
+
+    /// The selection for the function at `address` with `ids`, or `None` when no
+    /// entry matches.
+    ///
+    /// This is the one place that decides whether a function is selected: every
+    /// binary reaches it through [`Inventory::scan`](crate::inventory::Inventory::scan).
+    pub fn select(&self, address: &PciAddress, ids: &DeviceIds) -> Option<Selection> {
+        self.entries
+            .iter()
+            .find(|entry| entry.selector.matches(address, ids))
+            .map(|entry| Selection {
+                resource: entry.naming.name_for(ids),
+                driver: entry.driver.clone(),
+            })
+    }
+
+    /// The vendors any entry selects, sorted (lets callers skip unrelated devices
+    /// cheaply).
+    pub fn vendors(&self) -> Vec<u16> {
+        let vendors: BTreeSet<u16> = self.entries.iter().map(|e| e.selector.vendor).collect();
+        vendors.into_iter().collect()
+    }
+
+    /// Every distinct driver named by an entry (vfio-pci plus variants), in entry order,
+    /// for module loading.
+    pub fn drivers(&self) -> Vec<String> {
+        let mut drivers: Vec<String> = Vec::new();
+        for entry in &self.entries {
+            if !drivers.contains(&entry.driver) {
+                drivers.push(entry.driver.clone());
+            }
+        }
+        drivers
+    }
+
+    /// A human-readable line per entry, for `--help` and status output, e.g.
+    /// `example.com/NIC_PT: vendor 8086, device 10d3, class 0200xx, driver vfio-pci`.
+    pub fn describe(&self) -> Vec<String> {
+        self.entries.iter().map(Entry::describe).collect()
+    }
+}
+
+impl Default for ResourceList {
+    fn default() -> Self {
+        Self::builtin_default()
+    }
+}
+
+/// Reads a resource list file, refusing anything but a regular file of at most
+/// [`MAX_FILE_BYTES`] before reading a byte of it.
+fn read_file(path: &Path) -> Result<String, ConfigError> {
+    use sysfs_pci::io::{read_small_file, SmallFileError};
+    read_small_file(path, MAX_FILE_BYTES).map_err(|e| match e {
+        SmallFileError::Io(source) => ConfigError::ReadFile {
+            path: path.to_owned(),
+            source,
+        },
+        SmallFileError::NotAFile(kind) => ConfigError::NotAFile {
+            path: path.to_owned(),
+            kind,
+        },
+        SmallFileError::TooLarge(limit) => ConfigError::TooLarge {
+            path: path.to_owned(),
+            limit,
+        },
+    })
+}
+
+/// A JSON syntax error with its position, without the position repeated in the text.
+fn json_error(err: &serde_json::Error) -> ConfigError {
+    let (line, column) = (err.line(), err.column());
+    let text = err.to_string();
+    let suffix = format!(" at line {line} column {column}");
+    let message = text.strip_suffix(&suffix).unwrap_or(&text).to_owned();
+    ConfigError::Json {
+        file: None,
+        line,
+        column,
+        message,
+    }
+}
+
+/// One selector with its naming rule and driver.
+#[derive(Debug, Clone)]
+struct Entry {
+    source: EntrySource,
+    selector: Selector,
+    naming: Naming,
+    driver: String,
+}
+
+impl Entry {
+    fn describe(&self) -> String {
+        let selector = &self.selector;
+        match (&self.source, &self.naming) {
+            (EntrySource::Resource { name, .. }, _) => {
+                format!("{name}: {selector}, driver {}", self.driver)
+            }
+            (EntrySource::Preset(preset), naming) => {
+                format!(
+                    "preset {preset}: {selector}, driver {} -> {}",
+                    self.driver,
+                    naming.describe()
+                )
+            }
+        }
+    }
+}
+
+/// Where an entry came from, as named in error messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum EntrySource {
+    /// A built-in preset.
+    Preset(&'static str),
+    /// `resources[index]`, with its name when it has one.
+    Resource { index: usize, name: String },
+}
+
+impl fmt::Display for EntrySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Preset(name) => write!(f, "preset {name:?}"),
+            Self::Resource { index, name } => write!(f, "resources[{index}] ({name})"),
+        }
+    }
+}
+
+/// The `preset` value: a name or a list of names.
+fn parse_presets(value: &Json) -> Result<Vec<Entry>, ConfigError> {
+    let names: Vec<&str> = match value {
+        Json::String(name) => vec![name.as_str()],
+        Json::Array(items) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                Json::String(name) => Ok(name.as_str()),
+                other => Err(ConfigError::document(format!(
+                    "preset[{i}]: expected a preset name, found {}",
+                    other.kind()
+                ))),
+            })
+            .collect::<Result<_, _>>()?,
+        other => {
+            return Err(ConfigError::document(format!(
+                "preset: expected a preset name or a list of names, found {}",
+                other.kind()
+            )))
+        }
+    };
+    let mut entries = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        if names[..i].contains(name) {
+            return Err(ConfigError::document(format!(
+                "preset[{i}]: {name:?} is listed twice"
+            )));
+        }
+        entries.extend(
+            preset::entries(name).ok_or_else(|| ConfigError::UnknownPreset {
+                file: None,
+                name: (*name).to_owned(),
+            })?,
+        );
+    }
+    Ok(entries)
+}
+
+/// The `resources` value: a list of entries.
+fn parse_resources(value: &Json) -> Result<Vec<Entry>, ConfigError> {
+    let Json::Array(items) = value else {
+        return Err(ConfigError::document(format!(
+            "resources: expected a list of entries, found {}",
+            value.kind()
+        )));
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(index, item)| parse_entry(index, item))
+        .collect()
+}
+
+const ENTRY_KEYS: [&str; 6] = [
+    "name",
+    "vendor",
+    "devices",
+    "classes",
+    "addresses",
+    "driver",
+];
+
+fn parse_entry(index: usize, item: &Json) -> Result<Entry, ConfigError> {
+    let Json::Object(fields) = item else {
+        return Err(ConfigError::Entry {
+            file: None,
+            entry: format!("resources[{index}]"),
+            problem: format!("expected an object, found {}", item.kind()),
+        });
+    };
+    let raw_name = fields.iter().find_map(|(key, value)| match value {
+        Json::String(name) if key == "name" => Some(name.clone()),
+        _ => None,
+    });
+    let entry = match &raw_name {
+        Some(name) => format!("resources[{index}] ({name})"),
+        None => format!("resources[{index}]"),
+    };
+    let fail = |problem: String| ConfigError::Entry {
+        file: None,
+        entry: entry.clone(),
+        problem,
+    };
+
+    json::check_unique_keys(fields).map_err(fail)?;
+    let mut values: HashMap<&str, &Json> = HashMap::new();
+    for (key, value) in fields {
+        if !ENTRY_KEYS.contains(&key.as_str()) {
+            return Err(fail(format!(
+                "unknown key {key:?} (expected {})",
+                ENTRY_KEYS.join(", ")
+            )));
+        }
+        values.insert(key.as_str(), value);
+    }
+
+    let name = match values.get("name") {
+        None => return Err(fail("missing \"name\"".to_owned())),
+        Some(Json::String(name)) => {
+            ResourceName::from_str(name).map_err(|err| fail(format!("name: {}", err.problem)))?
+        }
+        Some(other) => {
+            return Err(fail(format!(
+                "name: expected a string, found {}",
+                other.kind()
+            )))
+        }
+    };
+    let vendor = match values.get("vendor") {
+        None => return Err(fail("missing \"vendor\"".to_owned())),
+        Some(value) => parse_pci_id(value).map_err(|p| fail(format!("vendor: {p}")))?,
+    };
+    let devices = match values.get("devices") {
+        None => None,
+        Some(value) => Some(parse_devices(value).map_err(fail)?),
+    };
+    let classes = match values.get("classes") {
+        None => None,
+        Some(value) => Some(parse_classes(value).map_err(fail)?),
+    };
+    let addresses = match values.get("addresses") {
+        None => None,
+        Some(value) => Some(parse_addresses(value).map_err(fail)?),
+    };
+    let driver = match values.get("driver") {
+        None => DEFAULT_DRIVER.to_owned(),
+        Some(Json::String(driver)) => {
+            check_vfio_driver(driver).map_err(|p| fail(format!("driver: {p}")))?;
+            driver.clone()
+        }
+        Some(other) => {
+            return Err(fail(format!(
+                "driver: expected a string, found {}",
+                other.kind()
+            )))
+        }
+    };
+    Ok(Entry {
+        source: EntrySource::Resource {
+            index,
+            name: name.to_string(),
+        },
+        selector: Selector {
+            vendor,
+            devices,
+            classes,
+            addresses,
+        },
+        naming: Naming::Fixed(name),
+        driver,
+    })
+}
+
+/// A vendor or device id: up to 4 hex digits, `0x` optional, any case.
+fn parse_pci_id(value: &Json) -> Result<u16, String> {
+    let Json::String(text) = value else {
+        return Err(format!(
+            "expected a hex id string such as \"1eff\", found {}",
+            value.kind()
+        ));
+    };
+    let digits = strip_hex_prefix(text);
+    if (1..=4).contains(&digits.len()) && digits.bytes().all(|b| b.is_ascii_hexdigit()) {
+        if let Ok(id) = u16::from_str_radix(digits, 16) {
+            return Ok(id);
+        }
+    }
+    Err(format!("{text:?} is not a hex PCI id"))
+}
+
+fn strip_hex_prefix(text: &str) -> &str {
+    text.strip_prefix("0x")
+        .or_else(|| text.strip_prefix("0X"))
+        .unwrap_or(text)
+}
+
+fn parse_devices(value: &Json) -> Result<Vec<u16>, String> {
+    let Json::Array(items) = value else {
+        return Err(format!(
+            "devices: expected a list of hex ids, found {} (leave the key out to match any device)",
+            value.kind()
+        ));
+    };
+    if items.is_empty() {
+        return Err(
+            "devices: the list is empty (leave the key out to match any device)".to_owned(),
+        );
+    }
+    let mut devices: Vec<u16> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let id = parse_pci_id(item).map_err(|p| format!("devices[{i}]: {p}"))?;
+        if devices.contains(&id) {
+            return Err(format!("devices[{i}]: {id:04x} is listed twice"));
+        }
+        devices.push(id);
+    }
+    Ok(devices)
+}
+
+fn parse_classes(value: &Json) -> Result<Vec<ClassPrefix>, String> {
+    let Json::Array(items) = value else {
+        return Err(format!(
+            "classes: expected a list of hex class prefixes, found {} (leave the key out to match any class)",
+            value.kind()
+        ));
+    };
+    if items.is_empty() {
+        return Err("classes: the list is empty (leave the key out to match any class)".to_owned());
+    }
+    let mut classes: Vec<ClassPrefix> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let prefix = parse_class_prefix(item).map_err(|p| format!("classes[{i}]: {p}"))?;
+        if let Some(earlier) = classes.iter().find(|c| c.meet(prefix).is_some()) {
+            return Err(format!(
+                "classes[{i}]: {prefix} overlaps {earlier} listed before it"
+            ));
+        }
+        classes.push(prefix);
+    }
+    Ok(classes)
+}
+
+/// PCI addresses, `0000:3b:00.0` or short `3b:00.0` (domain 0000), each at most once.
+fn parse_addresses(value: &Json) -> Result<Vec<PciAddress>, String> {
+    let Json::Array(items) = value else {
+        return Err(format!(
+            "addresses: expected a list of PCI addresses, found {} (leave the key out to match any address)",
+            value.kind()
+        ));
+    };
+    if items.is_empty() {
+        return Err(
+            "addresses: the list is empty (leave the key out to match any address)".to_owned(),
+        );
+    }
+    let mut addresses: Vec<PciAddress> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let Json::String(text) = item else {
+            return Err(format!(
+                "addresses[{i}]: expected a PCI address such as \"0000:3b:00.0\", found {}",
+                item.kind()
+            ));
+        };
+        let address = PciAddress::from_str(text).map_err(|e| format!("addresses[{i}]: {e}"))?;
+        if addresses.contains(&address) {
+            return Err(format!("addresses[{i}]: {address} is listed twice"));
+        }
+        addresses.push(address);
+    }
+    Ok(addresses)
+}
+
+fn parse_class_prefix(value: &Json) -> Result<ClassPrefix, String> {
+    let Json::String(text) = value else {
+        return Err(format!(
+            "expected a hex class prefix such as \"0300\", found {}",
+            value.kind()
+        ));
+    };
+    let digits = strip_hex_prefix(text);
+    if !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!("{text:?} is not a hex class prefix"));
+    }
+    match digits.len() {
+        2 | 4 | 6 => u32::from_str_radix(digits, 16)
+            .map(|value| ClassPrefix {
+                value,
+                digits: digits.len() as u32,
+            })
+            .map_err(|_| format!("{text:?} is not a hex class prefix")),
+        _ => Err(format!(
+            "{text:?} is not a class prefix of 2, 4 or 6 hex digits"
+        )),
+    }
+}
+
+/// Names must be unique among explicit entries, and an explicit entry must not take a
+/// name a preset gives.
+fn check_names(presets: &[Entry], explicit: &[Entry]) -> Result<(), ConfigError> {
+    for (i, entry) in explicit.iter().enumerate() {
+        let Naming::Fixed(name) = &entry.naming else {
+            continue;
+        };
+        let clash = explicit[..i]
+            .iter()
+            .find(|earlier| matches!(&earlier.naming, Naming::Fixed(n) if n == name))
+            .or_else(|| presets.iter().find(|p| p.naming.can_give(name)));
+        if let Some(other) = clash {
+            return Err(ConfigError::DuplicateName {
+                file: None,
+                entry: entry.source.to_string(),
+                other: other.source.to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn check_overlaps(entries: &[Entry]) -> Result<(), ConfigError> {
+    for (i, entry) in entries.iter().enumerate() {
+        for earlier in &entries[..i] {
+            if let Some(example) = earlier.selector.overlap(&entry.selector) {
+                return Err(ConfigError::Overlap {
+                    file: None,
+                    entry: entry.source.to_string(),
+                    other: earlier.source.to_string(),
+                    example,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

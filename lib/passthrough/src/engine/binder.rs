@@ -1,0 +1,260 @@
+//! Applying one IOMMU group's moves and recording them, alone or beside other groups.
+//!
+//! A [`Binder`] is what a bind shares between its threads: the node's roots, the
+//! kernel, and the state file behind a lock. Each group is all-or-nothing with its
+//! own rollback; groups share nothing but the state file, whose every save is made
+//! under the lock, so saves are serialised and each one holds every record made
+//! before it (*memory never claims more than the disk holds* holds across threads).
+//!
+//! [`for_each_bounded`] runs the groups on up to `jobs` threads and hands the
+//! results back in the groups' order, so reports never depend on thread timing.
+
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use super::{Move, PassthroughError, StepError};
+use crate::inventory::Role;
+use crate::state::{self, Record, StateError, StateFile};
+use sysfs_pci::bind::{self, BindOutcome, DriverError};
+use sysfs_pci::kernel::{lock, Kernel};
+use sysfs_pci::module;
+use sysfs_pci::{error_chain, Host, PciAddress, PciDevice};
+
+/// Moves groups to their vfio drivers, recording each member first.
+pub(super) struct Binder<'b, 's> {
+    pub(super) host: &'b Host,
+    pub(super) kernel: &'b dyn Kernel,
+    /// Locked only for a state change (its save included), never across a device
+    /// move, so slow probes of different groups overlap. A lock poisoned by a
+    /// panicking thread is used as it is: a state change is applied in memory only
+    /// after its save, so a panic cannot leave the state half-changed.
+    pub(super) state: &'b Mutex<&'s mut StateFile>,
+}
+
+impl Binder<'_, '_> {
+    /// Records `mv` unless a record exists (the existing one is the true original).
+    pub(super) fn record(&self, mv: &Move<'_>, group: u32) -> Result<(), StateError> {
+        let d = &mv.entry.device;
+        lock(self.state).record(
+            self.kernel,
+            d.address,
+            Record {
+                original_driver: d.driver.clone(),
+                original_override: d.driver_override.clone(),
+                driver: mv.driver.clone(),
+                role: match mv.entry.role {
+                    Role::Selected { .. } => state::Role::Selected,
+                    _ => state::Role::Companion,
+                },
+                resource: mv.entry.resource().map(|r| r.to_string()),
+                group,
+            },
+        )?;
+        sysfs_pci::failpoint::step("bind-after-record");
+        Ok(())
+    }
+
+    /// Binds one group's `moves` in order, each recorded before it is touched; on
+    /// the first failure puts back the members touched so far.
+    pub(super) fn bind_group(
+        &self,
+        group: u32,
+        moves: &[Move<'_>],
+    ) -> Result<Vec<(PciAddress, Option<String>)>, PassthroughError> {
+        // Every precondition of every member before the first write.
+        for mv in moves {
+            bind::check_bindable(self.host, &mv.entry.device).map_err(|source| {
+                PassthroughError::Group {
+                    group,
+                    put_back: Vec::new(),
+                    source: Box::new(source.into()),
+                }
+            })?;
+        }
+        let mut touched: Vec<PciAddress> = Vec::new();
+        let mut bound = Vec::new();
+        for mv in moves {
+            let address = mv.entry.device.address;
+            if let Err(e) = self.record(mv, group) {
+                return Err(self.roll_back(group, &touched, e.into()));
+            }
+            touched.push(address);
+            // Re-read: an earlier member's unbind can change this one (e.g. a shared driver).
+            let result = PciDevice::read(self.host, &address)
+                .map_err(DriverError::from)
+                .and_then(|dev| bind::bind(self.host, self.kernel, &dev, &mv.driver));
+            match result {
+                Ok(BindOutcome::AlreadyBound) => {}
+                Ok(BindOutcome::Bound { previous }) => bound.push((address, previous)),
+                Err(e) => return Err(self.roll_back(group, &touched, e.into())),
+            }
+        }
+        Ok(bound)
+    }
+
+    /// Puts the devices touched so far back to their records, newest first, and
+    /// forgets each record only once its device is confirmed back.
+    pub(super) fn roll_back(
+        &self,
+        group: u32,
+        touched: &[PciAddress],
+        source: StepError,
+    ) -> PassthroughError {
+        tracing::warn!(group, error = %error_chain(&source), "bind failed; putting the group back");
+        let mut put_back = Vec::new();
+        let mut stuck = Vec::new();
+        for address in touched.iter().rev() {
+            match self.put_back(address) {
+                Ok(()) => put_back.push(*address),
+                Err(why) => stuck.push((*address, why)),
+            }
+        }
+        let source = Box::new(source);
+        if stuck.is_empty() {
+            PassthroughError::Group {
+                group,
+                put_back,
+                source,
+            }
+        } else {
+            PassthroughError::RollbackFailed {
+                group,
+                put_back,
+                stuck,
+                source,
+            }
+        }
+    }
+
+    /// Restores one device to its record and forgets the record. The reason on failure.
+    fn put_back(&self, address: &PciAddress) -> Result<(), String> {
+        let Some(record) = lock(self.state).get(address).cloned() else {
+            return Ok(()); // never recorded, so never touched
+        };
+        let result = PciDevice::read(self.host, address)
+            .map_err(DriverError::from)
+            .and_then(|now| {
+                bind::restore(
+                    self.host,
+                    self.kernel,
+                    &now,
+                    record.original_driver.as_deref(),
+                    record.original_override.as_deref(),
+                )
+            });
+        if let Err(e) = result {
+            let unloaded = record.original_driver.as_deref().is_some_and(|d| {
+                lock(self.state)
+                    .state()
+                    .unloaded_modules
+                    .contains(&module::canonical_name(d))
+            });
+            let hint = if unloaded {
+                "; its native module was unloaded by vfio-manager and is reloaded on restore"
+            } else {
+                ""
+            };
+            return Err(format!("{}{hint}", error_chain(&e)));
+        }
+        lock(self.state)
+            .forget(self.kernel, address)
+            .map_err(|e| format!("back on its driver, but {}", error_chain(&e)))
+    }
+}
+
+/// Calls `work` on every item on up to `jobs` threads (the calling thread alone when
+/// `jobs` is 1 or there is one item) and returns the results in the items' order.
+///
+/// Every thread is joined before this returns. If one panicked — in the fault tests,
+/// a simulated `kill -9` — the panic is resumed here with its own payload once all
+/// have stopped. If no thread can be started the calling thread does the work.
+pub(super) fn for_each_bounded<T: Sync, R: Send>(
+    items: &[T],
+    jobs: NonZeroUsize,
+    work: impl Fn(&T) -> R + Sync,
+) -> Vec<R> {
+    let threads = jobs.get().min(items.len());
+    if threads <= 1 {
+        return items.iter().map(work).collect();
+    }
+    let next = AtomicUsize::new(0);
+    // Each worker takes the next item until none is left; results carry their index.
+    let indexed = || {
+        let mut done = Vec::new();
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(item) = items.get(i) else {
+                return done;
+            };
+            done.push((i, work(item)));
+        }
+    };
+    let mut results: Vec<(usize, R)> = Vec::with_capacity(items.len());
+    std::thread::scope(|scope| {
+        let mut handles = Vec::new();
+        for n in 0..threads {
+            match std::thread::Builder::new()
+                .name(format!("bind-{n}"))
+                .spawn_scoped(scope, indexed)
+            {
+                Ok(handle) => handles.push(handle),
+                Err(e) => {
+                    tracing::warn!(error = %e, threads = n, "cannot start another bind thread; going on with fewer");
+                    break;
+                }
+            }
+        }
+        if handles.is_empty() {
+            results.extend(indexed());
+            return;
+        }
+        let mut panicked = None;
+        for handle in handles {
+            match handle.join() {
+                Ok(done) => results.extend(done),
+                Err(payload) => {
+                    panicked.get_or_insert(payload);
+                }
+            }
+        }
+        if let Some(payload) = panicked {
+            std::panic::resume_unwind(payload);
+        }
+    });
+    results.sort_by_key(|(i, _)| *i);
+    results.into_iter().map(|(_, r)| r).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn results_come_back_in_item_order_whatever_the_threads() {
+        let items: Vec<u32> = (0..20).collect();
+        for jobs in [1, 2, 3, 8, 64] {
+            let out = for_each_bounded(&items, NonZeroUsize::new(jobs).unwrap(), |i| {
+                std::thread::sleep(std::time::Duration::from_millis(u64::from(20 - i)));
+                i * 2
+            });
+            assert_eq!(out, items.iter().map(|i| i * 2).collect::<Vec<_>>());
+        }
+    }
+
+    #[derive(Debug)]
+    struct Stop;
+
+    #[test]
+    fn a_panicking_item_reaches_the_caller_with_its_payload() {
+        let items: Vec<u32> = (0..6).collect();
+        let caught = std::panic::catch_unwind(|| {
+            for_each_bounded(&items, NonZeroUsize::new(3).unwrap(), |i| {
+                if *i == 4 {
+                    std::panic::panic_any(Stop);
+                }
+            })
+        });
+        assert!(caught.unwrap_err().is::<Stop>());
+    }
+}

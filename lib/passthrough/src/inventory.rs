@@ -1,0 +1,688 @@
+//! What the resource list selects on this node: each selected device with its
+//! resource and target driver, and every other member of its IOMMU group (a
+//! "companion", such as a GPU's audio function) that must move with it.
+//!
+//! All three binaries build their view from [`Inventory::scan`], so "what is bound",
+//! "what is validated" and "what is advertised" cannot drift apart.
+
+use std::collections::BTreeMap;
+
+use crate::config::{ResourceList, ResourceName};
+use sysfs_pci::device::{
+    iommu_group_of, list_addresses, parse_hex, Detail, DeviceError, PciDevice,
+};
+use sysfs_pci::group::{judge, Viability};
+use sysfs_pci::io::{read_attribute, IoError};
+use sysfs_pci::{error_chain, Host, PciAddress};
+
+/// Driver that group companions are moved to.
+pub const COMPANION_DRIVER: &str = "vfio-pci";
+
+/// Why a device is in the inventory.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase", tag = "kind")]
+pub enum Role {
+    /// Selected by the resource list, advertised as `resource`.
+    Selected {
+        /// The extended resource name.
+        resource: ResourceName,
+    },
+    /// Shares an IOMMU group with the selected device `of`.
+    Companion {
+        /// The selected device it travels with.
+        of: PciAddress,
+    },
+    /// A PCI bridge in a selected device's group: never moved.
+    Bridge,
+}
+
+/// One device of the inventory.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Entry {
+    /// The device as read.
+    pub device: PciDevice,
+    /// Why it is here.
+    pub role: Role,
+    /// The driver it should be on.
+    pub target_driver: String,
+}
+
+impl Entry {
+    /// True when the device is on its target driver.
+    pub fn is_bound(&self) -> bool {
+        matches!(self.role, Role::Bridge)
+            || self.device.driver.as_deref() == Some(self.target_driver.as_str())
+    }
+
+    /// The resource name, for selected devices.
+    pub fn resource(&self) -> Option<&ResourceName> {
+        match &self.role {
+            Role::Selected { resource } => Some(resource),
+            _ => None,
+        }
+    }
+}
+
+/// Why a device was left out of the inventory.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum SkipReason {
+    /// Its own sysfs attributes could not be read or parsed.
+    Unreadable {
+        /// The error, with the file and what was found in it.
+        error: String,
+    },
+    /// It was read, but another member of its IOMMU group could not be: a group is
+    /// only bound, validated or advertised when every member is known.
+    GroupMemberUnreadable {
+        /// The member that could not be read (itself listed as skipped).
+        member: PciAddress,
+    },
+}
+
+/// A device the scan left out, and why. Skipping one device keeps the rest of the
+/// node usable; callers report each one.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Skipped {
+    /// The device.
+    #[serde(rename = "bdf")]
+    pub address: PciAddress,
+    /// Its IOMMU group, when that much could be read.
+    pub group: Option<u32>,
+    /// The resource it is selected as, when it was read well enough to know.
+    pub resource: Option<ResourceName>,
+    /// Why it was left out.
+    #[serde(flatten)]
+    pub reason: SkipReason,
+}
+
+impl std::fmt::Display for Skipped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.reason {
+            SkipReason::Unreadable { error } => write!(f, "{}: {error}", self.address),
+            SkipReason::GroupMemberUnreadable { member } => write!(
+                f,
+                "{}: IOMMU group {} has a member that could not be read ({member}); \
+                 the group is left alone",
+                self.address,
+                self.group.map_or_else(|| "?".to_owned(), |g| g.to_string()),
+            ),
+        }
+    }
+}
+
+/// The selected devices, their companions, and the viability of their groups.
+///
+/// Invariant: every member of every group in `groups` was read. A device that could
+/// not be read is in `skipped`, and so is every device of its group, which is then
+/// absent from `entries` and `groups`: nothing binds, validates or advertises a
+/// group with a member we know nothing about.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Inventory {
+    /// Selected devices and companions, sorted by address.
+    pub entries: Vec<Entry>,
+    /// Viability of every group that holds a selected device.
+    pub groups: BTreeMap<u32, Viability>,
+    /// Devices left out, sorted by address: devices whose `vendor` cannot be read,
+    /// unreadable devices of a selected vendor or of a selected device's group, and
+    /// the devices of such a group.
+    pub skipped: Vec<Skipped>,
+}
+
+/// The device's name from the PCI ID database (`vendor device`), if known.
+pub fn device_name(vendor: u16, device: u16) -> Option<String> {
+    let dev = pci_ids::Device::from_vid_pid(vendor, device)?;
+    Some(format!("{} {}", dev.vendor().name(), dev.name()))
+}
+
+impl Inventory {
+    /// Scans `host` for devices `list` selects, then adds their group companions,
+    /// reading every attribute of each (what binding needs).
+    ///
+    /// Only a failure to list the PCI devices fails the scan; a malformed device is
+    /// skipped and reported in [`Inventory::skipped`].
+    pub fn scan(host: &Host, list: &ResourceList) -> Result<Self, DeviceError> {
+        Self::scan_with(host, list, Detail::Full)
+    }
+
+    /// [`Self::scan`], reading each device as far as `detail` says.
+    pub fn scan_with(
+        host: &Host,
+        list: &ResourceList,
+        detail: Detail,
+    ) -> Result<Self, DeviceError> {
+        Ok(Self::scan_addresses(
+            host,
+            list,
+            &list_addresses(host)?,
+            detail,
+        ))
+    }
+
+    /// [`Self::scan_with`] over `addresses` only: the devices among them that `list`
+    /// selects, with the whole IOMMU group of each (members outside `addresses`
+    /// included). For following a few devices without reading the whole node.
+    pub fn scan_addresses(
+        host: &Host,
+        list: &ResourceList,
+        addresses: &[PciAddress],
+        detail: Detail,
+    ) -> Self {
+        let vendors = list.vendors();
+        let mut selected = Vec::new();
+        let mut skipped = Vec::new();
+        for &address in addresses {
+            // Read one small file first: most devices on a node are not ours.
+            let vendor_path = host.device_dir(&address).join("vendor");
+            let vendor = match read_attribute(&vendor_path) {
+                Ok(text) => parse_hex(&text).and_then(|v| u16::try_from(v).ok()),
+                // Removed while we were listing.
+                Err(e) if e.is_gone() => continue,
+                Err(e) => {
+                    skipped.push(unreadable(host, address, &e.into()));
+                    continue;
+                }
+            };
+            let Some(vendor) = vendor.filter(|v| vendors.contains(v)) else {
+                continue;
+            };
+            let device = match PciDevice::read_known(host, &address, detail, Some(vendor)) {
+                Ok(d) => d,
+                Err(e) if e.is_gone() => continue,
+                Err(e) => {
+                    skipped.push(unreadable(host, address, &e));
+                    continue;
+                }
+            };
+            if let Some(sel) = list.select(&device.address, &device.ids()) {
+                if device.is_bridge() {
+                    continue;
+                }
+                selected.push(Entry {
+                    device,
+                    role: Role::Selected {
+                        resource: sel.resource,
+                    },
+                    target_driver: sel.driver,
+                });
+            }
+        }
+        let mut inv = Self::with_companions(host, selected, skipped, detail);
+        inv.skipped.sort_by_key(|s| s.address);
+        inv.skipped.dedup_by_key(|s| s.address);
+        inv
+    }
+
+    fn with_companions(
+        host: &Host,
+        selected: Vec<Entry>,
+        skipped: Vec<Skipped>,
+        detail: Detail,
+    ) -> Self {
+        let mut entries: BTreeMap<PciAddress, Entry> = selected
+            .into_iter()
+            .map(|e| (e.device.address, e))
+            .collect();
+        let mut inv = Self {
+            skipped,
+            ..Self::default()
+        };
+        let owners: Vec<(u32, PciAddress)> = entries
+            .values()
+            .filter_map(|e| Some((e.device.iommu_group?, e.device.address)))
+            .collect();
+        for (group, owner) in owners {
+            if inv.groups.contains_key(&group) || !entries.contains_key(&owner) {
+                continue; // judged already, or held back with its group
+            }
+            let (members, bad) = match read_group(host, group, &entries, detail) {
+                Ok(read) => read,
+                Err(e) => {
+                    let error = format!("IOMMU group {group}: {}", error_chain(&e));
+                    inv.hold_back(&mut entries, group, SkipReason::Unreadable { error });
+                    continue;
+                }
+            };
+            if let Some(member) = bad.first().map(|b| b.address) {
+                inv.hold_back(
+                    &mut entries,
+                    group,
+                    SkipReason::GroupMemberUnreadable { member },
+                );
+                inv.skipped.extend(bad);
+                continue;
+            }
+            inv.groups.insert(group, judge(group, &members));
+            for m in members {
+                if entries.contains_key(&m.address) {
+                    continue;
+                }
+                let role = if m.is_bridge() {
+                    Role::Bridge
+                } else {
+                    Role::Companion { of: owner }
+                };
+                let target_driver = m.driver.clone().filter(|_| m.is_bridge());
+                entries.insert(
+                    m.address,
+                    Entry {
+                        target_driver: target_driver.unwrap_or_else(|| COMPANION_DRIVER.into()),
+                        device: m,
+                        role,
+                    },
+                );
+            }
+        }
+        inv.entries = entries.into_values().collect();
+        inv
+    }
+
+    /// Moves every entry of `group` to `skipped`, for `reason`.
+    fn hold_back(
+        &mut self,
+        entries: &mut BTreeMap<PciAddress, Entry>,
+        group: u32,
+        reason: SkipReason,
+    ) {
+        let held: Vec<PciAddress> = entries
+            .values()
+            .filter(|e| e.device.iommu_group == Some(group))
+            .map(|e| e.device.address)
+            .collect();
+        for address in held {
+            if let Some(e) = entries.remove(&address) {
+                self.skipped.push(Skipped {
+                    address,
+                    group: Some(group),
+                    resource: e.resource().cloned(),
+                    reason: reason.clone(),
+                });
+            }
+        }
+    }
+
+    /// The entry for `address`.
+    pub fn get(&self, address: &PciAddress) -> Option<&Entry> {
+        self.entries.iter().find(|e| e.device.address == *address)
+    }
+
+    /// Selected devices only.
+    pub fn selected(&self) -> impl Iterator<Item = &Entry> {
+        self.entries
+            .iter()
+            .filter(|e| matches!(e.role, Role::Selected { .. }))
+    }
+
+    /// The skipped record for `address`, if the scan left it out.
+    pub fn skipped(&self, address: &PciAddress) -> Option<&Skipped> {
+        self.skipped.iter().find(|s| s.address == *address)
+    }
+
+    /// Entries in IOMMU group `group` (selected and companions).
+    pub fn in_group(&self, group: u32) -> impl Iterator<Item = &Entry> {
+        self.entries
+            .iter()
+            .filter(move |e| e.device.iommu_group == Some(group))
+    }
+}
+
+/// Which skipped devices a long-running caller has already reported, so that each is
+/// reported once per reason rather than on every rescan. A device that can be read
+/// again is forgotten, and reported anew if it breaks again.
+#[derive(Debug, Default)]
+pub struct SkipLog {
+    reported: BTreeMap<PciAddress, String>,
+}
+
+/// What changed since the last [`SkipLog::note`].
+#[derive(Debug, Default)]
+pub struct SkipNews<'a> {
+    /// Skipped devices not reported yet, or whose reason changed.
+    pub new: Vec<&'a Skipped>,
+    /// Devices reported before that are no longer skipped.
+    pub recovered: Vec<PciAddress>,
+}
+
+impl SkipLog {
+    /// Takes the skipped devices of a fresh scan; returns what to report.
+    pub fn note<'a>(&mut self, skipped: &'a [Skipped]) -> SkipNews<'a> {
+        self.note_within(skipped, |_| true)
+    }
+
+    /// [`Self::note`] for a scan of some devices only: `scanned` says which addresses
+    /// the scan covered; what was reported of the others is kept.
+    pub fn note_within<'a>(
+        &mut self,
+        skipped: &'a [Skipped],
+        scanned: impl Fn(&PciAddress) -> bool,
+    ) -> SkipNews<'a> {
+        let mut news = SkipNews::default();
+        let mut reported: BTreeMap<PciAddress, String> = self
+            .reported
+            .iter()
+            .filter(|(a, _)| !scanned(a))
+            .map(|(a, m)| (*a, m.clone()))
+            .collect();
+        for s in skipped {
+            let message = s.to_string();
+            if self.reported.get(&s.address) != Some(&message) {
+                news.new.push(s);
+            }
+            reported.insert(s.address, message);
+        }
+        news.recovered = self
+            .reported
+            .keys()
+            .filter(|a| !reported.contains_key(a))
+            .copied()
+            .collect();
+        self.reported = reported;
+        news
+    }
+
+    /// True when no skipped device is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.reported.is_empty()
+    }
+}
+
+/// Reads every member of `group`, taking already-read devices from `known`. Returns the
+/// members read and a skipped record per member that could not be; an error when the
+/// member list itself cannot be read.
+fn read_group(
+    host: &Host,
+    group: u32,
+    known: &BTreeMap<PciAddress, Entry>,
+    detail: Detail,
+) -> Result<(Vec<PciDevice>, Vec<Skipped>), IoError> {
+    let mut members = Vec::new();
+    let mut bad = Vec::new();
+    for address in sysfs_pci::group::members(host, group)? {
+        match known.get(&address) {
+            Some(e) => members.push(e.device.clone()),
+            None => match PciDevice::read_with(host, &address, detail) {
+                Ok(d) => members.push(d),
+                Err(e) if e.is_gone() => {}
+                Err(e) => bad.push(Skipped {
+                    group: Some(group),
+                    ..unreadable(host, address, &e)
+                }),
+            },
+        }
+    }
+    Ok((members, bad))
+}
+
+/// The record of a device whose attributes could not be read.
+fn unreadable(host: &Host, address: PciAddress, error: &DeviceError) -> Skipped {
+    tracing::debug!(bdf = %address, error = %error_chain(error), "skipping a device that cannot be read");
+    Skipped {
+        address,
+        group: iommu_group_of(host, &address).ok().flatten(),
+        resource: None,
+        reason: SkipReason::Unreadable {
+            error: error_chain(error),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+    use std::path::Path;
+    use sysfs_pci::testing::{FakeDevice, FakeNode};
+
+    const LIST: &str =
+        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
+
+    /// Good selected A (group 4); selected B alone in group 5; selected C with a
+    /// companion D (an audio function of another vendor) in group 6.
+    fn node(dir: &Path) -> FakeNode {
+        let node = FakeNode::new(dir);
+        for (bdf, device, class, group) in [
+            ("0000:01:00.0", 0x10d3, 0x02_0000, 4),
+            ("0000:02:00.0", 0x10d3, 0x02_0000, 5),
+            ("0000:03:00.0", 0x10d3, 0x02_0000, 6),
+        ] {
+            node.add_device(&FakeDevice::new(bdf, 0x8086, device, class).group(group));
+        }
+        node.add_device(
+            &FakeDevice::new("0000:03:00.1", 0x10ec, 0x0887, 0x04_0300)
+                .driver("snd_hda_intel")
+                .group(6),
+        );
+        node
+    }
+
+    /// One kind of garbage: what to do to the device directory, and the words the
+    /// error must contain.
+    type Garbage = (&'static str, fn(&Path), &'static str);
+
+    fn write(name: &'static str, contents: &'static [u8]) -> impl Fn(&Path) {
+        move |dir: &Path| std::fs::write(dir.join(name), contents).unwrap()
+    }
+
+    fn garbage() -> Vec<Garbage> {
+        vec![
+            ("device", |d| write("device", b"garbage\n")(d), "device"),
+            ("class", |d| write("class", b"0xzz\n")(d), "class"),
+            (
+                "subsystem_vendor",
+                |d| write("subsystem_vendor", b"nope\n")(d),
+                "subsystem_vendor",
+            ),
+            (
+                "numa_node abc",
+                |d| write("numa_node", b"abc\n")(d),
+                "numa_node",
+            ),
+            (
+                "numa_node -2",
+                |d| write("numa_node", b"-2\n")(d),
+                "\"-2\" in",
+            ),
+            (
+                "sriov_numvfs",
+                |d| write("sriov_numvfs", b"many\n")(d),
+                "sriov_numvfs",
+            ),
+            (
+                "iommu_group not a number",
+                |d| {
+                    std::fs::remove_file(d.join("iommu_group")).unwrap();
+                    symlink("../../../kernel/iommu_groups/abc", d.join("iommu_group")).unwrap();
+                },
+                "iommu_group",
+            ),
+            (
+                "iommu_group looping",
+                |d| {
+                    std::fs::remove_file(d.join("iommu_group")).unwrap();
+                    symlink("iommu_group", d.join("iommu_group")).unwrap();
+                },
+                "iommu_group",
+            ),
+            (
+                "driver_override not UTF-8",
+                |d| write("driver_override", b"vfio\xff\xfe\n")(d),
+                "driver_override",
+            ),
+            (
+                "class is a directory",
+                |d| {
+                    std::fs::remove_file(d.join("class")).unwrap();
+                    std::fs::create_dir(d.join("class")).unwrap();
+                },
+                "class",
+            ),
+            (
+                "vendor is a directory",
+                |d| {
+                    std::fs::remove_file(d.join("vendor")).unwrap();
+                    std::fs::create_dir(d.join("vendor")).unwrap();
+                },
+                "vendor",
+            ),
+        ]
+    }
+
+    fn addresses<'a>(it: impl Iterator<Item = &'a PciAddress>) -> Vec<String> {
+        it.map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn a_malformed_selected_device_is_skipped_and_the_rest_scanned() {
+        let list = ResourceList::parse(LIST).unwrap();
+        for (what, spoil, words) in garbage() {
+            let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+            let node = node(dir.path());
+            let b: PciAddress = "0000:02:00.0".parse().unwrap();
+            spoil(&node.canonical_dir(&b));
+            let inv = Inventory::scan(&node.host, &list).unwrap();
+            assert_eq!(
+                addresses(inv.entries.iter().map(|e| &e.device.address)),
+                ["0000:01:00.0", "0000:03:00.0", "0000:03:00.1"],
+                "{what}"
+            );
+            assert_eq!(
+                inv.groups.keys().copied().collect::<Vec<_>>(),
+                [4, 6],
+                "{what}"
+            );
+            assert_eq!(inv.skipped.len(), 1, "{what}: {:?}", inv.skipped);
+            let s = &inv.skipped[0];
+            assert_eq!(s.address, b, "{what}");
+            let SkipReason::Unreadable { error } = &s.reason else {
+                panic!("{what}: {s:?}");
+            };
+            let file = format!("0000:02:00.0/{}", words.split(' ').next().unwrap_or(words));
+            assert!(
+                error.contains(words) && (error.contains(&file) || words.starts_with('"')),
+                "{what}: {error}"
+            );
+            assert!(inv.skipped(&b).is_some());
+        }
+    }
+
+    #[test]
+    fn a_malformed_companion_holds_back_its_whole_group_only() {
+        let list = ResourceList::parse(LIST).unwrap();
+        for (what, spoil, words) in garbage() {
+            let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+            let node = node(dir.path());
+            let d: PciAddress = "0000:03:00.1".parse().unwrap();
+            spoil(&node.canonical_dir(&d));
+            let inv = Inventory::scan(&node.host, &list).unwrap();
+            assert_eq!(
+                addresses(inv.entries.iter().map(|e| &e.device.address)),
+                ["0000:01:00.0", "0000:02:00.0"],
+                "{what}: the group with an unknown member is not in the inventory"
+            );
+            assert_eq!(
+                inv.groups.keys().copied().collect::<Vec<_>>(),
+                [4, 5],
+                "{what}"
+            );
+            assert_eq!(inv.in_group(6).count(), 0, "{what}");
+            assert_eq!(
+                addresses(inv.skipped.iter().map(|s| &s.address)),
+                ["0000:03:00.0", "0000:03:00.1"],
+                "{what}"
+            );
+            let held = &inv.skipped[0];
+            assert_eq!(
+                held.reason,
+                SkipReason::GroupMemberUnreadable { member: d },
+                "{what}"
+            );
+            assert_eq!(held.group, Some(6));
+            assert_eq!(
+                held.resource.as_ref().map(|r| r.as_str()),
+                Some("example.com/NIC_PT")
+            );
+            assert_eq!(
+                held.to_string(),
+                "0000:03:00.0: IOMMU group 6 has a member that could not be read (0000:03:00.1); \
+                 the group is left alone"
+            );
+            let SkipReason::Unreadable { error } = &inv.skipped[1].reason else {
+                panic!("{what}: {:?}", inv.skipped[1]);
+            };
+            assert!(error.contains(words), "{what}: {error}");
+        }
+    }
+
+    #[test]
+    fn an_unlistable_group_holds_back_its_devices() {
+        let list = ResourceList::parse(LIST).unwrap();
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let node = node(dir.path());
+        let members = node.host.iommu_group_devices_dir(6);
+        std::fs::remove_dir_all(&members).unwrap();
+        std::fs::write(&members, "").unwrap();
+        let inv = Inventory::scan(&node.host, &list).unwrap();
+        assert_eq!(inv.groups.keys().copied().collect::<Vec<_>>(), [4, 5]);
+        assert_eq!(
+            addresses(inv.skipped.iter().map(|s| &s.address)),
+            ["0000:03:00.0"]
+        );
+        assert!(
+            inv.skipped[0]
+                .to_string()
+                .contains("IOMMU group 6: failed to list"),
+            "{}",
+            inv.skipped[0]
+        );
+    }
+
+    #[test]
+    fn addresses_select_one_of_two_devices_of_a_model() {
+        let list = ResourceList::parse(
+            r#"{"resources":[{"name":"example.com/NPU_PT","vendor":"1eff","devices":["1220"],
+                "addresses":["3b:00.0"]}]}"#,
+        )
+        .unwrap();
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let node = FakeNode::new(dir.path());
+        node.add_device(
+            &FakeDevice::new("0000:3b:00.0", 0x1eff, 0x1220, 0x12_0000)
+                .driver("rebellions")
+                .group(10),
+        );
+        node.add_device(
+            &FakeDevice::new("0000:5e:00.0", 0x1eff, 0x1220, 0x12_0000)
+                .driver("rebellions")
+                .group(11),
+        );
+        let inv = Inventory::scan(&node.host, &list).unwrap();
+        assert_eq!(
+            addresses(inv.entries.iter().map(|e| &e.device.address)),
+            ["0000:3b:00.0"]
+        );
+        let Role::Selected { resource } = &inv.entries[0].role else {
+            panic!("{:?}", inv.entries[0].role);
+        };
+        assert_eq!(resource.as_str(), "example.com/NPU_PT");
+        assert_eq!(inv.groups.keys().copied().collect::<Vec<_>>(), [10]);
+        assert!(inv.skipped.is_empty(), "{:?}", inv.skipped);
+        assert_eq!(
+            inv.in_group(11).count(),
+            0,
+            "the unlisted one is left alone"
+        );
+    }
+
+    #[test]
+    fn a_malformed_device_of_an_unselected_vendor_is_not_read() {
+        let list = ResourceList::parse(LIST).unwrap();
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let node = node(dir.path());
+        node.add_device(&FakeDevice::new("0000:09:00.0", 0x1b21, 0x1242, 0x0c_0330));
+        let other = node.canonical_dir(&"0000:09:00.0".parse().unwrap());
+        std::fs::write(other.join("numa_node"), "abc").unwrap();
+        let inv = Inventory::scan(&node.host, &list).unwrap();
+        assert!(inv.skipped.is_empty(), "{:?}", inv.skipped);
+        assert_eq!(inv.groups.len(), 3);
+    }
+}

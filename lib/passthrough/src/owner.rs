@@ -1,0 +1,464 @@
+//! The one owner of a node's devices: vfio-manager (the whole node in VM mode) or
+//! sandbox-dra-driver (devices per claim), never both.
+//!
+//! Both take one node-wide lock before they move any device and hold it across the
+//! check and the move: an exclusive, non-blocking `flock` on [`DEFAULT_OWNER_LOCK`]
+//! (`--owner-lock`). vfio-manager holds it for a command (`run`: for its life), the
+//! DRA driver for its life. The file holds a JSON record of its owner, written under
+//! the lock and kept current as devices move:
+//!
+//! ```text
+//! {"owner":"vfio-manager","pid":4242,"since":"2025-01-31T12:00:00Z","devices":3}
+//! ```
+//!
+//! Ownership outlives the process: `vfio-manager bind` exits leaving its devices on
+//! vfio-pci, and its record still names it with `devices` above zero. So taking the
+//! lock is refused when the `flock` is held (whoever holds it), or when it is free
+//! but the record names the *other* program with devices still moved. An unreadable
+//! record under a free lock names no owner (and is logged).
+//!
+//! The record is written and read under a second, brief lock on `<lock>.gate`, so a
+//! refused taker reads the record of the holder that beat it, never the one left by
+//! an earlier owner nor a half-written one.
+//!
+//! ```
+//! use passthrough::owner::{Owner, Program};
+//! let dir = tempfile::tempdir().unwrap();
+//! let lock = dir.path().join("owner/owner.lock");
+//! let mine = Owner::take(&lock, Program::VfioManager).unwrap();
+//! let err = Owner::take(&lock, Program::DraDriver).unwrap_err();
+//! assert!(err.to_string().starts_with("vfio-manager (pid "), "{err}");
+//! drop(mine);
+//! assert!(Owner::take(&lock, Program::DraDriver).is_ok(), "nothing moved: free");
+//! ```
+
+use std::fmt;
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::fcntl::{Flock, FlockArg};
+
+use sysfs_pci::io::{Action, IoError, WrapIo};
+
+/// Default node-wide owner lock (a hostPath shared by both DaemonSets).
+pub const DEFAULT_OWNER_LOCK: &str = "/run/vfio-sandbox/owner/owner.lock";
+
+/// The longest record read; a real one is under 200 bytes.
+const RECORD_LIMIT: u64 = 4096;
+
+/// A program that moves devices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Program {
+    /// `vfio-manager`: the whole node in VM mode.
+    #[serde(rename = "vfio-manager")]
+    VfioManager,
+    /// `sandbox-dra-driver`: devices moved per ResourceClaim.
+    #[serde(rename = "sandbox-dra-driver")]
+    DraDriver,
+}
+
+impl Program {
+    /// Its binary's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::VfioManager => "vfio-manager",
+            Self::DraDriver => "sandbox-dra-driver",
+        }
+    }
+
+    /// What an operator does so that this program lets the node go.
+    fn release_hint(self) -> &'static str {
+        match self {
+            Self::VfioManager => {
+                "take the node out of vfio-manager's DaemonSet (it restores the devices on \
+                 SIGTERM), or run `vfio-manager unbind --all` where no `vfio-manager run` is active"
+            }
+            Self::DraDriver => {
+                "delete the ResourceClaims prepared on this node (their devices go back) and \
+                 uninstall sandbox-dra-driver from it (take the node out of its DaemonSet)"
+            }
+        }
+    }
+}
+
+impl fmt::Display for Program {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The record in the lock file.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct OwnerRecord {
+    /// The program that owns the node.
+    pub owner: Program,
+    /// Its process id when it took the lock.
+    pub pid: u32,
+    /// When it took the lock (RFC 3339, UTC).
+    pub since: String,
+    /// How many devices it has moved, or holds for a claim, now.
+    pub devices: usize,
+}
+
+impl OwnerRecord {
+    /// Parses a lock file's text; `None` when it is empty (a lock never written).
+    /// Only the first JSON value counts: a rewrite cut short between its write and
+    /// its truncation leaves the new record first and old bytes after it.
+    pub fn parse(text: &str) -> Result<Option<Self>, serde_json::Error> {
+        if text.trim().is_empty() {
+            return Ok(None);
+        }
+        let mut values = serde_json::Deserializer::from_str(text).into_iter::<Self>();
+        match values.next() {
+            Some(record) => record.map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
+/// Who holds a node, as said in a refusal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    /// Its record (`None`: not readable, e.g. not written yet).
+    pub record: Option<OwnerRecord>,
+    /// Whether a live process holds the `flock` (else: its devices are still moved).
+    pub running: bool,
+}
+
+impl fmt::Display for Holder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.record {
+            Some(r) if self.running => write!(f, "{} (pid {}, since {})", r.owner, r.pid, r.since),
+            Some(r) => write!(
+                f,
+                "{} (pid {}, since {}; exited with {} device(s) still moved)",
+                r.owner, r.pid, r.since, r.devices
+            ),
+            None => f.write_str("another program (its record is not readable)"),
+        }
+    }
+}
+
+/// Why the node could not be taken.
+#[derive(Debug, thiserror::Error)]
+pub enum OwnerError {
+    /// Another program, or another instance of this one, owns the node.
+    #[error("{holder} owns the devices of this node (lock {}); {program} moves nothing while it does: {}", lock.display(), hint(*program, holder))]
+    Owned {
+        /// The program refused.
+        program: Program,
+        /// Who holds the node.
+        holder: Holder,
+        /// The lock file.
+        lock: PathBuf,
+    },
+    /// The lock file is not a plain file we may open (a symlink, say).
+    #[error("cannot open the owner lock {lock} (it must be a regular file, not a symlink); not touching the node")]
+    Open {
+        /// The lock file.
+        lock: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Creating its directory, locking, reading or writing it failed.
+    #[error(transparent)]
+    Io(#[from] IoError),
+}
+
+impl OwnerError {
+    /// True when the other program owns the node (a usage problem: the node is
+    /// given to the other one); false for another instance of the same program
+    /// or an I/O failure.
+    pub fn by_other_program(&self) -> bool {
+        match self {
+            Self::Owned {
+                program, holder, ..
+            } => holder.record.as_ref().is_none_or(|r| r.owner != *program),
+            _ => false,
+        }
+    }
+}
+
+/// What to do about a holder, in a refusal.
+fn hint(program: Program, holder: &Holder) -> String {
+    match &holder.record {
+        Some(r) if r.owner == program => format!(
+            "another {program} is at work on this node (is `{program}` already running here?); \
+             wait for it or stop it"
+        ),
+        Some(r) => format!(
+            "a node runs either vfio-manager or sandbox-dra-driver, not both; {}",
+            r.owner.release_hint()
+        ),
+        None => "retry in a moment".to_owned(),
+    }
+}
+
+/// The node, taken: the `flock` is held until this value is dropped, and the record
+/// names us. Keep its device count current with [`Self::set_devices`] (a
+/// [`crate::state::StateFile`] does it on each save once given the owner).
+#[derive(Debug)]
+pub struct Owner {
+    file: Flock<File>,
+    lock: PathBuf,
+    record: OwnerRecord,
+}
+
+impl Owner {
+    /// Takes the node for `program`, or says who owns it. Creates the lock's
+    /// directory (0755) and file; a symlink or other non-regular file is refused.
+    /// A previous record of `program` hands over its device count (the caller then
+    /// sets the true one); the other program's record with no device left is free.
+    pub fn take(lock: &Path, program: Program) -> Result<Self, OwnerError> {
+        if let Some(dir) = lock.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(dir)
+                .wrap(Action::Create, dir)?;
+        }
+        let _gate = gate(lock, FlockArg::LockExclusive, true)?;
+        let file = open(lock, true)?;
+        let file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(f) => f,
+            Err((file, errno)) => return Err(busy(lock, program, &file, errno)),
+        };
+        let previous = read_record(&file, lock)?;
+        if let Some(r) = previous
+            .as_ref()
+            .filter(|r| r.owner != program && r.devices > 0)
+        {
+            return Err(OwnerError::Owned {
+                program,
+                holder: Holder {
+                    record: Some(r.clone()),
+                    running: false,
+                },
+                lock: lock.to_owned(),
+            });
+        }
+        let devices = previous
+            .filter(|r| r.owner == program)
+            .map_or(0, |r| r.devices);
+        let owner = Self {
+            file,
+            lock: lock.to_owned(),
+            record: OwnerRecord {
+                owner: program,
+                pid: std::process::id(),
+                since: rfc3339(std::time::SystemTime::now()),
+                devices,
+            },
+        };
+        owner.write_record()?;
+        tracing::info!(lock = %lock.display(), devices, "took ownership of this node's devices");
+        Ok(owner)
+    }
+
+    /// Says whether [`Self::take`] would succeed now, changing nothing (dry runs):
+    /// no file is created, and another instance of `program` at work is no
+    /// obstacle.
+    pub fn check(lock: &Path, program: Program) -> Result<(), OwnerError> {
+        match std::fs::symlink_metadata(lock) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            _ => {}
+        }
+        let _gate = gate(lock, FlockArg::LockShared, false)?;
+        let file = open(lock, false)?;
+        let (record, running) = match Flock::lock(file, FlockArg::LockSharedNonblock) {
+            Ok(file) => (read_record(&file, lock)?, false),
+            Err((file, errno)) => match busy(lock, program, &file, errno) {
+                OwnerError::Owned { holder, .. } => (holder.record, true),
+                other => return Err(other),
+            },
+        };
+        let refused = match &record {
+            Some(r) if r.owner == program => false,
+            Some(r) => running || r.devices > 0,
+            None => running,
+        };
+        if refused {
+            return Err(OwnerError::Owned {
+                program,
+                holder: Holder { record, running },
+                lock: lock.to_owned(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The lock file.
+    pub fn lock(&self) -> &Path {
+        &self.lock
+    }
+
+    /// Our record as written.
+    pub fn record(&self) -> &OwnerRecord {
+        &self.record
+    }
+
+    /// Records how many devices we have moved or hold now.
+    pub fn set_devices(&mut self, devices: usize) -> Result<(), OwnerError> {
+        if self.record.devices == devices {
+            return Ok(());
+        }
+        let before = self.record.devices;
+        self.record.devices = devices;
+        let written =
+            gate(&self.lock, FlockArg::LockExclusive, true).and_then(|_gate| self.write_record());
+        if let Err(e) = written {
+            self.record.devices = before;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Rewrites the record in place: the `flock` belongs to this file, so it is
+    /// never replaced by a rename. The new text goes first, then the file is cut
+    /// to its length (see [`OwnerRecord::parse`]).
+    fn write_record(&self) -> Result<(), OwnerError> {
+        let mut json = serde_json::to_vec(&self.record).unwrap_or_default();
+        json.push(b'\n');
+        let shown = String::from_utf8_lossy(&json).into_owned();
+        self.file
+            .write_all_at(&json, 0)
+            .and_then(|()| self.file.set_len(json.len() as u64))
+            .wrap_write(&self.lock, &shown)?;
+        Ok(())
+    }
+}
+
+/// Takes the gate beside `lock`, waiting: it is held only while a record is
+/// written or read. `None` when it is absent and `create` is false.
+fn gate(lock: &Path, arg: FlockArg, create: bool) -> Result<Option<Flock<File>>, OwnerError> {
+    let mut path = lock.as_os_str().to_owned();
+    path.push(".gate");
+    let path = PathBuf::from(path);
+    if !create && std::fs::symlink_metadata(&path).is_err() {
+        return Ok(None);
+    }
+    let file = open(&path, create)?;
+    match Flock::lock(file, arg) {
+        Ok(f) => Ok(Some(f)),
+        Err((_, errno)) => {
+            Err(IoError::new(Action::Open, &path, std::io::Error::from(errno)).into())
+        }
+    }
+}
+
+/// Opens the lock file without following a symlink; only a regular file will do.
+fn open(lock: &Path, create: bool) -> Result<File, OwnerError> {
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .write(create)
+        .create(create)
+        .truncate(false)
+        .mode(0o644)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC | nix::libc::O_NONBLOCK)
+        .open(lock)
+        .and_then(|file| {
+            if file.metadata()?.is_file() {
+                Ok(file)
+            } else {
+                Err(std::io::Error::other("not a regular file"))
+            }
+        });
+    opened.map_err(|source| OwnerError::Open {
+        lock: lock.to_owned(),
+        source,
+    })
+}
+
+/// The refusal for a `flock` we could not take.
+fn busy(lock: &Path, program: Program, file: &File, errno: nix::errno::Errno) -> OwnerError {
+    if errno != nix::errno::Errno::EWOULDBLOCK {
+        return IoError::new(Action::Open, lock, std::io::Error::from(errno)).into();
+    }
+    let record = match read_record(file, lock) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(error = %sysfs_pci::error_chain(&e), "owner record not readable");
+            None
+        }
+    };
+    OwnerError::Owned {
+        program,
+        holder: Holder {
+            record,
+            running: true,
+        },
+        lock: lock.to_owned(),
+    }
+}
+
+/// The record in the lock file; a garbled one is logged and names no owner.
+fn read_record(file: &File, lock: &Path) -> Result<Option<OwnerRecord>, OwnerError> {
+    let mut bytes = Vec::new();
+    let mut reader = file;
+    std::io::Seek::rewind(&mut reader).wrap_read(lock)?;
+    reader
+        .take(RECORD_LIMIT)
+        .read_to_end(&mut bytes)
+        .wrap_read(lock)?;
+    let text = String::from_utf8_lossy(&bytes);
+    match OwnerRecord::parse(&text) {
+        Ok(r) => Ok(r),
+        Err(e) => {
+            tracing::warn!(lock = %lock.display(), error = %e, "the owner record is garbled; taking it as no owner");
+            Ok(None)
+        }
+    }
+}
+
+/// `t` as RFC 3339 in UTC, to the second (`2025-01-31T12:00:00Z`).
+pub fn rfc3339(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's `civil_from_days`).
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    #[test]
+    fn dates_are_rfc3339_utc() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00Z");
+        let t = UNIX_EPOCH + Duration::from_secs(951_782_400 + 3661); // 2000-02-29
+        assert_eq!(rfc3339(t), "2000-02-29T01:01:01Z");
+        let t = UNIX_EPOCH + Duration::from_secs(1_738_324_800);
+        assert_eq!(rfc3339(t), "2025-01-31T12:00:00Z");
+    }
+
+    #[test]
+    fn a_cut_short_rewrite_still_parses_to_the_new_record() {
+        let text = "{\"owner\":\"vfio-manager\",\"pid\":7,\"since\":\"x\",\"devices\":0}\n0}\n";
+        let r = OwnerRecord::parse(text).unwrap().unwrap();
+        assert_eq!((r.owner, r.devices), (Program::VfioManager, 0));
+        assert_eq!(OwnerRecord::parse(" \n").unwrap(), None);
+        for bad in ["{", "[]", "{\"owner\":\"x\"}", "null"] {
+            assert!(OwnerRecord::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,665 @@
+//! The record of what vfio-manager changed, so it can be put back.
+//!
+//! Written atomically (temporary file + rename) after every change, and *before* each
+//! device is touched: a `kill -9` at any point leaves a file that names every device we
+//! may have moved and the driver it came from. It lives under `/run`, so it vanishes on
+//! reboot together with the bindings it describes.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::owner::{Owner, OwnerError};
+use sysfs_pci::io::{read_optional, IoError};
+use sysfs_pci::kernel::Kernel;
+use sysfs_pci::PciAddress;
+
+/// Default state file.
+pub const DEFAULT_STATE_FILE: &str = "/run/vfio-manager/state.json";
+
+/// Default state file of sandbox-dra-driver: the same format, with its claims.
+pub const DEFAULT_DRA_STATE_FILE: &str = "/run/sandbox-dra-driver/state.json";
+
+/// The format version this build reads and writes.
+pub const VERSION: u32 = 1;
+
+/// Why the state file could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// Reading or writing failed.
+    #[error(transparent)]
+    Io(#[from] IoError),
+    /// Another vfio-manager holds the lock.
+    #[error("{lock} is locked by another vfio-manager (is `vfio-manager run` active on this node? it restores on SIGTERM); not touching the node")]
+    Locked {
+        /// The lock file.
+        lock: PathBuf,
+    },
+    /// The lock file is not a plain file we may open (a symlink, say).
+    #[error("cannot open lock file {lock} (it must be a regular file, not a symlink); not touching the node")]
+    LockFile {
+        /// The lock file.
+        lock: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The node-wide owner record could not be kept current.
+    #[error(transparent)]
+    Owner(#[from] OwnerError),
+    /// The file is not a state file we understand.
+    #[error("state file {path} is corrupt (move it aside only after checking which devices are on vfio-pci)")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// The parse error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The file was written by a newer (or unknown) format.
+    #[error("state file {path} has format version {version}, this vfio-manager understands only version {VERSION}; not touching the node (use the vfio-manager that wrote it)")]
+    Version {
+        /// The file.
+        path: PathBuf,
+        /// The version found.
+        version: u64,
+    },
+    /// Two keys name the same device with different records.
+    #[error("state file {path} records {address} twice ({first} and {second}) with different contents; not touching the node (check which driver {address} came from and keep one record)")]
+    Duplicate {
+        /// The file.
+        path: PathBuf,
+        /// The device.
+        address: PciAddress,
+        /// One spelling.
+        first: String,
+        /// The other.
+        second: String,
+    },
+}
+
+/// Why a device is in the record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Selected by the resource list.
+    Selected,
+    /// Another member of a selected device's IOMMU group.
+    Companion,
+}
+
+/// One device we changed.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Record {
+    /// The driver it was on before (`None`: no driver).
+    pub original_driver: Option<String>,
+    /// Its `driver_override` before (`None`: unset).
+    #[serde(default)]
+    pub original_override: Option<String>,
+    /// The driver we moved it to.
+    pub driver: String,
+    /// Why we moved it.
+    pub role: Role,
+    /// The resource it is advertised as (selected devices).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource: Option<String>,
+    /// Its IOMMU group.
+    pub group: u32,
+}
+
+/// Everything vfio-manager changed on this node.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct State {
+    /// Format version ([`VERSION`]).
+    pub version: u32,
+    /// Devices moved, by address.
+    pub devices: BTreeMap<PciAddress, Record>,
+    /// Native driver modules we unloaded, to reload on restore.
+    pub unloaded_modules: Vec<String>,
+    /// ResourceClaims prepared (or being prepared or unprepared) by the DRA driver,
+    /// by claim UID. vfio-manager never writes any; an absent key is an empty map.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub claims: BTreeMap<String, ClaimRecord>,
+}
+
+/// Where a claim is in its life; saved before each step, so a restart knows what to
+/// finish or undo.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClaimPhase {
+    /// Prepare has started: its devices may be partly moved. A restart rolls it back.
+    Preparing,
+    /// Every group is on vfio and the claim's files are written.
+    Prepared,
+    /// Unprepare has started. A restart finishes it.
+    Unpreparing,
+}
+
+/// One device of a claim.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimDevice {
+    /// The request(s) it satisfies.
+    pub request_names: Vec<String>,
+    /// Its pool.
+    pub pool: String,
+    /// Its ResourceSlice device name.
+    pub device: String,
+    /// Its address.
+    pub address: PciAddress,
+    /// Its IOMMU group, which moves with it.
+    pub group: u32,
+}
+
+/// A claim the DRA driver holds devices for.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimRecord {
+    /// The claim's namespace.
+    pub namespace: String,
+    /// The claim's name.
+    pub name: String,
+    /// Where it is.
+    pub phase: ClaimPhase,
+    /// Its devices, in allocation order.
+    pub devices: Vec<ClaimDevice>,
+}
+
+impl ClaimRecord {
+    /// The distinct IOMMU groups of its devices, ascending.
+    pub fn groups(&self) -> Vec<u32> {
+        let mut groups: Vec<u32> = self.devices.iter().map(|d| d.group).collect();
+        groups.sort_unstable();
+        groups.dedup();
+        groups
+    }
+}
+
+/// The file as written, before its addresses are made canonical.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OnDisk {
+    version: u64,
+    devices: BTreeMap<String, Record>,
+    #[serde(default)]
+    unloaded_modules: Vec<String>,
+    #[serde(default)]
+    claims: BTreeMap<String, ClaimRecord>,
+}
+
+impl State {
+    /// How many distinct devices this state holds: moved (recorded) or held by a
+    /// claim. The node's owner record carries this number.
+    pub fn held_devices(&self) -> usize {
+        let mut held: std::collections::BTreeSet<&PciAddress> = self.devices.keys().collect();
+        held.extend(
+            self.claims
+                .values()
+                .flat_map(|c| c.devices.iter().map(|d| &d.address)),
+        );
+        held.len()
+    }
+
+    fn empty() -> Self {
+        Self {
+            version: VERSION,
+            ..Self::default()
+        }
+    }
+
+    /// Parses a state file's text. Addresses are made canonical (`01:00.0` and
+    /// `0000:01:00.0` are one device); two spellings of one device with different
+    /// records, an unknown version or a malformed document are errors, so nothing
+    /// is ever dropped silently.
+    pub fn parse(path: &Path, text: &str) -> Result<Self, StateError> {
+        if text.trim().is_empty() {
+            return Ok(Self::empty());
+        }
+        // Read the version alone first, so a newer format gets the version error.
+        if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(text) {
+            match map.get("version").and_then(serde_json::Value::as_u64) {
+                Some(v) if v == u64::from(VERSION) => {}
+                Some(version) => {
+                    return Err(StateError::Version {
+                        path: path.to_owned(),
+                        version,
+                    })
+                }
+                None => {}
+            }
+        }
+        let disk: OnDisk = serde_json::from_str(text).map_err(|source| StateError::Corrupt {
+            path: path.to_owned(),
+            source,
+        })?;
+        if disk.version != u64::from(VERSION) {
+            return Err(StateError::Version {
+                path: path.to_owned(),
+                version: disk.version,
+            });
+        }
+        let mut devices = BTreeMap::new();
+        let mut spelled: BTreeMap<PciAddress, String> = BTreeMap::new();
+        for (key, record) in disk.devices {
+            let address: PciAddress = key.parse().map_err(|e| StateError::Corrupt {
+                path: path.to_owned(),
+                source: serde::de::Error::custom(e),
+            })?;
+            if let Some(previous) = devices.insert(address, record.clone()) {
+                if previous != record {
+                    return Err(StateError::Duplicate {
+                        path: path.to_owned(),
+                        address,
+                        first: spelled.remove(&address).unwrap_or_default(),
+                        second: key,
+                    });
+                }
+            }
+            spelled.insert(address, key);
+        }
+        let mut unloaded_modules: Vec<String> = Vec::new();
+        for m in disk.unloaded_modules {
+            if !unloaded_modules.contains(&m) {
+                unloaded_modules.push(m);
+            }
+        }
+        Ok(Self {
+            version: VERSION,
+            devices,
+            unloaded_modules,
+            claims: disk.claims,
+        })
+    }
+}
+
+/// The state file and its current contents.
+///
+/// A persisting `StateFile` holds an exclusive `flock` on `<state file>.lock` for its
+/// lifetime, so two vfio-manager processes (the DaemonSet's `run` and a hand-typed
+/// `unbind`) can never interleave changes to the node.
+///
+/// Invariant — *memory never claims more than the disk holds*: every change is
+/// made on a copy, the copy is saved, and only a save that succeeded replaces the
+/// contents in memory. A failed save leaves the state exactly as it was, so the next
+/// attempt sees the record missing and writes again (see the test
+/// `a_failed_save_leaves_memory_as_it_was`).
+///
+/// Invariant — *a record is never replaced by a later snapshot*: [`Self::record`]
+/// keeps an existing record (the first original seen is the true one), and a record
+/// leaves only through [`Self::forget`], which callers use after a confirmed restore.
+///
+/// Invariant — *the owner record never says less than is held*: given the node's
+/// [`Owner`] ([`Self::attach_owner`]), each save that holds more devices updates its
+/// record before the caller may move one, or fails; a save that holds fewer updates
+/// it too, and a failure there only leaves the record over-counting (logged).
+#[derive(Debug)]
+pub struct StateFile {
+    path: PathBuf,
+    state: State,
+    persist: bool,
+    _lock: Option<nix::fcntl::Flock<std::fs::File>>,
+    owner: Option<Owner>,
+}
+
+/// The lock file beside a state file.
+pub fn lock_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".lock");
+    PathBuf::from(name)
+}
+
+/// Takes the exclusive lock beside `path` without waiting. The lock file is opened
+/// with `O_NOFOLLOW`: a symlink planted there is refused, never followed.
+fn lock(path: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, StateError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    use sysfs_pci::io::{Action, WrapIo};
+    let lock_path = lock_path(path);
+    if let Some(dir) = lock_path.parent() {
+        std::fs::create_dir_all(dir).wrap(Action::Create, dir)?;
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+        .open(&lock_path)
+        .map_err(|source| StateError::LockFile {
+            lock: lock_path.clone(),
+            source,
+        })?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|_| StateError::Locked { lock: lock_path })
+}
+
+impl StateFile {
+    /// Loads `path` (an absent file is an empty state). With `persist` false (dry run,
+    /// status), changes stay in memory and no lock is taken; otherwise the lock is
+    /// taken first, and held until this value is dropped.
+    pub fn load(path: &Path, persist: bool) -> Result<Self, StateError> {
+        let lock = if persist { Some(lock(path)?) } else { None };
+        let state = match read_optional(path)? {
+            None => State::empty(),
+            Some(text) => State::parse(path, &text)?,
+        };
+        Ok(Self {
+            path: path.to_owned(),
+            state,
+            persist,
+            _lock: lock,
+            owner: None,
+        })
+    }
+
+    /// Keeps `owner` (the node's owner lock, held until this value is dropped) and
+    /// its record's device count current from now on, starting with this state's.
+    pub fn attach_owner(&mut self, mut owner: Owner) -> Result<(), StateError> {
+        owner.set_devices(self.state.held_devices())?;
+        self.owner = Some(owner);
+        Ok(())
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The current contents (never more than the file holds).
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    /// The record of `address`, if any.
+    pub fn get(&self, address: &PciAddress) -> Option<&Record> {
+        self.state.devices.get(address)
+    }
+
+    /// Records a device before it is touched. An existing record wins: the first
+    /// original we saw is the true one, and a later snapshot never replaces it.
+    pub fn record(
+        &mut self,
+        kernel: &dyn Kernel,
+        address: PciAddress,
+        record: Record,
+    ) -> Result<(), StateError> {
+        if self.state.devices.contains_key(&address) {
+            return Ok(());
+        }
+        self.change(kernel, |s| {
+            s.devices.insert(address, record);
+        })
+    }
+
+    /// Drops a device's record; only after a confirmed restore (or a confirmed
+    /// rollback to the record).
+    pub fn forget(&mut self, kernel: &dyn Kernel, address: &PciAddress) -> Result<(), StateError> {
+        if !self.state.devices.contains_key(address) {
+            return Ok(());
+        }
+        self.change(kernel, |s| {
+            s.devices.remove(address);
+        })
+    }
+
+    /// Notes a module we are about to unload.
+    pub fn note_unloaded(&mut self, kernel: &dyn Kernel, module: &str) -> Result<(), StateError> {
+        if self.state.unloaded_modules.iter().any(|m| m == module) {
+            return Ok(());
+        }
+        self.change(kernel, |s| s.unloaded_modules.push(module.to_owned()))
+    }
+
+    /// Forgets unloaded modules once reloaded.
+    pub fn clear_unloaded(&mut self, kernel: &dyn Kernel) -> Result<(), StateError> {
+        if self.state.unloaded_modules.is_empty() {
+            return Ok(());
+        }
+        self.change(kernel, |s| s.unloaded_modules.clear())
+    }
+
+    /// Saves `record` as the claim `uid`'s, replacing any earlier one.
+    pub fn set_claim(
+        &mut self,
+        kernel: &dyn Kernel,
+        uid: &str,
+        record: ClaimRecord,
+    ) -> Result<(), StateError> {
+        if self.state.claims.get(uid) == Some(&record) {
+            return Ok(());
+        }
+        self.change(kernel, |s| {
+            s.claims.insert(uid.to_owned(), record);
+        })
+    }
+
+    /// Drops the claim `uid`: only once its devices are back (or were never moved).
+    pub fn drop_claim(&mut self, kernel: &dyn Kernel, uid: &str) -> Result<(), StateError> {
+        if !self.state.claims.contains_key(uid) {
+            return Ok(());
+        }
+        self.change(kernel, |s| {
+            s.claims.remove(uid);
+        })
+    }
+
+    /// Applies `f` to a copy, saves the copy, and only then keeps it.
+    fn change(
+        &mut self,
+        kernel: &dyn Kernel,
+        f: impl FnOnce(&mut State),
+    ) -> Result<(), StateError> {
+        let mut next = self.state.clone();
+        f(&mut next);
+        if self.persist {
+            let mut json = serde_json::to_vec_pretty(&next).unwrap_or_default();
+            json.push(b'\n');
+            kernel.replace_file(&self.path, &json)?;
+        }
+        if let Some(owner) = &mut self.owner {
+            let (before, after) = (self.state.held_devices(), next.held_devices());
+            if let Err(e) = owner.set_devices(after) {
+                if after > before {
+                    return Err(e.into());
+                }
+                tracing::warn!(error = %sysfs_pci::error_chain(&e), devices = after, "the owner record still counts more devices than are held");
+            }
+        }
+        self.state = next;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sysfs_pci::kernel::SysKernel;
+    const K: &SysKernel = &SysKernel;
+
+    fn rec() -> Record {
+        Record {
+            original_driver: Some("e1000e".into()),
+            original_override: None,
+            driver: "vfio-pci".into(),
+            role: Role::Selected,
+            resource: Some("example.com/NIC_PT".into()),
+            group: 3,
+        }
+    }
+
+    #[test]
+    fn round_trips_and_first_record_wins() {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let path = dir.path().join("run/state.json");
+        let a: PciAddress = "0000:01:00.0".parse().unwrap();
+        let mut f = StateFile::load(&path, true).unwrap();
+        f.record(K, a, rec()).unwrap();
+        let mut later = rec();
+        later.original_driver = Some("vfio-pci".into());
+        f.record(K, a, later).unwrap();
+        let back = StateFile::load(&path, false).unwrap();
+        assert_eq!(back.state().devices[&a], rec());
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains("\"0000:01:00.0\""), "{text}");
+    }
+
+    #[test]
+    fn forget_empties_the_record() {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let path = dir.path().join("state.json");
+        let a: PciAddress = "0000:01:00.0".parse().unwrap();
+        let mut f = StateFile::load(&path, true).unwrap();
+        f.record(K, a, rec()).unwrap();
+        f.forget(K, &a).unwrap();
+        assert!(StateFile::load(&path, false)
+            .unwrap()
+            .state()
+            .devices
+            .is_empty());
+    }
+
+    #[test]
+    fn dry_run_never_writes() {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let path = dir.path().join("state.json");
+        let mut f = StateFile::load(&path, false).unwrap();
+        f.record(K, "0000:01:00.0".parse().unwrap(), rec()).unwrap();
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_second_writer_is_refused_while_the_first_holds_the_lock() {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let path = dir.path().join("state.json");
+        let first = StateFile::load(&path, true).unwrap();
+        let msg = StateFile::load(&path, true).unwrap_err().to_string();
+        assert!(
+            msg.contains("state.json.lock is locked by another vfio-manager"),
+            "{msg}"
+        );
+        assert!(
+            StateFile::load(&path, false).is_ok(),
+            "readers need no lock"
+        );
+        drop(first);
+        assert!(StateFile::load(&path, true).is_ok());
+    }
+
+    #[test]
+    fn corrupt_file_is_named() {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let path = dir.path().join("state.json");
+        std::fs::write(&path, "{\"version\":1,\"devices\":{\"nope\":{}}}").unwrap();
+        let msg = StateFile::load(&path, true).unwrap_err().to_string();
+        assert!(msg.contains("state.json is corrupt"), "{msg}");
+    }
+
+    /// A kernel whose state saves fail, like a read-only or full /run.
+    struct FullDisk;
+    impl Kernel for FullDisk {
+        fn write(&self, _: &Path, _: &str) -> Result<(), IoError> {
+            Ok(())
+        }
+        fn load_module(&self, _: &str, _: &Path) -> Result<(), sysfs_pci::kernel::SyscallError> {
+            Ok(())
+        }
+        fn unload_module(&self, _: &str) -> Result<(), sysfs_pci::kernel::SyscallError> {
+            Ok(())
+        }
+        fn replace_file(&self, path: &Path, _: &[u8]) -> Result<(), IoError> {
+            Err(IoError::new(
+                sysfs_pci::io::Action::Rename,
+                path,
+                std::io::Error::from_raw_os_error(nix::libc::ENOSPC),
+            ))
+        }
+        fn group_in_use(&self, _: &Path) -> Result<bool, IoError> {
+            Ok(false)
+        }
+    }
+
+    #[test]
+    fn a_failed_save_leaves_memory_as_it_was() {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let path = dir.path().join("state.json");
+        let a: PciAddress = "0000:01:00.0".parse().unwrap();
+        let mut f = StateFile::load(&path, true).unwrap();
+        assert!(f.record(&FullDisk, a, rec()).is_err());
+        assert!(
+            f.get(&a).is_none(),
+            "memory must not claim an unsaved record"
+        );
+        assert!(f.note_unloaded(&FullDisk, "e1000e").is_err());
+        assert!(f.state().unloaded_modules.is_empty());
+        // The next attempt writes again.
+        f.record(K, a, rec()).unwrap();
+        f.note_unloaded(K, "e1000e").unwrap();
+        let back = StateFile::load(&dir.path().join("state.json"), false).unwrap();
+        assert_eq!(back.state().devices[&a], rec());
+        assert_eq!(back.state().unloaded_modules, ["e1000e"]);
+        // A failed forget keeps the record on disk and in memory alike.
+        assert!(f.forget(&FullDisk, &a).is_err());
+        assert!(f.get(&a).is_some());
+        assert!(f.clear_unloaded(&FullDisk).is_err());
+        assert_eq!(f.state().unloaded_modules, ["e1000e"]);
+    }
+
+    #[test]
+    fn an_unknown_version_is_refused_and_the_file_is_left_alone() {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let path = dir.path().join("state.json");
+        let text = r#"{"version":2,"devices":{},"unloaded_modules":[],"future":true}"#;
+        std::fs::write(&path, text).unwrap();
+        let msg = sysfs_pci::error_chain(&StateFile::load(&path, true).unwrap_err());
+        assert!(msg.contains("format version 2"), "{msg}");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+    }
+
+    #[test]
+    fn two_spellings_of_one_address_are_one_record_or_an_error() {
+        let p = Path::new("state.json");
+        let r = serde_json::to_string(&rec()).unwrap();
+        let same = format!(r#"{{"version":1,"devices":{{"01:00.0":{r},"0000:01:00.0":{r}}}}}"#);
+        let state = State::parse(p, &same).unwrap();
+        assert_eq!(state.devices.len(), 1);
+        let mut other = rec();
+        other.original_driver = None;
+        let o = serde_json::to_string(&other).unwrap();
+        let clash = format!(r#"{{"version":1,"devices":{{"0000:01:00.0":{r},"01:00.0":{o}}}}}"#);
+        let msg = State::parse(p, &clash).unwrap_err().to_string();
+        assert!(msg.contains("records 0000:01:00.0 twice"), "{msg}");
+        let upper = format!(r#"{{"version":1,"devices":{{"0000:0A:00.0":{r}}}}}"#);
+        let text = serde_json::to_string(&State::parse(p, &upper).unwrap()).unwrap();
+        assert!(text.contains("0000:0a:00.0"), "{text}");
+    }
+
+    #[test]
+    fn a_symlinked_lock_file_is_refused_not_followed() {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let path = dir.path().join("state.json");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        std::os::unix::fs::symlink(&victim, lock_path(&path)).unwrap();
+        let msg = sysfs_pci::error_chain(&StateFile::load(&path, true).unwrap_err());
+        assert!(msg.contains("must be a regular file"), "{msg}");
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+    }
+
+    #[test]
+    fn hostile_state_files_are_errors_not_panics() {
+        let p = Path::new("state.json");
+        for text in [
+            "[]",
+            "null",
+            "{",
+            r#"{"version":"1"}"#,
+            r#"{"version":-1,"devices":{}}"#,
+            r#"{"version":1,"devices":{"zz:zz.z":{}}}"#,
+            r#"{"version":1,"devices":[]}"#,
+            r#"{"version":1,"devices":{},"unloaded_modules":[1]}"#,
+            r#"{"version":99999999999999999999,"devices":{}}"#,
+        ] {
+            assert!(State::parse(p, text).is_err(), "{text}");
+        }
+        assert!(State::parse(p, " \n").unwrap().devices.is_empty());
+    }
+}

@@ -1,0 +1,43 @@
+//! The small sysfs PCI layer of vfio-sandbox: what Linux shows of PCI devices under
+//! `/sys` and `/dev`, and the writes that move a device between drivers.
+//!
+//! This is the bottom layer of the workspace (`passthrough` builds the engine on it,
+//! `node-agent` and the binaries sit above): it knows nothing of resource lists,
+//! claims or Kubernetes, and depends only on nix, serde, thiserror and tracing.
+//!
+//! Every function that touches the node takes its roots from a [`Host`]: the real
+//! `/sys`, `/dev` and `/lib/modules` are only defaults, so the same code runs on fake
+//! trees in tests and on a real kernel. Every change to the node goes through a
+//! [`kernel::Kernel`], so a dry run prints exactly the writes a real run makes.
+
+pub mod address;
+pub mod bind;
+pub mod device;
+pub mod failpoint;
+pub mod group;
+pub mod host;
+pub mod io;
+pub mod kernel;
+pub mod module;
+pub mod out;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+pub mod uevent;
+pub mod vfio_driver;
+
+pub use address::PciAddress;
+
+/// An error and all its sources on one line, `: `-separated. Messages never repeat
+/// their source, so this is how every error reaches a person.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+pub use device::PciDevice;
+pub use host::Host;

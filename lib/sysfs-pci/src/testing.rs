@@ -1,0 +1,705 @@
+//! A fake node for tests: a sysfs/dev/modules tree in a directory, and a
+//! [`FakeKernel`] that applies writes the way the kernel's PCI core does.
+//!
+//! This is for unit tests of edge cases; the decisive tests run on a real kernel.
+//!
+//! ```
+//! use sysfs_pci::testing::{FakeDevice, FakeNode};
+//! let dir = std::env::temp_dir().join(format!("fake-doc-{}", std::process::id()));
+//! let node = FakeNode::new(&dir);
+//! node.add_device(&FakeDevice::new("0000:01:00.0", 0x1eff, 0x1220, 0x120000).driver("rebellions").group(3));
+//! let dev = sysfs_pci::PciDevice::read(&node.host, &"0000:01:00.0".parse().unwrap()).unwrap();
+//! assert_eq!(dev.driver.as_deref(), Some("rebellions"));
+//! # std::fs::remove_dir_all(&dir).unwrap();
+//! ```
+
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::io::{Action, IoError};
+use crate::kernel::{lock, Kernel, SyscallError, Write};
+use crate::vfio_driver::is_vfio_driver;
+use crate::{Host, PciAddress};
+
+/// Where to build fake trees: `/dev/shm` when it is a directory (tmpfs), else the
+/// system temporary directory. A fake node is thousands of small files and links;
+/// on ext4 creating them dominates a test's time.
+pub fn scratch_root() -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        shm.to_owned()
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+/// A device to create in the fake tree.
+#[derive(Debug, Clone)]
+pub struct FakeDevice {
+    pub address: PciAddress,
+    pub vendor: u16,
+    pub device: u16,
+    pub class: u32,
+    pub driver: Option<String>,
+    pub group: Option<u32>,
+    pub numa_node: i32,
+    pub parent: Option<PciAddress>,
+    pub sriov: Option<(u32, u32)>,
+    pub physfn: Option<PciAddress>,
+}
+
+impl FakeDevice {
+    pub fn new(address: &str, vendor: u16, device: u16, class: u32) -> Self {
+        Self {
+            address: address.parse().expect("test address"),
+            vendor,
+            device,
+            class,
+            driver: None,
+            group: None,
+            numa_node: -1,
+            parent: None,
+            sriov: None,
+            physfn: None,
+        }
+    }
+    pub fn driver(mut self, d: &str) -> Self {
+        self.driver = Some(d.into());
+        self
+    }
+    pub fn group(mut self, g: u32) -> Self {
+        self.group = Some(g);
+        self
+    }
+    pub fn numa(mut self, n: i32) -> Self {
+        self.numa_node = n;
+        self
+    }
+    pub fn parent(mut self, p: &str) -> Self {
+        self.parent = Some(p.parse().expect("test address"));
+        self
+    }
+    pub fn sriov(mut self, total: u32, num: u32) -> Self {
+        self.sriov = Some((total, num));
+        self
+    }
+    pub fn physfn(mut self, pf: &str) -> Self {
+        self.physfn = Some(pf.parse().expect("test address"));
+        self
+    }
+}
+
+/// A fake node rooted in a directory.
+#[derive(Debug, Clone)]
+pub struct FakeNode {
+    pub root: PathBuf,
+    pub host: Host,
+}
+
+impl FakeNode {
+    /// Creates the skeleton under `root` (`sys/`, `dev/`, `lib/modules/`).
+    pub fn new(root: &Path) -> Self {
+        let host = Host::new(root.join("sys"), root.join("dev"), root.join("lib/modules"));
+        for d in [
+            host.pci_devices_dir(),
+            host.drivers_dir(),
+            host.iommu_groups_dir(),
+            host.sysfs.join("module"),
+            host.sysfs.join("devices"),
+            host.vfio_dir(),
+            host.modules.clone(),
+        ] {
+            fs::create_dir_all(d).unwrap();
+        }
+        fs::write(host.drivers_probe(), "").unwrap();
+        Self {
+            root: root.to_owned(),
+            host,
+        }
+    }
+
+    /// Registers a PCI driver (and its module) in the fake tree.
+    pub fn add_driver(&self, name: &str) {
+        let dir = self.host.driver_dir(name);
+        fs::create_dir_all(&dir).unwrap();
+        for f in ["bind", "unbind", "new_id"] {
+            fs::write(dir.join(f), "").unwrap();
+        }
+        fs::create_dir_all(self.host.module_dir(name)).unwrap();
+    }
+
+    /// Marks a module as loaded without registering a driver.
+    pub fn add_module(&self, name: &str) {
+        fs::create_dir_all(self.host.module_dir(name)).unwrap();
+    }
+
+    /// The canonical directory of a device.
+    pub fn canonical_dir(&self, addr: &PciAddress) -> PathBuf {
+        let link = self.host.device_dir(addr);
+        fs::canonicalize(link).unwrap()
+    }
+
+    /// Creates a device with its attributes, links, group and driver.
+    pub fn add_device(&self, d: &FakeDevice) {
+        let parent_dir = match d.parent {
+            Some(p) => self.canonical_dir(&p),
+            None => self.host.sysfs.join(format!(
+                "devices/pci{:04x}:{:02x}",
+                d.address.domain(),
+                d.address.bus()
+            )),
+        };
+        let dir = parent_dir.join(d.address.to_string());
+        fs::create_dir_all(&dir).unwrap();
+        let w = |name: &str, v: String| fs::write(dir.join(name), v + "\n").unwrap();
+        w("vendor", format!("0x{:04x}", d.vendor));
+        w("device", format!("0x{:04x}", d.device));
+        w("class", format!("0x{:06x}", d.class));
+        w("subsystem_vendor", format!("0x{:04x}", d.vendor));
+        w("subsystem_device", "0x0000".into());
+        w("numa_node", d.numa_node.to_string());
+        w("driver_override", "(null)".into());
+        if let Some((total, num)) = d.sriov {
+            w("sriov_totalvfs", total.to_string());
+            w("sriov_numvfs", num.to_string());
+        }
+        symlink(&dir, self.host.device_dir(&d.address)).unwrap();
+        if let Some(pf) = d.physfn {
+            symlink(self.canonical_dir(&pf), dir.join("physfn")).unwrap();
+        }
+        if let Some(g) = d.group {
+            let gdir = self.host.iommu_group_devices_dir(g);
+            fs::create_dir_all(&gdir).unwrap();
+            symlink(&dir, gdir.join(d.address.to_string())).unwrap();
+            symlink(gdir.parent().unwrap(), dir.join("iommu_group")).unwrap();
+        }
+        if let Some(drv) = &d.driver {
+            self.add_driver(drv);
+            symlink(self.host.driver_dir(drv), dir.join("driver")).unwrap();
+            // A new vfio-bound member creates its group's node; nothing else changes
+            // (a full sync per device would make big nodes quadratic to build).
+            if let (true, Some(g)) = (is_vfio_driver(drv), d.group) {
+                fs::write(self.host.vfio_group_node(g), "").unwrap();
+            }
+        }
+    }
+
+    /// Removes a device (hot-unplug).
+    pub fn remove_device(&self, addr: &PciAddress) {
+        let dir = self.canonical_dir(addr);
+        fs::remove_file(self.host.device_dir(addr)).unwrap();
+        let group = fs::read_link(dir.join("iommu_group")).ok();
+        if let Some(g) = &group {
+            let _ = fs::remove_file(g.join("devices").join(addr.to_string()));
+        }
+        fs::remove_dir_all(dir).unwrap();
+        if let Some(g) = group.as_deref().and_then(Path::file_name) {
+            self.sync_group_node(&g.to_string_lossy());
+        }
+    }
+
+    /// Binds `addr` to `driver` directly, as if the kernel probed it.
+    pub fn attach(&self, addr: &PciAddress, driver: &str) {
+        let dir = self.canonical_dir(addr);
+        let _ = fs::remove_file(dir.join("driver"));
+        symlink(self.host.driver_dir(driver), dir.join("driver")).unwrap();
+        self.sync_group_node_of(&dir);
+    }
+
+    /// Unbinds `addr` directly.
+    pub fn detach(&self, addr: &PciAddress) {
+        let dir = self.canonical_dir(addr);
+        let _ = fs::remove_file(dir.join("driver"));
+        self.sync_group_node_of(&dir);
+    }
+
+    /// Creates or removes the node of the group of the device in `dir`, as the
+    /// kernel does when a member binds or unbinds: only that group is looked at.
+    fn sync_group_node_of(&self, dir: &Path) {
+        if let Ok(Some(group)) = crate::device::link_name(&dir.join("iommu_group")) {
+            self.sync_group_node(&group);
+        }
+    }
+
+    /// Creates or removes `/dev/vfio/<group>` as its members' drivers say.
+    fn sync_group_node(&self, group: &str) {
+        let members = self.host.iommu_groups_dir().join(group).join("devices");
+        let vfio_bound = fs::read_dir(members).unwrap().any(|m| {
+            let driver = m.unwrap().path().join("driver");
+            crate::device::link_name(&driver)
+                .unwrap()
+                .is_some_and(|d| is_vfio_driver(&d))
+        });
+        let node = self.host.vfio_dir().join(group);
+        match (vfio_bound, node.exists()) {
+            (true, false) => fs::write(node, "").unwrap(),
+            (false, true) => fs::remove_file(node).unwrap(),
+            _ => {}
+        }
+    }
+
+    /// Every device's driver and `driver_override` text, by address: what a test
+    /// compares before and after an operation.
+    pub fn drivers_and_overrides(&self) -> BTreeMap<String, (Option<String>, String)> {
+        crate::device::list_addresses(&self.host)
+            .unwrap()
+            .into_iter()
+            .map(|a| {
+                let over = fs::read_to_string(self.host.device_dir(&a).join("driver_override"));
+                (a.to_string(), (self.driver_of(&a), over.unwrap()))
+            })
+            .collect()
+    }
+
+    /// Current driver of `addr`.
+    pub fn driver_of(&self, addr: &PciAddress) -> Option<String> {
+        crate::device::link_name(&self.canonical_dir(addr).join("driver")).unwrap()
+    }
+
+    /// Creates `/dev/vfio/<g>` for every group with a vfio-bound member, removes the rest;
+    /// `/dev/vfio/vfio` exists once any vfio driver is registered.
+    pub fn sync_group_nodes(&self) {
+        let mut wanted = BTreeSet::new();
+        for addr in crate::device::list_addresses(&self.host).unwrap() {
+            let dir = self.host.device_dir(&addr);
+            let drv = crate::device::link_name(&dir.join("driver")).unwrap();
+            let grp = crate::device::link_name(&dir.join("iommu_group")).unwrap();
+            if let (Some(d), Some(g)) = (drv, grp) {
+                if is_vfio_driver(&d) {
+                    wanted.insert(g);
+                }
+            }
+        }
+        for entry in fs::read_dir(self.host.vfio_dir()).unwrap() {
+            let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+            if name != "vfio" && !wanted.contains(&name) {
+                fs::remove_file(self.host.vfio_dir().join(name)).unwrap();
+            }
+        }
+        for g in wanted {
+            fs::write(self.host.vfio_dir().join(g), "").unwrap();
+        }
+    }
+
+    /// Writes a `modules.dep` for `release` and creates the module files it names.
+    pub fn add_modules_dep(&self, release: &str, text: &str) {
+        let dir = self.host.modules_release_dir(release);
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("modules.dep"), text).unwrap();
+        for line in text.lines() {
+            let Some((module, _)) = line.split_once(':') else {
+                continue;
+            };
+            let file = dir.join(module.trim());
+            fs::create_dir_all(file.parent().unwrap()).unwrap();
+            fs::write(file, "").unwrap();
+        }
+    }
+}
+
+/// Emulates the PCI core's handling of sysfs writes on a [`FakeNode`].
+///
+/// Safe to share between threads, as the kernel is: changes to the tree are made one
+/// at a time, while the modelled driver latency ([`Self::with_latency`]) of different
+/// devices overlaps, as probes of different devices do in the kernel.
+#[derive(Debug)]
+pub struct FakeKernel {
+    pub node: FakeNode,
+    /// Every write, in order.
+    pub writes: Mutex<Vec<Write>>,
+    /// Native driver each device re-probes to when it has no override.
+    pub native: Mutex<HashMap<PciAddress, String>>,
+    /// Writes whose path ends with this suffix fail with the errno (once).
+    pub fail_on: Mutex<Option<(String, i32)>>,
+    /// Group nodes reported in use.
+    pub busy_groups: Mutex<BTreeSet<PathBuf>>,
+    /// Modules loaded through `load_module`, in order.
+    pub loaded: Mutex<Vec<String>>,
+    /// Driver registered when a module loads (module name → driver name).
+    pub module_drivers: Mutex<HashMap<String, String>>,
+    /// How long each unbind and each bind or probe of a device takes (a native
+    /// driver's remove and probe; a GPU's can take a second). Zero by default.
+    latency: Duration,
+    /// Held while the tree changes, so concurrent writes apply one at a time.
+    tree: Mutex<()>,
+    /// Unbinds, binds and probes under way now, and the most seen at once.
+    in_flight: AtomicUsize,
+    max_in_flight: AtomicUsize,
+}
+
+/// One unbind, bind or probe under way; counted until dropped.
+struct InFlight<'k>(&'k FakeKernel);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl FakeKernel {
+    pub fn new(node: &FakeNode) -> Self {
+        Self {
+            node: node.clone(),
+            writes: Mutex::default(),
+            native: Mutex::default(),
+            fail_on: Mutex::default(),
+            busy_groups: Mutex::default(),
+            loaded: Mutex::default(),
+            module_drivers: Mutex::default(),
+            latency: Duration::ZERO,
+            tree: Mutex::default(),
+            in_flight: AtomicUsize::new(0),
+            max_in_flight: AtomicUsize::new(0),
+        }
+    }
+
+    /// Makes each unbind and each bind or probe of a device take `latency` before it
+    /// takes effect, as a slow native driver's remove or probe does. For tests and
+    /// benchmarks of how long binding a node takes.
+    pub fn with_latency(mut self, latency: Duration) -> Self {
+        self.latency = latency;
+        self
+    }
+
+    /// The most unbinds, binds and probes that were under way at one moment.
+    pub fn max_concurrent_probes(&self) -> usize {
+        self.max_in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Counts a slow operation as under way and waits out the modelled latency.
+    fn slow_operation(&self) -> InFlight<'_> {
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        if !self.latency.is_zero() {
+            std::thread::sleep(self.latency);
+        }
+        InFlight(self)
+    }
+
+    /// Remembers each current driver as the device's native one.
+    pub fn learn_native_drivers(&self) {
+        for addr in crate::device::list_addresses(&self.node.host).unwrap() {
+            if let Some(d) = self.node.driver_of(&addr) {
+                lock(&self.native).insert(addr, d);
+            }
+        }
+    }
+
+    /// The writes made so far, as `path <- data` lines relative to the fake root.
+    pub fn write_log(&self) -> Vec<String> {
+        lock(&self.writes)
+            .iter()
+            .map(|w| {
+                let p = w.path.strip_prefix(&self.node.root).unwrap_or(&w.path);
+                format!("{} <- {}", p.display(), w.data.trim_end())
+            })
+            .collect()
+    }
+
+    fn err(path: &Path, data: &str, errno: i32) -> IoError {
+        IoError::new(
+            Action::Write(data.into()),
+            path,
+            std::io::Error::from_raw_os_error(errno),
+        )
+    }
+
+    fn override_of(&self, addr: &PciAddress) -> Option<String> {
+        let p = self.node.host.device_dir(addr).join("driver_override");
+        crate::device::parse_driver_override(&fs::read_to_string(p).unwrap())
+    }
+
+    fn probe(&self, addr: &PciAddress) {
+        if self.node.driver_of(addr).is_some() {
+            return;
+        }
+        let want = self
+            .override_of(addr)
+            .or_else(|| lock(&self.native).get(addr).cloned());
+        if let Some(d) = want {
+            if self.node.host.driver_dir(&d).exists() {
+                self.node.attach(addr, &d);
+            }
+        }
+    }
+}
+
+impl Kernel for FakeKernel {
+    fn write(&self, path: &Path, data: &str) -> Result<(), IoError> {
+        lock(&self.writes).push(Write {
+            path: path.to_owned(),
+            data: data.to_owned(),
+        });
+        {
+            let mut failing = lock(&self.fail_on);
+            if let Some((suffix, errno)) = failing.clone() {
+                if path.to_string_lossy().ends_with(&suffix) {
+                    *failing = None;
+                    return Err(Self::err(path, data, errno));
+                }
+            }
+        }
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        // The driver's remove or probe runs before the tree changes, outside the
+        // tree lock: slow operations on different devices overlap.
+        let _slow =
+            matches!(name, "unbind" | "bind" | "drivers_probe").then(|| self.slow_operation());
+        let _tree = lock(&self.tree);
+        let parent = path.parent().unwrap();
+        let bdf = || {
+            data.trim()
+                .parse::<PciAddress>()
+                .map_err(|_| Self::err(path, data, 22))
+        };
+        match name {
+            "driver_override" => {
+                let v = data.trim();
+                fs::write(
+                    path,
+                    if v.is_empty() {
+                        "(null)\n".into()
+                    } else {
+                        format!("{v}\n")
+                    },
+                )
+                .unwrap();
+            }
+            "unbind" => {
+                let addr = bdf()?;
+                // Either <device>/driver/unbind or drivers/<name>/unbind.
+                let drv = if parent.file_name().is_some_and(|n| n == "driver") {
+                    crate::device::link_name(parent).unwrap()
+                } else {
+                    parent.file_name().map(|n| n.to_string_lossy().into_owned())
+                };
+                match (drv, self.node.driver_of(&addr)) {
+                    (Some(d), Some(cur)) if d == cur => self.node.detach(&addr),
+                    _ => return Err(Self::err(path, data, 19)),
+                }
+            }
+            "drivers_probe" => self.probe(&bdf()?),
+            "bind" => {
+                let addr = bdf()?;
+                let drv = parent.file_name().unwrap().to_string_lossy().into_owned();
+                if self.node.driver_of(&addr).is_some() {
+                    return Err(Self::err(path, data, 16));
+                }
+                match self.override_of(&addr) {
+                    Some(o) if o != drv => return Err(Self::err(path, data, 19)),
+                    _ => self.node.attach(&addr, &drv),
+                }
+            }
+            _ => fs::write(path, data)
+                .map_err(|e| IoError::new(Action::Write(data.into()), path, e))?,
+        }
+        Ok(())
+    }
+
+    fn load_module(&self, name: &str, file: &Path) -> Result<(), SyscallError> {
+        if !file.exists() {
+            return Err(SyscallError::Open(IoError::new(
+                Action::Open,
+                file,
+                std::io::Error::from_raw_os_error(2),
+            )));
+        }
+        let _tree = lock(&self.tree);
+        self.node.add_module(name);
+        if let Some(drv) = lock(&self.module_drivers).get(name) {
+            self.node.add_driver(drv);
+        }
+        lock(&self.loaded).push(name.to_owned());
+        // Loading a driver probes every unbound device it matches.
+        for addr in crate::device::list_addresses(&self.node.host).unwrap() {
+            if self.override_of(&addr).is_none() {
+                self.probe(&addr);
+            }
+        }
+        Ok(())
+    }
+
+    fn unload_module(&self, name: &str) -> Result<(), SyscallError> {
+        let _tree = lock(&self.tree);
+        let drivers: Vec<String> = lock(&self.module_drivers)
+            .iter()
+            .filter(|(m, _)| m.as_str() == name)
+            .map(|(_, d)| d.clone())
+            .collect();
+        for addr in crate::device::list_addresses(&self.node.host).unwrap() {
+            if self
+                .node
+                .driver_of(&addr)
+                .is_some_and(|d| drivers.contains(&d))
+            {
+                self.node.detach(&addr);
+            }
+        }
+        for d in drivers {
+            let _ = fs::remove_dir_all(self.node.host.driver_dir(&d));
+        }
+        let _ = fs::remove_dir_all(self.node.host.module_dir(name));
+        Ok(())
+    }
+
+    fn group_in_use(&self, node: &Path) -> Result<bool, IoError> {
+        Ok(lock(&self.busy_groups).contains(node))
+    }
+}
+
+/// What a [`FaultKernel`] does at its chosen point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The change fails without taking effect (`EIO`; `ENOSPC` for a state save);
+    /// later ones succeed.
+    Fail,
+    /// The process stops right there, before the change: the call panics with
+    /// [`Crashed`], which the test catches as a `kill -9`.
+    Crash,
+}
+
+/// The panic payload of a simulated crash.
+#[derive(Debug)]
+pub struct Crashed;
+
+/// The kinds of injection points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Point {
+    /// A sysfs write.
+    Write,
+    /// `finit_module` or `delete_module`.
+    Module,
+    /// An atomic replace of the state file.
+    Save,
+}
+
+/// Wraps a kernel and counts every change that passes through it — sysfs writes,
+/// module syscalls, state saves — failing or "crashing" at the chosen one.
+///
+/// Shared by threads like any kernel. A crash is a `kill -9` of the whole process:
+/// once one thread has crashed, every later point on every thread crashes too
+/// (nothing after it happens), each with the [`Crashed`] payload.
+pub struct FaultKernel<'k> {
+    inner: &'k dyn Kernel,
+    /// The point to fault at: its index among the points of one kind, or of all.
+    at: Option<(Option<Point>, usize, Fault)>,
+    tally: Mutex<Tally>,
+}
+
+/// The points passed so far, and whether the process has "crashed".
+#[derive(Default)]
+struct Tally {
+    seen: Vec<(Point, String)>,
+    crashed: bool,
+}
+
+impl<'k> FaultKernel<'k> {
+    /// Passes everything through to `inner`, faulting at point `at` (0-based) if given.
+    pub fn new(inner: &'k dyn Kernel, at: Option<(usize, Fault)>) -> Self {
+        Self {
+            inner,
+            at: at.map(|(n, fault)| (None, n, fault)),
+            tally: Mutex::default(),
+        }
+    }
+
+    /// Passes everything through to `inner`, faulting at the `n`th (0-based) point of
+    /// kind `kind`, e.g. the second state save.
+    pub fn at_nth(inner: &'k dyn Kernel, kind: Point, n: usize, fault: Fault) -> Self {
+        Self {
+            inner,
+            at: Some((Some(kind), n, fault)),
+            tally: Mutex::default(),
+        }
+    }
+
+    /// Every point passed so far, in order, with what it was (the point a crash
+    /// happened at included; none after it).
+    pub fn points(&self) -> Vec<(Point, String)> {
+        lock(&self.tally).seen.clone()
+    }
+
+    fn point(&self, kind: Point, what: String) -> Result<(), ()> {
+        let mut tally = lock(&self.tally);
+        if tally.crashed {
+            drop(tally);
+            std::panic::panic_any(Crashed);
+        }
+        let Some((of, at, fault)) = self.at else {
+            tally.seen.push((kind, what));
+            return Ok(());
+        };
+        let n = match of {
+            None => tally.seen.len(),
+            Some(k) if k == kind => tally.seen.iter().filter(|(p, _)| *p == k).count(),
+            Some(_) => usize::MAX,
+        };
+        tally.seen.push((kind, what));
+        match fault {
+            _ if n != at => Ok(()),
+            Fault::Fail => Err(()),
+            Fault::Crash => {
+                // Decided under the lock: every point after this one crashes too.
+                tally.crashed = true;
+                drop(tally);
+                std::panic::panic_any(Crashed)
+            }
+        }
+    }
+
+    fn eio(path: &Path, action: Action) -> IoError {
+        IoError::new(action, path, std::io::Error::from_raw_os_error(5))
+    }
+
+    /// A failed state save: `/run` is full.
+    fn enospc(path: &Path) -> IoError {
+        IoError::new(Action::Rename, path, std::io::Error::from_raw_os_error(28))
+    }
+}
+
+impl Kernel for FaultKernel<'_> {
+    fn write(&self, path: &Path, data: &str) -> Result<(), IoError> {
+        self.point(
+            Point::Write,
+            format!("write {} to {}", data.trim_end(), path.display()),
+        )
+        .map_err(|()| Self::eio(path, Action::Write(data.into())))?;
+        self.inner.write(path, data)
+    }
+
+    fn load_module(&self, name: &str, file: &Path) -> Result<(), SyscallError> {
+        self.point(Point::Module, format!("finit_module {name}"))
+            .map_err(|()| SyscallError::Kernel {
+                call: "finit_module",
+                target: name.into(),
+                errno: nix::errno::Errno::EIO,
+            })?;
+        self.inner.load_module(name, file)
+    }
+
+    fn unload_module(&self, name: &str) -> Result<(), SyscallError> {
+        self.point(Point::Module, format!("delete_module {name}"))
+            .map_err(|()| SyscallError::Kernel {
+                call: "delete_module",
+                target: name.into(),
+                errno: nix::errno::Errno::EIO,
+            })?;
+        self.inner.unload_module(name)
+    }
+
+    fn replace_file(&self, path: &Path, data: &[u8]) -> Result<(), IoError> {
+        self.point(Point::Save, format!("save {}", path.display()))
+            .map_err(|()| Self::enospc(path))?;
+        self.inner.replace_file(path, data)
+    }
+
+    fn group_in_use(&self, node: &Path) -> Result<bool, IoError> {
+        self.inner.group_in_use(node)
+    }
+}
