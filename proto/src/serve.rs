@@ -2,20 +2,22 @@
 //!
 //! Every server we run goes through [`listen`] and [`spawn`]: the socket's directory
 //! is made, a stale socket is replaced (anything else at the path is refused, never
-//! deleted), and each accepted connection goes through [`AuthorityFix`], so requests
+//! deleted), the [`SocketFile`] we bound is told apart from a replacement (so we only
+//! ever remove our own socket, and notice when kubelet deleted it), and each accepted connection goes through [`AuthorityFix`], so requests
 //! whose `:authority` is the socket path — what kubelet's plugin watcher and DRA
 //! client send — reach the service instead of being reset by the HTTP/2 layer.
 //!
 //! ```no_run
 //! # async fn f(router: tonic::transport::server::Router) -> Result<(), kubelet_api::serve::ListenError> {
-//! let listener = kubelet_api::serve::listen(std::path::Path::new("/var/lib/kubelet/plugins/d/dra.sock"))?;
+//! let (listener, file) = kubelet_api::serve::listen(std::path::Path::new("/var/lib/kubelet/plugins/d/dra.sock"))?;
 //! let stop = kubelet_api::serve::spawn(listener, router, "DRA service");
 //! // ... later
 //! let _ = stop.send(());
+//! file.remove_if_ours()?;
 //! # Ok(()) }
 //! ```
 
-use std::os::unix::fs::FileTypeExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use tokio::net::UnixListener;
@@ -68,9 +70,57 @@ fn file_kind(t: &std::fs::FileType) -> &'static str {
     }
 }
 
+/// A socket file we bound: its path, and the device and inode it had then.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SocketFile {
+    path: PathBuf,
+    id: (u64, u64),
+}
+
+/// What is at a [`SocketFile`]'s path now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SocketState {
+    /// The socket we bound.
+    Ours,
+    /// Nothing (kubelet deletes every plugin socket when it restarts).
+    Gone,
+    /// Another file: a second instance's socket, say. Never ours to remove.
+    Replaced,
+}
+
+impl SocketFile {
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// What is at the path now.
+    pub fn state(&self) -> std::io::Result<SocketState> {
+        match std::fs::symlink_metadata(&self.path) {
+            Ok(m) if (m.dev(), m.ino()) == self.id => Ok(SocketState::Ours),
+            Ok(_) => Ok(SocketState::Replaced),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(SocketState::Gone),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes the socket if it is still the one we bound; a replacement is left
+    /// alone. Returns whether it removed it.
+    pub fn remove_if_ours(&self) -> std::io::Result<bool> {
+        if self.state()? != SocketState::Ours {
+            return Ok(false);
+        }
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+}
+
 /// Makes the socket's directory, removes a stale socket file and listens.
 /// Anything but a socket at the path is refused, never deleted.
-pub fn listen(path: &Path) -> Result<UnixListener, ListenError> {
+pub fn listen(path: &Path) -> Result<(UnixListener, SocketFile), ListenError> {
     let io = |action, source| ListenError::Io {
         action,
         path: path.to_owned(),
@@ -95,7 +145,13 @@ pub fn listen(path: &Path) -> Result<UnixListener, ListenError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(io("stat", e)),
     }
-    UnixListener::bind(path).map_err(|e| io("listen on", e))
+    let listener = UnixListener::bind(path).map_err(|e| io("listen on", e))?;
+    let m = std::fs::symlink_metadata(path).map_err(|e| io("stat", e))?;
+    let file = SocketFile {
+        path: path.to_owned(),
+        id: (m.dev(), m.ino()),
+    };
+    Ok((listener, file))
 }
 
 /// Serves `router` on `listener` from a task of its own until the returned sender
@@ -133,7 +189,8 @@ mod tests {
         let first = listen(&path).unwrap();
         drop(first); // the file stays behind, as after a crash
         assert!(path.exists());
-        let _second = listen(&path).expect("a stale socket is replaced");
+        let (_l, second) = listen(&path).expect("a stale socket is replaced");
+        assert_eq!(second.state().unwrap(), SocketState::Ours);
         let file = dir.path().join("file");
         std::fs::write(&file, "keep").unwrap();
         let e = listen(&file).unwrap_err();
@@ -142,5 +199,22 @@ mod tests {
             "{e}"
         );
         assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep");
+    }
+
+    #[tokio::test]
+    async fn only_our_own_socket_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.sock");
+        let (_old_listener, old) = listen(&path).unwrap();
+        let (_new_listener, new) = listen(&path).unwrap();
+        assert_eq!(old.state().unwrap(), SocketState::Replaced);
+        assert!(
+            !old.remove_if_ours().unwrap(),
+            "a replacement is left alone"
+        );
+        assert!(path.exists());
+        assert!(new.remove_if_ours().unwrap());
+        assert_eq!(new.state().unwrap(), SocketState::Gone);
+        assert!(!new.remove_if_ours().unwrap());
     }
 }

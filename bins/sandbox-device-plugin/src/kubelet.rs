@@ -352,7 +352,7 @@ fn start_server(
     metrics: &ResourceMetrics,
 ) -> Option<oneshot::Sender<()>> {
     let listener = match kubelet_api::serve::listen(path) {
-        Ok(l) => l,
+        Ok((l, _file)) => l,
         Err(e) => {
             tracing::error!(error = %sysfs_pci::error_chain(&e), "cannot serve; retrying");
             return None;

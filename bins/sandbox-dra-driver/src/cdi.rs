@@ -140,7 +140,7 @@ pub enum AttributeValue {
 
 /// One prepared function of a claim, as prepare knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClaimDevice {
+pub struct SpecDevice {
     /// The ResourceSlice device name; must be `claims::device_name(address)`.
     pub device_name: String,
     /// Its pool (the node's name).
@@ -466,7 +466,7 @@ fn pretty<T: Serialize>(value: &T) -> Result<String, CdiError> {
 /// One function's device nodes: `/dev/vfio/vfio`, `/dev/vfio/<group>`, and with
 /// iommufd `/dev/iommu` and `/dev/vfio/devices/vfioN`. Host paths follow `dev_root`
 /// and are written only when it is not `/dev`.
-fn device_nodes(dev: &ClaimDevice, dev_root: Option<&str>) -> Vec<Node> {
+fn device_nodes(dev: &SpecDevice, dev_root: Option<&str>) -> Vec<Node> {
     let mut rel = vec!["vfio/vfio".to_string(), format!("vfio/{}", dev.group)];
     if let Some(node) = &dev.iommufd_node {
         rel.push("iommu".into());
@@ -483,7 +483,7 @@ fn device_nodes(dev: &ClaimDevice, dev_root: Option<&str>) -> Vec<Node> {
 
 /// A device, checked: its name is its address's, its requests are well formed, its
 /// iommufd node is `vfioN`; returns its attributes with its [`PCI_BUS_ID`].
-fn checked(dev: &ClaimDevice) -> Result<BTreeMap<&str, AttributeValue>, CdiError> {
+fn checked(dev: &SpecDevice) -> Result<BTreeMap<&str, AttributeValue>, CdiError> {
     if parse_device_name(&dev.device_name) != Some(dev.address) {
         return Err(CdiError::DeviceNameMismatch {
             name: dev.device_name.clone(),
@@ -576,7 +576,7 @@ pub fn claim_files(
     dev_root: &Path,
     claim: &ClaimRef,
     pod_claim_name: Option<&str>,
-    devices: &[ClaimDevice],
+    devices: &[SpecDevice],
 ) -> Result<ClaimFiles, CdiError> {
     let kind = cdi_kind(driver)?;
     let uid = claim.uid.as_str();
@@ -590,7 +590,7 @@ pub fn claim_files(
         return Err(CdiError::NoDevices(uid.to_string()));
     }
 
-    let mut sorted: Vec<&ClaimDevice> = devices.iter().collect();
+    let mut sorted: Vec<&SpecDevice> = devices.iter().collect();
     sorted.sort_by(|a, b| a.device_name.cmp(&b.device_name));
     let mut cdi_devices = Vec::new();
     let mut device_ids = BTreeMap::new();

@@ -665,7 +665,7 @@ impl Claims<'_> {
         devices: &[ClaimDevice],
         inv: &Inventory,
     ) -> Result<cdi::ClaimFiles, String> {
-        let devices: Vec<cdi::ClaimDevice> = devices
+        let devices: Vec<cdi::SpecDevice> = devices
             .iter()
             .map(|d| {
                 let mut attributes = BTreeMap::new();
@@ -679,7 +679,7 @@ impl Claims<'_> {
                         AttributeValue::String(r.to_string()),
                     );
                 }
-                cdi::ClaimDevice {
+                cdi::SpecDevice {
                     device_name: d.device.clone(),
                     pool: d.pool.clone(),
                     request_names: d.request_names.clone(),

@@ -25,20 +25,19 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsString;
 use std::future::Future;
-use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::claims::{ClaimRef, PreparedDevice};
-use anyhow::Context as _;
 use inotify::{EventMask, Inotify, WatchMask};
 use kubelet_api::dra::{v1, v1beta1};
 use kubelet_api::pluginregistration::registration_server::{Registration, RegistrationServer};
 use kubelet_api::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
+use kubelet_api::serve::{SocketFile, SocketState};
 use tokio::net::UnixListener;
 use tokio::sync::oneshot;
 use tokio_stream::StreamExt;
@@ -205,8 +204,8 @@ enum Kind {
 struct Socket {
     path: PathBuf,
     kind: Kind,
-    /// Device and inode of the file we bound, to tell ours from a replacement.
-    bound: Option<(u64, u64)>,
+    /// The file we bound, to tell ours from a replacement.
+    bound: Option<SocketFile>,
     stop: Option<oneshot::Sender<()>>,
     /// Logged that the path is not ours any more (only once).
     warned: bool,
@@ -233,10 +232,8 @@ impl Socket {
     /// Binds a fresh socket at the path and serves it; the previous server (if any)
     /// finishes its calls in flight and stops.
     fn bind(&mut self) -> anyhow::Result<()> {
-        let listener = kubelet_api::serve::listen(&self.path)?;
-        let meta = std::fs::symlink_metadata(&self.path)
-            .with_context(|| format!("cannot stat {}", self.path.display()))?;
-        self.bound = Some((meta.dev(), meta.ino()));
+        let (listener, file) = kubelet_api::serve::listen(&self.path)?;
+        self.bound = Some(file);
         self.warned = false;
         let stop = match &self.kind {
             Kind::Dra(driver) => spawn_dra(listener, driver.clone()),
@@ -256,16 +253,20 @@ impl Socket {
     /// A socket someone else put at the path (a second instance of the driver) is
     /// left alone: taking it back would start a tug of war.
     fn repair(&mut self) -> bool {
-        match std::fs::symlink_metadata(&self.path) {
-            Ok(m) if Some((m.dev(), m.ino())) == self.bound => false,
-            Ok(_) => {
+        let now = match &self.bound {
+            Some(file) => file.state(),
+            None => Ok(SocketState::Gone),
+        };
+        match now {
+            Ok(SocketState::Ours) => false,
+            Ok(SocketState::Replaced) => {
                 if !self.warned {
                     tracing::warn!(socket = %self.path.display(), "our {} socket was replaced by another file; leaving it", self.what());
                     self.warned = true;
                 }
                 false
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Ok(SocketState::Gone) => {
                 tracing::warn!(socket = %self.path.display(), "our {} socket was deleted; serving it again", self.what());
                 match self.bind() {
                     Ok(()) => true,
@@ -287,11 +288,8 @@ impl Socket {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
-        let ours = std::fs::symlink_metadata(&self.path)
-            .map(|m| Some((m.dev(), m.ino())) == self.bound)
-            .unwrap_or(false);
-        if ours {
-            if let Err(e) = std::fs::remove_file(&self.path) {
+        if let Some(file) = self.bound.take() {
+            if let Err(e) = file.remove_if_ours() {
                 tracing::warn!(socket = %self.path.display(), error = %e, "cannot remove our socket");
             }
         }

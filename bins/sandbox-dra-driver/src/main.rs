@@ -32,8 +32,7 @@ const PROGRAM: &str = "sandbox-dra-driver";
 /// `pkg/kubelet/cm/dra/plugin`).
 const KUBELET_CALL_TIMEOUT: Duration = Duration::from_secs(45);
 
-/// The default DRA driver name.
-pub const DEFAULT_DRIVER_NAME: &str = "vfio-sandbox.rebellions.ai";
+use sandbox_dra_driver::slices::DEFAULT_DRIVER_NAME;
 
 const LONG_ABOUT: &str = "\
 A Dynamic Resource Allocation (DRA) driver for VFIO passthrough, one claim at a time.

@@ -36,14 +36,13 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions};
 use kube::Client;
 
+use crate::cdi::PCI_BUS_ID;
 use crate::claims::{self, Allocation, ClaimRef};
 use passthrough::inventory::{Entry, Inventory};
 use sysfs_pci::{PciAddress, PciDevice};
 
 /// The driver name when `--driver-name` is not given.
 pub const DEFAULT_DRIVER_NAME: &str = "vfio-sandbox.rebellions.ai";
-/// Standard attribute: the function's PCI address (`0000:3b:00.0`).
-pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 /// Standard attribute: the PCIe root complex above the function (`pci0000:00`).
 pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
 /// The most devices one ResourceSlice may hold (API validation); a larger pool is
@@ -676,7 +675,7 @@ impl Slices {
 
 /// Why a claim's allocation cannot be used on this node.
 #[derive(Debug, thiserror::Error)]
-pub enum ClaimError {
+pub enum AllocationError {
     /// The claim does not exist.
     #[error("ResourceClaim {claim} is not found")]
     NotFound {
@@ -750,7 +749,7 @@ pub enum ClaimError {
     },
 }
 
-impl ClaimError {
+impl AllocationError {
     /// Why, in one word: the claim is not this node's to prepare, or the API
     /// server did not answer.
     pub fn failure(&self) -> crate::claims::Failure {
@@ -812,20 +811,20 @@ pub async fn claim_allocation(
     claim: &ClaimRef,
     driver: &str,
     pool: &str,
-) -> Result<ClaimAllocation, ClaimError> {
+) -> Result<ClaimAllocation, AllocationError> {
     let id = format!("{}/{}", claim.namespace, claim.name);
     let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &claim.namespace);
     let found = tokio::time::timeout(REQUEST_TIMEOUT, api.get_opt(&claim.name))
         .await
-        .map_err(|_| ClaimError::Timeout {
+        .map_err(|_| AllocationError::Timeout {
             claim: id.clone(),
             after: REQUEST_TIMEOUT,
         })?
-        .map_err(|source| ClaimError::Request {
+        .map_err(|source| AllocationError::Request {
             claim: id.clone(),
             source,
         })?
-        .ok_or_else(|| ClaimError::NotFound { claim: id.clone() })?;
+        .ok_or_else(|| AllocationError::NotFound { claim: id.clone() })?;
     Ok(ClaimAllocation {
         allocations: allocation_of(&found, claim, driver, pool)?,
         pod_claim_name: found
@@ -843,18 +842,18 @@ pub fn allocation_of(
     claim: &ClaimRef,
     driver: &str,
     pool: &str,
-) -> Result<Vec<Allocation>, ClaimError> {
+) -> Result<Vec<Allocation>, AllocationError> {
     let id = format!("{}/{}", claim.namespace, claim.name);
     let have = found.metadata.uid.clone().unwrap_or_default();
     if have != claim.uid {
-        return Err(ClaimError::UidMismatch {
+        return Err(AllocationError::UidMismatch {
             claim: id,
             have,
             want: claim.uid.clone(),
         });
     }
     let Some(allocation) = found.status.as_ref().and_then(|s| s.allocation.as_ref()) else {
-        return Err(ClaimError::NotAllocated { claim: id });
+        return Err(AllocationError::NotAllocated { claim: id });
     };
     let results = allocation
         .devices
@@ -868,7 +867,7 @@ pub fn allocation_of(
         .map(|r| format!("{}/{}", r.pool, r.device))
         .collect();
     if !others.is_empty() {
-        return Err(ClaimError::OtherPool {
+        return Err(AllocationError::OtherPool {
             claim: id,
             driver: driver.to_owned(),
             pool: pool.to_owned(),
@@ -876,14 +875,14 @@ pub fn allocation_of(
         });
     }
     if let Some(r) = ours.iter().find(|r| r.admin_access == Some(true)) {
-        return Err(ClaimError::AdminAccess {
+        return Err(AllocationError::AdminAccess {
             claim: id,
             device: r.device.clone(),
             request: r.request.clone(),
         });
     }
     if ours.is_empty() {
-        return Err(ClaimError::NoDevices {
+        return Err(AllocationError::NoDevices {
             claim: id,
             driver: driver.to_owned(),
             pool: pool.to_owned(),

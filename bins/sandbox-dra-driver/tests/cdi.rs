@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use sandbox_dra_driver::cdi::{
-    cdi_spec_path, claim_files, metadata_claim_dir, AttributeValue, CdiError, ClaimDevice,
-    ClaimFiles,
+    cdi_spec_path, claim_files, metadata_claim_dir, AttributeValue, CdiError, ClaimFiles,
+    SpecDevice,
 };
 use sandbox_dra_driver::claims::{device_name, ClaimRef};
 use serde::Deserialize;
@@ -23,7 +23,7 @@ fn claim() -> ClaimRef {
 }
 
 /// A function as the slice publishes it (the standard attributes and ours).
-fn device(bdf: &str, group: u32, requests: &[&str], numa: Option<i64>) -> ClaimDevice {
+fn device(bdf: &str, group: u32, requests: &[&str], numa: Option<i64>) -> SpecDevice {
     let address = bdf.parse().expect("address");
     let mut attributes = BTreeMap::from([
         (
@@ -51,7 +51,7 @@ fn device(bdf: &str, group: u32, requests: &[&str], numa: Option<i64>) -> ClaimD
     if let Some(n) = numa {
         attributes.insert("numaNode".into(), AttributeValue::Int(n));
     }
-    ClaimDevice {
+    SpecDevice {
         device_name: device_name(&address),
         pool: "node-a".into(),
         request_names: requests.iter().map(|r| r.to_string()).collect(),
@@ -64,14 +64,14 @@ fn device(bdf: &str, group: u32, requests: &[&str], numa: Option<i64>) -> ClaimD
 
 /// The card's first function (group 5; its companion 01:00.1 is not allocated, so
 /// it appears nowhere) for request `card`, and a device in group 7 for `nic`.
-fn two_devices() -> Vec<ClaimDevice> {
+fn two_devices() -> Vec<SpecDevice> {
     vec![
         device("0000:02:00.0", 7, &["nic"], None),
         device("0000:01:00.0", 5, &["card"], Some(0)),
     ]
 }
 
-fn files(devices: &[ClaimDevice]) -> ClaimFiles {
+fn files(devices: &[SpecDevice]) -> ClaimFiles {
     claim_files(
         DRIVER,
         Path::new("/var/run/cdi"),
@@ -431,7 +431,7 @@ fn hostile_claim_uids_never_make_a_path() {
 #[test]
 fn hostile_names_are_refused_with_what_they_are() {
     let base = || (claim(), None::<&str>, two_devices());
-    let run = |c: &ClaimRef, p: Option<&str>, d: &[ClaimDevice], driver: &str| {
+    let run = |c: &ClaimRef, p: Option<&str>, d: &[SpecDevice], driver: &str| {
         claim_files(
             driver,
             Path::new("/c"),

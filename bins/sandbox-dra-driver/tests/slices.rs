@@ -12,7 +12,7 @@ use k8s_openapi::api::resource::v1::Device;
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use sandbox_dra_driver::claims::ClaimRef;
-use sandbox_dra_driver::slices::{self, slice_names, Action, ClaimError, SliceError, Slices};
+use sandbox_dra_driver::slices::{self, slice_names, Action, AllocationError, SliceError, Slices};
 use serde_json::{json, Value};
 use sysfs_pci::testing::{FakeDevice, FakeNode};
 
@@ -467,7 +467,7 @@ fn read(
     s: &FakeApiServer,
     name: &str,
     uid: &str,
-) -> Result<Vec<sandbox_dra_driver::claims::Allocation>, ClaimError> {
+) -> Result<Vec<sandbox_dra_driver::claims::Allocation>, AllocationError> {
     let rt = rt();
     let c = client(&rt, s);
     rt.block_on(slices::claim_allocation(
@@ -556,7 +556,7 @@ fn a_template_claim_carries_its_pod_claim_name() {
 fn claim_errors_name_the_claim_and_the_reason() {
     let s = with_claim("vm-a", None);
     let e = read(&s, "gone", UID).unwrap_err();
-    assert!(matches!(e, ClaimError::NotFound { .. }));
+    assert!(matches!(e, AllocationError::NotFound { .. }));
     assert_eq!(e.to_string(), "ResourceClaim vms/gone is not found");
 
     let e = read(&s, "vm-a", "other-uid").unwrap_err();
@@ -577,7 +577,7 @@ fn claim_errors_name_the_claim_and_the_reason() {
         ]),
     );
     let e = read(&s, "vm-b", UID).unwrap_err();
-    assert!(matches!(e, ClaimError::OtherPool { .. }), "{e}");
+    assert!(matches!(e, AllocationError::OtherPool { .. }), "{e}");
     assert!(e.to_string().contains("node-b/pci-0000-05-00-0"), "{e}");
 
     let s = with_claim(
@@ -599,7 +599,7 @@ fn claim_errors_name_the_claim_and_the_reason() {
     claim["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = json!(true);
     s.put(&paths::resourceclaim(NS, "vm-d"), claim);
     let e = read(&s, "vm-d", UID).unwrap_err();
-    assert!(matches!(e, ClaimError::AdminAccess { .. }), "{e}");
+    assert!(matches!(e, AllocationError::AdminAccess { .. }), "{e}");
 
     let s = FakeApiServer::start().unwrap();
     s.fail_next(1, 500);

@@ -130,7 +130,7 @@ pub struct Inventory {
 }
 
 /// The device's name from the PCI ID database (`vendor device`), if known.
-pub fn device_name(vendor: u16, device: u16) -> Option<String> {
+pub fn product_name(vendor: u16, device: u16) -> Option<String> {
     let dev = pci_ids::Device::from_vid_pid(vendor, device)?;
     Some(format!("{} {}", dev.vendor().name(), dev.name()))
 }

@@ -77,10 +77,11 @@ pub enum StateError {
     },
 }
 
-/// Why a device is in the record.
+/// Why a device is in the record: its [`crate::inventory::Role`] when it was moved,
+/// without the details (bridges are never moved, so never recorded).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Role {
+pub enum RecordedRole {
     /// Selected by the resource list.
     Selected,
     /// Another member of a selected device's IOMMU group.
@@ -99,7 +100,7 @@ pub struct Record {
     /// The driver we moved it to.
     pub driver: String,
     /// Why we moved it.
-    pub role: Role,
+    pub role: RecordedRole,
     /// The resource it is advertised as (selected devices).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resource: Option<String>,
@@ -480,7 +481,7 @@ mod tests {
             original_driver: Some("e1000e".into()),
             original_override: None,
             driver: "vfio-pci".into(),
-            role: Role::Selected,
+            role: RecordedRole::Selected,
             resource: Some("example.com/NIC_PT".into()),
             group: 3,
         }

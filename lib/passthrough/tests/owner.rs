@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use passthrough::owner::{Owner, OwnerError, OwnerRecord, Program};
-use passthrough::state::{ClaimDevice, ClaimPhase, ClaimRecord, Record, Role, StateFile};
+use passthrough::state::{ClaimDevice, ClaimPhase, ClaimRecord, Record, RecordedRole, StateFile};
 use sysfs_pci::error_chain;
 use sysfs_pci::kernel::SysKernel;
 
@@ -172,7 +172,7 @@ fn rec(group: u32) -> Record {
         original_driver: Some("e1000e".into()),
         original_override: None,
         driver: "vfio-pci".into(),
-        role: Role::Selected,
+        role: RecordedRole::Selected,
         resource: Some("example.com/NIC_PT".into()),
         group,
     }

@@ -282,7 +282,7 @@ fn a_crash_between_unbind_and_probe_still_converges_and_restores() {
                 original_driver: Some("e1000e".into()),
                 original_override: None,
                 driver: "vfio-pci".into(),
-                role: passthrough::state::Role::Selected,
+                role: passthrough::state::RecordedRole::Selected,
                 resource: Some("example.com/NIC_PT".into()),
                 group: 5,
             },

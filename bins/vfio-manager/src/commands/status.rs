@@ -7,7 +7,7 @@
 use std::process::ExitCode;
 
 use node_agent::cli::{OutputFormat, EXIT_NOT_READY};
-use passthrough::inventory::{device_name, Entry, Inventory, Role, Skipped};
+use passthrough::inventory::{product_name, Entry, Inventory, Role, Skipped};
 use sysfs_pci::{Host, PciDevice};
 
 use crate::Context;
@@ -52,7 +52,7 @@ fn row(entry: &Entry, inv: &Inventory, ctx_state: &passthrough::state::State) ->
         vendor: format!("{:04x}", d.vendor),
         device: format!("{:04x}", d.device),
         class: format!("{:06x}", d.class),
-        name: device_name(d.vendor, d.device),
+        name: product_name(d.vendor, d.device),
         role,
         resource: entry.resource().map(|r| r.to_string()),
         companion_of,
@@ -169,7 +169,7 @@ fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
             if s.group.is_some() { "no" } else { "-" }.into(),
             dev.and_then(|d| d.numa_node)
                 .map_or_else(dash, |n| n.to_string()),
-            dev.and_then(|d| device_name(d.vendor, d.device))
+            dev.and_then(|d| product_name(d.vendor, d.device))
                 .unwrap_or_default(),
         ]
     }));

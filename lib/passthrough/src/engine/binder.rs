@@ -44,8 +44,8 @@ impl Binder<'_, '_> {
                 original_override: d.driver_override.clone(),
                 driver: mv.driver.clone(),
                 role: match mv.entry.role {
-                    Role::Selected { .. } => state::Role::Selected,
-                    _ => state::Role::Companion,
+                    Role::Selected { .. } => state::RecordedRole::Selected,
+                    _ => state::RecordedRole::Companion,
                 },
                 resource: mv.entry.resource().map(|r| r.to_string()),
                 group,
