@@ -8,7 +8,7 @@
 //! client send — reach the service instead of being reset by the HTTP/2 layer.
 //!
 //! ```no_run
-//! # async fn f(router: tonic::transport::server::Router) -> Result<(), kubelet_api::serve::ListenError> {
+//! # async fn f(router: tonic::transport::server::Router) -> Result<(), Box<dyn std::error::Error>> {
 //! let (listener, file) = kubelet_api::serve::listen(std::path::Path::new("/var/lib/kubelet/plugins/d/dra.sock"))?;
 //! let stop = kubelet_api::serve::spawn(listener, router, "DRA service");
 //! // ... later
