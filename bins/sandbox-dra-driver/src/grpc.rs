@@ -26,21 +26,19 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsString;
 use std::future::Future;
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::claims::{ClaimRef, PreparedDevice};
-use inotify::{EventMask, Inotify, WatchMask};
 use kubelet_api::dra::{v1, v1beta1};
 use kubelet_api::pluginregistration::registration_server::{Registration, RegistrationServer};
 use kubelet_api::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
 use kubelet_api::serve::{SocketFile, SocketState};
+use node_agent::watch::{DirEvents, WatchMask};
 use tokio::net::UnixListener;
 use tokio::sync::oneshot;
-use tokio_stream::StreamExt;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
@@ -554,40 +552,23 @@ fn nonempty(e: String) -> String {
     }
 }
 
-type Events =
-    Pin<Box<dyn tokio_stream::Stream<Item = std::io::Result<inotify::Event<OsString>>> + Send>>;
-
 /// Deletions and moves in our socket directories (and of the directories
 /// themselves), `None` when a directory cannot be watched.
-fn dir_events(dirs: &[PathBuf]) -> Option<Events> {
-    let inotify = Inotify::init().ok()?;
-    let mask =
-        WatchMask::DELETE | WatchMask::MOVED_FROM | WatchMask::DELETE_SELF | WatchMask::MOVE_SELF;
-    for d in dirs {
-        if let Err(e) = inotify.watches().add(d, mask) {
-            tracing::warn!(dir = %d.display(), error = %e, "cannot watch; checking our sockets by polling");
-            return None;
+fn dir_events(dirs: &[PathBuf]) -> Option<DirEvents> {
+    match DirEvents::open(dirs, WatchMask::DELETE | WatchMask::MOVED_FROM) {
+        Ok(events) => Some(events),
+        Err(e) => {
+            tracing::warn!(dirs = ?dirs, error = %e, "cannot watch; checking our sockets by polling");
+            None
         }
     }
-    inotify
-        .into_event_stream(vec![0u8; 4096])
-        .ok()
-        .map(|s| Box::pin(s) as Events)
 }
 
-/// The next event; `None` when the stream ended or a watched directory went away.
-async fn next_event(events: &mut Option<Events>) -> Option<inotify::Event<OsString>> {
+/// The next event; `None` when the stream ended or a watched directory went away;
+/// never without a watch.
+async fn next_event(events: &mut Option<DirEvents>) -> Option<node_agent::watch::Event<OsString>> {
     match events {
-        Some(s) => match s.next().await {
-            Some(Ok(ev))
-                if !ev.mask.intersects(
-                    EventMask::IGNORED | EventMask::DELETE_SELF | EventMask::MOVE_SELF,
-                ) =>
-            {
-                Some(ev)
-            }
-            _ => None,
-        },
+        Some(events) => events.next().await,
         None => std::future::pending().await,
     }
 }

@@ -1,5 +1,6 @@
 //! Keeps this node's ResourceSlices equal to what the resource list selects: on
-//! start, on every PCI uevent (a device added or removed), every resync interval,
+//! start, on every change the node watcher reports (a device added or removed, a
+//! group node come or gone), every resync interval,
 //! after every registration kubelet accepts, and within moments of anyone else
 //! deleting or changing them.
 //!
@@ -15,7 +16,6 @@
 //! our own write.
 
 use std::collections::BTreeSet;
-use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,9 +25,10 @@ use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::Api;
 use node_agent::cluster::Cluster;
+use node_agent::watch::{AsyncNodeWatch, Options};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
-use sysfs_pci::{error_chain, uevent, Host};
+use sysfs_pci::{error_chain, Host};
 use tokio::sync::Notify;
 use tokio_stream::StreamExt;
 
@@ -93,22 +94,23 @@ impl Publisher {
     /// Reconciles now and after every change, until aborted. `registered` is
     /// notified when kubelet accepts a registration.
     pub async fn run(self, registered: Arc<Notify>) {
-        let events = match node_agent::watch::async_socket() {
-            Ok(fd) => Some(fd),
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot watch PCI uevents; rescanning every resync interval only");
-                None
-            }
-        };
+        let mut node = AsyncNodeWatch::open(
+            &self.host,
+            Options {
+                resync: Some(self.resync),
+                ..Options::default()
+            },
+        );
         let watching = tokio::spawn(self.clone().watch());
         let _stop_watching = AbortOnDrop(watching);
         let mut backoff = FIRST_BACKOFF;
         loop {
-            let wait = match self.reconcile().await {
+            // After a success the node watcher's resync is the next pass.
+            let retry = match self.reconcile().await {
                 Ok(names) => {
                     self.readiness.published(Some(names));
                     backoff = FIRST_BACKOFF;
-                    self.resync
+                    None
                 }
                 Err(e) => {
                     self.readiness.published(None);
@@ -116,14 +118,14 @@ impl Publisher {
                     tracing::warn!(error = %e, retry_in = ?backoff, "cannot publish this node's ResourceSlices");
                     let wait = backoff;
                     backoff = (backoff * 2).min(self.resync);
-                    wait
+                    Some(wait)
                 }
             };
             tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
+                () = sleep_for(retry) => {}
                 _ = self.wake.notified() => tracing::debug!("our ResourceSlices changed elsewhere; publishing again"),
                 _ = registered.notified() => tracing::debug!("registered with kubelet; publishing again"),
-                _ = pci_event(events.as_ref()) => {}
+                _ = node.next() => {}
             }
         }
     }
@@ -203,20 +205,11 @@ impl Publisher {
     }
 }
 
-/// Completes when a PCI uevent arrives; never without a uevent socket.
-async fn pci_event(events: Option<&tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>>) {
-    let Some(fd) = events else {
-        return std::future::pending().await;
-    };
-    loop {
-        let Ok(mut ready) = fd.readable().await else {
-            return std::future::pending().await;
-        };
-        let pci = uevent::drain(fd.get_ref().as_fd());
-        ready.clear_ready();
-        if pci {
-            return;
-        }
+/// Sleeps for `wait`; never without one.
+async fn sleep_for(wait: Option<Duration>) {
+    match wait {
+        Some(wait) => tokio::time::sleep(wait).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -1,13 +1,450 @@
-//! The node watcher: kernel uevents, `/dev/vfio` inotify and a periodic resync.
+//! The node watcher every daemon uses: what changed on the node's PCI bus and in
+//! `/dev/vfio`, in batches.
+//!
+//! Three sources, one behaviour:
+//! - kernel uevents for the PCI bus (a function added, removed, bound, unbound),
+//!   which name the function;
+//! - inotify on `/dev/vfio` (group nodes come and go with binding), which names the
+//!   group; the directory appears with the first vfio driver, so its watch is made
+//!   again on every wake-up until it exists, and a new watch reads everything (what
+//!   happened before it is unknown);
+//! - a periodic resync underneath, for whatever the events cannot see (1 s when
+//!   there are no uevents: outside the host's network namespace, polling must carry
+//!   health; 30 s otherwise, unless the daemon says).
+//!
+//! Each wake-up takes every event already queued, from both sources, so a burst
+//! (vfio-manager binding eight groups, a driver reload) is one batch: [`Changes`].
+//! A batch that names more than [`MAX_PARTIAL`] functions and groups, lost events
+//! (a uevent buffer overflow, an inotify queue overflow), a new `/dev/vfio` watch or
+//! a resync tick ask for everything to be read again (`full`).
+//!
+//! Two front doors over the same [`Sources`]: [`NodeWatch`] for a `poll(2)` loop
+//! (vfio-manager, which also waits on a signalfd) and [`AsyncNodeWatch`] for tokio
+//! (the device plugin and the DRA driver).
 
-use std::os::fd::OwnedFd;
+use std::collections::BTreeSet;
+use std::ffi::OsString;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
-/// The uevent socket, registered with the tokio runtime (for the agents that run one).
-pub fn async_socket() -> std::io::Result<tokio::io::unix::AsyncFd<OwnedFd>> {
-    let fd = sysfs_pci::uevent::socket_nonblocking()?;
-    // SAFETY: the OwnedFd is moved into the AsyncFd, which owns it from here on: it
-    // stays open, and as_raw_fd returns the same descriptor, until the AsyncFd drops.
-    #[allow(unsafe_code)]
-    let registered = unsafe { tokio::io::unix::AsyncFd::register(fd) };
-    registered.map_err(|e| e.into_parts().1)
+use inotify::Inotify;
+pub use inotify::{Event, EventMask, WatchMask};
+use sysfs_pci::{uevent, Host, PciAddress};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+
+/// Default resync with uevents (events carry the changes) and without (polling must).
+pub const DEFAULT_RESYNC: (Duration, Duration) = (Duration::from_secs(30), Duration::from_secs(1));
+
+/// More functions and groups than this in one batch read as a whole-node rescan.
+pub const MAX_PARTIAL: usize = 64;
+
+/// What one batch of events asks to read again.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Changes {
+    /// Everything: a resync tick, lost events, a new `/dev/vfio` watch, a large burst.
+    pub full: bool,
+    /// Functions named by uevents.
+    pub addresses: BTreeSet<PciAddress>,
+    /// Groups whose `/dev/vfio/<group>` node came, went or changed.
+    pub groups: BTreeSet<u32>,
 }
+
+impl Changes {
+    /// True when nothing asks to be read again.
+    pub fn is_empty(&self) -> bool {
+        !self.full && self.addresses.is_empty() && self.groups.is_empty()
+    }
+
+    /// A large burst is read as a whole-node rescan.
+    fn settle(mut self) -> Self {
+        if self.addresses.len() + self.groups.len() > MAX_PARTIAL {
+            self.full = true;
+        }
+        self
+    }
+}
+
+/// How to watch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    /// The resync period; `None`: [`DEFAULT_RESYNC`] (with or without uevents).
+    pub resync: Option<Duration>,
+    /// Open the kernel uevent socket (tests of fake trees turn it off).
+    pub uevents: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            resync: None,
+            uevents: true,
+        }
+    }
+}
+
+/// How a front door holds a descriptor: as it is ([`Plain`], for `poll(2)`) or
+/// registered with tokio ([`AsyncFd`]), which then owns it, so a descriptor is
+/// never closed while registered.
+pub trait Holder<T>: Sized {
+    /// Takes `t`; `None` when it cannot be held (tokio refused the registration).
+    fn hold(t: T) -> Option<Self>;
+    /// The descriptor.
+    fn inner(&self) -> &T;
+    /// The descriptor, to read from.
+    fn inner_mut(&mut self) -> &mut T;
+}
+
+/// A descriptor held as it is.
+pub struct Plain<T>(T);
+
+impl<T> Holder<T> for Plain<T> {
+    fn hold(t: T) -> Option<Self> {
+        Some(Self(t))
+    }
+    fn inner(&self) -> &T {
+        &self.0
+    }
+    fn inner_mut(&mut self) -> &mut T {
+        &mut self.0
+    }
+}
+
+/// A descriptor that closes when its owner drops ([`OwnedFd`], [`Inotify`]).
+pub trait OwnsFd: AsRawFd {}
+impl OwnsFd for OwnedFd {}
+impl OwnsFd for Inotify {}
+
+impl<T: OwnsFd> Holder<T> for AsyncFd<T> {
+    fn hold(t: T) -> Option<Self> {
+        // SAFETY: `t` owns its descriptor (OwnsFd) and is moved into the AsyncFd,
+        // which owns it from here on: the descriptor stays open, and as_raw_fd
+        // returns the same one, until the AsyncFd (and with it the registration)
+        // drops.
+        #[allow(unsafe_code)]
+        let held = unsafe { AsyncFd::register_with_interest(t, Interest::READABLE) };
+        held.ok()
+    }
+    fn inner(&self) -> &T {
+        self.get_ref()
+    }
+    fn inner_mut(&mut self) -> &mut T {
+        self.get_mut()
+    }
+}
+
+/// The event sources: the uevent socket and the `/dev/vfio` watch.
+pub struct Sources<U: Holder<OwnedFd>, V: Holder<Inotify>> {
+    vfio_dir: PathBuf,
+    uevents: Option<U>,
+    vfio: Option<V>,
+}
+
+impl<U: Holder<OwnedFd>, V: Holder<Inotify>> Sources<U, V> {
+    fn open(host: &Host, uevents: bool) -> Self {
+        let uevents = if uevents {
+            match uevent::socket_nonblocking() {
+                Ok(fd) => U::hold(fd),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no kernel uevents (needs the host network namespace); relying on the periodic resync");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let mut sources = Self {
+            vfio_dir: host.vfio_dir(),
+            uevents,
+            vfio: None,
+        };
+        // The caller reads the node once at start: the first watch needs no rescan.
+        sources.ensure_vfio_watch();
+        sources
+    }
+
+    /// Makes the `/dev/vfio` watch if it is missing; true when it made one.
+    fn ensure_vfio_watch(&mut self) -> bool {
+        if self.vfio.is_some() {
+            return false;
+        }
+        let mask =
+            WatchMask::CREATE | WatchMask::DELETE | WatchMask::ATTRIB | WatchMask::DELETE_SELF;
+        let Ok(inotify) = Inotify::init() else {
+            return false;
+        };
+        if inotify.watches().add(&self.vfio_dir, mask).is_err() {
+            return false;
+        }
+        self.vfio = V::hold(inotify);
+        self.vfio.is_some()
+    }
+
+    /// Takes every queued event into `changes`, without waiting.
+    fn collect(&mut self, changes: &mut Changes) {
+        if let Some(fd) = &self.uevents {
+            let events = uevent::drain_pci(fd.inner().as_fd());
+            changes.full |= events.lost;
+            changes.addresses.extend(events.addresses);
+        }
+        if self.ensure_vfio_watch() {
+            // /dev/vfio appeared (or came back) since start: what happened before
+            // the watch is unknown.
+            changes.full = true;
+        }
+        if let Some(inotify) = &mut self.vfio {
+            if !drain_vfio(inotify.inner_mut(), changes) {
+                self.vfio = None;
+                changes.full = true;
+            }
+        }
+    }
+
+    /// True when the kernel's uevents are watched.
+    pub fn has_uevents(&self) -> bool {
+        self.uevents.is_some()
+    }
+}
+
+/// Reads every queued `/dev/vfio` event; false when the watch ended (the directory
+/// went away).
+fn drain_vfio(inotify: &mut Inotify, changes: &mut Changes) -> bool {
+    let mut buf = [0u8; 4096];
+    loop {
+        let events = match inotify.read_events(&mut buf) {
+            Ok(events) => events,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return false,
+        };
+        for ev in events {
+            if ev.mask.contains(EventMask::IGNORED) {
+                return false;
+            }
+            if ev.mask.contains(EventMask::Q_OVERFLOW) {
+                changes.full = true;
+            }
+            // Group nodes are named by their number; `vfio` is the container.
+            if let Some(g) = ev.name.and_then(|n| n.to_str()?.parse().ok()) {
+                changes.groups.insert(g);
+            }
+        }
+    }
+}
+
+/// The resync schedule.
+#[derive(Debug)]
+struct Resync {
+    period: Duration,
+    next: Instant,
+}
+
+impl Resync {
+    fn new(period: Duration) -> Self {
+        // The caller read the node just now: the first resync is one period away.
+        Self {
+            period,
+            next: Instant::now() + period,
+        }
+    }
+
+    /// True (and the next one scheduled) when a resync is due.
+    fn due(&mut self, now: Instant) -> bool {
+        if now < self.next {
+            return false;
+        }
+        self.next = now + self.period;
+        true
+    }
+}
+
+fn resync_period<U: Holder<OwnedFd>, V: Holder<Inotify>>(
+    options: &Options,
+    sources: &Sources<U, V>,
+) -> Duration {
+    options.resync.unwrap_or(if sources.has_uevents() {
+        DEFAULT_RESYNC.0
+    } else {
+        DEFAULT_RESYNC.1
+    })
+}
+
+/// The node watcher for a `poll(2)` loop: poll [`Self::fds`] (beside your own) for
+/// at most [`Self::timeout`], then take the batch with [`Self::collect`].
+pub struct NodeWatch {
+    sources: Sources<Plain<OwnedFd>, Plain<Inotify>>,
+    resync: Resync,
+}
+
+impl NodeWatch {
+    /// Opens the sources. The caller has just read the node.
+    pub fn open(host: &Host, options: Options) -> Self {
+        let sources = Sources::open(host, options.uevents);
+        let resync = Resync::new(resync_period(&options, &sources));
+        tracing::info!(resync = ?resync.period, uevents = sources.has_uevents(), "watching the node");
+        Self { sources, resync }
+    }
+
+    /// The descriptors to poll for readability.
+    pub fn fds(&self) -> Vec<BorrowedFd<'_>> {
+        let mut fds = Vec::with_capacity(2);
+        if let Some(u) = &self.sources.uevents {
+            fds.push(u.inner().as_fd());
+        }
+        if let Some(v) = &self.sources.vfio {
+            fds.push(v.inner().as_fd());
+        }
+        fds
+    }
+
+    /// How long to wait at most: until the next resync, or 1 s while `/dev/vfio`
+    /// is not watched yet (it is looked for again on every wake-up).
+    pub fn timeout(&self) -> Duration {
+        let until = self.resync.next.saturating_duration_since(Instant::now());
+        if self.sources.vfio.is_none() {
+            until.min(Duration::from_secs(1))
+        } else {
+            until
+        }
+    }
+
+    /// Every queued event, without waiting, plus a full rescan when the resync is
+    /// due. Empty when nothing happened.
+    pub fn collect(&mut self) -> Changes {
+        let mut changes = Changes::default();
+        self.sources.collect(&mut changes);
+        if self.resync.due(Instant::now()) {
+            changes.full = true;
+        }
+        changes.settle()
+    }
+
+    /// Asks for a full pass after `delay` (a pass that failed is tried again soon),
+    /// unless one is due sooner.
+    pub fn retry_in(&mut self, delay: Duration) {
+        self.resync.next = self.resync.next.min(Instant::now() + delay);
+    }
+
+    /// True when the kernel's uevents are watched.
+    pub fn has_uevents(&self) -> bool {
+        self.sources.has_uevents()
+    }
+}
+
+/// The node watcher for tokio: [`Self::next`] waits for the next batch.
+pub struct AsyncNodeWatch {
+    sources: Sources<AsyncFd<OwnedFd>, AsyncFd<Inotify>>,
+    resync: Duration,
+    tick: tokio::time::Interval,
+}
+
+impl AsyncNodeWatch {
+    /// Opens the sources. The caller has just read the node. Needs a tokio runtime.
+    pub fn open(host: &Host, options: Options) -> Self {
+        let sources = Sources::open(host, options.uevents);
+        let resync = resync_period(&options, &sources);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + resync, resync);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tracing::info!(
+            ?resync,
+            uevents = sources.has_uevents(),
+            "watching the node"
+        );
+        Self {
+            sources,
+            resync,
+            tick,
+        }
+    }
+
+    /// The resync period in use.
+    pub fn resync(&self) -> Duration {
+        self.resync
+    }
+
+    /// True when the kernel's uevents are watched.
+    pub fn has_uevents(&self) -> bool {
+        self.sources.has_uevents()
+    }
+
+    /// Waits until something happened, then returns every event queued by then as
+    /// one batch. Cancel-safe: events are only taken from the sources right before
+    /// the batch is returned.
+    pub async fn next(&mut self) -> Changes {
+        loop {
+            let mut changes = Changes::default();
+            self.sources.collect(&mut changes);
+            if !changes.is_empty() {
+                return changes.settle();
+            }
+            let vfio_missing = self.sources.vfio.is_none();
+            tokio::select! {
+                _ = self.tick.tick() => {
+                    let mut changes = Changes { full: true, ..Changes::default() };
+                    self.sources.collect(&mut changes);
+                    return changes;
+                }
+                () = readable(self.sources.uevents.as_ref()) => {}
+                () = readable(self.sources.vfio.as_ref()) => {}
+                // /dev/vfio is looked for again every second until it exists.
+                () = tokio::time::sleep(Duration::from_secs(1)), if vfio_missing => {}
+            }
+        }
+    }
+}
+
+/// Completes when `fd` is readable (its readiness cleared first: the caller then
+/// reads until the queue is empty, and anything arriving later wakes it again);
+/// never without a descriptor.
+async fn readable<T: AsRawFd>(fd: Option<&AsyncFd<T>>) {
+    let Some(fd) = fd else {
+        return std::future::pending().await;
+    };
+    match fd.readable().await {
+        Ok(mut guard) => guard.clear_ready(),
+        Err(_) => std::future::pending().await,
+    }
+}
+
+/// What happens to the files of some directories (kubelet's plugin and
+/// device-plugin directories, where our sockets live): one inotify stream.
+pub struct DirEvents(
+    std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = std::io::Result<inotify::Event<OsString>>> + Send>,
+    >,
+);
+
+impl DirEvents {
+    /// Watches `dirs` for `mask` (and for the directories themselves going away).
+    /// Needs a tokio runtime.
+    pub fn open(dirs: &[PathBuf], mask: WatchMask) -> std::io::Result<Self> {
+        let inotify = Inotify::init()?;
+        for d in dirs {
+            inotify
+                .watches()
+                .add(d, mask | WatchMask::DELETE_SELF | WatchMask::MOVE_SELF)?;
+        }
+        let stream = inotify.into_event_stream(vec![0u8; 4096])?;
+        Ok(Self(Box::pin(stream)))
+    }
+
+    /// The next event; `None` when the stream ended or a watched directory went
+    /// away (the caller watches again once it is back).
+    pub async fn next(&mut self) -> Option<inotify::Event<OsString>> {
+        use tokio_stream::StreamExt as _;
+        match self.0.next().await {
+            Some(Ok(ev))
+                if !ev.mask.intersects(
+                    EventMask::IGNORED | EventMask::DELETE_SELF | EventMask::MOVE_SELF,
+                ) =>
+            {
+                Some(ev)
+            }
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -7,18 +7,20 @@
 //! whether the node stays in VM mode (a rollout: leave the devices bound for the next
 //! pod) or leaves it (restore like `unbind --all`); see `node_agent::cluster`.
 //!
-//! The loop sleeps in `poll(2)` on a signalfd and a kernel uevent socket, so an idle
-//! node costs nothing; a periodic resync covers a uevent socket we could not open.
+//! The loop sleeps in `poll(2)` on a signalfd and the node watcher's descriptors
+//! (kernel uevents, `/dev/vfio`), so an idle node costs nothing; the watcher's
+//! periodic resync covers what events cannot see.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use node_agent::cli::parse_duration;
 use node_agent::cluster::{Identity, Verdict};
+use node_agent::watch::{NodeWatch, Options};
 use passthrough::inventory::{Inventory, SkipLog};
 use passthrough::{target_drivers, Passthrough};
 use sysfs_pci::error_chain;
@@ -61,8 +63,6 @@ pub struct Args {
     resync_interval: Duration,
 }
 
-/// Delay between the first uevent of a burst and the resync it triggers.
-const SETTLE: Duration = Duration::from_millis(200);
 /// Delay before retrying a resync that failed.
 const RETRY: Duration = Duration::from_secs(1);
 
@@ -80,13 +80,6 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     let mut registry = node_agent::metrics::registry();
     let metrics = Metrics::new(&mut registry);
     let side = Side::start(identity(args), args.metrics_address.map(|a| (a, registry)))?;
-    let uevents = match sysfs_pci::uevent::socket_nonblocking() {
-        Ok(s) => Some(s),
-        Err(e) => {
-            tracing::warn!(error = %e, "no kernel uevents; relying on the periodic resync");
-            None
-        }
-    };
     let mut state = ctx.owned_state(owner)?;
     let mut pt = Passthrough {
         host: &ctx.host,
@@ -106,30 +99,29 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         last_failure: None,
     };
     pass.converge(&mut pt, &list)?;
-    // parse_duration caps the interval (cli::MAX_DURATION), so this cannot overflow.
-    let mut next_resync = Instant::now() + args.resync_interval;
-    let mut pending: Option<Instant> = None;
+    // The node watcher: every batch of PCI uevents and /dev/vfio changes, and the
+    // resync, is one more pass (a pass is whole-node and changes nothing that is
+    // already right, so our own binds' events cost one idle pass).
+    let mut node = NodeWatch::open(
+        &ctx.host,
+        Options {
+            resync: Some(args.resync_interval),
+            ..Options::default()
+        },
+    );
     loop {
-        let deadline = pending.unwrap_or(next_resync).min(next_resync);
-        let timeout = deadline.saturating_duration_since(Instant::now());
-        let (signal, uevent) = wait(&signals, uevents.as_ref(), timeout)?;
-        if let Some(sig) = signal {
+        if let Some(sig) = wait(&signals, &node)? {
             tracing::info!(signal = ?sig, "stopping");
             break;
         }
-        if uevent && pending.is_none() {
-            pending = Some(Instant::now() + SETTLE);
+        if node.collect().is_empty() {
+            continue;
         }
-        let now = Instant::now();
-        if pending.is_some_and(|p| now >= p) || now >= next_resync {
-            pending = None;
-            next_resync = now + args.resync_interval;
-            // A device vanishing mid-scan, a module that fails to load: log it and
-            // try again soon. The daemon only stops on a signal.
-            if let Err(e) = pass.converge(&mut pt, &list) {
-                tracing::error!(error = %error_chain(e.as_ref()), "resync failed; retrying");
-                pending = Some(now + RETRY);
-            }
+        // A device vanishing mid-scan, a module that fails to load: log it and
+        // try again soon. The daemon only stops on a signal.
+        if let Err(e) = pass.converge(&mut pt, &list) {
+            tracing::error!(error = %error_chain(e.as_ref()), "resync failed; retrying");
+            node.retry_in(RETRY);
         }
     }
     remove_if_present(&ctx.ready_file)?;
@@ -382,17 +374,16 @@ fn block_signals() -> anyhow::Result<SignalFd> {
     )?)
 }
 
-/// Waits for a signal, a PCI uevent, or the timeout.
-fn wait(
-    signals: &SignalFd,
-    uevents: Option<&OwnedFd>,
-    timeout: Duration,
-) -> anyhow::Result<(Option<Signal>, bool)> {
+/// Waits for a signal, a node event, or the node watcher's timeout; the signal, if
+/// one came.
+fn wait(signals: &SignalFd, node: &NodeWatch) -> anyhow::Result<Option<Signal>> {
     let mut fds = vec![PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
-    if let Some(u) = uevents {
-        fds.push(PollFd::new(u.as_fd(), PollFlags::POLLIN));
-    }
-    let ms = i32::try_from(timeout.as_millis())
+    fds.extend(
+        node.fds()
+            .into_iter()
+            .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
+    );
+    let ms = i32::try_from(node.timeout().as_millis())
         .unwrap_or(i32::MAX)
         .max(1);
     match poll(
@@ -400,13 +391,12 @@ fn wait(
         PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX),
     ) {
         Ok(_) => {}
-        Err(nix::errno::Errno::EINTR) => return Ok((None, false)),
+        Err(nix::errno::Errno::EINTR) => return Ok(None),
         Err(e) => return Err(e.into()),
     }
     let signal = match signals.read_signal() {
         Ok(Some(info)) => Signal::try_from(info.ssi_signo as i32).ok(),
         _ => None,
     };
-    let uevent = uevents.is_some_and(|u| sysfs_pci::uevent::drain(u.as_fd()));
-    Ok((signal, uevent))
+    Ok(signal)
 }
