@@ -12,8 +12,8 @@ use clap::{Parser, Subcommand};
 use node_agent::cli::{fail, parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
 use node_agent::cluster::{Cluster, Identity, Verdict};
 use node_agent::metrics::{self as endpoint, ListenAddress};
-use passthrough::owner::DEFAULT_OWNER_LOCK;
-use passthrough::state::{StateError, StateFile, DEFAULT_DRA_STATE_FILE};
+use passthrough::owner::{Program, DEFAULT_OWNER_LOCK};
+use passthrough::state::{StateFile, DEFAULT_DRA_STATE_FILE};
 use passthrough::Passthrough;
 use sandbox_dra_driver::cdi::{DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
 use sandbox_dra_driver::claims::{Claims, Files};
@@ -225,15 +225,8 @@ fn main() -> ExitCode {
         metadata_dir: cli.metadata_dir.clone(),
         iommufd: cli.iommufd,
     };
-    let mut state = match StateFile::load(&cli.state_file, true) {
+    let mut state = match StateFile::load(&cli.state_file, true, Program::DraDriver) {
         Ok(s) => s,
-        Err(StateError::Locked { lock }) => {
-            let e = Usage(format!(
-                "{} is locked by another {PROGRAM} on this node; not touching the node",
-                lock.display()
-            ));
-            return fail(PROGRAM, &e, EXIT_NOT_READY);
-        }
         Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
     };
     if let Err(e) = state.attach_owner(owner) {

@@ -128,8 +128,12 @@ impl grpc::Driver for Refusing {
     /// A claim this driver never prepared is done already (kubelet's unprepare is
     /// idempotent); one our state file records waits for the node.
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
-        let recorded = StateFile::load(&self.state_file, false)
-            .map(|s| s.state().claims.keys().cloned().collect::<Vec<_>>());
+        let recorded = StateFile::load(
+            &self.state_file,
+            false,
+            passthrough::owner::Program::DraDriver,
+        )
+        .map(|s| s.state().claims.keys().cloned().collect::<Vec<_>>());
         claims
             .into_iter()
             .map(|c| {

@@ -350,7 +350,7 @@ fn continue_after(busy: &Mutex<Option<(String, Instant)>>) {
 
 /// The claims recorded in a state file, for a message at stop.
 pub fn prepared_claims(path: &Path) -> Vec<String> {
-    match StateFile::load(path, false) {
+    match StateFile::load(path, false, passthrough::owner::Program::DraDriver) {
         Ok(s) => s
             .state()
             .claims

@@ -118,7 +118,12 @@ impl Node {
         kernel: &dyn Kernel,
         f: impl FnOnce(&mut Claims<'_>, &Inventory) -> T,
     ) -> T {
-        let mut state = StateFile::load(&self.state_path, true).unwrap();
+        let mut state = StateFile::load(
+            &self.state_path,
+            true,
+            passthrough::owner::Program::DraDriver,
+        )
+        .unwrap();
         let inv = Inventory::scan(&self.node.host, &self.list).unwrap();
         let mut claims = Claims {
             pt: Passthrough {
@@ -178,7 +183,12 @@ impl Node {
             .filter(|(a, was)| after.get(*a) != Some(was))
             .map(|(a, was)| format!("{a}: was {was:?}, now {:?}", after.get(a)))
             .collect();
-        let state = StateFile::load(&self.state_path, false).unwrap();
+        let state = StateFile::load(
+            &self.state_path,
+            false,
+            passthrough::owner::Program::DraDriver,
+        )
+        .unwrap();
         if !state.state().devices.is_empty() || !state.state().claims.is_empty() {
             lost.push(format!("state not empty: {:?}", state.state()));
         }
@@ -222,7 +232,8 @@ fn a_claim_moves_its_whole_group_and_gives_it_back() {
     );
     assert!(n.node.host.vfio_group_node(1).exists());
     assert!(!n.files().is_empty(), "the claim's files are written");
-    let state = StateFile::load(&n.state_path, false).unwrap();
+    let state =
+        StateFile::load(&n.state_path, false, passthrough::owner::Program::DraDriver).unwrap();
     let record = &state.state().claims["uid-a"];
     assert_eq!(record.phase, ClaimPhase::Prepared);
     assert_eq!(record.groups(), vec![1]);

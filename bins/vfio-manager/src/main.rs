@@ -121,7 +121,11 @@ pub struct Context {
 impl Context {
     /// Opens the state file; a dry run keeps changes in memory.
     pub fn state(&self, persist: bool) -> anyhow::Result<StateFile> {
-        Ok(StateFile::load(&self.state_file, persist)?)
+        Ok(StateFile::load(
+            &self.state_file,
+            persist,
+            passthrough::owner::Program::VfioManager,
+        )?)
     }
 
     /// Takes the node's owner lock, or says who owns the node.

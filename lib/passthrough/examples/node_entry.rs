@@ -97,7 +97,8 @@ fn enter(
 ) -> Result<Duration, String> {
     let host = &kernel.node.host;
     let started = Instant::now();
-    let mut state = StateFile::load(state_path, true).map_err(|e| error_chain(&e))?;
+    let mut state = StateFile::load(state_path, true, passthrough::owner::Program::VfioManager)
+        .map_err(|e| error_chain(&e))?;
     let mut pt = Passthrough {
         host,
         kernel,

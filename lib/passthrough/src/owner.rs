@@ -83,6 +83,18 @@ impl Program {
     }
 }
 
+impl Program {
+    /// Said after "locked by another <program>" of its state file.
+    pub fn state_lock_hint(self) -> &'static str {
+        match self {
+            Self::VfioManager => {
+                " (is `vfio-manager run` active on this node? it restores on SIGTERM)"
+            }
+            Self::DraDriver => " on this node",
+        }
+    }
+}
+
 impl fmt::Display for Program {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())

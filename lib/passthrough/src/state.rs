@@ -1,4 +1,5 @@
-//! The record of what vfio-manager changed, so it can be put back.
+//! The record of what an agent (vfio-manager, or the DRA driver with its claims)
+//! changed on the node, so it can be put back.
 //!
 //! Written atomically (temporary file + rename) after every change, and *before* each
 //! device is touched: a `kill -9` at any point leaves a file that names every device we
@@ -8,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::owner::{Owner, OwnerError};
+use crate::owner::{Owner, OwnerError, Program};
 use sysfs_pci::io::{read_optional, IoError};
 use sysfs_pci::kernel::Kernel;
 use sysfs_pci::PciAddress;
@@ -28,11 +29,13 @@ pub enum StateError {
     /// Reading or writing failed.
     #[error(transparent)]
     Io(#[from] IoError),
-    /// Another vfio-manager holds the lock.
-    #[error("{lock} is locked by another vfio-manager (is `vfio-manager run` active on this node? it restores on SIGTERM); not touching the node")]
+    /// Another process of the same program holds the lock.
+    #[error("{lock} is locked by another {program}{}; not touching the node", program.state_lock_hint())]
     Locked {
         /// The lock file.
         lock: PathBuf,
+        /// The program that owns the file.
+        program: Program,
     },
     /// The lock file is not a plain file we may open (a symlink, say).
     #[error("cannot open lock file {lock} (it must be a regular file, not a symlink); not touching the node")]
@@ -56,12 +59,14 @@ pub enum StateError {
         source: serde_json::Error,
     },
     /// The file was written by a newer (or unknown) format.
-    #[error("state file {path} has format version {version}, this vfio-manager understands only version {VERSION}; not touching the node (use the vfio-manager that wrote it)")]
+    #[error("state file {path} has format version {version}, this {program} understands only version {VERSION}; not touching the node (use the {program} that wrote it)")]
     Version {
         /// The file.
         path: PathBuf,
         /// The version found.
         version: u64,
+        /// The program that owns the file.
+        program: Program,
     },
     /// Two keys name the same device with different records.
     #[error("state file {path} records {address} twice ({first} and {second}) with different contents; not touching the node (check which driver {address} came from and keep one record)")]
@@ -108,7 +113,7 @@ pub struct Record {
     pub group: u32,
 }
 
-/// Everything vfio-manager changed on this node.
+/// Everything the file's program changed on this node.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct State {
     /// Format version ([`VERSION`]).
@@ -212,7 +217,7 @@ impl State {
     /// `0000:01:00.0` are one device); two spellings of one device with different
     /// records, an unknown version or a malformed document are errors, so nothing
     /// is ever dropped silently.
-    pub fn parse(path: &Path, text: &str) -> Result<Self, StateError> {
+    pub fn parse(path: &Path, text: &str, program: Program) -> Result<Self, StateError> {
         if text.trim().is_empty() {
             return Ok(Self::empty());
         }
@@ -224,6 +229,7 @@ impl State {
                     return Err(StateError::Version {
                         path: path.to_owned(),
                         version,
+                        program,
                     })
                 }
                 None => {}
@@ -237,6 +243,7 @@ impl State {
             return Err(StateError::Version {
                 path: path.to_owned(),
                 version: disk.version,
+                program,
             });
         }
         let mut devices = BTreeMap::new();
@@ -311,7 +318,7 @@ pub fn lock_path(path: &Path) -> PathBuf {
 
 /// Takes the exclusive lock beside `path` without waiting. The lock file is opened
 /// with `O_NOFOLLOW`: a symlink planted there is refused, never followed.
-fn lock(path: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, StateError> {
+fn lock(path: &Path, program: Program) -> Result<nix::fcntl::Flock<std::fs::File>, StateError> {
     use std::os::unix::fs::OpenOptionsExt;
     use sysfs_pci::io::{Action, WrapIo};
     let lock_path = lock_path(path);
@@ -329,19 +336,27 @@ fn lock(path: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, StateError> {
             lock: lock_path.clone(),
             source,
         })?;
-    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
-        .map_err(|_| StateError::Locked { lock: lock_path })
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|_| {
+        StateError::Locked {
+            lock: lock_path,
+            program,
+        }
+    })
 }
 
 impl StateFile {
     /// Loads `path` (an absent file is an empty state). With `persist` false (dry run,
     /// status), changes stay in memory and no lock is taken; otherwise the lock is
     /// taken first, and held until this value is dropped.
-    pub fn load(path: &Path, persist: bool) -> Result<Self, StateError> {
-        let lock = if persist { Some(lock(path)?) } else { None };
+    pub fn load(path: &Path, persist: bool, program: Program) -> Result<Self, StateError> {
+        let lock = if persist {
+            Some(lock(path, program)?)
+        } else {
+            None
+        };
         let state = match read_optional(path)? {
             None => State::empty(),
-            Some(text) => State::parse(path, &text)?,
+            Some(text) => State::parse(path, &text, program)?,
         };
         Ok(Self {
             path: path.to_owned(),

@@ -155,7 +155,12 @@ impl Node {
         kernel: &dyn Kernel,
         f: impl FnOnce(&mut Passthrough<'_>) -> T,
     ) -> Result<T, String> {
-        let mut state = StateFile::load(&self.state_path, true).map_err(|e| error_chain(&e))?;
+        let mut state = StateFile::load(
+            &self.state_path,
+            true,
+            passthrough::owner::Program::VfioManager,
+        )
+        .map_err(|e| error_chain(&e))?;
         Ok(f(&mut Passthrough {
             host: &self.node.host,
             kernel,
@@ -274,7 +279,12 @@ impl Node {
         if !Path::new(&self.node.host.module_dir(UNLOAD)).exists() {
             lost.push(format!("module {UNLOAD} not reloaded"));
         }
-        let state = StateFile::load(&self.state_path, false).unwrap();
+        let state = StateFile::load(
+            &self.state_path,
+            false,
+            passthrough::owner::Program::VfioManager,
+        )
+        .unwrap();
         if !state.state().devices.is_empty() || !state.state().unloaded_modules.is_empty() {
             lost.push(format!("state file not empty: {:?}", state.state()));
         }

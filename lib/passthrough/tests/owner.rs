@@ -187,7 +187,7 @@ fn each_state_save_keeps_the_device_count_current() {
         "0000:01:00.0".parse().unwrap(),
         "0000:02:00.0".parse().unwrap(),
     );
-    let mut state = StateFile::load(&path, true).unwrap();
+    let mut state = StateFile::load(&path, true, passthrough::owner::Program::VfioManager).unwrap();
     state.record(k, a, rec(1)).unwrap();
     // Attaching counts what the state already holds.
     state

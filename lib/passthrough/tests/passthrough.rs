@@ -58,7 +58,12 @@ fn bed() -> Bed {
     );
     let kernel = FakeKernel::new(&node);
     kernel.learn_native_drivers();
-    let state = StateFile::load(&dir.path().join("run/state.json"), true).unwrap();
+    let state = StateFile::load(
+        &dir.path().join("run/state.json"),
+        true,
+        passthrough::owner::Program::VfioManager,
+    )
+    .unwrap();
     Bed {
         list: ResourceList::parse(LIST).unwrap(),
         _dir: dir,
@@ -226,7 +231,12 @@ fn restore_puts_back_original_drivers_and_empties_the_record() {
     assert_eq!(b.driver("0000:01:00.0").as_deref(), Some("e1000e"));
     assert_eq!(b.driver("0000:01:00.1").as_deref(), Some("snd_hda_intel"));
     assert!(b.state.state().devices.is_empty());
-    let on_disk = StateFile::load(b.state.path(), false).unwrap();
+    let on_disk = StateFile::load(
+        b.state.path(),
+        false,
+        passthrough::owner::Program::VfioManager,
+    )
+    .unwrap();
     assert!(on_disk.state().devices.is_empty());
 }
 
@@ -292,8 +302,8 @@ fn a_crash_between_unbind_and_probe_still_converges_and_restores() {
     std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
     b.node.detach(&nic);
     // The dead process's lock is gone with it; a new one loads the file.
-    b.state = StateFile::load(&path, false).unwrap();
-    b.state = StateFile::load(&path, true).unwrap();
+    b.state = StateFile::load(&path, false, passthrough::owner::Program::VfioManager).unwrap();
+    b.state = StateFile::load(&path, true, passthrough::owner::Program::VfioManager).unwrap();
     let inv = b.inv();
     let report = b.pt().bind(&inv, &[5]);
     assert!(report.failed.is_empty(), "{:?}", report.failed);
@@ -449,7 +459,12 @@ fn wide(latency: std::time::Duration) -> Bed {
     );
     let kernel = FakeKernel::new(&node).with_latency(latency);
     kernel.learn_native_drivers();
-    let state = StateFile::load(&dir.path().join("run/state.json"), true).unwrap();
+    let state = StateFile::load(
+        &dir.path().join("run/state.json"),
+        true,
+        passthrough::owner::Program::VfioManager,
+    )
+    .unwrap();
     Bed {
         list: ResourceList::parse(LIST).unwrap(),
         _dir: dir,
@@ -477,7 +492,12 @@ fn jobs(n: usize) -> std::num::NonZeroUsize {
 impl Bed {
     /// The records on disk, which must equal those in memory.
     fn records_on_disk(&self) -> Vec<PciAddress> {
-        let disk = StateFile::load(self.state.path(), false).unwrap();
+        let disk = StateFile::load(
+            self.state.path(),
+            false,
+            passthrough::owner::Program::VfioManager,
+        )
+        .unwrap();
         assert_eq!(
             disk.state(),
             self.state.state(),
@@ -597,7 +617,12 @@ fn a_crash_while_binding_concurrently_reaches_the_caller_and_loses_nothing() {
             .bind_concurrent(&inv, &[], jobs(4))
         }));
         assert!(caught.unwrap_err().is::<Crashed>(), "point #{at}");
-        let on_disk = StateFile::load(b.state.path(), false).unwrap();
+        let on_disk = StateFile::load(
+            b.state.path(),
+            false,
+            passthrough::owner::Program::VfioManager,
+        )
+        .unwrap();
         for d in WIDE {
             let dir = b.node.host.device_dir(&a(d));
             let over = std::fs::read_to_string(dir.join("driver_override")).unwrap();
@@ -616,7 +641,12 @@ fn a_crash_while_binding_concurrently_reaches_the_caller_and_loses_nothing() {
         }
         // The next process restores from the file alone.
         drop(b.state);
-        b.state = StateFile::load(on_disk.path(), true).unwrap();
+        b.state = StateFile::load(
+            on_disk.path(),
+            true,
+            passthrough::owner::Program::VfioManager,
+        )
+        .unwrap();
         let report = b.pt().restore(&[]);
         assert!(report.failed.is_empty(), "point #{at}: {:?}", report.failed);
         for d in WIDE {

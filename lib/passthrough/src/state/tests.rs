@@ -18,12 +18,12 @@ fn round_trips_and_first_record_wins() {
     let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let path = dir.path().join("run/state.json");
     let a: PciAddress = "0000:01:00.0".parse().unwrap();
-    let mut f = StateFile::load(&path, true).unwrap();
+    let mut f = StateFile::load(&path, true, crate::owner::Program::VfioManager).unwrap();
     f.record(K, a, rec()).unwrap();
     let mut later = rec();
     later.original_driver = Some("vfio-pci".into());
     f.record(K, a, later).unwrap();
-    let back = StateFile::load(&path, false).unwrap();
+    let back = StateFile::load(&path, false, crate::owner::Program::VfioManager).unwrap();
     assert_eq!(back.state().devices[&a], rec());
     let text = std::fs::read_to_string(&path).unwrap();
     assert!(text.contains("\"0000:01:00.0\""), "{text}");
@@ -34,21 +34,23 @@ fn forget_empties_the_record() {
     let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let path = dir.path().join("state.json");
     let a: PciAddress = "0000:01:00.0".parse().unwrap();
-    let mut f = StateFile::load(&path, true).unwrap();
+    let mut f = StateFile::load(&path, true, crate::owner::Program::VfioManager).unwrap();
     f.record(K, a, rec()).unwrap();
     f.forget(K, &a).unwrap();
-    assert!(StateFile::load(&path, false)
-        .unwrap()
-        .state()
-        .devices
-        .is_empty());
+    assert!(
+        StateFile::load(&path, false, crate::owner::Program::VfioManager)
+            .unwrap()
+            .state()
+            .devices
+            .is_empty()
+    );
 }
 
 #[test]
 fn dry_run_never_writes() {
     let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let path = dir.path().join("state.json");
-    let mut f = StateFile::load(&path, false).unwrap();
+    let mut f = StateFile::load(&path, false, crate::owner::Program::VfioManager).unwrap();
     f.record(K, "0000:01:00.0".parse().unwrap(), rec()).unwrap();
     assert!(!path.exists());
 }
@@ -57,18 +59,20 @@ fn dry_run_never_writes() {
 fn a_second_writer_is_refused_while_the_first_holds_the_lock() {
     let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let path = dir.path().join("state.json");
-    let first = StateFile::load(&path, true).unwrap();
-    let msg = StateFile::load(&path, true).unwrap_err().to_string();
+    let first = StateFile::load(&path, true, crate::owner::Program::VfioManager).unwrap();
+    let msg = StateFile::load(&path, true, crate::owner::Program::VfioManager)
+        .unwrap_err()
+        .to_string();
     assert!(
         msg.contains("state.json.lock is locked by another vfio-manager"),
         "{msg}"
     );
     assert!(
-        StateFile::load(&path, false).is_ok(),
+        StateFile::load(&path, false, crate::owner::Program::VfioManager).is_ok(),
         "readers need no lock"
     );
     drop(first);
-    assert!(StateFile::load(&path, true).is_ok());
+    assert!(StateFile::load(&path, true, crate::owner::Program::VfioManager).is_ok());
 }
 
 #[test]
@@ -76,7 +80,9 @@ fn corrupt_file_is_named() {
     let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let path = dir.path().join("state.json");
     std::fs::write(&path, "{\"version\":1,\"devices\":{\"nope\":{}}}").unwrap();
-    let msg = StateFile::load(&path, true).unwrap_err().to_string();
+    let msg = StateFile::load(&path, true, crate::owner::Program::VfioManager)
+        .unwrap_err()
+        .to_string();
     assert!(msg.contains("state.json is corrupt"), "{msg}");
 }
 
@@ -109,7 +115,7 @@ fn a_failed_save_leaves_memory_as_it_was() {
     let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let path = dir.path().join("state.json");
     let a: PciAddress = "0000:01:00.0".parse().unwrap();
-    let mut f = StateFile::load(&path, true).unwrap();
+    let mut f = StateFile::load(&path, true, crate::owner::Program::VfioManager).unwrap();
     assert!(f.record(&FullDisk, a, rec()).is_err());
     assert!(
         f.get(&a).is_none(),
@@ -120,7 +126,12 @@ fn a_failed_save_leaves_memory_as_it_was() {
     // The next attempt writes again.
     f.record(K, a, rec()).unwrap();
     f.note_unloaded(K, "e1000e").unwrap();
-    let back = StateFile::load(&dir.path().join("state.json"), false).unwrap();
+    let back = StateFile::load(
+        &dir.path().join("state.json"),
+        false,
+        crate::owner::Program::VfioManager,
+    )
+    .unwrap();
     assert_eq!(back.state().devices[&a], rec());
     assert_eq!(back.state().unloaded_modules, ["e1000e"]);
     // A failed forget keeps the record on disk and in memory alike.
@@ -136,7 +147,9 @@ fn an_unknown_version_is_refused_and_the_file_is_left_alone() {
     let path = dir.path().join("state.json");
     let text = r#"{"version":2,"devices":{},"unloaded_modules":[],"future":true}"#;
     std::fs::write(&path, text).unwrap();
-    let msg = sysfs_pci::error_chain(&StateFile::load(&path, true).unwrap_err());
+    let msg = sysfs_pci::error_chain(
+        &StateFile::load(&path, true, crate::owner::Program::VfioManager).unwrap_err(),
+    );
     assert!(msg.contains("format version 2"), "{msg}");
     assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
 }
@@ -146,16 +159,21 @@ fn two_spellings_of_one_address_are_one_record_or_an_error() {
     let p = Path::new("state.json");
     let r = serde_json::to_string(&rec()).unwrap();
     let same = format!(r#"{{"version":1,"devices":{{"01:00.0":{r},"0000:01:00.0":{r}}}}}"#);
-    let state = State::parse(p, &same).unwrap();
+    let state = State::parse(p, &same, crate::owner::Program::VfioManager).unwrap();
     assert_eq!(state.devices.len(), 1);
     let mut other = rec();
     other.original_driver = None;
     let o = serde_json::to_string(&other).unwrap();
     let clash = format!(r#"{{"version":1,"devices":{{"0000:01:00.0":{r},"01:00.0":{o}}}}}"#);
-    let msg = State::parse(p, &clash).unwrap_err().to_string();
+    let msg = State::parse(p, &clash, crate::owner::Program::VfioManager)
+        .unwrap_err()
+        .to_string();
     assert!(msg.contains("records 0000:01:00.0 twice"), "{msg}");
     let upper = format!(r#"{{"version":1,"devices":{{"0000:0A:00.0":{r}}}}}"#);
-    let text = serde_json::to_string(&State::parse(p, &upper).unwrap()).unwrap();
+    let text = serde_json::to_string(
+        &State::parse(p, &upper, crate::owner::Program::VfioManager).unwrap(),
+    )
+    .unwrap();
     assert!(text.contains("0000:0a:00.0"), "{text}");
 }
 
@@ -166,7 +184,9 @@ fn a_symlinked_lock_file_is_refused_not_followed() {
     let victim = dir.path().join("victim");
     std::fs::write(&victim, "keep").unwrap();
     std::os::unix::fs::symlink(&victim, lock_path(&path)).unwrap();
-    let msg = sysfs_pci::error_chain(&StateFile::load(&path, true).unwrap_err());
+    let msg = sysfs_pci::error_chain(
+        &StateFile::load(&path, true, crate::owner::Program::VfioManager).unwrap_err(),
+    );
     assert!(msg.contains("must be a regular file"), "{msg}");
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
 }
@@ -185,7 +205,13 @@ fn hostile_state_files_are_errors_not_panics() {
         r#"{"version":1,"devices":{},"unloaded_modules":[1]}"#,
         r#"{"version":99999999999999999999,"devices":{}}"#,
     ] {
-        assert!(State::parse(p, text).is_err(), "{text}");
+        assert!(
+            State::parse(p, text, crate::owner::Program::VfioManager).is_err(),
+            "{text}"
+        );
     }
-    assert!(State::parse(p, " \n").unwrap().devices.is_empty());
+    assert!(State::parse(p, " \n", crate::owner::Program::VfioManager)
+        .unwrap()
+        .devices
+        .is_empty());
 }
