@@ -2,7 +2,8 @@
 # Build the workspace binaries as static executables for the VM test bed and
 # the container image.
 #
-#   scripts/build-static.sh [--arch x86_64|aarch64] [--profile release|testbed]
+#   scripts/build-static.sh [--arch x86_64|aarch64] [--profile release|testbed|demo]
+#                           [--packages "NAME ..."]
 #
 #   RUSTFLAGS="-C target-feature=+crt-static" \
 #     cargo build --profile <profile> --target <arch>-unknown-linux-gnu --bins
@@ -10,7 +11,9 @@
 # --arch (env STATIC_ARCH; also amd64/arm64) picks the target; the default is
 # x86_64. --profile (env STATIC_PROFILE, default release) picks the cargo
 # profile: `release` for the image, `testbed` (release without LTO, see
-# Cargo.toml) for the VM test bed. The explicit --target keeps these artifacts (and the RUSTFLAGS)
+# Cargo.toml) for the VM test bed, `demo` (no optimisation) for scripts/demo.sh.
+# --packages (env STATIC_PACKAGES) builds only those packages' binaries, and
+# then no failpoints variants. The explicit --target keeps these artifacts (and the RUSTFLAGS)
 # apart from the normal target/release build cache; build scripts and proc
 # macros are host code and shared between both targets.
 #
@@ -34,8 +37,11 @@ set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 arch="${STATIC_ARCH:-x86_64}"
 profile="${STATIC_PROFILE:-release}"
+packages="${STATIC_PACKAGES:-}"
 while (($#)); do
     case "$1" in
+        --packages) packages="${2?--packages needs a list}"; shift 2 ;;
+        --packages=*) packages="${1#*=}"; shift ;;
         --profile) profile="${2:?--profile needs release or testbed}"; shift 2 ;;
         --profile=*) profile="${1#*=}"; shift ;;
         --arch) arch="${2:?--arch needs x86_64 or aarch64}"; shift 2 ;;
@@ -52,8 +58,8 @@ esac
 target="$arch-unknown-linux-gnu"
 target_dir="${CARGO_TARGET_DIR:-$repo_root/target}"
 case "$profile" in
-    release | testbed) ;;
-    *) printf 'build-static: error: --profile wants release or testbed, got %s\n' "$profile" >&2; exit 2 ;;
+    release | testbed | demo) ;;
+    *) printf 'build-static: error: --profile wants release, testbed or demo, got %s\n' "$profile" >&2; exit 2 ;;
 esac
 out_dir="$target_dir/$target/$profile"
 list="$out_dir/static-bins.list"
@@ -101,7 +107,14 @@ rc=0
 # first: the normal build below puts the shipped binaries back in place (cargo keeps
 # both variants cached).
 fp_bins=()
-if (
+package_args=(--workspace)
+for p in $packages; do
+    [[ "${package_args[0]}" == --workspace ]] && package_args=()
+    package_args+=(-p "$p")
+done
+if [[ -n "$packages" ]]; then
+    : # only the packages asked for: no failpoints variants
+elif (
     cd "$repo_root"
     RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C target-feature=+crt-static" \
         cargo build --profile "$profile" --target "$target" -p vfio-manager -p sandbox-dra-driver \
@@ -125,7 +138,7 @@ fi
 (
     cd "$repo_root"
     RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C target-feature=+crt-static" \
-        cargo build --profile "$profile" --target "$target" --bins --keep-going \
+        cargo build --profile "$profile" --target "$target" "${package_args[@]}" --bins --keep-going \
         --message-format=json-render-diagnostics
 ) >"$json" || rc=$?
 

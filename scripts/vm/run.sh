@@ -132,7 +132,8 @@ vm_ensure_packages "${VM_HOST_PACKAGES[@]}"
 # One static build per architecture in use; arch_bins[ARCH] holds the binary
 # paths separated by newlines. Cargo profile `testbed` (VM_PROFILE): release
 # settings at opt-level 1 without LTO, so a cold build takes minutes less;
-# `release` tests the image's exact binaries.
+# `release` tests the image's exact binaries; `demo` is unoptimised. VM_PACKAGES
+# (space-separated) builds only those packages' binaries.
 profile="${VM_PROFILE:-testbed}"
 for arch in x86_64 aarch64; do
     [[ -v "arch_bins[$arch]" ]] || continue
@@ -143,7 +144,8 @@ for arch in x86_64 aarch64; do
         else
             vm_log "building static binaries for $arch"
         fi
-        if ! "$repo_root/scripts/build-static.sh" --arch "$arch" --profile "$profile" >/dev/null; then
+        if ! "$repo_root/scripts/build-static.sh" --arch "$arch" --profile "$profile" \
+            --packages "${VM_PACKAGES:-}" >/dev/null; then
             vm_log "warning: the static build failed; only the binaries it did build go into the guest"
         fi
     fi
