@@ -37,4 +37,12 @@ step "VM harness self-test (stall watchdog, fake QEMU)"
 tests/vm/harness-selftest.sh
 step "real-kernel scenarios (QEMU) on Debian 12 and 13 kernels, and the demo so it cannot rot"
 scripts/vm/run.sh --kernel bookworm,trixie tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
+step "no test fakes in the shipped binaries (symbols of the test bed's x86 static build; the sysfs-pci unit tests as the control)"
+control="$(cargo test -p sysfs-pci --lib --no-run --locked --message-format=json |
+    grep -o '"executable":"[^"]*"' | sed 's/^"executable":"//; s/"$//' | tail -n1)"
+shipped=()
+for b in vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver; do
+    shipped+=("target/x86_64-unknown-linux-gnu/testbed/$b")
+done
+scripts/check-no-fakes.sh "${shipped[@]}" -- "$control"
 step "the same on Debian 13's arm64 kernel (qemu-system-aarch64, SMMUv3) with cross-built aarch64 binaries" && scripts/vm/run.sh --kernel trixie-arm64 tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
