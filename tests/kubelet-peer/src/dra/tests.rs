@@ -1,0 +1,111 @@
+use super::*;
+
+fn info(kind: &str, versions: &[&str]) -> PluginInfo {
+    PluginInfo {
+        r#type: kind.into(),
+        name: "d".into(),
+        endpoint: "/p/d/dra.sock".into(),
+        supported_versions: versions.iter().map(|v| v.to_string()).collect(),
+    }
+}
+
+#[test]
+fn kubelet_picks_the_first_version_it_knows() {
+    assert_eq!(
+        check_info(&info("DRAPlugin", &["v1.DRAPlugin", "v1beta1.DRAPlugin"])),
+        Ok(Version::V1)
+    );
+    assert_eq!(
+        check_info(&info(
+            "DRAPlugin",
+            &["v2.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAPlugin"]
+        )),
+        Ok(Version::V1beta1)
+    );
+    assert!(check_info(&info("DRAPlugin", &[])).is_err());
+    assert!(check_info(&info("DRAPlugin", &["v1alpha4.DRAPlugin"])).is_err());
+    assert!(check_info(&info("CSIPlugin", &["v1.DRAPlugin"])).is_err());
+}
+
+#[test]
+fn kubelet_1_32_prefers_v1beta1_and_falls_back_to_alpha() {
+    let k = KubeletVersion::V1_32;
+    let v = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        k.choose("d", "/e", &v(&["v1.DRAPlugin", "v1beta1.DRAPlugin"])),
+        Ok(Chosen::Speaks(Version::V1beta1))
+    );
+    assert_eq!(
+        k.choose("d", "/e", &v(&["v1.DRAPlugin"])),
+        Ok(Chosen::V1alpha4)
+    );
+    assert!(k
+        .choose("d", "/e", &[])
+        .unwrap_err()
+        .starts_with("invalid versions of plugin d: empty list"));
+    assert_eq!(
+        KubeletVersion::V1_34.choose("d", "/e", &v(&["v1beta1.DRAPlugin", "v1.DRAPlugin"])),
+        Ok(Chosen::Speaks(Version::V1beta1)),
+        "1.34 follows the plugin's order"
+    );
+    assert_eq!(
+        k.dra_authority(Path::new("/p/d/dra.sock")),
+        "%2Fp%2Fd%2Fdra.sock"
+    );
+    assert_eq!(
+        KubeletVersion::V1_34.dra_authority(Path::new("/p/d/dra.sock")),
+        "localhost"
+    );
+}
+
+#[test]
+fn problems_are_what_kubelet_fails_on() {
+    let asked = [
+        parse_claim("ns/a/uid-a").unwrap(),
+        parse_claim("ns/b/uid-b").unwrap(),
+        parse_claim("ns/c/uid-c").unwrap(),
+    ];
+    let mut claims = BTreeMap::new();
+    claims.insert(
+        "uid-a".to_string(),
+        Unprepared {
+            error: String::new(),
+        },
+    );
+    claims.insert(
+        "uid-b".to_string(),
+        Unprepared {
+            error: "busy".into(),
+        },
+    );
+    claims.insert(
+        "uid-x".to_string(),
+        Unprepared {
+            error: String::new(),
+        },
+    );
+    let a = Answer { claims };
+    assert_eq!(
+        a.problems(&asked),
+        [
+            "claim uid-b: busy",
+            "answer for claim uid \"uid-x\" that was not asked about",
+            "claim uid-c left out of the answer"
+        ]
+    );
+    assert_eq!(
+        a.to_json(),
+        r#"{"claims":{"uid-a":{"error":""},"uid-b":{"error":"busy"},"uid-x":{"error":""}}}"#
+    );
+}
+
+#[test]
+fn claims_are_namespace_name_uid() {
+    let c = parse_claim("ns/name/1234-ab").unwrap();
+    assert_eq!(
+        (c.namespace.as_str(), c.name.as_str(), c.uid.as_str()),
+        ("ns", "name", "1234-ab")
+    );
+    assert!(parse_claim("ns/name").is_err());
+    assert_eq!(parse_claim("ns/name/").unwrap().uid, "");
+}
