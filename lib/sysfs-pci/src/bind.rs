@@ -165,15 +165,7 @@ pub fn bind(
     }
     let bdf = address.to_string();
     let dir = host.device_dir(&address);
-    let write = |path: PathBuf, data: &str| {
-        kernel
-            .write(&path, data)
-            .map_err(|source| DriverError::Write {
-                address,
-                action: "bind",
-                source,
-            })
-    };
+    let write = writer(kernel, address, "bind");
     write(dir.join("driver_override"), driver)?;
     crate::failpoint::step("bind-after-override");
     if dev.driver.is_some() {
@@ -198,6 +190,24 @@ pub fn bind(
     })
 }
 
+/// Writes through `kernel`; a failure is a [`DriverError::Write`] of `action` on
+/// `address`.
+fn writer<'k>(
+    kernel: &'k dyn Kernel,
+    address: PciAddress,
+    action: &'static str,
+) -> impl Fn(PathBuf, &str) -> Result<(), DriverError> + 'k {
+    move |path, data| {
+        kernel
+            .write(&path, data)
+            .map_err(|source| DriverError::Write {
+                address,
+                action,
+                source,
+            })
+    }
+}
+
 /// Puts `dev` back: restores `driver_override` to `original_override` (clears it when
 /// `None`), unbinds the current driver, and re-probes so the kernel picks the native
 /// driver. When `original_driver` is `None` the device is left without a driver.
@@ -211,15 +221,7 @@ pub fn restore(
     let address = dev.address;
     let bdf = address.to_string();
     let dir = host.device_dir(&address);
-    let write = |path: PathBuf, data: &str| {
-        kernel
-            .write(&path, data)
-            .map_err(|source| DriverError::Write {
-                address,
-                action: "restore",
-                source,
-            })
-    };
+    let write = writer(kernel, address, "restore");
     // A newline clears the override; an empty write is rejected by some kernels.
     write(
         dir.join("driver_override"),
