@@ -7,8 +7,10 @@
 
 #![allow(clippy::unwrap_used)]
 
+use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod common;
@@ -103,11 +105,16 @@ fn start(dir: &Path, server: Option<&FakeApiServer>) -> Child {
     child
 }
 
+/// What the child wrote (a stream already taken by the test reads as empty).
 fn output(child: &mut Child) -> (String, String) {
     let mut out = String::new();
     let mut err = String::new();
-    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    if let Some(mut o) = child.stdout.take() {
+        std::io::Read::read_to_string(&mut o, &mut out).unwrap();
+    }
+    if let Some(mut e) = child.stderr.take() {
+        std::io::Read::read_to_string(&mut e, &mut err).unwrap();
+    }
     (out, err)
 }
 
@@ -288,13 +295,31 @@ fn with_a_node_name_but_no_reachable_server_it_warns_at_start_and_restores() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    wait_until("the ready file", || {
-        dir.path().join("run/ready").exists() || child.try_wait().unwrap().is_some()
+    // Follow stderr as it is written, and stop only once the failed start-up Node
+    // read has been said.
+    let stderr = child.stderr.take().unwrap();
+    let seen = Arc::new(Mutex::new(String::new()));
+    let reader = {
+        let seen = seen.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut s = seen.lock().unwrap();
+                s.push_str(&line);
+                s.push('\n');
+            }
+        })
+    };
+    wait_until("the failed Node read said at start", || {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "run exited early:\n{}",
+            seen.lock().unwrap()
+        );
+        seen.lock().unwrap().contains("cannot read this Node now")
     });
-    // Give the start-up Node read its moment to fail and say so.
-    std::thread::sleep(Duration::from_millis(500));
-    let (_, _, err) = stop(child);
-    assert!(err.contains("cannot read this Node now"), "{err}");
+    stop(child);
+    reader.join().unwrap();
+    let err = seen.lock().unwrap().clone();
     assert!(err.contains("the node leaves VM mode; restoring"), "{err}");
 }
 
