@@ -74,9 +74,12 @@ fn main() -> ExitCode {
     let ready = node_agent::ready::validator_ready_file(&cli.status_dir);
     let start = Instant::now();
     let mut shown: Option<Report> = None;
+    let mut round = 0u64;
     loop {
+        round = round.saturating_add(1);
         let report = validate(&host, &list, cli.allow_empty);
         let passed = report.passed();
+        tracing::debug!(round, passed, "validated");
         if let Err(e) = publish(&ready, &report) {
             return fail(PROGRAM, e.as_ref(), EXIT_NOT_READY);
         }
