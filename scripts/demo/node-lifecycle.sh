@@ -6,11 +6,13 @@
 export VFIO_SANDBOX_CONFIG=/etc/vfio-sandbox.json
 echo '{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}' >"$VFIO_SANDBOX_CONFIG"
 D=/var/lib/kubelet/device-plugins
-# node_events: reason and note of every Event the stand-in API server holds.
+# node_events FILE: type, reason and note of every Event the stand-in API server
+# holds, shown and kept in FILE.
 node_events() {
     echo "+ fake-apiserver request GET /apis/events.k8s.io/v1/namespaces/default/events"
     fake-apiserver request GET /apis/events.k8s.io/v1/namespaces/default/events |
-        grep -o '"note":"[^"]*"\|"reason":"[^"]*"' | sed 's/^/  /'
+        grep -o '"note":"[^"]*"\|"reason":"[^"]*"\|"type":"[^"]*"' | sed 's/^/  /' >"$1"
+    cat "$1"
 }
 # still_running PID: alive and not a zombie waiting to be reaped.
 still_running() {
@@ -95,7 +97,11 @@ step "kubelet never saw the card turn Unhealthy during the rollout" still_runnin
 kill "$watcher" 2>/dev/null
 wait "$watcher" 2>/dev/null
 note "   what the cluster was told (Node events)"
-node_events
+node_events /tmp/events1
+expect_contains "the Node was told its devices were bound" /tmp/events1 '"reason":"DevicesBound"'
+expect_contains "... which ones" /tmp/events1 '"note":"bound 3 device(s) to vfio: '
+expect_contains "... and that the rollout kept them" /tmp/events1 '"reason":"DevicesKept"'
+expect_not_contains "... all as Normal events" /tmp/events1 '"type":"Warning"'
 
 note "8. the label goes back to container: the DaemonSets get SIGTERM, devices go home"
 run_logged fake-apiserver request PATCH /api/v1/nodes/demo-node "{\"metadata\":{\"labels\":{\"$LABEL\":\"container\"}}}"
@@ -104,7 +110,10 @@ wait "$plugin"
 kill -TERM "$manager"
 wait "$manager"
 run_logged grep -E 'stopping|VM mode|restored' /tmp/manager2.log
-node_events
+node_events /tmp/events2
+expect_contains "the Node was told its devices went home" /tmp/events2 '"reason":"DevicesRestored"'
+expect_contains "... which ones" /tmp/events2 '"note":"restored 3 device(s) to their native drivers: '
+expect_not_contains "... as a Normal event" /tmp/events2 '"type":"Warning"'
 expect_contains "it found the node no longer selected" /tmp/manager2.log "$LABEL=container"
 step "the validator's ready file is gone with VM mode" sh -c "! test -e /run/vfio-sandbox/validations/vfio-pci-ready"
 run_logged vfio-manager status
