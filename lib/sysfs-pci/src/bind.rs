@@ -442,18 +442,86 @@ mod tests {
     }
 
     #[test]
-    fn probe_that_picks_another_driver_is_reported() {
+    fn a_failed_probe_write_is_reported() {
         let (_d, node, kernel) = node();
-        // The override names a driver the fake kernel will not attach (no dir), but the
-        // check for a registered driver is satisfied by creating the dir after the fact.
         let dev = PciDevice::read(&node.host, &addr("0000:01:00.0")).unwrap();
         *kernel.fail_on.lock().unwrap() = Some(("drivers_probe".into(), 22));
         let err = bind(&node.host, &kernel, &dev, "vfio-pci").unwrap_err();
+        assert!(
+            matches!(err, DriverError::Write { action: "bind", .. }),
+            "{err:?}"
+        );
         assert!(err.to_string().contains("cannot bind 0000:01:00.0"));
         assert_eq!(
             node.driver_of(&dev.address),
             None,
             "left driverless for rollback"
+        );
+    }
+
+    #[test]
+    fn probe_that_picks_another_driver_is_reported() {
+        let (_d, node, kernel) = node();
+        node.add_driver("other");
+        let dev = PciDevice::read(&node.host, &addr("0000:01:00.0")).unwrap();
+        kernel
+            .probe_outcome
+            .lock()
+            .unwrap()
+            .insert(dev.address, Some("other".into()));
+        let err = bind(&node.host, &kernel, &dev, "vfio-pci").unwrap_err();
+        match &err {
+            DriverError::NotBound {
+                address,
+                action,
+                expected,
+                actual,
+            } => {
+                assert_eq!(*address, dev.address);
+                assert_eq!(*action, "bind");
+                assert_eq!(expected, "vfio-pci");
+                assert_eq!(actual, "other");
+            }
+            e => panic!("not NotBound: {e:?}"),
+        }
+        assert_eq!(
+            err.to_string(),
+            "0000:01:00.0 is on other after bind, expected vfio-pci; see dmesg for the \
+             driver's probe error"
+        );
+    }
+
+    #[test]
+    fn probe_that_leaves_the_device_without_a_driver_is_reported() {
+        let (_d, node, kernel) = node();
+        let dev = PciDevice::read(&node.host, &addr("0000:01:00.0")).unwrap();
+        kernel
+            .probe_outcome
+            .lock()
+            .unwrap()
+            .insert(dev.address, None);
+        let err = bind(&node.host, &kernel, &dev, "vfio-pci").unwrap_err();
+        assert!(
+            matches!(&err, DriverError::NotBound { actual, .. } if actual == "no driver"),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .starts_with("0000:01:00.0 is on no driver after bind, expected vfio-pci"),
+            "{err}"
+        );
+        // A restore whose probe finds no driver says so too.
+        kernel.probe_outcome.lock().unwrap().clear();
+        let dev = PciDevice::read(&node.host, &dev.address).unwrap();
+        kernel
+            .probe_outcome
+            .lock()
+            .unwrap()
+            .insert(dev.address, None);
+        let err = restore(&node.host, &kernel, &dev, Some("rebellions"), None).unwrap_err();
+        assert!(
+            matches!(&err, DriverError::NotBound { action: "restore", expected, .. } if expected == "rebellions"),
+            "{err:?}"
         );
     }
 }

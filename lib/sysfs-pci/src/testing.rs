@@ -320,6 +320,10 @@ pub struct FakeKernel {
     pub fail_on: Mutex<Option<(String, i32)>>,
     /// Group nodes reported in use.
     pub busy_groups: Mutex<BTreeSet<PathBuf>>,
+    /// What a probe of the device does instead of attaching its override's (or its
+    /// native) driver: `Some(driver)` another driver wins it, `None` no driver
+    /// takes the device (the wanted driver's probe refused it).
+    pub probe_outcome: Mutex<HashMap<PciAddress, Option<String>>>,
     /// Modules loaded through `load_module`, in order.
     pub loaded: Mutex<Vec<String>>,
     /// Driver registered when a module loads (module name → driver name).
@@ -351,6 +355,7 @@ impl FakeKernel {
             native: Mutex::default(),
             fail_on: Mutex::default(),
             busy_groups: Mutex::default(),
+            probe_outcome: Mutex::default(),
             loaded: Mutex::default(),
             module_drivers: Mutex::default(),
             latency: Duration::ZERO,
@@ -418,6 +423,12 @@ impl FakeKernel {
 
     fn probe(&self, addr: &PciAddress) {
         if self.node.driver_of(addr).is_some() {
+            return;
+        }
+        if let Some(outcome) = lock(&self.probe_outcome).get(addr) {
+            if let Some(d) = outcome {
+                self.node.attach(addr, d);
+            }
             return;
         }
         let want = self
