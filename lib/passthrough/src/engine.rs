@@ -88,6 +88,27 @@ pub enum PassthroughError {
         #[source]
         source: Box<StepError>,
     },
+    /// A group could not be bound; every member moved is back on its driver, but
+    /// the records of some could not be dropped (the state file could not be
+    /// saved). They are kept; the next restore finds them on their drivers and
+    /// drops them.
+    #[error(
+        "IOMMU group {group} not bound{}; every member is back on its driver, but the state \
+         file still records {} (kept until the next restore drops them)",
+        put_back_note(put_back),
+        stuck_note(kept)
+    )]
+    RecordsKept {
+        /// The group.
+        group: u32,
+        /// Members put back (all of them).
+        put_back: Vec<PciAddress>,
+        /// Members whose record could not be dropped, with why.
+        kept: Vec<(PciAddress, String)>,
+        /// The original failure.
+        #[source]
+        source: Box<StepError>,
+    },
     /// A module could not be loaded or unloaded.
     #[error(transparent)]
     Module(#[from] ModuleError),

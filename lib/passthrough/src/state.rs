@@ -58,6 +58,15 @@ pub enum StateError {
         #[source]
         source: serde_json::Error,
     },
+    /// The state could not be turned into JSON; nothing was written.
+    #[error("cannot serialise the state for {path}; nothing written, the file keeps its previous contents")]
+    Serialize {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
     /// The file was written by a newer (or unknown) format.
     #[error("state file {path} has format version {version}, this {program} understands only version {VERSION}; not touching the node (use the {program} that wrote it)")]
     Version {
@@ -467,7 +476,14 @@ impl StateFile {
         let mut next = self.state.clone();
         f(&mut next);
         if self.persist {
-            let mut json = serde_json::to_vec_pretty(&next).unwrap_or_default();
+            // Serialising these types cannot fail today (string keys, no maps with
+            // other keys, no custom Serialize); were it ever to, the save fails and
+            // nothing changes, rather than writing a state that drops every record.
+            let mut json =
+                serde_json::to_vec_pretty(&next).map_err(|source| StateError::Serialize {
+                    path: self.path.clone(),
+                    source,
+                })?;
             json.push(b'\n');
             kernel.replace_file(&self.path, &json)?;
         }

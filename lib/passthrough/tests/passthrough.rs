@@ -656,3 +656,65 @@ fn a_crash_while_binding_concurrently_reaches_the_caller_and_loses_nothing() {
         assert!(b.records_on_disk().is_empty(), "point #{at}");
     }
 }
+
+/// A group whose bind failed is put back whole, but the save that drops one
+/// member's record fails: every member is on its driver again, the record stays,
+/// and the error says exactly that (not "half-bound").
+#[test]
+fn a_group_put_back_whose_record_cannot_be_dropped_says_what_is_true() {
+    let mut b = bed();
+    let inv = b.inv();
+    // The companion's unbind fails, so the group is put back, newest first: the
+    // companion's record is dropped by the third save (after the two records).
+    *b.kernel.fail_on.lock().unwrap() = Some(("0000:01:00.1/driver/unbind".into(), 5));
+    let kernel = FaultKernel::at_nth(&b.kernel, Point::Save, 2, Fault::Fail);
+    let report = Passthrough {
+        host: &b.node.host,
+        kernel: &kernel,
+        state: &mut b.state,
+        release: "6.1.0-test".into(),
+    }
+    .bind(&inv, &[4]);
+    let msg = error_chain(&report.failed[0]);
+    assert!(
+        matches!(
+            &report.failed[0],
+            passthrough::PassthroughError::RecordsKept { kept, .. }
+                if kept.len() == 1 && kept[0].0.to_string() == "0000:01:00.1"
+        ),
+        "{msg}"
+    );
+    assert!(
+        msg.starts_with(
+            "IOMMU group 4 not bound (put back 0000:01:00.1, 0000:01:00.0); every member is \
+             back on its driver, but the state file still records 0000:01:00.1"
+        ),
+        "{msg}"
+    );
+    assert!(!msg.contains("half"), "{msg}");
+    assert_eq!(b.driver("0000:01:00.0").as_deref(), Some("e1000e"));
+    assert_eq!(b.driver("0000:01:00.1").as_deref(), Some("snd_hda_intel"));
+    let kept: Vec<String> = b
+        .state
+        .state()
+        .devices
+        .keys()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        kept,
+        ["0000:01:00.1"],
+        "the record stays for the next restore"
+    );
+    // The next restore finds it on its driver and drops the record.
+    let restored = Passthrough {
+        host: &b.node.host,
+        kernel: &b.kernel,
+        state: &mut b.state,
+        release: "6.1.0-test".into(),
+    }
+    .restore(&[]);
+    assert!(restored.failed.is_empty(), "{:?}", restored.failed);
+    assert!(b.state.state().devices.is_empty());
+    assert_eq!(b.driver("0000:01:00.1").as_deref(), Some("snd_hda_intel"));
+}

@@ -104,33 +104,45 @@ impl Binder<'_, '_> {
         tracing::warn!(group, error = %error_chain(&source), "bind failed; putting the group back");
         let mut put_back = Vec::new();
         let mut stuck = Vec::new();
+        let mut kept = Vec::new();
         for address in touched.iter().rev() {
             match self.put_back(address) {
-                Ok(()) => put_back.push(*address),
-                Err(why) => stuck.push((*address, why)),
+                PutBack::Done => put_back.push(*address),
+                PutBack::RecordKept(why) => {
+                    put_back.push(*address);
+                    kept.push((*address, why));
+                }
+                PutBack::Stuck(why) => stuck.push((*address, why)),
             }
         }
         let source = Box::new(source);
-        if stuck.is_empty() {
-            PassthroughError::Group {
-                group,
-                put_back,
-                source,
-            }
-        } else {
+        if !stuck.is_empty() {
             PassthroughError::RollbackFailed {
                 group,
                 put_back,
                 stuck,
                 source,
             }
+        } else if !kept.is_empty() {
+            PassthroughError::RecordsKept {
+                group,
+                put_back,
+                kept,
+                source,
+            }
+        } else {
+            PassthroughError::Group {
+                group,
+                put_back,
+                source,
+            }
         }
     }
 
-    /// Restores one device to its record and forgets the record. The reason on failure.
-    fn put_back(&self, address: &PciAddress) -> Result<(), String> {
+    /// Restores one device to its record and forgets the record.
+    fn put_back(&self, address: &PciAddress) -> PutBack {
         let Some(record) = lock(self.state).get(address).cloned() else {
-            return Ok(()); // never recorded, so never touched
+            return PutBack::Done; // never recorded, so never touched
         };
         let result = PciDevice::read(self.host, address)
             .map_err(DriverError::from)
@@ -155,12 +167,23 @@ impl Binder<'_, '_> {
             } else {
                 ""
             };
-            return Err(format!("{}{hint}", error_chain(&e)));
+            return PutBack::Stuck(format!("{}{hint}", error_chain(&e)));
         }
-        lock(self.state)
-            .forget(self.kernel, address)
-            .map_err(|e| format!("back on its driver, but {}", error_chain(&e)))
+        match lock(self.state).forget(self.kernel, address) {
+            Ok(()) => PutBack::Done,
+            Err(e) => PutBack::RecordKept(error_chain(&e)),
+        }
     }
+}
+
+/// How putting one device back went.
+enum PutBack {
+    /// Back on its recorded driver, record dropped.
+    Done,
+    /// Back on its recorded driver, but its record could not be dropped (why).
+    RecordKept(String),
+    /// Not back on its recorded driver (why); record kept.
+    Stuck(String),
 }
 
 /// Calls `work` on every item on up to `jobs` threads (the calling thread alone when
