@@ -84,6 +84,30 @@ pub async fn unix_channel(
         .await
 }
 
+/// A gRPC channel over `stream`, a connection already made (so the caller can
+/// check what it connected to before sending anything), sending `:authority`
+/// `localhost` like [`unix_channel`]. The channel does not reconnect: once the
+/// connection is gone, calls fail.
+pub async fn unix_channel_over(
+    stream: tokio::net::UnixStream,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let stream = std::sync::Arc::new(std::sync::Mutex::new(Some(stream)));
+    tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let taken = stream.lock().ok().and_then(|mut s| s.take());
+            async move {
+                let stream = taken.ok_or_else(|| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::NotConnected,
+                        "the one connection of this channel is gone",
+                    )
+                })?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+}
+
 /// A gRPC channel over the Unix socket at `path` whose every request carries
 /// `authority` as its `:authority`, valid URI authority or not
 /// ([`authority::SendAuthority`]): how a test peer sends what grpc-go sends.

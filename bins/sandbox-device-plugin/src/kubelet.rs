@@ -237,7 +237,7 @@ async fn run(
         }
         served.streams.generation.fetch_add(1, Ordering::SeqCst);
         let result = {
-            let attempt = register_once(dir, &served.name, resource);
+            let attempt = register_once(dir, &served.name, resource, target);
             tokio::pin!(attempt);
             loop {
                 tokio::select! {
@@ -254,7 +254,17 @@ async fn run(
             }
         };
         match result {
-            Some(Ok(())) => {
+            Some(Ok(Attempt::KubeletChanged)) => {
+                // kubelet.sock changed hands between judging it and connecting.
+                match served.assess(dir, target) {
+                    Verdict::FreshSocket => return End::FreshSocket,
+                    Verdict::RetryNow | Verdict::Ignore => {
+                        tracing::info!(resource = %resource, "another kubelet is serving; registering with it");
+                        delay = BACKOFF.0;
+                    }
+                }
+            }
+            Some(Ok(Attempt::Registered)) => {
                 metrics.registered.inc();
                 tracing::info!(resource = %resource, endpoint = %served.name, "registered with kubelet");
                 served.registered_with = target;
@@ -381,10 +391,35 @@ async fn wait_or_command(
     }
 }
 
-async fn register_once(dir: &Path, endpoint: &str, resource: &ResourceName) -> anyhow::Result<()> {
+/// How one Register attempt ended, short of an error.
+#[derive(Debug, PartialEq, Eq)]
+enum Attempt {
+    /// kubelet accepted the registration.
+    Registered,
+    /// `kubelet.sock` was no longer the kubelet judged (`target`) when we connected:
+    /// nothing was sent. A Register meant for one kubelet instance never reaches
+    /// another (a new kubelet gets a fresh socket, registered once).
+    KubeletChanged,
+}
+
+/// Registers `endpoint` with the kubelet `target`, if `kubelet.sock` still is it.
+///
+/// The socket file is looked at after the connection is made: when it is still
+/// `target`'s, the connection reached `target` (a replaced file never comes back
+/// with the same device, inode and change time).
+async fn register_once(
+    dir: &Path,
+    endpoint: &str,
+    resource: &ResourceName,
+    target: Option<KubeletId>,
+) -> anyhow::Result<Attempt> {
     let socket = dir.join(KUBELET_SOCKET);
     let call = async {
-        let channel = kubelet_api::unix_channel(socket.clone()).await?;
+        let stream = tokio::net::UnixStream::connect(&socket).await?;
+        if kubelet_id(dir) != target {
+            return anyhow::Ok(Attempt::KubeletChanged);
+        }
+        let channel = kubelet_api::unix_channel_over(stream).await?;
         RegistrationClient::new(channel)
             .register(RegisterRequest {
                 version: VERSION.into(),
@@ -393,7 +428,7 @@ async fn register_once(dir: &Path, endpoint: &str, resource: &ResourceName) -> a
                 options: Some(options()),
             })
             .await?;
-        anyhow::Ok(())
+        anyhow::Ok(Attempt::Registered)
     };
     tokio::time::timeout(REGISTER_TIMEOUT, call)
         .await
@@ -479,6 +514,36 @@ mod tests {
             Verdict::FreshSocket,
             "ours deleted"
         );
+    }
+
+    /// The interleaving behind a double registration: the plugin judged the old
+    /// kubelet, a new one replaced kubelet.sock, and the Register meant for the old
+    /// one reached the new one on the old socket (the fresh socket's Register
+    /// followed). The connection is checked first: nothing reaches the new kubelet.
+    #[test]
+    fn a_register_meant_for_a_replaced_kubelet_never_reaches_the_new_one() {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let old = kubelet_peer::Kubelet::start(dir.path()).await.unwrap();
+            let judged = kubelet_id(dir.path());
+            old.kill().await;
+            let new = kubelet_peer::Kubelet::start(dir.path()).await.unwrap();
+            let r: ResourceName = "example.com/NIC_PT".parse().unwrap();
+            let out = register_once(dir.path(), "old.sock", &r, judged)
+                .await
+                .unwrap();
+            assert_eq!(out, Attempt::KubeletChanged);
+            assert!(new.calls().is_empty(), "{:?}", new.calls());
+            // Control: judged right, the call does reach it.
+            let now = kubelet_id(dir.path());
+            let call = register_once(dir.path(), "new.sock", &r, now);
+            let _ = tokio::time::timeout(Duration::from_millis(300), call).await;
+            assert_eq!(new.calls().len(), 1, "{:?}", new.calls());
+        });
     }
 
     #[test]
