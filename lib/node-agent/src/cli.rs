@@ -57,7 +57,8 @@ pub struct CommonArgs {
     pub log_format: LogFormat,
     /// Log filter: a level (error, warn, info, debug, trace, off), or comma-separated
     /// TARGET=LEVEL directives with an optional default level
-    /// (`passthrough=debug,warn`).
+    /// (`passthrough=debug,warn`). kube-rs's own HTTP error lines, which name no
+    /// request, are off unless the filter names a `kube_client` target.
     #[arg(
         long,
         env = "VFIO_SANDBOX_LOG_LEVEL",
@@ -92,6 +93,27 @@ pub fn fail(program: &str, error: &dyn std::error::Error, code: u8) -> std::proc
     std::process::ExitCode::from(code)
 }
 
+/// kube-rs's HTTP layer logs each failed request as `failed with error client error
+/// (SendRequest)`, at ERROR, saying neither what was asked nor of whom. Our own
+/// line for the same failure names the request (`get Node a: ...`), so that
+/// target is off unless the operator's filter names a `kube_client` target.
+const KUBE_HTTP_TARGET: &str = "kube_client::client::builder";
+
+/// The operator's log filter, plus [`KUBE_HTTP_TARGET`] turned off unless the
+/// filter says something about kube_client itself.
+pub fn log_targets(
+    filter: &str,
+) -> Result<tracing_subscriber::filter::Targets, tracing_subscriber::filter::ParseError> {
+    let targets: tracing_subscriber::filter::Targets = filter.parse()?;
+    if filter.contains("kube_client") {
+        return Ok(targets);
+    }
+    Ok(targets.with_target(
+        KUBE_HTTP_TARGET,
+        tracing_subscriber::filter::LevelFilter::OFF,
+    ))
+}
+
 /// Installs the tracing subscriber (stderr, text or JSON).
 pub fn init_logging(format: LogFormat, filter: &str) {
     use tracing_subscriber::filter::{LevelFilter, Targets};
@@ -99,9 +121,12 @@ pub fn init_logging(format: LogFormat, filter: &str) {
     use tracing_subscriber::util::SubscriberInitExt;
     // A plain target/level filter: no regular-expression engine is linked or run
     // for it (a smaller, leaner binary than a full directive filter).
-    let (targets, bad) = match filter.parse::<Targets>() {
+    let (targets, bad) = match log_targets(filter) {
         Ok(t) => (t, None),
-        Err(e) => (Targets::new().with_default(LevelFilter::INFO), Some(e)),
+        Err(e) => (
+            log_targets("info").unwrap_or_else(|_| Targets::new().with_default(LevelFilter::INFO)),
+            Some(e),
+        ),
     };
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
@@ -173,6 +198,21 @@ pub fn parse_duration_or_zero(s: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kube_rs_context_free_http_errors_are_off_unless_asked_for() {
+        use tracing::Level;
+        let t = log_targets("info").unwrap();
+        assert!(!t.would_enable(KUBE_HTTP_TARGET, &Level::ERROR));
+        assert!(t.would_enable("kube_client::client", &Level::ERROR));
+        assert!(t.would_enable("passthrough::engine", &Level::INFO));
+        let t = log_targets("debug,kube_client=debug").unwrap();
+        assert!(
+            t.would_enable(KUBE_HTTP_TARGET, &Level::ERROR),
+            "the operator's filter wins"
+        );
+        assert!(log_targets("no=such=filter").is_err());
+    }
 
     #[test]
     fn durations_in_every_accepted_form() {
