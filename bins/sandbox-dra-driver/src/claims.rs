@@ -21,8 +21,11 @@ use std::path::PathBuf;
 
 use crate::cdi::{self, AttributeValue, PCI_BUS_ID};
 use passthrough::inventory::{Inventory, Role};
+use passthrough::state::StateError;
 use passthrough::state::{ClaimDevice, ClaimPhase, ClaimRecord};
-use passthrough::{target_drivers, Passthrough};
+use passthrough::{target_drivers, Passthrough, PassthroughError};
+use sysfs_pci::io::IoError;
+use sysfs_pci::module::ModuleError;
 use sysfs_pci::{error_chain, Host, PciAddress};
 
 /// A claim as kubelet names it in `NodePrepareResources`.
@@ -121,6 +124,16 @@ pub enum ClaimError {
         /// Why.
         reason: String,
     },
+    /// The claim's names make no valid CDI spec or metadata file; nothing was
+    /// touched.
+    #[error("claim {claim}: no valid CDI spec or metadata file can be made of it")]
+    Unnamable {
+        /// The claim.
+        claim: String,
+        /// Which name, and why.
+        #[source]
+        source: cdi::CdiError,
+    },
     /// A device of the claim is not this node's to give: another pool, a name this
     /// driver does not publish, a function the resource list does not select.
     #[error("claim {claim}: {reason}")]
@@ -151,22 +164,91 @@ pub enum ClaimError {
     },
     /// A step failed. What was moved is put back where possible; the claim's record
     /// stays while anything of it is still on vfio, so a retry or a restart goes on.
-    #[error("claim {claim}: {step}: {detail}")]
+    #[error("claim {claim}: {step}{}", after_note(after))]
     Failed {
         /// The claim.
         claim: String,
         /// The step.
         step: &'static str,
-        /// What failed and what was done about it.
-        detail: String,
+        /// What was done about it (the rollback of a prepare), if anything.
+        after: Option<String>,
+        /// What failed.
+        #[source]
+        source: Box<StepError>,
     },
+}
+
+fn after_note(after: &Option<String>) -> String {
+    after
+        .as_ref()
+        .map(|a| format!(" ({a})"))
+        .unwrap_or_default()
+}
+
+/// What a step of a claim's prepare or unprepare ran into.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// The state file could not be saved.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// The vfio modules could not be loaded.
+    #[error(transparent)]
+    Module(#[from] ModuleError),
+    /// Groups could not be moved to vfio (each put back): each failure, named.
+    #[error("{}", chains(.0))]
+    Bind(Vec<PassthroughError>),
+    /// Groups could not be given back: each failure, and the groups a VM holds.
+    #[error("{}", give_back_note(failed, held))]
+    GiveBack {
+        /// Restores that failed.
+        failed: Vec<PassthroughError>,
+        /// Groups whose node a VM holds open.
+        held: Vec<u32>,
+    },
+    /// A group node is missing after the bind.
+    #[error("{} is missing", .0.display())]
+    NoGroupNode(PathBuf),
+    /// The claim's CDI spec or metadata could not be made.
+    #[error(transparent)]
+    Files(#[from] cdi::CdiError),
+    /// A file could not be written or removed.
+    #[error(transparent)]
+    Io(#[from] IoError),
+    /// A directory could not be made or removed.
+    #[error("cannot {action} {}", dir.display())]
+    Dir {
+        /// `create`, `remove`.
+        action: &'static str,
+        /// The directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn boxed(e: impl Into<StepError>) -> Box<StepError> {
+    Box::new(e.into())
+}
+
+fn chains(errors: &[PassthroughError]) -> String {
+    let list: Vec<String> = errors.iter().map(|e| error_chain(e)).collect();
+    list.join("; ")
+}
+
+fn give_back_note(failed: &[PassthroughError], held: &[u32]) -> String {
+    let mut parts: Vec<String> = failed.iter().map(|e| error_chain(e)).collect();
+    if !held.is_empty() {
+        parts.push(format!("{} is open", group_nodes(held)));
+    }
+    parts.join("; ")
 }
 
 impl ClaimError {
     /// Why, in one word.
     pub fn failure(&self) -> Failure {
         match self {
-            Self::Refused { .. } => Failure::Refused,
+            Self::Refused { .. } | Self::Unnamable { .. } => Failure::Refused,
             Self::NotOurs { .. } => Failure::NotOurs,
             Self::Held { .. } | Self::InUse { .. } => Failure::GroupHeld,
             Self::Failed { .. } => Failure::Failed,
@@ -298,7 +380,10 @@ impl Claims<'_> {
         let devices = self.resolve(claim, allocations, inv)?;
         // Refuse names no file can be made of before anything is touched.
         self.files_for(claim, pod_claim_name, &devices, inv)
-            .map_err(&refuse)?;
+            .map_err(|source| ClaimError::Unnamable {
+                claim: claim.to_string(),
+                source,
+            })?;
         if let Some(existing) = self.pt.state.state().claims.get(&claim.uid) {
             if existing.namespace != claim.namespace || existing.name != claim.name {
                 return Err(refuse(format!(
@@ -331,10 +416,13 @@ impl Claims<'_> {
             phase: ClaimPhase::Preparing,
             devices,
         };
-        let fail = |step: &'static str, detail: String| ClaimError::Failed {
-            claim: claim.to_string(),
-            step,
-            detail,
+        let fail = |step: &'static str, after: Option<String>, source: Box<StepError>| {
+            ClaimError::Failed {
+                claim: claim.to_string(),
+                step,
+                after,
+                source,
+            }
         };
         self.pt
             .state
@@ -342,7 +430,8 @@ impl Claims<'_> {
             .map_err(|e| {
                 fail(
                     "saving the claim before touching its devices",
-                    error_chain(&e),
+                    None,
+                    boxed(e),
                 )
             })?;
         sysfs_pci::failpoint::step("prepare-after-save");
@@ -350,28 +439,32 @@ impl Claims<'_> {
         let result = self.move_groups(inv, &groups).and_then(|()| {
             let files = self
                 .files_for(claim, pod_claim_name, &record.devices, inv)
-                .map_err(|e| ("writing its files", e))?;
+                .map_err(|e| ("writing its files", boxed(e)))?;
             for (path, text) in std::iter::once(&files.cdi).chain(files.metadata.iter()) {
                 if let Some(dir) = path.parent() {
-                    std::fs::create_dir_all(dir).map_err(|e| {
+                    std::fs::create_dir_all(dir).map_err(|source| {
                         (
                             "writing its files",
-                            format!("cannot create {}: {e}", dir.display()),
+                            boxed(StepError::Dir {
+                                action: "create",
+                                dir: dir.to_owned(),
+                                source,
+                            }),
                         )
                     })?;
                 }
                 self.pt
                     .kernel
                     .replace_file(path, text.as_bytes())
-                    .map_err(|e| ("writing its files", error_chain(&e)))?;
+                    .map_err(|e| ("writing its files", boxed(e)))?;
             }
             Ok(files)
         });
         let files = match result {
             Ok(files) => files,
-            Err((step, detail)) => {
+            Err((step, source)) => {
                 let undo = self.undo(&claim.uid, &record);
-                return Err(fail(step, format!("{detail}; {undo}")));
+                return Err(fail(step, Some(undo), source));
             }
         };
         let prepared = ClaimRecord {
@@ -384,10 +477,7 @@ impl Claims<'_> {
             .set_claim(self.pt.kernel, &claim.uid, prepared)
         {
             let undo = self.undo(&claim.uid, &record);
-            return Err(fail(
-                "saving the prepared claim",
-                format!("{}; {undo}", error_chain(&e)),
-            ));
+            return Err(fail("saving the prepared claim", Some(undo), boxed(e)));
         }
         Ok(answer(&record.devices, &files))
     }
@@ -636,21 +726,23 @@ impl Claims<'_> {
         &mut self,
         inv: &Inventory,
         groups: &[u32],
-    ) -> Result<(), (&'static str, String)> {
+    ) -> Result<(), (&'static str, Box<StepError>)> {
         self.pt
             .load_modules(&target_drivers(inv, groups))
-            .map_err(|e| ("loading the vfio modules", error_chain(&e)))?;
+            .map_err(|e| ("loading the vfio modules", boxed(e)))?;
         let report = self.pt.bind(inv, groups);
         if !report.failed.is_empty() {
-            let why: Vec<String> = report.failed.iter().map(|e| error_chain(e)).collect();
-            return Err(("moving its IOMMU groups to vfio", why.join("; ")));
+            return Err((
+                "moving its IOMMU groups to vfio",
+                boxed(StepError::Bind(report.failed)),
+            ));
         }
         for &g in groups {
             let node = self.pt.host.vfio_group_node(g);
             if !self.pt.kernel.is_dry_run() && !Host::exists(&node) {
                 return Err((
                     "checking the group nodes",
-                    format!("{} is missing", node.display()),
+                    boxed(StepError::NoGroupNode(node)),
                 ));
             }
         }
@@ -664,7 +756,7 @@ impl Claims<'_> {
         pod_claim_name: Option<&str>,
         devices: &[ClaimDevice],
         inv: &Inventory,
-    ) -> Result<cdi::ClaimFiles, String> {
+    ) -> Result<cdi::ClaimFiles, cdi::CdiError> {
         let devices: Vec<cdi::SpecDevice> = devices
             .iter()
             .map(|d| {
@@ -703,7 +795,6 @@ impl Claims<'_> {
             pod_claim_name,
             &devices,
         )
-        .map_err(|e| error_chain(&e))
     }
 
     /// The answer for a claim already prepared.
@@ -716,10 +807,11 @@ impl Claims<'_> {
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
         let files = self
             .files_for(claim, pod_claim_name, devices, inv)
-            .map_err(|detail| ClaimError::Failed {
+            .map_err(|e| ClaimError::Failed {
                 claim: claim.to_string(),
                 step: "naming its CDI devices",
-                detail,
+                after: None,
+                source: boxed(e),
             })?;
         Ok(answer(devices, &files))
     }
@@ -747,10 +839,11 @@ impl Claims<'_> {
         claim: &ClaimRef,
         record: ClaimRecord,
     ) -> Result<(), ClaimError> {
-        let fail = |step: &'static str, detail: String| ClaimError::Failed {
+        let fail = |step: &'static str, source: Box<StepError>| ClaimError::Failed {
             claim: claim.to_string(),
             step,
-            detail,
+            after: None,
+            source,
         };
         if record.phase != ClaimPhase::Unpreparing {
             let next = ClaimRecord {
@@ -760,16 +853,11 @@ impl Claims<'_> {
             self.pt
                 .state
                 .set_claim(self.pt.kernel, &claim.uid, next)
-                .map_err(|e| {
-                    fail(
-                        "saving the claim before giving its devices back",
-                        error_chain(&e),
-                    )
-                })?;
+                .map_err(|e| fail("saving the claim before giving its devices back", boxed(e)))?;
         }
         sysfs_pci::failpoint::step("unprepare-after-save");
         self.remove_files(claim)
-            .map_err(|e| fail("removing its files", e))?;
+            .map_err(|e| fail("removing its files", boxed(e)))?;
         let groups = record.groups();
         let members: Vec<PciAddress> = self
             .pt
@@ -782,34 +870,41 @@ impl Claims<'_> {
             .collect();
         if !members.is_empty() {
             let report = self.pt.restore(&members);
-            let mut why: Vec<String> = report.failed.iter().map(|e| error_chain(e)).collect();
-            if !report.in_use.is_empty() {
-                let held: BTreeSet<u32> = report.in_use.iter().map(|(_, g)| *g).collect();
-                let held: Vec<u32> = held.into_iter().collect();
-                why.push(format!("{} is open", group_nodes(&held)));
-            }
-            if !why.is_empty() {
-                return Err(fail("giving its devices back", why.join("; ")));
+            let held: BTreeSet<u32> = report.in_use.iter().map(|(_, g)| *g).collect();
+            if !report.failed.is_empty() || !held.is_empty() {
+                return Err(fail(
+                    "giving its devices back",
+                    boxed(StepError::GiveBack {
+                        failed: report.failed,
+                        held: held.into_iter().collect(),
+                    }),
+                ));
             }
         }
         self.pt
             .state
             .drop_claim(self.pt.kernel, &claim.uid)
-            .map_err(|e| fail("forgetting the claim", error_chain(&e)))
+            .map_err(|e| fail("forgetting the claim", boxed(e)))
     }
 
     /// Removes the files prepare may have written for the claim.
-    fn remove_files(&self, claim: &ClaimRef) -> Result<(), String> {
+    fn remove_files(&self, claim: &ClaimRef) -> Result<(), StepError> {
         let f = &self.files;
         // A uid no file can be named after never had files.
         if let Ok(spec) = cdi::cdi_spec_path(&f.driver, &f.cdi_dir, &claim.uid) {
-            sysfs_pci::io::remove_if_present(&spec).map_err(|e| error_chain(&e))?;
+            sysfs_pci::io::remove_if_present(&spec)?;
         }
         if let Ok(dir) = cdi::metadata_claim_dir(&f.driver, &f.metadata_dir, &claim.uid) {
             match std::fs::remove_dir_all(&dir) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(format!("cannot remove {}: {e}", dir.display())),
+                Err(source) => {
+                    return Err(StepError::Dir {
+                        action: "remove",
+                        dir,
+                        source,
+                    })
+                }
             }
         }
         Ok(())

@@ -435,7 +435,7 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
         Ok(Verdict::Restore(why)) => {
             tracing::info!(reason = %why, "the driver leaves this node; deleting its ResourceSlice");
             if let Err(e) = publisher.delete_all().await {
-                tracing::warn!(error = %e, "could not delete this node's ResourceSlice");
+                tracing::warn!(error = %sysfs_pci::error_chain(&e), "could not delete this node's ResourceSlice");
             }
         }
         Err(why) => tracing::warn!(

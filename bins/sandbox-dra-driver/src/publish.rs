@@ -19,7 +19,7 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::slices;
+use crate::slices::{self, SliceError};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
@@ -115,7 +115,7 @@ impl Publisher {
                 Err(e) => {
                     self.readiness.published(None);
                     self.metrics.publish_failed();
-                    tracing::warn!(error = %e, retry_in = ?backoff, "cannot publish this node's ResourceSlices");
+                    tracing::warn!(error = %error_chain(&e), retry_in = ?backoff, "cannot publish this node's ResourceSlices");
                     let wait = backoff;
                     backoff = (backoff * 2).min(self.resync);
                     Some(wait)
@@ -172,21 +172,15 @@ impl Publisher {
     }
 
     /// Publishes the node's devices; the names of our slices.
-    async fn reconcile(&self) -> Result<Vec<String>, String> {
+    async fn reconcile(&self) -> Result<Vec<String>, PublishError> {
         let host = self.host.clone();
         let list = self.list.clone();
         let inv = tokio::task::spawn_blocking(move || Inventory::scan(&host, &list))
             .await
-            .map_err(|e| format!("the scan stopped: {e}"))?
-            .map_err(|e| format!("cannot scan the node's PCI devices: {}", error_chain(&e)))?;
+            .map_err(PublishError::ScanStopped)?
+            .map_err(PublishError::Scan)?;
         let devices = slices::slice_devices(&inv);
-        let report = self
-            .slices
-            .lock()
-            .await
-            .reconcile(&devices)
-            .await
-            .map_err(|e| error_chain(&e))?;
+        let report = self.slices.lock().await.reconcile(&devices).await?;
         tracing::debug!(?report, "ResourceSlices reconciled");
         self.metrics.published(devices.len(), &report);
         *sysfs_pci::kernel::lock(&self.ours) = report.versions.into_iter().collect();
@@ -194,15 +188,23 @@ impl Publisher {
     }
 
     /// Deletes this node's slices (an uninstall).
-    pub async fn delete_all(&self) -> Result<(), String> {
-        self.slices
-            .lock()
-            .await
-            .delete_all()
-            .await
-            .map(|_| ())
-            .map_err(|e| error_chain(&e))
+    pub async fn delete_all(&self) -> Result<(), SliceError> {
+        self.slices.lock().await.delete_all().await.map(|_| ())
     }
+}
+
+/// Why a publish pass failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// The node's PCI devices could not be read.
+    #[error("cannot scan the node's PCI devices")]
+    Scan(#[source] sysfs_pci::device::DeviceError),
+    /// The scan's thread stopped before it finished.
+    #[error("the scan of the node's PCI devices stopped")]
+    ScanStopped(#[source] tokio::task::JoinError),
+    /// The ResourceSlices could not be written.
+    #[error(transparent)]
+    Slices(#[from] SliceError),
 }
 
 /// Sleeps for `wait`; never without one.
