@@ -28,6 +28,12 @@ use sysfs_pci::io::IoError;
 use sysfs_pci::module::ModuleError;
 use sysfs_pci::{error_chain, Host, PciAddress};
 
+mod error;
+mod recovery;
+
+use error::boxed;
+pub use error::{ClaimError, Failure, StepError};
+
 /// A claim as kubelet names it in `NodePrepareResources`.
 #[derive(
     Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
@@ -111,213 +117,6 @@ impl std::fmt::Display for ClaimRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}/{} (uid {})", self.namespace, self.name, self.uid)
     }
-}
-
-/// Why a claim could not be prepared or unprepared. Each names the claim.
-#[derive(Debug, thiserror::Error)]
-pub enum ClaimError {
-    /// The request cannot be served as asked; nothing was touched.
-    #[error("claim {claim}: {reason}")]
-    Refused {
-        /// The claim.
-        claim: String,
-        /// Why.
-        reason: String,
-    },
-    /// The claim's names make no valid CDI spec or metadata file; nothing was
-    /// touched.
-    #[error("claim {claim}: no valid CDI spec or metadata file can be made of it")]
-    Unnamable {
-        /// The claim.
-        claim: String,
-        /// Which name, and why.
-        #[source]
-        source: cdi::CdiError,
-    },
-    /// A device of the claim is not this node's to give: another pool, a name this
-    /// driver does not publish, a function the resource list does not select.
-    #[error("claim {claim}: {reason}")]
-    NotOurs {
-        /// The claim.
-        claim: String,
-        /// Why.
-        reason: String,
-    },
-    /// A group of the claim is prepared for another claim; nothing was touched.
-    #[error("claim {claim}: {reason}")]
-    Held {
-        /// The claim.
-        claim: String,
-        /// Which group, and the claim holding it.
-        reason: String,
-    },
-    /// A VM still holds a group of the claim; nothing was touched; retry later.
-    #[error(
-        "claim {claim}: {} still open (a VM holds it); not giving the devices back yet",
-        group_nodes(groups)
-    )]
-    InUse {
-        /// The claim.
-        claim: String,
-        /// The held groups.
-        groups: Vec<u32>,
-    },
-    /// A step failed. What was moved is put back where possible; the claim's record
-    /// stays while anything of it is still on vfio, so a retry or a restart goes on.
-    #[error("claim {claim}: {step}{}", after_note(after))]
-    Failed {
-        /// The claim.
-        claim: String,
-        /// The step.
-        step: &'static str,
-        /// What was done about it (the rollback of a prepare), if anything.
-        after: Option<String>,
-        /// What failed.
-        #[source]
-        source: Box<StepError>,
-    },
-}
-
-fn after_note(after: &Option<String>) -> String {
-    after
-        .as_ref()
-        .map(|a| format!(" ({a})"))
-        .unwrap_or_default()
-}
-
-/// What a step of a claim's prepare or unprepare ran into.
-#[derive(Debug, thiserror::Error)]
-pub enum StepError {
-    /// The state file could not be saved.
-    #[error(transparent)]
-    State(#[from] StateError),
-    /// The vfio modules could not be loaded.
-    #[error(transparent)]
-    Module(#[from] ModuleError),
-    /// Groups could not be moved to vfio (each put back): each failure, named.
-    #[error("{}", chains(.0))]
-    Bind(Vec<PassthroughError>),
-    /// Groups could not be given back: each failure, and the groups a VM holds.
-    #[error("{}", give_back_note(failed, held))]
-    GiveBack {
-        /// Restores that failed.
-        failed: Vec<PassthroughError>,
-        /// Groups whose node a VM holds open.
-        held: Vec<u32>,
-    },
-    /// A group node is missing after the bind.
-    #[error("{} is missing", .0.display())]
-    NoGroupNode(PathBuf),
-    /// The claim's CDI spec or metadata could not be made.
-    #[error(transparent)]
-    Files(#[from] cdi::CdiError),
-    /// A file could not be written or removed.
-    #[error(transparent)]
-    Io(#[from] IoError),
-    /// A directory could not be made or removed.
-    #[error("cannot {action} {}", dir.display())]
-    Dir {
-        /// `create`, `remove`.
-        action: &'static str,
-        /// The directory.
-        dir: PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-fn boxed(e: impl Into<StepError>) -> Box<StepError> {
-    Box::new(e.into())
-}
-
-fn chains(errors: &[PassthroughError]) -> String {
-    let list: Vec<String> = errors.iter().map(|e| error_chain(e)).collect();
-    list.join("; ")
-}
-
-fn give_back_note(failed: &[PassthroughError], held: &[u32]) -> String {
-    let mut parts: Vec<String> = failed.iter().map(|e| error_chain(e)).collect();
-    if !held.is_empty() {
-        parts.push(format!("{} is open", group_nodes(held)));
-    }
-    parts.join("; ")
-}
-
-impl ClaimError {
-    /// Why, in one word.
-    pub fn failure(&self) -> Failure {
-        match self {
-            Self::Refused { .. } | Self::Unnamable { .. } => Failure::Refused,
-            Self::NotOurs { .. } => Failure::NotOurs,
-            Self::Held { .. } | Self::InUse { .. } => Failure::GroupHeld,
-            Self::Failed { .. } => Failure::Failed,
-        }
-    }
-}
-
-/// Why a prepare or unprepare of a claim failed, in one word: the `reason` label of
-/// the driver's failure metric and the reason of the Event on the claim.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Failure {
-    /// An IOMMU group is prepared for another claim, or a VM still holds it.
-    GroupHeld,
-    /// The claim's devices are not this node's to give, or it has none.
-    NotOurs,
-    /// The call's deadline passed first; the work goes on.
-    Timeout,
-    /// The claim could not be read from the API server.
-    ApiServer,
-    /// kubelet unprepared the claim while this prepare was on its way.
-    Unprepared,
-    /// The request cannot be served as asked (names, a changed allocation).
-    Refused,
-    /// A step on the node failed (what was moved is put back).
-    Failed,
-}
-
-impl Failure {
-    /// Every failure, for series present at zero.
-    pub const ALL: [Failure; 7] = [
-        Failure::GroupHeld,
-        Failure::NotOurs,
-        Failure::Timeout,
-        Failure::ApiServer,
-        Failure::Unprepared,
-        Failure::Refused,
-        Failure::Failed,
-    ];
-
-    /// The metric label.
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::GroupHeld => "group_held",
-            Self::NotOurs => "not_ours",
-            Self::Timeout => "timeout",
-            Self::ApiServer => "api_server",
-            Self::Unprepared => "unprepared",
-            Self::Refused => "refused",
-            Self::Failed => "failed",
-        }
-    }
-
-    /// The reason of an Event (UpperCamelCase, as Kubernetes writes them).
-    pub fn event_reason(self) -> &'static str {
-        match self {
-            Self::GroupHeld => "IOMMUGroupHeld",
-            Self::NotOurs => "NotOurDevice",
-            Self::Timeout => "PrepareTimedOut",
-            Self::ApiServer => "ClaimReadFailed",
-            Self::Unprepared => "UnpreparedMeanwhile",
-            Self::Refused => "PrepareRefused",
-            Self::Failed => "PrepareFailed",
-        }
-    }
-}
-
-fn group_nodes(groups: &[u32]) -> String {
-    let nodes: Vec<String> = groups.iter().map(|g| format!("/dev/vfio/{g}")).collect();
-    nodes.join(", ")
 }
 
 /// Where a claim's files go, and how devices are handed to containers.
@@ -482,61 +281,6 @@ impl Claims<'_> {
         Ok(answer(&record.devices, &files))
     }
 
-    /// Forgets the claims whose devices are in another pool than ours, and the
-    /// device records of their groups that no claim of ours shares: they describe
-    /// another node, and acting on them (restoring "orphans") could move this
-    /// node's devices of the same address.
-    fn quarantine_foreign(&mut self, out: &mut Recovery) {
-        let claims = self.pt.state.state().claims.clone();
-        let (foreign, local): (Vec<_>, Vec<_>) = claims
-            .iter()
-            .partition(|(_, r)| r.devices.iter().any(|d| d.pool != self.pool));
-        if foreign.is_empty() {
-            return;
-        }
-        let local_groups: BTreeSet<u32> = local.iter().flat_map(|(_, r)| r.groups()).collect();
-        let foreign_groups: BTreeSet<u32> = foreign
-            .iter()
-            .flat_map(|(_, r)| r.groups())
-            .filter(|g| !local_groups.contains(g))
-            .collect();
-        let records: Vec<PciAddress> = self
-            .pt
-            .state
-            .state()
-            .devices
-            .iter()
-            .filter(|(_, r)| foreign_groups.contains(&r.group))
-            .map(|(a, _)| *a)
-            .collect();
-        for a in records {
-            if let Err(e) = self.pt.state.forget(self.pt.kernel, &a) {
-                out.failed.push(format!(
-                    "cannot forget {a}, recorded by a claim of another node: {}",
-                    error_chain(&e)
-                ));
-            }
-        }
-        for (uid, r) in foreign {
-            let pools: BTreeSet<&str> = r.devices.iter().map(|d| d.pool.as_str()).collect();
-            let pools: Vec<&str> = pools.into_iter().collect();
-            let shown = format!(
-                "claim {}/{} (uid {uid}) of pool {} on {} (this node's pool is {})",
-                r.namespace,
-                r.name,
-                pools.join(", "),
-                device_list(&r.devices),
-                self.pool
-            );
-            match self.pt.state.drop_claim(self.pt.kernel, uid) {
-                Ok(()) => out.foreign.push(shown),
-                Err(e) => out
-                    .failed
-                    .push(format!("cannot forget {shown}: {}", error_chain(&e))),
-            }
-        }
-    }
-
     /// Finishes what an unprepare or a rollback of `claim` left half-done (a claim
     /// in phase `unpreparing`): call it before the scan a prepare of the claim
     /// uses, so a retry after the cause went away (a read-only CDI directory made
@@ -581,67 +325,6 @@ impl Claims<'_> {
             });
         }
         self.finish_unprepare(&shown, record)
-    }
-
-    /// Converges after a restart: forgets claims of another pool (a state file
-    /// from another node) and the device records of their groups without touching
-    /// a device, rolls back claims caught half-prepared, finishes claims caught
-    /// half-unprepared, and restores device records no claim owns.
-    pub fn recover(&mut self) -> Recovery {
-        let mut out = Recovery::default();
-        self.quarantine_foreign(&mut out);
-        let claims = self.pt.state.state().claims.clone();
-        for (uid, record) in &claims {
-            let claim = ClaimRef {
-                uid: uid.clone(),
-                namespace: record.namespace.clone(),
-                name: record.name.clone(),
-            };
-            match record.phase {
-                ClaimPhase::Prepared => {}
-                ClaimPhase::Preparing => {
-                    let undo = self.undo(uid, record);
-                    if self.pt.state.state().claims.contains_key(uid) {
-                        out.failed.push(format!("claim {claim}: {undo}"));
-                    } else {
-                        out.rolled_back.push(claim.to_string());
-                    }
-                }
-                ClaimPhase::Unpreparing => match self.finish_unprepare(&claim, record.clone()) {
-                    Ok(()) => out.finished.push(claim.to_string()),
-                    Err(e) => out.failed.push(error_chain(&e)),
-                },
-            }
-        }
-        let owned: BTreeSet<u32> = self
-            .pt
-            .state
-            .state()
-            .claims
-            .values()
-            .flat_map(|c| c.groups())
-            .collect();
-        let orphans: Vec<PciAddress> = self
-            .pt
-            .state
-            .state()
-            .devices
-            .iter()
-            .filter(|(_, r)| !owned.contains(&r.group))
-            .map(|(a, _)| *a)
-            .collect();
-        if !orphans.is_empty() {
-            let report = self.pt.restore(&orphans);
-            out.orphans.extend(report.restored.iter().map(|(a, _)| *a));
-            out.orphans.extend(report.gone);
-            out.failed
-                .extend(report.failed.iter().map(|e| error_chain(e)));
-            for (a, g) in report.in_use {
-                out.failed
-                    .push(format!("{a}: /dev/vfio/{g} is open; its record is kept"));
-            }
-        }
-        out
     }
 
     /// Checks the allocation against this node and the other claims; nothing touched.
@@ -946,24 +629,4 @@ fn vfio_dev_node(host: &Host, address: &PciAddress) -> Option<String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn device_names_round_trip_and_reject_other_spellings() {
-        let a: PciAddress = "0000:01:00.1".parse().expect("address");
-        assert_eq!(device_name(&a), "pci-0000-01-00-1");
-        assert_eq!(parse_device_name("pci-0000-01-00-1"), Some(a));
-        for bad in [
-            "",
-            "pci-",
-            "pci-01-00-1",
-            "gpu-0000-01-00-1",
-            "pci-0000-01-00-1-2",
-            "pci-0000-0A-00-1",
-            "pci-0000-01-00-9",
-        ] {
-            assert_eq!(parse_device_name(bad), None, "{bad}");
-        }
-    }
-}
+mod tests;

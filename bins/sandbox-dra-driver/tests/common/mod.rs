@@ -4,6 +4,8 @@
 
 #![allow(dead_code)] // not every test uses every helper
 
+pub mod driver;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};

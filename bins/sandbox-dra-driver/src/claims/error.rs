@@ -1,0 +1,211 @@
+//! Why a claim could not be prepared or unprepared: the error each step returns,
+//! what it ran into, and the one-word reason metrics and Events use.
+
+use super::*;
+
+/// Why a claim could not be prepared or unprepared. Each names the claim.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// The request cannot be served as asked; nothing was touched.
+    #[error("claim {claim}: {reason}")]
+    Refused {
+        /// The claim.
+        claim: String,
+        /// Why.
+        reason: String,
+    },
+    /// The claim's names make no valid CDI spec or metadata file; nothing was
+    /// touched.
+    #[error("claim {claim}: no valid CDI spec or metadata file can be made of it")]
+    Unnamable {
+        /// The claim.
+        claim: String,
+        /// Which name, and why.
+        #[source]
+        source: cdi::CdiError,
+    },
+    /// A device of the claim is not this node's to give: another pool, a name this
+    /// driver does not publish, a function the resource list does not select.
+    #[error("claim {claim}: {reason}")]
+    NotOurs {
+        /// The claim.
+        claim: String,
+        /// Why.
+        reason: String,
+    },
+    /// A group of the claim is prepared for another claim; nothing was touched.
+    #[error("claim {claim}: {reason}")]
+    Held {
+        /// The claim.
+        claim: String,
+        /// Which group, and the claim holding it.
+        reason: String,
+    },
+    /// A VM still holds a group of the claim; nothing was touched; retry later.
+    #[error(
+        "claim {claim}: {} still open (a VM holds it); not giving the devices back yet",
+        group_nodes(groups)
+    )]
+    InUse {
+        /// The claim.
+        claim: String,
+        /// The held groups.
+        groups: Vec<u32>,
+    },
+    /// A step failed. What was moved is put back where possible; the claim's record
+    /// stays while anything of it is still on vfio, so a retry or a restart goes on.
+    #[error("claim {claim}: {step}{}", after_note(after))]
+    Failed {
+        /// The claim.
+        claim: String,
+        /// The step.
+        step: &'static str,
+        /// What was done about it (the rollback of a prepare), if anything.
+        after: Option<String>,
+        /// What failed.
+        #[source]
+        source: Box<StepError>,
+    },
+}
+
+pub(super) fn after_note(after: &Option<String>) -> String {
+    after
+        .as_ref()
+        .map(|a| format!(" ({a})"))
+        .unwrap_or_default()
+}
+
+/// What a step of a claim's prepare or unprepare ran into.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// The state file could not be saved.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// The vfio modules could not be loaded.
+    #[error(transparent)]
+    Module(#[from] ModuleError),
+    /// Groups could not be moved to vfio (each put back): each failure, named.
+    #[error("{}", chains(.0))]
+    Bind(Vec<PassthroughError>),
+    /// Groups could not be given back: each failure, and the groups a VM holds.
+    #[error("{}", give_back_note(failed, held))]
+    GiveBack {
+        /// Restores that failed.
+        failed: Vec<PassthroughError>,
+        /// Groups whose node a VM holds open.
+        held: Vec<u32>,
+    },
+    /// A group node is missing after the bind.
+    #[error("{} is missing", .0.display())]
+    NoGroupNode(PathBuf),
+    /// The claim's CDI spec or metadata could not be made.
+    #[error(transparent)]
+    Files(#[from] cdi::CdiError),
+    /// A file could not be written or removed.
+    #[error(transparent)]
+    Io(#[from] IoError),
+    /// A directory could not be made or removed.
+    #[error("cannot {action} {}", dir.display())]
+    Dir {
+        /// `create`, `remove`.
+        action: &'static str,
+        /// The directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub(super) fn boxed(e: impl Into<StepError>) -> Box<StepError> {
+    Box::new(e.into())
+}
+
+pub(super) fn chains(errors: &[PassthroughError]) -> String {
+    let list: Vec<String> = errors.iter().map(|e| error_chain(e)).collect();
+    list.join("; ")
+}
+
+pub(super) fn give_back_note(failed: &[PassthroughError], held: &[u32]) -> String {
+    let mut parts: Vec<String> = failed.iter().map(|e| error_chain(e)).collect();
+    if !held.is_empty() {
+        parts.push(format!("{} is open", group_nodes(held)));
+    }
+    parts.join("; ")
+}
+
+impl ClaimError {
+    /// Why, in one word.
+    pub fn failure(&self) -> Failure {
+        match self {
+            Self::Refused { .. } | Self::Unnamable { .. } => Failure::Refused,
+            Self::NotOurs { .. } => Failure::NotOurs,
+            Self::Held { .. } | Self::InUse { .. } => Failure::GroupHeld,
+            Self::Failed { .. } => Failure::Failed,
+        }
+    }
+}
+
+/// Why a prepare or unprepare of a claim failed, in one word: the `reason` label of
+/// the driver's failure metric and the reason of the Event on the claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Failure {
+    /// An IOMMU group is prepared for another claim, or a VM still holds it.
+    GroupHeld,
+    /// The claim's devices are not this node's to give, or it has none.
+    NotOurs,
+    /// The call's deadline passed first; the work goes on.
+    Timeout,
+    /// The claim could not be read from the API server.
+    ApiServer,
+    /// kubelet unprepared the claim while this prepare was on its way.
+    Unprepared,
+    /// The request cannot be served as asked (names, a changed allocation).
+    Refused,
+    /// A step on the node failed (what was moved is put back).
+    Failed,
+}
+
+impl Failure {
+    /// Every failure, for series present at zero.
+    pub const ALL: [Failure; 7] = [
+        Failure::GroupHeld,
+        Failure::NotOurs,
+        Failure::Timeout,
+        Failure::ApiServer,
+        Failure::Unprepared,
+        Failure::Refused,
+        Failure::Failed,
+    ];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::GroupHeld => "group_held",
+            Self::NotOurs => "not_ours",
+            Self::Timeout => "timeout",
+            Self::ApiServer => "api_server",
+            Self::Unprepared => "unprepared",
+            Self::Refused => "refused",
+            Self::Failed => "failed",
+        }
+    }
+
+    /// The reason of an Event (UpperCamelCase, as Kubernetes writes them).
+    pub fn event_reason(self) -> &'static str {
+        match self {
+            Self::GroupHeld => "IOMMUGroupHeld",
+            Self::NotOurs => "NotOurDevice",
+            Self::Timeout => "PrepareTimedOut",
+            Self::ApiServer => "ClaimReadFailed",
+            Self::Unprepared => "UnpreparedMeanwhile",
+            Self::Refused => "PrepareRefused",
+            Self::Failed => "PrepareFailed",
+        }
+    }
+}
+
+pub(super) fn group_nodes(groups: &[u32]) -> String {
+    let nodes: Vec<String> = groups.iter().map(|g| format!("/dev/vfio/{g}")).collect();
+    nodes.join(", ")
+}

@@ -1,0 +1,110 @@
+//! The devices this node offers: one per selected PCI function, with the standard
+//! and our own attributes; devices prepare could never hand over are withdrawn.
+
+use super::*;
+
+/// The root bus of `dev`'s PCIe hierarchy as sysfs names it (`pciDDDD:BB`): the
+/// bus of the topmost function on its canonical path (the root port, or the
+/// device itself when it sits on the root bus). This is the `pciDDDD:BB`
+/// directory under `/sys/devices` that the path starts from.
+pub fn pcie_root(dev: &PciDevice) -> String {
+    let top = dev.upstream.last().copied().unwrap_or(dev.address);
+    format!("pci{:04x}:{:02x}", top.domain(), top.bus())
+}
+
+/// A selected device that is not offered, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Withdrawn {
+    /// The device.
+    pub address: PciAddress,
+    /// Why prepare could not hand it over.
+    pub reason: String,
+}
+
+/// Why `entry` cannot be offered, if it cannot.
+///
+/// The viability of [`sysfs_pci::group::judge`] is not the test here: between claims
+/// the devices and their companions are on their native drivers, which is exactly
+/// what prepare changes. What prepare cannot change withdraws a device: no IOMMU
+/// group (the IOMMU is off), or a member of its group that would have to move but
+/// has SR-IOV VFs enabled (vfio-pci refuses it; [`sysfs_pci::bind::check_bindable`]).
+/// A group with a member that cannot be read is not in the inventory at all
+/// ([`passthrough::inventory::SkipReason`]), nor is a device that is gone.
+fn withdraw_reason(inv: &Inventory, entry: &Entry) -> Option<String> {
+    let Some(group) = entry.device.iommu_group else {
+        return Some("it has no IOMMU group (the IOMMU is off)".into());
+    };
+    if !inv.groups.contains_key(&group) {
+        return Some(format!("its IOMMU group {group} was not read"));
+    }
+    inv.in_group(group)
+        .find(|m| !m.is_bound() && m.device.has_vfs_enabled())
+        .map(|m| {
+            let vfs = m.device.sriov.map_or(0, |s| s.num_vfs);
+            format!(
+                "{} in its IOMMU group {group} has {vfs} SR-IOV VFs enabled, so vfio-pci cannot take it",
+                m.device.address
+            )
+        })
+}
+
+/// The selected devices [`slice_devices`] leaves out, and why.
+pub fn withdrawn(inv: &Inventory) -> Vec<Withdrawn> {
+    inv.selected()
+        .filter_map(|e| {
+            withdraw_reason(inv, e).map(|reason| Withdrawn {
+                address: e.device.address,
+                reason,
+            })
+        })
+        .collect()
+}
+
+fn string(s: String) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(s),
+        ..DeviceAttribute::default()
+    }
+}
+
+fn int(i: u32) -> DeviceAttribute {
+    DeviceAttribute {
+        int: Some(i64::from(i)),
+        ..DeviceAttribute::default()
+    }
+}
+
+/// The ResourceSlice device for one selected function.
+fn slice_device(entry: &Entry) -> Option<Device> {
+    let resource = entry.resource()?;
+    let d = &entry.device;
+    let mut attributes = BTreeMap::from([
+        (PCI_BUS_ID.to_owned(), string(d.address.to_string())),
+        (PCIE_ROOT.to_owned(), string(pcie_root(d))),
+        ("vendorID".to_owned(), string(format!("0x{:04x}", d.vendor))),
+        ("deviceID".to_owned(), string(format!("0x{:04x}", d.device))),
+        ("resourceName".to_owned(), string(resource.to_string())),
+    ]);
+    if let Some(numa) = d.numa_node {
+        attributes.insert("numaNode".into(), int(numa));
+    }
+    if let Some(group) = d.iommu_group {
+        attributes.insert("iommuGroup".into(), int(group));
+    }
+    Some(Device {
+        name: claims::device_name(&d.address),
+        attributes: Some(attributes),
+        ..Device::default()
+    })
+}
+
+/// The devices this node offers, sorted by address: one per selected function
+/// that is not [`withdrawn`].
+pub fn slice_devices(inv: &Inventory) -> Vec<Device> {
+    let mut entries: Vec<&Entry> = inv
+        .selected()
+        .filter(|e| withdraw_reason(inv, e).is_none())
+        .collect();
+    entries.sort_by_key(|e| e.device.address);
+    entries.into_iter().filter_map(slice_device).collect()
+}
