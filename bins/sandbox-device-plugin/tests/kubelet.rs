@@ -1,6 +1,10 @@
 //! The real `sandbox-device-plugin` binary against the kubelet-like peer, over Unix
 //! sockets, on fake sysfs trees. Every scenario has a deadline, so a missing call
 //! fails fast instead of hanging.
+//!
+//! One file on purpose (about 700 lines): every scenario runs in the `Bed` defined
+//! here (the plugin on a fake node, its kubelet directory and log) with the same
+//! deadlines.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

@@ -1,6 +1,8 @@
 //! Watches on the stand-in, read two ways: byte by byte over a raw HTTP/1.1
 //! connection where the wire format matters, and through `kube::runtime::watcher`
 //! exactly as the DRA driver runs it. Every wait has a timeout; none sleeps.
+//!
+//! One file on purpose: the raw-wire reader at the top is what every test uses.
 
 #![allow(clippy::unwrap_used)]
 
