@@ -10,6 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use kubelet_api::serve::SocketFile;
 use kubelet_api::v1beta1::device_plugin_server::DevicePluginServer;
 use kubelet_api::v1beta1::registration_client::RegistrationClient;
 use kubelet_api::v1beta1::RegisterRequest;
@@ -174,7 +175,7 @@ pub async fn serve_resource(
         let path = settings.dir.join(&name);
         let (ended_tx, ended) = mpsc::unbounded_channel();
         let streams = Arc::new(Streams::new(ended_tx));
-        let Some(stop_server) =
+        let Some((stop_server, socket)) =
             start_server(&resource, &settings, &path, streams.clone(), &metrics)
         else {
             // Could not bind (directory missing?): try again shortly.
@@ -205,7 +206,10 @@ pub async fn serve_resource(
         .await;
         settings.sockets.lock().map(|mut m| m.remove(&name)).ok();
         let _ = stop_server.send(());
-        let _ = std::fs::remove_file(&path);
+        // Only our own socket: a file someone put in its place is left alone.
+        if let Err(e) = socket.remove_if_ours() {
+            tracing::warn!(resource = %resource, socket = %path.display(), error = %e, "cannot remove our socket");
+        }
         if let End::Stop = end {
             tracing::info!(resource = %resource, socket = %path.display(), "stopped serving");
             return;
@@ -360,9 +364,9 @@ fn start_server(
     path: &Path,
     streams: Arc<Streams>,
     metrics: &ResourceMetrics,
-) -> Option<oneshot::Sender<()>> {
-    let listener = match kubelet_api::serve::listen(path) {
-        Ok((l, _file)) => l,
+) -> Option<(oneshot::Sender<()>, SocketFile)> {
+    let (listener, file) = match kubelet_api::serve::listen(path) {
+        Ok(served) => served,
         Err(e) => {
             tracing::error!(error = %sysfs_pci::error_chain(&e), "cannot serve; retrying");
             return None;
@@ -378,7 +382,7 @@ fn start_server(
     let router = Server::builder().add_service(DevicePluginServer::new(service));
     let tx = kubelet_api::serve::spawn(listener, router, "device plugin");
     tracing::info!(resource = %resource, socket = %path.display(), "serving");
-    Some(tx)
+    Some((tx, file))
 }
 
 async fn wait_or_command(
