@@ -48,6 +48,15 @@ pub struct ClaimRef {
 }
 
 impl ClaimRef {
+    /// The claim `uid` as its record names it.
+    pub fn recorded(uid: &str, record: &ClaimRecord) -> Self {
+        Self {
+            uid: uid.to_owned(),
+            namespace: record.namespace.clone(),
+            name: record.name.clone(),
+        }
+    }
+
     /// Where an Event about this claim goes (its namespace, where `kubectl describe
     /// resourceclaim` and the pod's owner look), and how an error names the post.
     pub fn event_target(
@@ -303,11 +312,7 @@ impl Claims<'_> {
         let Some(record) = self.pt.state.state().claims.get(&claim.uid).cloned() else {
             return Ok(());
         };
-        let shown = ClaimRef {
-            uid: claim.uid.clone(),
-            namespace: record.namespace.clone(),
-            name: record.name.clone(),
-        };
+        let shown = ClaimRef::recorded(&claim.uid, &record);
         let held: Vec<u32> = record
             .groups()
             .into_iter()
@@ -502,11 +507,7 @@ impl Claims<'_> {
     /// Puts a half-prepared claim back: its files removed, its groups restored, the
     /// claim forgotten once nothing of it is left on vfio. Says what happened.
     fn undo(&mut self, uid: &str, record: &ClaimRecord) -> String {
-        let claim = ClaimRef {
-            uid: uid.to_owned(),
-            namespace: record.namespace.clone(),
-            name: record.name.clone(),
-        };
+        let claim = ClaimRef::recorded(uid, record);
         match self.finish_unprepare(&claim, record.clone()) {
             Ok(()) => "its devices were put back".into(),
             Err(e) => format!(

@@ -69,11 +69,7 @@ impl Claims<'_> {
         self.quarantine_foreign(&mut out);
         let claims = self.pt.state.state().claims.clone();
         for (uid, record) in &claims {
-            let claim = ClaimRef {
-                uid: uid.clone(),
-                namespace: record.namespace.clone(),
-                name: record.name.clone(),
-            };
+            let claim = ClaimRef::recorded(uid, record);
             match record.phase {
                 ClaimPhase::Prepared => {}
                 ClaimPhase::Preparing => {
