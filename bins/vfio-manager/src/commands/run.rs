@@ -13,7 +13,7 @@
 
 use std::os::fd::AsFd;
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, Signal};
@@ -63,6 +63,11 @@ pub struct Args {
     resync_interval: Duration,
 }
 
+/// Delay between the first node event of a batch and the pass it triggers. The
+/// node watcher drains each burst; this is vfio-manager's own pause before it acts,
+/// so a device that left its vfio driver is seen gone (the device plugin reports it
+/// Unhealthy) before it is bound again, and the rest of a burst joins the pass.
+const SETTLE: Duration = Duration::from_millis(200);
 /// Delay before retrying a resync that failed.
 const RETRY: Duration = Duration::from_secs(1);
 
@@ -100,8 +105,8 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     };
     pass.converge(&mut pt, &list)?;
     // The node watcher: every batch of PCI uevents and /dev/vfio changes, and the
-    // resync, is one more pass (a pass is whole-node and changes nothing that is
-    // already right, so our own binds' events cost one idle pass).
+    // resync, leads to one more pass SETTLE later (a pass is whole-node and changes
+    // nothing that is already right, so our own binds' events cost one idle pass).
     let mut node = NodeWatch::open(
         &ctx.host,
         Options {
@@ -109,14 +114,25 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
             ..Options::default()
         },
     );
+    let mut pending: Option<Instant> = None;
     loop {
-        if let Some(sig) = wait(&signals, &node)? {
+        let timeout = match pending {
+            Some(at) => node
+                .timeout()
+                .min(at.saturating_duration_since(Instant::now())),
+            None => node.timeout(),
+        };
+        if let Some(sig) = wait(&signals, &node, timeout)? {
             tracing::info!(signal = ?sig, "stopping");
             break;
         }
-        if node.collect().is_empty() {
+        if !node.collect().is_empty() && pending.is_none() {
+            pending = Some(Instant::now() + SETTLE);
+        }
+        if pending.is_none_or(|at| Instant::now() < at) {
             continue;
         }
+        pending = None;
         // A device vanishing mid-scan, a module that fails to load: log it and
         // try again soon. The daemon only stops on a signal.
         if let Err(e) = pass.converge(&mut pt, &list) {
@@ -374,16 +390,15 @@ fn block_signals() -> anyhow::Result<SignalFd> {
     )?)
 }
 
-/// Waits for a signal, a node event, or the node watcher's timeout; the signal, if
-/// one came.
-fn wait(signals: &SignalFd, node: &NodeWatch) -> anyhow::Result<Option<Signal>> {
+/// Waits for a signal, a node event, or `timeout`; the signal, if one came.
+fn wait(signals: &SignalFd, node: &NodeWatch, timeout: Duration) -> anyhow::Result<Option<Signal>> {
     let mut fds = vec![PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
     fds.extend(
         node.fds()
             .into_iter()
             .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
     );
-    let ms = i32::try_from(node.timeout().as_millis())
+    let ms = i32::try_from(timeout.as_millis())
         .unwrap_or(i32::MAX)
         .max(1);
     match poll(
