@@ -15,6 +15,10 @@
 //! only then forgets the claim. After a `kill -9` anywhere, [`Claims::recover`] rolls a
 //! `preparing` claim back and finishes an `unpreparing` one, so a later unprepare still
 //! restores the original drivers. A group belongs to at most one claim.
+//!
+//! A little over 600 lines: prepare and unprepare, each step of which this file
+//! shows in order; the errors (`claims/error.rs`) and a restart's recovery
+//! (`claims/recovery.rs`) sit beside it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;

@@ -13,6 +13,9 @@
 //!
 //! One difference: the cacher gives each watch a bounded buffer and drops a
 //! watch that lets it fill; here the buffer is unbounded.
+//!
+//! A little over 600 lines on purpose: the history, the watch options and the
+//! watcher are read together against `watch_cache.go` and `cacher.go`.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
