@@ -10,9 +10,12 @@
 //!
 //! 1. its own Pod (`POD_NAMESPACE`/`POD_NAME`) names the DaemonSet that controls it;
 //! 2. that DaemonSet must still exist and not be being deleted;
-//! 3. its pod template's node selector and required node affinity must still match
-//!    the labels of the agent's Node (`NODE_NAME`) — the same test the DaemonSet
-//!    controller makes to decide whether a pod belongs on the node.
+//! 3. its pod template's node name, node selector and required node affinity must
+//!    still match the agent's Node (`NODE_NAME`), and the Node must carry no
+//!    `NoExecute` taint the pod does not tolerate — the test the DaemonSet controller
+//!    makes to decide whether a running pod stays on the node
+//!    (`NodeShouldRunDaemonPod`'s `shouldContinueRunning`,
+//!    kubernetes `pkg/controller/daemon/daemon_controller.go`).
 //!
 //! Only when all three hold is the stop a rollout ([`Verdict::Keep`]). Anything else
 //! — an object missing, the API server unreachable or slow, a pod without a
@@ -27,14 +30,18 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, ObjectReference, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{
+    Node, NodeSelectorRequirement, ObjectReference, Pod, PodSpec, Taint, Toleration,
+};
 use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::Client;
 
-/// Upper bound for answering "keep or restore?" on a stop (the grace period must
-/// still hold the restore after it).
-pub const STOP_LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Upper bound for answering "keep or restore?" on a stop: three reads of a server
+/// that answers in milliseconds when it is well. The grace period (120 s in our
+/// manifests) must still hold the restore after it, and a server that cannot answer
+/// in this time restores anyway.
+pub const STOP_LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Upper bound for posting one Event.
 pub const EVENT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -65,6 +72,12 @@ pub fn node_selected(spec: &PodSpec, node: &Node) -> Result<(), String> {
     let empty = BTreeMap::new();
     let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
     let name = node.metadata.name.as_deref().unwrap_or("");
+    // A template naming a node runs only there (`NodeShouldRunDaemonPod`).
+    if let Some(wanted) = spec.node_name.as_deref().filter(|n| !n.is_empty()) {
+        if wanted != name {
+            return Err(format!("the pod template names node {wanted}"));
+        }
+    }
     for (k, v) in spec.node_selector.iter().flatten() {
         match labels.get(k) {
             Some(have) if have == v => {}
@@ -115,6 +128,63 @@ pub fn node_selected(spec: &PodSpec, node: &Node) -> Result<(), String> {
         "no required node affinity term matches ({})",
         why.join("; ")
     ))
+}
+
+/// The tolerations the DaemonSet controller adds to every pod it makes, besides the
+/// template's own (`AddOrUpdateDaemonPodTolerations`, kubernetes
+/// `pkg/controller/daemon/util/daemonset_util.go`). Only the `NoExecute` ones matter
+/// to a running pod: `node.kubernetes.io/not-ready` and `node.kubernetes.io/unreachable`,
+/// key `Exists`, any value, no time limit.
+const DAEMON_POD_NO_EXECUTE_TOLERATIONS: [&str; 2] = [
+    "node.kubernetes.io/not-ready",
+    "node.kubernetes.io/unreachable",
+];
+
+/// Whether a pod of `spec` may keep running on `node` as far as taints go: every
+/// `NoExecute` taint of the node is tolerated by the template or by the DaemonSet
+/// controller's own tolerations (`NodeShouldRunDaemonPod`: `NoSchedule` taints stop new
+/// pods only). `Err` names the first taint that would evict the pod.
+pub fn tolerates_no_execute(spec: &PodSpec, node: &Node) -> Result<(), String> {
+    let taints = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_deref())
+        .unwrap_or(&[]);
+    let tolerations = spec.tolerations.as_deref().unwrap_or(&[]);
+    let evicting = taints.iter().filter(|t| t.effect == "NoExecute").find(|t| {
+        !DAEMON_POD_NO_EXECUTE_TOLERATIONS.contains(&t.key.as_str())
+            && !tolerations.iter().any(|tol| tolerates(tol, t))
+    });
+    match evicting {
+        None => Ok(()),
+        Some(t) => Err(format!(
+            "taint {}{}:NoExecute is not tolerated, so the DaemonSet controller evicts its pod",
+            t.key,
+            t.value
+                .as_deref()
+                .map(|v| format!("={v}"))
+                .unwrap_or_default()
+        )),
+    }
+}
+
+/// `Toleration.ToleratesTaint` (kubernetes `staging/src/k8s.io/api/core/v1/toleration.go`):
+/// an empty effect or key matches any; operator `Exists` matches any value, `Equal`
+/// (or empty) the same value; any other operator matches nothing.
+fn tolerates(tol: &Toleration, taint: &Taint) -> bool {
+    let effect = tol.effect.as_deref().unwrap_or("");
+    let key = tol.key.as_deref().unwrap_or("");
+    if !effect.is_empty() && effect != taint.effect {
+        return false;
+    }
+    if !key.is_empty() && key != taint.key {
+        return false;
+    }
+    match tol.operator.as_deref().unwrap_or("") {
+        "" | "Equal" => tol.value.as_deref().unwrap_or("") == taint.value.as_deref().unwrap_or(""),
+        "Exists" => true,
+        _ => false,
+    }
 }
 
 fn requirement_holds(r: &NodeSelectorRequirement, value: Option<&str>) -> Result<(), String> {
@@ -195,7 +265,7 @@ pub fn decide(
     let Some(spec) = ds.spec.as_ref().and_then(|s| s.template.spec.as_ref()) else {
         return Verdict::Restore(format!("DaemonSet {ds_name} has no pod template"));
     };
-    match node_selected(spec, node) {
+    match node_selected(spec, node).and_then(|()| tolerates_no_execute(spec, node)) {
         Ok(()) => Verdict::Keep(format!(
             "Node {node_name} is still selected by DaemonSet {ds_name} (a rollout or a pod restart)"
         )),

@@ -136,3 +136,149 @@ fn truncate_keeps_char_boundaries() {
     let t = truncate(&long, 1024);
     assert!(t.len() <= 1024 && t.ends_with("..."));
 }
+
+fn tainted(taints: &[(&str, Option<&str>, &str)]) -> Node {
+    let mut n = node(&[("a", "1")]);
+    n.spec = Some(k8s_openapi::api::core::v1::NodeSpec {
+        taints: Some(
+            taints
+                .iter()
+                .map(|(key, value, effect)| Taint {
+                    key: (*key).into(),
+                    value: value.map(Into::into),
+                    effect: (*effect).into(),
+                    time_added: None,
+                })
+                .collect(),
+        ),
+        ..Default::default()
+    });
+    n
+}
+
+fn toleration(key: &str, op: &str, value: Option<&str>, effect: &str) -> Toleration {
+    Toleration {
+        key: (!key.is_empty()).then(|| key.into()),
+        operator: (!op.is_empty()).then(|| op.into()),
+        value: value.map(Into::into),
+        effect: (!effect.is_empty()).then(|| effect.into()),
+        toleration_seconds: None,
+    }
+}
+
+#[test]
+fn an_untolerated_no_execute_taint_evicts_and_no_schedule_does_not() {
+    let bare = PodSpec::default();
+    // NoSchedule only keeps new pods away; a running one stays.
+    assert!(tolerates_no_execute(&bare, &tainted(&[("gpu", Some("x"), "NoSchedule")])).is_ok());
+    let why =
+        tolerates_no_execute(&bare, &tainted(&[("maint", Some("now"), "NoExecute")])).unwrap_err();
+    assert!(why.contains("maint=now:NoExecute"), "{why}");
+    // The DaemonSet controller's own tolerations: not-ready and unreachable.
+    assert!(tolerates_no_execute(
+        &bare,
+        &tainted(&[
+            ("node.kubernetes.io/not-ready", None, "NoExecute"),
+            ("node.kubernetes.io/unreachable", None, "NoExecute"),
+        ])
+    )
+    .is_ok());
+    // But not the other conditions' taints with NoExecute.
+    assert!(tolerates_no_execute(
+        &bare,
+        &tainted(&[(
+            "node.kubernetes.io/out-of-service",
+            Some("nodeshutdown"),
+            "NoExecute"
+        )])
+    )
+    .is_err());
+}
+
+#[test]
+fn tolerations_match_as_the_api_does() {
+    let taint = tainted(&[("maint", Some("now"), "NoExecute")]);
+    let with = |tols: Vec<Toleration>| PodSpec {
+        tolerations: Some(tols),
+        ..PodSpec::default()
+    };
+    let ok = |tols| tolerates_no_execute(&with(tols), &taint).is_ok();
+    assert!(
+        ok(vec![toleration("", "Exists", None, "")]),
+        "tolerate everything"
+    );
+    assert!(ok(vec![toleration("maint", "Exists", None, "")]));
+    assert!(ok(vec![toleration(
+        "maint",
+        "Equal",
+        Some("now"),
+        "NoExecute"
+    )]));
+    assert!(
+        ok(vec![toleration("maint", "", Some("now"), "")]),
+        "empty operator is Equal"
+    );
+    assert!(!ok(vec![toleration("maint", "Equal", Some("later"), "")]));
+    assert!(!ok(vec![toleration("maint", "Exists", None, "NoSchedule")]));
+    assert!(!ok(vec![toleration("other", "Exists", None, "")]));
+    assert!(!ok(vec![toleration("maint", "Lt", Some("now"), "")]));
+}
+
+#[test]
+fn a_stop_restores_when_a_no_execute_taint_would_evict_the_pod() {
+    use k8s_openapi::api::apps::v1::DaemonSetSpec;
+    use k8s_openapi::api::core::v1::PodTemplateSpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+    let identity = Identity {
+        node: "node-a".into(),
+        pod: Some(("ns".into(), "vm-1".into())),
+        controller: "vfio-manager".into(),
+    };
+    let pod = Pod {
+        metadata: ObjectMeta {
+            namespace: Some("ns".into()),
+            owner_references: Some(vec![OwnerReference {
+                api_version: "apps/v1".into(),
+                kind: "DaemonSet".into(),
+                name: "vm".into(),
+                controller: Some(true),
+                ..OwnerReference::default()
+            }]),
+            ..ObjectMeta::default()
+        },
+        ..Pod::default()
+    };
+    let ds = |tolerations: Option<Vec<Toleration>>| DaemonSet {
+        spec: Some(DaemonSetSpec {
+            template: PodTemplateSpec {
+                spec: Some(PodSpec {
+                    tolerations,
+                    ..PodSpec::default()
+                }),
+                ..PodTemplateSpec::default()
+            },
+            ..DaemonSetSpec::default()
+        }),
+        ..DaemonSet::default()
+    };
+    let node = Lookup::Found(tainted(&[("maint", None, "NoExecute")]));
+    let pod = Lookup::Found(pod);
+    match decide(&identity, &pod, Some(&Lookup::Found(ds(None))), &node) {
+        Verdict::Restore(why) => assert!(why.contains("maint:NoExecute"), "{why}"),
+        v => panic!("{v:?}"),
+    }
+    let all = Some(vec![toleration("", "Exists", None, "")]);
+    assert!(matches!(
+        decide(&identity, &pod, Some(&Lookup::Found(ds(all))), &node),
+        Verdict::Keep(_)
+    ));
+    // A template pinned to another node restores too.
+    let mut pinned = ds(Some(vec![toleration("", "Exists", None, "")]));
+    if let Some(s) = pinned.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        s.node_name = Some("node-b".into());
+    }
+    assert!(matches!(
+        decide(&identity, &pod, Some(&Lookup::Found(pinned)), &node),
+        Verdict::Restore(_)
+    ));
+}
