@@ -64,6 +64,11 @@ pub trait Kernel: Sync {
     fn is_dry_run(&self) -> bool {
         false
     }
+    /// Writes that have not returned within their deadline, one per device (see
+    /// [`crate::deadline::Bounded`]); none for a kernel without deadlines.
+    fn stuck_writes(&self) -> Vec<crate::deadline::StuckWrite> {
+        Vec::new()
+    }
 }
 
 /// The real kernel.

@@ -20,7 +20,7 @@ use std::fs;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use crate::io::{Action, IoError};
@@ -308,6 +308,37 @@ impl FakeNode {
     }
 }
 
+/// Holds the writes that reach it until it is opened: a driver's remove or probe
+/// blocked in the kernel, and the moment it returns.
+#[derive(Debug, Default)]
+pub struct Gate {
+    open: Mutex<bool>,
+    opened: Condvar,
+    /// Writes that have reached the gate so far.
+    pub reached: AtomicUsize,
+}
+
+impl Gate {
+    /// A closed gate.
+    pub fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    /// Lets every held write, and every later one, through.
+    pub fn open(&self) {
+        *lock(&self.open) = true;
+        self.opened.notify_all();
+    }
+
+    fn pass(&self) {
+        self.reached.fetch_add(1, Ordering::SeqCst);
+        let mut open = lock(&self.open);
+        while !*open {
+            open = self.opened.wait(open).unwrap();
+        }
+    }
+}
+
 /// Emulates the PCI core's handling of sysfs writes on a [`FakeNode`].
 ///
 /// Safe to share between threads, as the kernel is: changes to the tree are made one
@@ -322,6 +353,9 @@ pub struct FakeKernel {
     pub native: Mutex<HashMap<PciAddress, String>>,
     /// Writes whose path ends with this suffix fail with the errno (once).
     pub fail_on: Mutex<Option<(String, i32)>>,
+    /// Writes whose path ends with this suffix block until the gate opens, as a
+    /// driver's remove that never returns does (see [`Gate`]).
+    pub hang_on: Mutex<Option<(String, Arc<Gate>)>>,
     /// Group nodes reported in use.
     pub busy_groups: Mutex<BTreeSet<PathBuf>>,
     /// What a probe of the device does instead of attaching its override's (or its
@@ -358,6 +392,7 @@ impl FakeKernel {
             writes: Mutex::default(),
             native: Mutex::default(),
             fail_on: Mutex::default(),
+            hang_on: Mutex::default(),
             busy_groups: Mutex::default(),
             probe_outcome: Mutex::default(),
             loaded: Mutex::default(),
@@ -380,6 +415,11 @@ impl FakeKernel {
     /// The most unbinds, binds and probes that were under way at one moment.
     pub fn max_concurrent_probes(&self) -> usize {
         self.max_in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Starts counting [`Self::max_concurrent_probes`] afresh.
+    pub fn reset_concurrency(&self) {
+        self.max_in_flight.store(0, Ordering::SeqCst);
     }
 
     /// Counts a slow operation as under way and waits out the modelled latency.
@@ -460,6 +500,13 @@ impl Kernel for FakeKernel {
                     return Err(Self::err(path, data, errno));
                 }
             }
+        }
+        let gate = lock(&self.hang_on)
+            .as_ref()
+            .filter(|(suffix, _)| path.to_string_lossy().ends_with(suffix.as_str()))
+            .map(|(_, gate)| gate.clone());
+        if let Some(gate) = gate {
+            gate.pass();
         }
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
         // The driver's remove or probe runs before the tree changes, outside the
