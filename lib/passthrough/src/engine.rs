@@ -37,7 +37,7 @@ use sysfs_pci::group::STUB_DRIVER;
 use sysfs_pci::kernel::Kernel;
 use sysfs_pci::module::{self, ModuleError};
 use sysfs_pci::vfio_driver::is_vfio_driver;
-use sysfs_pci::{error_chain, Host, PciAddress, PciDevice};
+use sysfs_pci::{error_chain, Host, PciAddress};
 
 /// The modules a node needs for passthrough besides the drivers' own.
 pub const VFIO_MODULES: [&str; 3] = ["vfio", "vfio_iommu_type1", "vfio_pci"];
@@ -385,8 +385,24 @@ impl Passthrough<'_> {
     }
 
     /// Restores what the state file records, for the groups holding `only` (every
-    /// recorded device when empty). Modules we unloaded are reloaded first.
+    /// recorded device when empty), one group after another. Modules we unloaded are
+    /// reloaded first.
     pub fn restore(&mut self, only: &[PciAddress]) -> RestoreReport {
+        self.restore_concurrent(only, NonZeroUsize::MIN)
+    }
+
+    /// Restores like [`Self::restore`], putting back up to `jobs` IOMMU groups at
+    /// once: leaving VM mode then costs about the slowest group's time, as entering
+    /// it does with [`Self::bind_concurrent`].
+    ///
+    /// The guarantees are those of one group at a time: a group a VM holds is
+    /// skipped with its records kept; within a group the members go back in order,
+    /// each record dropped only once its device is confirmed back, under the state
+    /// file's lock, so a crash at any point leaves every device not yet back
+    /// recorded. Modules are reloaded before any group moves (a native driver must
+    /// be there to take its devices back). The report lists groups in ascending
+    /// order whatever the threads' timing.
+    pub fn restore_concurrent(&mut self, only: &[PciAddress], jobs: NonZeroUsize) -> RestoreReport {
         let mut report = RestoreReport::default();
         let records = self.state.state().devices.clone();
         let groups: BTreeSet<u32> = records
@@ -398,25 +414,36 @@ impl Passthrough<'_> {
         if only.is_empty() || !groups.is_empty() {
             self.reload_modules(&mut report);
         }
-        for group in groups {
-            let members: Vec<(&PciAddress, &Record)> =
-                records.iter().filter(|(_, r)| r.group == group).collect();
-            match self.kernel.group_in_use(&self.host.vfio_group_node(group)) {
-                Ok(true) => {
-                    for (a, _) in &members {
-                        tracing::warn!(bdf = %a, group, "a VM holds /dev/vfio/{group}; not restoring it now");
-                        report.in_use.push((**a, group));
-                    }
-                    continue;
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::warn!(group, error = %error_chain(&e), "cannot probe group use; restoring anyway")
-                }
-            }
-            for (address, record) in members {
-                self.restore_one(address, record, &mut report);
-            }
+        let plans: Vec<(u32, Vec<(PciAddress, Record)>)> = groups
+            .into_iter()
+            .map(|g| {
+                let members = records
+                    .iter()
+                    .filter(|(_, r)| r.group == g)
+                    .map(|(a, r)| (*a, r.clone()))
+                    .collect();
+                (g, members)
+            })
+            .collect();
+        let jobs = if self.kernel.is_dry_run() {
+            NonZeroUsize::MIN
+        } else {
+            jobs
+        };
+        let state = Mutex::new(&mut *self.state);
+        let binder = Binder {
+            host: self.host,
+            kernel: self.kernel,
+            state: &state,
+        };
+        let results = for_each_bounded(&plans, jobs, |(group, members)| {
+            binder.restore_group(*group, members)
+        });
+        for part in results {
+            report.restored.extend(part.restored);
+            report.in_use.extend(part.in_use);
+            report.gone.extend(part.gone);
+            report.failed.extend(part.failed);
         }
         report
     }
@@ -437,48 +464,6 @@ impl Passthrough<'_> {
             if let Err(e) = self.state.clear_unloaded(self.kernel) {
                 report.failed.push(e.into());
             }
-        }
-    }
-
-    fn restore_one(&mut self, address: &PciAddress, record: &Record, report: &mut RestoreReport) {
-        let dev = match PciDevice::read(self.host, address) {
-            Ok(d) => d,
-            Err(sysfs_pci::device::DeviceError::NotFound { .. }) => {
-                tracing::warn!(bdf = %address, "recorded device is gone; dropping its record");
-                report.gone.push(*address);
-                if let Err(e) = self.state.forget(self.kernel, address) {
-                    report.failed.push(e.into());
-                }
-                return;
-            }
-            Err(e) => {
-                report.failed.push(PassthroughError::Restore {
-                    address: *address,
-                    source: e.into(),
-                });
-                return;
-            }
-        };
-        let result = bind::restore(
-            self.host,
-            self.kernel,
-            &dev,
-            record.original_driver.as_deref(),
-            record.original_override.as_deref(),
-        );
-        match result {
-            Ok(()) => {
-                report
-                    .restored
-                    .push((*address, record.original_driver.clone()));
-                if let Err(e) = self.state.forget(self.kernel, address) {
-                    report.failed.push(e.into());
-                }
-            }
-            Err(source) => report.failed.push(PassthroughError::Restore {
-                address: *address,
-                source,
-            }),
         }
     }
 }

@@ -8,8 +8,9 @@
 //! original driver with its original `driver_override`, every module we unloaded must
 //! be loaded again, and the state file must be empty.
 //!
-//! Each life is walked twice: binding one group at a time (`--bind-jobs 1`, where the
-//! points come in one fixed order), and binding up to 4 groups at once, where the
+//! Each life is walked twice: moving one group at a time (`--bind-jobs 1`, where the
+//! points come in one fixed order), and binding and restoring up to 4 groups at once
+//! (the SIGTERM restore and `unbind --all` too), where the
 //! same points interleave as the threads run: a fail or crash at index *n* then hits
 //! whichever step came *n*th, and a crash stops every thread at its next step.
 //!
@@ -216,7 +217,7 @@ impl Node {
                         .map(|g| format!("after resync: {g}")),
                 );
                 if end == End::Sigterm {
-                    pt.restore(&[]);
+                    pt.restore_concurrent(&[], self.jobs);
                 }
             }
         });
@@ -251,7 +252,9 @@ impl Node {
     }
 
     fn unbind_all(&self) {
-        let report = self.process(&self.kernel, |pt| pt.restore(&[])).unwrap();
+        let report = self
+            .process(&self.kernel, |pt| pt.restore_concurrent(&[], self.jobs))
+            .unwrap();
         assert!(report.in_use.is_empty());
     }
 

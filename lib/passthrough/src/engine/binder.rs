@@ -13,10 +13,11 @@ use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use super::{Move, PassthroughError, StepError};
+use super::{Move, PassthroughError, RestoreReport, StepError};
 use crate::inventory::Role;
 use crate::state::{self, Record, StateError, StateFile};
 use sysfs_pci::bind::{self, BindOutcome, DriverError};
+use sysfs_pci::device::DeviceError;
 use sysfs_pci::kernel::{lock, Kernel};
 use sysfs_pci::module;
 use sysfs_pci::{error_chain, Host, PciAddress, PciDevice};
@@ -172,6 +173,77 @@ impl Binder<'_, '_> {
         match lock(self.state).forget(self.kernel, address) {
             Ok(()) => PutBack::Done,
             Err(e) => PutBack::RecordKept(error_chain(&e)),
+        }
+    }
+}
+
+impl Binder<'_, '_> {
+    /// Restores one recorded group, member by member, unless a VM holds its group
+    /// node; each record is dropped only once its device is confirmed back.
+    pub(super) fn restore_group(
+        &self,
+        group: u32,
+        members: &[(PciAddress, Record)],
+    ) -> RestoreReport {
+        let mut report = RestoreReport::default();
+        match self.kernel.group_in_use(&self.host.vfio_group_node(group)) {
+            Ok(true) => {
+                for (a, _) in members {
+                    tracing::warn!(bdf = %a, group, "a VM holds /dev/vfio/{group}; not restoring it now");
+                    report.in_use.push((*a, group));
+                }
+                return report;
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(group, error = %error_chain(&e), "cannot probe group use; restoring anyway")
+            }
+        }
+        for (address, record) in members {
+            self.restore_one(address, record, &mut report);
+        }
+        report
+    }
+
+    fn restore_one(&self, address: &PciAddress, record: &Record, report: &mut RestoreReport) {
+        let dev = match PciDevice::read(self.host, address) {
+            Ok(d) => d,
+            Err(DeviceError::NotFound { .. }) => {
+                tracing::warn!(bdf = %address, "recorded device is gone; dropping its record");
+                report.gone.push(*address);
+                if let Err(e) = lock(self.state).forget(self.kernel, address) {
+                    report.failed.push(e.into());
+                }
+                return;
+            }
+            Err(e) => {
+                report.failed.push(PassthroughError::Restore {
+                    address: *address,
+                    source: e.into(),
+                });
+                return;
+            }
+        };
+        let result = bind::restore(
+            self.host,
+            self.kernel,
+            &dev,
+            record.original_driver.as_deref(),
+            record.original_override.as_deref(),
+        );
+        match result {
+            Ok(()) => {
+                report
+                    .restored
+                    .push((*address, record.original_driver.clone()));
+                if let Err(e) = lock(self.state).forget(self.kernel, address) {
+                    report.failed.push(e.into());
+                }
+            }
+            Err(source) => report.failed.push(PassthroughError::Restore {
+                address: *address,
+                source,
+            }),
         }
     }
 }
