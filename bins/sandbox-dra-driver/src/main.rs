@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use node_agent::cli::{fail, parse_duration, CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
+use node_agent::cli::{fail, parse_duration, CommonArgs, WriteArgs, EXIT_NOT_READY, EXIT_USAGE};
 use node_agent::cluster::{Cluster, Identity, Verdict};
 use node_agent::metrics::{self as endpoint, ListenAddress};
 use passthrough::owner::{Program, DEFAULT_OWNER_LOCK};
@@ -18,7 +18,6 @@ use passthrough::Passthrough;
 use sandbox_dra_driver::cdi::{DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
 use sandbox_dra_driver::claims::{Claims, Files};
 use sysfs_pci::host::DEFAULT_MODULES_ROOT;
-use sysfs_pci::kernel::SysKernel;
 use sysfs_pci::{error_chain, module};
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -77,6 +76,8 @@ struct Cli {
     command: Option<Command>,
     #[command(flatten)]
     common: CommonArgs,
+    #[command(flatten)]
+    write: WriteArgs,
     /// This node's name (downward API spec.nodeName): the pool and the slice's node.
     #[arg(long, env = "NODE_NAME", value_name = "NAME", required = true)]
     node_name: Option<String>,
@@ -233,11 +234,14 @@ fn main() -> ExitCode {
         return fail(PROGRAM, &e, EXIT_NOT_READY);
     }
     let release = module::kernel_release();
+    // One kernel door for the driver's life: a write stuck in recovery keeps its
+    // device out of every later prepare.
+    let kernel = cli.write.kernel();
     // Finish what a killed predecessor left half-done before serving anything.
     let recovery = Claims {
         pt: Passthrough {
             host: &host,
-            kernel: &SysKernel,
+            kernel: &kernel,
             state: &mut state,
             release: release.clone(),
         },
@@ -272,6 +276,7 @@ fn main() -> ExitCode {
             pool: node_name.clone(),
             files,
             metrics: metrics.clone(),
+            kernel,
         },
         cli.prepare_timeout,
     ) {

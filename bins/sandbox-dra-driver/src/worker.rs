@@ -24,6 +24,7 @@ use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use passthrough::state::StateFile;
 use passthrough::Passthrough;
+use sysfs_pci::deadline::Bounded;
 use sysfs_pci::kernel::SysKernel;
 use sysfs_pci::{error_chain, Host};
 use tokio::sync::oneshot;
@@ -83,6 +84,9 @@ pub struct Setup {
     pub files: Files,
     /// Device gauges, set after every job.
     pub metrics: Arc<Metrics>,
+    /// The kernel door, with its deadline on every sysfs write (and the devices
+    /// stuck behind one).
+    pub kernel: Bounded<SysKernel>,
 }
 
 /// When a prepare's RPC arrived, in the order of [`Worker`]'s events.
@@ -244,7 +248,6 @@ fn work(
     busy: Arc<Mutex<Option<(String, Instant)>>>,
     unprepared: &Unprepared,
 ) {
-    let kernel = SysKernel;
     held(&setup);
     while let Ok(job) = rx.recv() {
         let what = match &job {
@@ -257,7 +260,7 @@ fn work(
         let mut claims = Claims {
             pt: Passthrough {
                 host: &setup.host,
-                kernel: &kernel,
+                kernel: &setup.kernel,
                 state: &mut setup.state,
                 release: setup.release.clone(),
             },

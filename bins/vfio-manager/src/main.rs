@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use node_agent::cli::{CommonArgs, EXIT_NOT_READY, EXIT_USAGE};
+use node_agent::cli::{CommonArgs, WriteArgs, EXIT_NOT_READY, EXIT_USAGE};
 use node_agent::ready::{DEFAULT_STATUS_DIR, MANAGER_READY_FILE};
 use passthrough::owner::{Owner, OwnerError, Program, DEFAULT_OWNER_LOCK};
 use passthrough::state::{StateFile, DEFAULT_STATE_FILE};
@@ -76,13 +76,16 @@ struct ManagerArgs {
     /// holds; created with its directory if absent.
     #[arg(long, env = "VFIO_SANDBOX_OWNER_LOCK", global = true, default_value = DEFAULT_OWNER_LOCK, value_name = "FILE")]
     owner_lock: PathBuf,
-    /// How many IOMMU groups `bind` and `run` move to vfio at once. A native driver's
-    /// unbind and vfio-pci's probe can each take a second on a GPU, so with several
-    /// jobs entering VM mode takes about the slowest group's time, not the sum. Each
-    /// group stays all-or-nothing and every device is recorded before it is touched.
-    /// 1 binds one group after another; a dry run always does.
+    /// How many IOMMU groups `bind`, `unbind` and `run` move at once, to vfio and back.
+    /// A native driver's unbind and vfio-pci's probe can each take a second on a GPU,
+    /// so with several jobs entering and leaving VM mode take about the slowest
+    /// group's time, not the sum. Each group stays all-or-nothing, every device is
+    /// recorded before it is touched and its record dropped only once it is back.
+    /// 1 moves one group after another; a dry run always does.
     #[arg(long, env = "VFIO_MANAGER_BIND_JOBS", global = true, default_value_t = DEFAULT_BIND_JOBS, value_name = "N")]
     bind_jobs: NonZeroUsize,
+    #[command(flatten)]
+    write: WriteArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -116,6 +119,8 @@ pub struct Context {
     pub owner_lock: PathBuf,
     /// IOMMU groups bound at once.
     pub bind_jobs: NonZeroUsize,
+    /// The deadline of each sysfs write.
+    pub write: WriteArgs,
 }
 
 impl Context {
@@ -163,6 +168,7 @@ fn main() -> ExitCode {
         validator_status_dir: cli.manager.validator_status_dir,
         owner_lock: cli.manager.owner_lock,
         bind_jobs: cli.manager.bind_jobs,
+        write: cli.manager.write,
     };
     let result = match cli.command {
         Command::Status(args) => commands::status::run(&ctx, &args),

@@ -37,7 +37,7 @@ impl Metrics {
     /// The metrics, registered in `registry`, every series present at zero.
     pub fn new(registry: &mut Registry) -> Self {
         let m = Self::default();
-        for state in ["bound", "not_bound", "held"] {
+        for state in ["bound", "not_bound", "held", "stuck"] {
             let _ = m.devices.get_or_create(&State { state });
         }
         for result in ["ok", "error"] {
@@ -51,7 +51,7 @@ impl Metrics {
         }
         registry.register(
             "devices",
-            "Selected devices and their IOMMU-group companions, by state: bound (on their vfio driver), not_bound, held (skipped by the last restore because a VM holds the group)",
+            "Selected devices and their IOMMU-group companions, by state: bound (on their vfio driver), not_bound, held (skipped by the last restore because a VM holds the group), stuck (a sysfs write to it has not returned within --write-timeout: its driver is blocked in the kernel)",
             m.devices.clone(),
         );
         registry.register(
@@ -77,6 +77,11 @@ impl Metrics {
         let bound = inv.entries.iter().filter(|e| e.is_bound()).count();
         self.set("bound", bound);
         self.set("not_bound", inv.entries.len() - bound);
+    }
+
+    /// Devices whose sysfs write has not returned.
+    pub fn stuck(&self, n: usize) {
+        self.set("stuck", n);
     }
 
     /// A bind's outcome.

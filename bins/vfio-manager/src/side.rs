@@ -10,7 +10,7 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use node_agent::cluster::{Cluster, Identity, Verdict, EVENT_TIMEOUT, STOP_LOOKUP_TIMEOUT};
+use node_agent::cluster::{Cluster, Identity, Verdict, STOP_LOOKUP_TIMEOUT};
 use node_agent::metrics::{self as endpoint, ListenAddress, Registry};
 use sysfs_pci::error_chain;
 use tokio::sync::mpsc;
@@ -27,6 +27,10 @@ pub struct NodeEvent {
     /// For people.
     pub note: String,
 }
+
+/// How long a stop waits for its last Events to be posted. They are said in the
+/// log too; the devices are already back by then, so this only delays the exit.
+pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(2);
 
 enum Msg {
     Event(NodeEvent),
@@ -106,23 +110,24 @@ impl Side {
         if tx.send(Msg::Verdict(reply)).is_err() {
             return Some(Verdict::Restore("the API client stopped".into()));
         }
-        // The side thread bounds its lookup by STOP_LOOKUP_TIMEOUT; allow for a
-        // connect still in progress on top.
+        // The side thread bounds its lookup by STOP_LOOKUP_TIMEOUT; this bound holds
+        // whatever the side thread is doing (a connect still in progress, a post).
         Some(
             answer
-                .recv_timeout(STOP_LOOKUP_TIMEOUT + Duration::from_secs(5))
+                .recv_timeout(STOP_LOOKUP_TIMEOUT + Duration::from_secs(1))
                 .unwrap_or_else(|_| {
                     Verdict::Restore("the API client did not answer in time".into())
                 }),
         )
     }
 
-    /// Waits (bounded) until the Events sent so far are posted, then stops the thread.
+    /// Waits (at most [`FLUSH_TIMEOUT`]) until the Events sent so far are posted, then
+    /// stops the thread.
     pub fn finish(mut self) {
         if let Some(tx) = self.tx.take() {
             let (reply, done) = std_mpsc::channel();
             if tx.send(Msg::Flush(reply)).is_ok() {
-                let _ = done.recv_timeout(EVENT_TIMEOUT + Duration::from_secs(1));
+                let _ = done.recv_timeout(FLUSH_TIMEOUT);
             }
         }
         // The thread ends once its channel is closed (dropped above); do not wait

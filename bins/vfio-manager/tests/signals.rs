@@ -143,3 +143,97 @@ fn run_logs_an_unreadable_device_once_and_keeps_the_rest() {
         "{err}"
     );
 }
+
+/// Follows a child's stderr into lines another thread can read.
+fn follow(stderr: std::process::ChildStderr) -> std::sync::Arc<std::sync::Mutex<String>> {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let out = seen.clone();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let mut s = out.lock().unwrap();
+            s.push_str(&line);
+            s.push('\n');
+        }
+    });
+    seen
+}
+
+#[test]
+fn an_unbind_that_never_returns_is_named_and_run_goes_on() {
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let node = node(dir.path());
+    node.add_device(
+        &FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000)
+            .driver("e1000e")
+            .group(5),
+    );
+    // e1000e's unbind file is a FIFO: opening it for writing blocks in the kernel
+    // until someone reads, as a remove that never returns blocks the writer.
+    let unbind = node.host.driver_dir("e1000e").join("unbind");
+    std::fs::remove_file(&unbind).unwrap();
+    nix::unistd::mkfifo(
+        &unbind,
+        nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
+    )
+    .unwrap();
+    let ready = dir.path().join("run/ready");
+    let stuck = dir.path().join("run/stuck.json");
+    let mut child = command(dir.path())
+        .args(["run", "--ready-file", &ready.to_string_lossy()])
+        .args(["--write-timeout", "1s", "--resync-interval", "1s"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = follow(child.stderr.take().unwrap());
+    wait_until("the stuck write in the log", || {
+        log.lock()
+            .unwrap()
+            .contains("a sysfs write has not returned")
+    });
+    wait_until("the stuck file", || stuck.exists());
+    let listed = std::fs::read_to_string(&stuck).unwrap();
+    assert!(
+        listed.contains("0000:02:00.0")
+            && listed.contains("driver e1000e")
+            && listed.contains("unbind"),
+        "{listed}"
+    );
+    // The probe says why the node is not ready.
+    let out = command(dir.path())
+        .args(["ready", "--ready-file", &ready.to_string_lossy()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("stuck: 0000:02:00.0"), "{text}");
+    // run is not frozen: its passes go on, and never write to the device again.
+    let passes = |s: &str| s.matches("bind failed; will retry").count();
+    let before = passes(&log.lock().unwrap());
+    wait_until("two more passes", || {
+        passes(&log.lock().unwrap()) >= before + 2
+    });
+    assert!(!ready.exists());
+    // The remove returns: exactly one write reached the file, and the mark goes.
+    let mut held = std::fs::File::open(&unbind).unwrap();
+    let mut written = String::new();
+    std::io::Read::read_to_string(&mut held, &mut written).unwrap();
+    assert_eq!(written, "0000:02:00.0", "one write, whole");
+    wait_until("the stuck file to go", || !stuck.exists());
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "run ignored SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = log.lock().unwrap();
+    assert!(log.contains("a stuck sysfs write returned"), "{log}");
+}

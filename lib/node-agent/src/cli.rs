@@ -2,10 +2,13 @@
 //! twin), duration parsing, exit codes and the logging setup.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use passthrough::config::{ConfigError, ResourceList};
+use sysfs_pci::deadline::Bounded;
 use sysfs_pci::host::{DEFAULT_DEV_ROOT, DEFAULT_MODULES_ROOT, DEFAULT_SYSFS_ROOT};
+use sysfs_pci::kernel::SysKernel;
 use sysfs_pci::Host;
 
 /// Exit code: the node is in the asked state.
@@ -67,6 +70,25 @@ pub struct CommonArgs {
         value_name = "FILTER"
     )]
     pub log_level: String,
+}
+
+/// The deadline of the agents that move devices (vfio-manager, sandbox-dra-driver).
+#[derive(Debug, Clone, clap::Args)]
+pub struct WriteArgs {
+    /// How long one sysfs write (a native driver's unbind, a probe) may take. Past it
+    /// the device is declared stuck (its driver is blocked in the kernel): named in
+    /// the log, an Event and a metric, left out of readiness, its record kept, and no
+    /// other write goes to it until the stuck one returns; the rest of the node goes
+    /// on (90s, 5m, 500ms, seconds).
+    #[arg(long, env = "VFIO_SANDBOX_WRITE_TIMEOUT", global = true, default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
+    pub write_timeout: Duration,
+}
+
+impl WriteArgs {
+    /// The real kernel with this deadline on every sysfs write.
+    pub fn kernel(&self) -> Bounded<SysKernel> {
+        Bounded::new(Arc::new(SysKernel), self.write_timeout)
+    }
 }
 
 impl CommonArgs {

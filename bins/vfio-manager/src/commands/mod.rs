@@ -9,7 +9,7 @@ pub mod unbind;
 use passthrough::inventory::{Inventory, Role};
 use passthrough::owner::{Owner, Program};
 use passthrough::Passthrough;
-use sysfs_pci::kernel::{DryRun, Kernel, SysKernel};
+use sysfs_pci::kernel::{DryRun, Kernel};
 use sysfs_pci::module::kernel_release;
 use sysfs_pci::{PciAddress, PciDevice};
 
@@ -47,7 +47,8 @@ pub fn with_passthrough<T>(
     f: impl FnOnce(&mut Passthrough<'_>) -> anyhow::Result<T>,
 ) -> anyhow::Result<T> {
     let dry = DryRun::new();
-    let kernel: &dyn Kernel = if dry_run { &dry } else { &SysKernel };
+    let real = ctx.write.kernel();
+    let kernel: &dyn Kernel = if dry_run { &dry } else { &real };
     let mut state = if dry_run {
         Owner::check(&ctx.owner_lock, Program::VfioManager)?;
         ctx.state(false)?

@@ -25,9 +25,10 @@ pub fn run(ctx: &Context) -> anyhow::Result<ExitCode> {
         Ok(t) => t,
         Err(SmallFileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
             return not_ready(format!(
-            "{} does not exist (vfio-manager run writes it once every selected device is bound)",
-            path.display()
-        ))
+                "{} does not exist (vfio-manager run writes it once every selected device is bound){}",
+                path.display(),
+                stuck_note(path)
+            ))
         }
         Err(e) => return not_ready(format!("cannot read {}: {e}", path.display())),
     };
@@ -77,4 +78,25 @@ pub fn run(ctx: &Context) -> anyhow::Result<ExitCode> {
         path.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// What `run` says is stuck (see `run::stuck_file`), as a sentence to add, or nothing.
+fn stuck_note(ready_file: &std::path::Path) -> String {
+    let file = super::run::stuck_file(ready_file);
+    let lines: Vec<String> = read_small_file(&file, MAX_READY_FILE)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|doc| {
+            doc.get("stuck")?
+                .as_array()?
+                .iter()
+                .map(|l| l.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    if lines.is_empty() {
+        String::new()
+    } else {
+        format!("; stuck: {}", lines.join("; "))
+    }
 }

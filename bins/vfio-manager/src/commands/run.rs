@@ -11,6 +11,7 @@
 //! (kernel uevents, `/dev/vfio`), so an idle node costs nothing; the watcher's
 //! periodic resync covers what events cannot see.
 
+use std::collections::BTreeSet;
 use std::os::fd::AsFd;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -23,10 +24,10 @@ use node_agent::cluster::{Identity, Verdict};
 use node_agent::watch::{NodeWatch, Options};
 use passthrough::inventory::{Inventory, SkipLog};
 use passthrough::{target_drivers, Passthrough};
-use sysfs_pci::error_chain;
+use sysfs_pci::deadline::StuckWrite;
 use sysfs_pci::io::{remove_if_present, write_atomic};
-use sysfs_pci::kernel::SysKernel;
 use sysfs_pci::module::kernel_release;
+use sysfs_pci::{error_chain, PciAddress};
 
 use crate::metrics::Metrics;
 use crate::side::{NodeEvent, Side};
@@ -78,17 +79,20 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     // The node's owner lock, held for the life of `run`: while sandbox-dra-driver
     // owns the node, exit 2 before touching it; once held, it cannot come in.
     let owner = ctx.take_owner()?;
-    // A ready file left by a killed predecessor must not vouch for this process.
+    // A ready file left by a killed predecessor must not vouch for this process,
+    // nor its list of stuck writes speak for it.
     remove_if_present(&ctx.ready_file)?;
+    remove_if_present(&stuck_file(&ctx.ready_file))?;
     // After block_signals: the side thread inherits the blocked mask, so the
     // signalfd sees every stop signal.
     let mut registry = node_agent::metrics::registry();
     let metrics = Metrics::new(&mut registry);
     let side = Side::start(identity(args), args.metrics_address.map(|a| (a, registry)))?;
     let mut state = ctx.owned_state(owner)?;
+    let kernel = ctx.write.kernel();
     let mut pt = Passthrough {
         host: &ctx.host,
-        kernel: &SysKernel,
+        kernel: &kernel,
         state: &mut state,
         release: kernel_release(),
     };
@@ -102,6 +106,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         bind_jobs: ctx.bind_jobs,
         skipped: SkipLog::default(),
         last_failure: None,
+        stuck: BTreeSet::new(),
     };
     pass.converge(&mut pt, &list)?;
     // The node watcher: every batch of PCI uevents and /dev/vfio changes, and the
@@ -141,6 +146,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         }
     }
     remove_if_present(&ctx.ready_file)?;
+    remove_if_present(&stuck_file(&ctx.ready_file))?;
     let recorded = pt.state.state().devices.len();
     if args.keep_bound_on_exit {
         tracing::info!("leaving devices bound (--keep-bound-on-exit)");
@@ -206,7 +212,7 @@ pub fn restore_all(
     metrics: &Metrics,
 ) -> bool {
     clear_validator_ready_file(ctx);
-    let report = pt.restore(&[]);
+    let report = pt.restore_concurrent(&[], ctx.bind_jobs);
     metrics.restore(&report);
     if !report.restored.is_empty() {
         side.event(NodeEvent {
@@ -283,6 +289,8 @@ struct Pass<'a> {
     skipped: SkipLog,
     /// The last bind failure reported as an Event (repeats are not re-sent).
     last_failure: Option<String>,
+    /// Devices with a sysfs write that has not returned, as last reported.
+    stuck: BTreeSet<PciAddress>,
 }
 
 impl Pass<'_> {
@@ -335,6 +343,7 @@ impl Pass<'_> {
             }
             self.last_failure = failure;
         }
+        self.note_stuck(pt.kernel.stuck_writes())?;
         let inv = if needs_work {
             Inventory::scan(pt.host, list)?
         } else {
@@ -366,6 +375,44 @@ impl Pass<'_> {
         self.converged = converged;
         Ok(())
     }
+
+    /// Says which devices have a sysfs write that has not returned: a Warning Event
+    /// for each newly stuck one, the `stuck` gauge, and the stuck file beside the
+    /// ready file, which `vfio-manager ready` quotes (the device keeps the node not
+    /// ready: it is not bound).
+    fn note_stuck(&mut self, stuck: Vec<StuckWrite>) -> anyhow::Result<()> {
+        self.metrics.stuck(stuck.len());
+        let now: BTreeSet<PciAddress> = stuck.iter().map(|w| w.address).collect();
+        for w in stuck.iter().filter(|w| !self.stuck.contains(&w.address)) {
+            self.side.event(NodeEvent {
+                warning: true,
+                reason: "DeviceStuck",
+                action: "Bind",
+                note: format!(
+                    "{w}; it is left alone with its record kept, the rest of the node goes on, and it is bound once the write returns"
+                ),
+            });
+        }
+        for a in self.stuck.difference(&now) {
+            tracing::info!(bdf = %a, "no longer stuck");
+        }
+        let file = stuck_file(self.ready_file);
+        if stuck.is_empty() {
+            remove_if_present(&file)?;
+        } else if now != self.stuck {
+            let lines: Vec<String> = stuck.iter().map(ToString::to_string).collect();
+            let doc = serde_json::json!({ "stuck": lines, "time": unix_now() });
+            write_atomic(&file, format!("{doc}\n").as_bytes())?;
+        }
+        self.stuck = now;
+        Ok(())
+    }
+}
+
+/// Where `run` lists the devices whose sysfs write has not returned: `stuck.json`
+/// beside its ready file.
+pub fn stuck_file(ready_file: &std::path::Path) -> std::path::PathBuf {
+    ready_file.with_file_name("stuck.json")
 }
 
 fn unix_now() -> u64 {

@@ -28,7 +28,7 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
             super::run::clear_validator_ready_file(ctx);
         }
         Ok(report::print_restore(
-            &pt.restore(&args.which.devices),
+            &pt.restore_concurrent(&args.which.devices, ctx.bind_jobs),
             args.dry_run,
         ))
     })?;
