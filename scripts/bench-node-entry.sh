@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Benchmark of vfio-manager's node entry: how long `run` takes to put 1 and 8 devices
-# on vfio-pci on a fake node whose every unbind and probe takes the given latency
-# (default 1000 ms, as a GPU driver's remove or probe can). Prints numbers, asserts
-# nothing about time.
+# Benchmark of vfio-manager's node entry and exit: how long `run` takes to put 1 and
+# 8 devices on vfio-pci, and its stop to put them back, on a fake node whose every
+# unbind and probe takes the given latency (default 1000 ms, as a GPU driver's remove
+# or probe can). Prints numbers, asserts nothing about time.
 #
 #   scripts/bench-node-entry.sh [--latency-ms MS] [--runs N] [--jobs N]
 #
 # Per size, N runs (default 3); each line is one run, and a median line follows:
-#   jobs=1 entry_ms   one IOMMU group after another (--bind-jobs 1)
-#   jobs=J entry_ms   J groups at once (default: vfio-manager's --bind-jobs default)
+#   jobs=1 entry_ms leave_ms   one IOMMU group after another (--bind-jobs 1)
+#   jobs=J entry_ms leave_ms   J groups at once (default: vfio-manager's --bind-jobs
+#                              default), entering and leaving
 set -euo pipefail
 cd "$(dirname "$0")/.."
 latency=1000

@@ -1,6 +1,6 @@
-//! How long `vfio-manager run` takes to put a node in VM mode, on a fake node whose
-//! native driver is slow: every unbind and every probe of a device takes
-//! `--latency-ms` (a GPU driver's remove or probe can take a second).
+//! How long `vfio-manager run` takes to put a node in VM mode and to take it out
+//! again, on a fake node whose native driver is slow: every unbind and every probe of
+//! a device takes `--latency-ms` (a GPU driver's remove or probe can take a second).
 //!
 //! The node: `--devices` NICs (8086:10d3, e1000e-like), each alone in its IOMMU
 //! group, with vfio-pci a module to load. Each run times the library calls
@@ -8,14 +8,15 @@
 //! run.rs: `run` and `Pass::converge`): lock and load the state file, scan, prepare
 //! (load the vfio modules), scan again, load the target drivers, bind — once binding
 //! one group at a time and once with `--jobs` groups at once (default: vfio-manager's
-//! `--bind-jobs` default), each on a fresh node. Prints one line:
+//! `--bind-jobs` default), each on a fresh node; then the restore a stop makes
+//! (`restore_all`: every recorded group back, with the same jobs). Prints one line:
 //!
 //! ```text
-//! devices=8 latency_ms=1000 jobs=1 entry_ms=16021 jobs=8 entry_ms=2010
+//! devices=8 latency_ms=1000 jobs=1 entry_ms=16021 leave_ms=16012 jobs=8 entry_ms=2010 leave_ms=2008
 //! ```
 //!
-//! It checks that every device ended on vfio-pci (exit 1 otherwise) and asserts
-//! nothing about time. `scripts/bench-node-entry.sh` runs it and takes medians.
+//! It checks that every device ended on vfio-pci after entry and back on e1000e after
+//! leaving (exit 1 otherwise) and asserts nothing about time. `scripts/bench-node-entry.sh` runs it and takes medians.
 
 use std::num::NonZeroUsize;
 use std::process::ExitCode;
@@ -88,13 +89,15 @@ fn fake_node(root: &std::path::Path, devices: u16, latency: Duration) -> FakeKer
     kernel
 }
 
-/// Enters VM mode as `vfio-manager run` does; the time it took.
-fn enter(
+/// Enters VM mode as `vfio-manager run` does, checks every device is on `want`, then
+/// leaves it as a stop does; the time each took.
+fn enter_and_leave(
     kernel: &FakeKernel,
     state_path: &std::path::Path,
     list: &ResourceList,
     jobs: NonZeroUsize,
-) -> Result<Duration, String> {
+    devices: u16,
+) -> Result<(Duration, Duration), String> {
     let host = &kernel.node.host;
     let started = Instant::now();
     let mut state = StateFile::load(state_path, true, passthrough::owner::Program::VfioManager)
@@ -112,11 +115,34 @@ fn enter(
     pt.load_modules(&target_drivers(&inv, &[]))
         .map_err(|e| error_chain(&e))?;
     let report = pt.bind_concurrent(&inv, &[], jobs);
-    let took = started.elapsed();
+    let entry = started.elapsed();
     if let Some(e) = report.failed.first() {
         return Err(error_chain(e));
     }
-    Ok(took)
+    all_on(kernel, devices, "vfio-pci")?;
+    // run's stop when the node leaves VM mode (restore_all).
+    let started = Instant::now();
+    let report = pt.restore_concurrent(&[], jobs);
+    let leave = started.elapsed();
+    if let Some(e) = report.failed.first() {
+        return Err(error_chain(e));
+    }
+    all_on(kernel, devices, "e1000e")?;
+    Ok((entry, leave))
+}
+
+/// Every device of the bench node is on `driver`.
+fn all_on(kernel: &FakeKernel, devices: u16, want: &str) -> Result<(), String> {
+    for i in 1..=devices {
+        let address: PciAddress = format!("0000:{i:02x}:00.0")
+            .parse()
+            .map_err(|e| format!("{e}"))?;
+        let driver = kernel.node.driver_of(&address);
+        if driver.as_deref() != Some(want) {
+            return Err(format!("{address} ended on {driver:?}, not {want}"));
+        }
+    }
+    Ok(())
 }
 
 fn run(args: &Args) -> Result<String, String> {
@@ -130,17 +156,13 @@ fn run(args: &Args) -> Result<String, String> {
         let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root())
             .map_err(|e| format!("cannot create a scratch directory: {e}"))?;
         let kernel = fake_node(dir.path(), args.devices, args.latency);
-        let took = enter(&kernel, &dir.path().join("run/state.json"), &list, jobs)?;
-        for i in 1..=args.devices {
-            let address: PciAddress = format!("0000:{i:02x}:00.0")
-                .parse()
-                .map_err(|e| format!("{e}"))?;
-            let driver = kernel.node.driver_of(&address);
-            if driver.as_deref() != Some("vfio-pci") {
-                return Err(format!("{address} ended on {driver:?}, not vfio-pci"));
-            }
-        }
-        line.push_str(&format!(" jobs={jobs} entry_ms={}", took.as_millis()));
+        let state = dir.path().join("run/state.json");
+        let (entry, leave) = enter_and_leave(&kernel, &state, &list, jobs, args.devices)?;
+        line.push_str(&format!(
+            " jobs={jobs} entry_ms={} leave_ms={}",
+            entry.as_millis(),
+            leave.as_millis()
+        ));
     }
     Ok(line)
 }
