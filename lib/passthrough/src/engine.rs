@@ -360,19 +360,8 @@ impl Passthrough<'_> {
                     .filter(|a| !moving.contains(a)),
             );
         }
-        let jobs = if self.kernel.is_dry_run() {
-            NonZeroUsize::MIN
-        } else {
-            jobs
-        };
-        let state = Mutex::new(&mut *self.state);
-        let binder = Binder {
-            host: self.host,
-            kernel: self.kernel,
-            state: &state,
-        };
         // `plan` lists groups in ascending order; the results come back in that order.
-        let results = for_each_bounded(&plans, jobs, |(group, moves)| {
+        let results = self.on_groups(&plans, jobs, |binder, (group, moves)| {
             binder.bind_group(*group, moves)
         });
         for result in results {
@@ -425,6 +414,28 @@ impl Passthrough<'_> {
                 (g, members)
             })
             .collect();
+        let results = self.on_groups(&plans, jobs, |binder, (group, members)| {
+            binder.restore_group(*group, members)
+        });
+        for part in results {
+            report.restored.extend(part.restored);
+            report.in_use.extend(part.in_use);
+            report.gone.extend(part.gone);
+            report.failed.extend(part.failed);
+        }
+        report
+    }
+
+    /// Calls `work` on each group's item on up to `jobs` threads, every thread
+    /// sharing the state file under one lock (see `binder`), and returns the results
+    /// in the items' order. A dry run goes one group at a time on the calling thread:
+    /// its printed plan must read in order.
+    fn on_groups<T: Sync, R: Send>(
+        &mut self,
+        items: &[T],
+        jobs: NonZeroUsize,
+        work: impl Fn(&Binder<'_, '_>, &T) -> R + Sync,
+    ) -> Vec<R> {
         let jobs = if self.kernel.is_dry_run() {
             NonZeroUsize::MIN
         } else {
@@ -436,16 +447,7 @@ impl Passthrough<'_> {
             kernel: self.kernel,
             state: &state,
         };
-        let results = for_each_bounded(&plans, jobs, |(group, members)| {
-            binder.restore_group(*group, members)
-        });
-        for part in results {
-            report.restored.extend(part.restored);
-            report.in_use.extend(part.in_use);
-            report.gone.extend(part.gone);
-            report.failed.extend(part.failed);
-        }
-        report
+        for_each_bounded(items, jobs, |item| work(&binder, item))
     }
 
     fn reload_modules(&mut self, report: &mut RestoreReport) {
