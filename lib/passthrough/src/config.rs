@@ -21,10 +21,15 @@
 //! }
 //! ```
 //!
-//! Top-level keys, both optional (but together they must select something):
+//! Top-level keys, all optional (but together they must select something):
 //!
 //! - `preset`: a preset name or a list of names, from [`PRESETS`]. When a file is given
 //!   and `preset` is absent, no preset applies.
+//! - `naming`: how the `rebellions` preset names devices, from [`NAMINGS`]: `"seed"`
+//!   (the default, `rebellions.ai/ATOM_CA22_PT`) or `"pci-ids"` (the names of
+//!   Rebellions' current sandbox device plugin, `rebellions.ai/RBLN-CA22_PF`). Only
+//!   allowed when `preset` lists `rebellions`: explicit entries name themselves and
+//!   the nvidia presets always use the PCI ID database.
 //! - `resources`: explicit entries, each mapping a device selector to a resource name:
 //!   - `name` (required): the extended resource name, `domain/name`, checked the way the
 //!     kubelet checks extended resource names (see [`ResourceName`]).
@@ -56,10 +61,14 @@
 //!
 //! # Presets
 //!
-//! - `rebellions` (the default): vendor `1eff`, class `12xxxx`. `1120`, `1220`, `1250`
-//!   and `2030` are `rebellions.ai/ATOM_CA12_PT`, `ATOM_CA22_PT`, `ATOM_CA25_PT` and
-//!   `REBEL_CR03_PT`; their SR-IOV VFs (`1121`, `1221`, `1251`, `2031`) get `_VF_PT`
-//!   instead of `_PT`; any other device is `rebellions.ai/RBLN_<device>_PT`.
+//! - `rebellions` (the default): vendor `1eff`, class `12xxxx`. In the `seed` naming
+//!   `1120`, `1220`, `1250` and `2030` are `rebellions.ai/ATOM_CA12_PT`,
+//!   `ATOM_CA22_PT`, `ATOM_CA25_PT` and `REBEL_CR03_PT`; their SR-IOV VFs (`1121`,
+//!   `1221`, `1251`, `2031`) get `_VF_PT` instead of `_PT`; any other device is
+//!   `rebellions.ai/RBLN_<device>_PT`. In the `pci-ids` naming each device is named
+//!   from the PCI ID database as Rebellions' plugin does (`RBLN-CA25 (PF)` becomes
+//!   `rebellions.ai/RBLN-CA25_PF`), an unnamed one `rebellions.ai/RBLN-<device>_PF`
+//!   (even id) or `_VF` (odd id); [`rebellions_names`] lists them.
 //! - `nvidia`: vendor `10de`, classes `0300xx` and `0302xx`, named from the PCI ID
 //!   database the way NVIDIA's KubeVirt GPU device plugin names them
 //!   (`GH100 [H100 SXM5 80GB]` becomes `nvidia.com/GH100_H100_SXM5_80GB`), falling
@@ -105,6 +114,7 @@ mod json;
 mod name;
 mod parse;
 mod preset;
+mod rebellions;
 mod selector;
 
 pub use sysfs_pci::device::DeviceIds;
@@ -113,12 +123,12 @@ pub use sysfs_pci::vfio_driver::{
 };
 
 pub use name::{ResourceName, ResourceNameError};
-pub use preset::PRESETS;
+pub use preset::{NAMINGS, PRESETS};
 
 use json::Json;
 use parse::{
-    check_names, check_overlaps, json_error, parse_presets, parse_resources, read_file, Entry,
-    EntrySource,
+    check_names, check_overlaps, json_error, parse_naming, parse_presets, parse_resources,
+    read_file, Entry, EntrySource,
 };
 use selector::{ClassPrefix, Selector};
 
@@ -294,7 +304,7 @@ impl ResourceList {
     /// The list used when no file is given: the rebellions preset.
     pub fn builtin_default() -> Self {
         Self {
-            entries: preset::entries("rebellions").unwrap_or_default(),
+            entries: preset::entries("rebellions", false).unwrap_or_default(),
         }
     }
 
@@ -309,18 +319,29 @@ impl ResourceList {
         };
         json::check_unique_keys(&fields).map_err(ConfigError::document)?;
 
+        let naming = fields.iter().find(|(key, _)| key == "naming");
+        let pci_ids = naming.map(|(_, v)| parse_naming(v)).transpose()?;
         let mut entries = Vec::new();
         let mut explicit = Vec::new();
         for (key, value) in &fields {
             match key.as_str() {
-                "preset" => entries.extend(parse_presets(value)?),
+                "preset" => entries.extend(parse_presets(value, pci_ids.unwrap_or(false))?),
                 "resources" => explicit = parse_resources(value)?,
+                "naming" => {}
                 other => {
                     return Err(ConfigError::document(format!(
-                        "unknown key {other:?} (expected \"preset\" or \"resources\")"
+                        "unknown key {other:?} (expected \"preset\", \"naming\" or \"resources\")"
                     )))
                 }
             }
+        }
+        if let (Some(pci_ids), false) = (pci_ids, entries.iter().any(Entry::is_rebellions)) {
+            return Err(ConfigError::document(format!(
+                "naming: {:?} only chooses the names of the rebellions preset, and \"preset\" \
+                 does not list it (entries in \"resources\" name themselves; the nvidia presets \
+                 always take their names from the PCI ID database)",
+                if pci_ids { "pci-ids" } else { "seed" }
+            )));
         }
         check_names(&entries, &explicit)?;
         entries.extend(explicit);
@@ -384,6 +405,24 @@ impl ResourceList {
     pub fn describe(&self) -> Vec<String> {
         self.entries.iter().map(Entry::describe).collect()
     }
+}
+
+/// Every name the `rebellions` preset gives a device it knows by id, under `naming`
+/// (`"seed"` or `"pci-ids"`; `None` for another value): what the DeviceClasses and the
+/// docs list. Devices it knows no name for get a name with their id in it.
+pub fn rebellions_names(naming: &str) -> Option<Vec<ResourceName>> {
+    let mut names: Vec<ResourceName> = match naming {
+        "seed" => rebellions::SEED_NAMES
+            .iter()
+            .map(|(id, _)| rebellions::seed_name(*id))
+            .collect(),
+        "pci-ids" => rebellions::named_devices()
+            .map(rebellions::pci_ids_name)
+            .collect(),
+        _ => return None,
+    };
+    names.sort();
+    Some(names)
 }
 
 impl Default for ResourceList {
