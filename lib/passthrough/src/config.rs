@@ -48,7 +48,10 @@
 //!     missing from the node is not an error: it is simply not selected.
 //!   - `driver`: the vfio driver to bind, default [`DEFAULT_DRIVER`]; a vfio-pci variant
 //!     driver such as `nvgrace_gpu_vfio_pci` is allowed, any other driver is an error
-//!     listing what is allowed (see [`is_vfio_driver`]).
+//!     listing what is allowed (see [`is_vfio_driver`]). `"auto"` ([`AUTO_DRIVER`])
+//!     chooses per device from the running kernel's `vfio_pci:` aliases, falling back
+//!     to `vfio-pci` ([`DriverRule::Auto`]). Presets always bind `vfio-pci`; a
+//!     top-level `driver` is an error.
 //!
 //! Unknown or repeated keys, `null` values, malformed ids or addresses, duplicate names
 //! and overlapping selectors (among the entries and the presets together) are errors
@@ -141,13 +144,49 @@ pub const MAX_FILE_BYTES: u64 = 1024 * 1024;
 /// The driver an entry binds when it names none.
 pub const DEFAULT_DRIVER: &str = sysfs_pci::vfio_driver::VFIO_PCI;
 
+/// The `driver` value that lets the running kernel's aliases choose per device.
+pub const AUTO_DRIVER: &str = "auto";
+
+/// Which vfio driver an entry binds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DriverRule {
+    /// This driver (`vfio-pci` or a variant driver).
+    Named(String),
+    /// `"auto"`: per device, the most specific `vfio_pci:` alias of the running
+    /// kernel's `modules.alias`, else `vfio-pci`
+    /// ([`DriverChoice`](crate::inventory::DriverChoice) says which and why).
+    Auto,
+}
+
+impl DriverRule {
+    /// The driver's name, or `auto`.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::Named(name) => name,
+            Self::Auto => AUTO_DRIVER,
+        }
+    }
+}
+
+impl fmt::Display for DriverRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl PartialEq<&str> for DriverRule {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
 /// What a device is selected as.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Selection {
     /// The extended resource it is advertised as.
     pub resource: ResourceName,
-    /// The vfio driver it is bound to (`vfio-pci` or a variant driver).
-    pub driver: String,
+    /// The vfio driver it is bound to (`vfio-pci`, a variant driver, or `auto`).
+    pub driver: DriverRule,
 }
 
 /// The parsed, validated resource list.
@@ -328,6 +367,12 @@ impl ResourceList {
                 "preset" => entries.extend(parse_presets(value, pci_ids.unwrap_or(false))?),
                 "resources" => explicit = parse_resources(value)?,
                 "naming" => {}
+                "driver" => {
+                    return Err(ConfigError::document(
+                        "unknown key \"driver\": a driver (\"auto\" included) belongs in an \
+                         entry of \"resources\"; presets bind vfio-pci",
+                    ))
+                }
                 other => {
                     return Err(ConfigError::document(format!(
                         "unknown key {other:?} (expected \"preset\", \"naming\" or \"resources\")"
@@ -388,16 +433,23 @@ impl ResourceList {
         vendors.into_iter().collect()
     }
 
-    /// Every distinct driver named by an entry (vfio-pci plus variants), in entry order,
-    /// for module loading.
+    /// Every distinct driver named by an entry (vfio-pci plus variants), in entry order;
+    /// `auto` entries name none (their drivers are chosen per device by the inventory).
     pub fn drivers(&self) -> Vec<String> {
         let mut drivers: Vec<String> = Vec::new();
         for entry in &self.entries {
-            if !drivers.contains(&entry.driver) {
-                drivers.push(entry.driver.clone());
+            if let DriverRule::Named(name) = &entry.driver {
+                if !drivers.contains(name) {
+                    drivers.push(name.clone());
+                }
             }
         }
         drivers
+    }
+
+    /// True when some entry has `"driver": "auto"`.
+    pub fn has_auto_driver(&self) -> bool {
+        self.entries.iter().any(|e| e.driver == DriverRule::Auto)
     }
 
     /// A human-readable line per entry, for `--help` and status output, e.g.

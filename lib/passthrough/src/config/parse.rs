@@ -52,7 +52,7 @@ pub(super) struct Entry {
     pub(super) source: EntrySource,
     pub(super) selector: Selector,
     pub(super) naming: Naming,
-    pub(super) driver: String,
+    pub(super) driver: DriverRule,
 }
 
 impl Entry {
@@ -244,10 +244,15 @@ fn parse_entry(index: usize, item: &Json) -> Result<Entry, ConfigError> {
         Some(value) => Some(parse_addresses(value).map_err(fail)?),
     };
     let driver = match values.get("driver") {
-        None => DEFAULT_DRIVER.to_owned(),
+        None => DriverRule::Named(DEFAULT_DRIVER.to_owned()),
+        Some(Json::String(driver)) if driver == AUTO_DRIVER => DriverRule::Auto,
         Some(Json::String(driver)) => {
-            check_vfio_driver(driver).map_err(|p| fail(format!("driver: {p}")))?;
-            driver.clone()
+            check_vfio_driver(driver).map_err(|p| {
+                fail(format!(
+                    "driver: {p}; or {AUTO_DRIVER:?} to let the kernel's vfio_pci aliases choose"
+                ))
+            })?;
+            DriverRule::Named(driver.clone())
         }
         Some(other) => {
             return Err(fail(format!(

@@ -1,7 +1,9 @@
 //! The built-in presets and how they name devices.
 
 use super::rebellions::{self, is_lower_hex_id};
-use super::{ClassPrefix, DeviceIds, Entry, EntrySource, ResourceName, Selector, DEFAULT_DRIVER};
+use super::{
+    ClassPrefix, DeviceIds, DriverRule, Entry, EntrySource, ResourceName, Selector, DEFAULT_DRIVER,
+};
 
 /// The names `preset` accepts.
 pub const PRESETS: &[&str] = &["rebellions", "nvidia", "nvidia-nvswitch"];
@@ -118,7 +120,7 @@ pub(super) fn entries(name: &str, pci_ids: bool) -> Option<Vec<Entry>> {
             addresses: None,
         },
         naming,
-        driver: DEFAULT_DRIVER.to_owned(),
+        driver: DriverRule::Named(DEFAULT_DRIVER.to_owned()),
     }])
 }
 

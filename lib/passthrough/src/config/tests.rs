@@ -516,6 +516,7 @@ fn close_but_disjoint_selectors() {
 
 // ---- selection ----
 
+mod driver_auto;
 mod load;
 mod naming;
 mod selection;
