@@ -9,10 +9,12 @@
 //!
 //! The `pci-ids` rule, as Rebellions' code has it: the operator injects an empty
 //! `RBLN_PT_ALIAS` into the plugin, which then runs in "per-model mode
-//! (rebellions.ai/RBLN-<MODEL>_<PF|VF>)" (rebellions-sw/rbln-npu-operator,
-//! `internal/.../sandbox_device_plugin` patcher, its e2e test expects
-//! `rebellions.ai/RBLN-CA22_PF`); the model is the database name up to its first space
-//! (`productLabelFromPCIIDsName` in rebellions-sw/rbln-npu-feature-discovery, whose
+//! (rebellions.ai/RBLN-<MODEL>_<PF|VF>)" (rebellions-sw/rbln-npu-operator: the
+//! comment on `sandboxResourceAlias` in its sandbox device plugin patcher, package
+//! `components`; its e2e test expects `rebellions.ai/RBLN-CA22_PF`); the plugin's own
+//! source is not among the sources we could read. The model is the database name up
+//! to its first space (`productLabelFromPCIIDsName` in
+//! rebellions-sw/rbln-npu-feature-discovery, whose
 //! `internal/pciids` is "ported from sandbox-device-plugin's pciids.go"), and the
 //! function is the database's `(PF)` / `(VF)`.
 
