@@ -21,10 +21,15 @@
 //! }
 //! ```
 //!
-//! Top-level keys, both optional (but together they must select something):
+//! Top-level keys, all optional (but together they must select something):
 //!
 //! - `preset`: a preset name or a list of names, from [`PRESETS`]. When a file is given
 //!   and `preset` is absent, no preset applies.
+//! - `naming`: how the `rebellions` preset names devices, from [`NAMINGS`]: `"seed"`
+//!   (the default, `rebellions.ai/ATOM_CA22_PT`) or `"pci-ids"` (the names of
+//!   Rebellions' current sandbox device plugin, `rebellions.ai/RBLN-CA22_PF`). Only
+//!   allowed when `preset` lists `rebellions`: explicit entries name themselves and
+//!   the nvidia presets always use the PCI ID database.
 //! - `resources`: explicit entries, each mapping a device selector to a resource name:
 //!   - `name` (required): the extended resource name, `domain/name`, checked the way the
 //!     kubelet checks extended resource names (see [`ResourceName`]).
@@ -43,7 +48,10 @@
 //!     missing from the node is not an error: it is simply not selected.
 //!   - `driver`: the vfio driver to bind, default [`DEFAULT_DRIVER`]; a vfio-pci variant
 //!     driver such as `nvgrace_gpu_vfio_pci` is allowed, any other driver is an error
-//!     listing what is allowed (see [`is_vfio_driver`]).
+//!     listing what is allowed (see [`is_vfio_driver`]). `"auto"` ([`AUTO_DRIVER`])
+//!     chooses per device from the running kernel's `vfio_pci:` aliases, falling back
+//!     to `vfio-pci` ([`DriverRule::Auto`]). Presets always bind `vfio-pci`; a
+//!     top-level `driver` is an error.
 //!
 //! Unknown or repeated keys, `null` values, malformed ids or addresses, duplicate names
 //! and overlapping selectors (among the entries and the presets together) are errors
@@ -56,10 +64,14 @@
 //!
 //! # Presets
 //!
-//! - `rebellions` (the default): vendor `1eff`, class `12xxxx`. `1120`, `1220`, `1250`
-//!   and `2030` are `rebellions.ai/ATOM_CA12_PT`, `ATOM_CA22_PT`, `ATOM_CA25_PT` and
-//!   `REBEL_CR03_PT`; their SR-IOV VFs (`1121`, `1221`, `1251`, `2031`) get `_VF_PT`
-//!   instead of `_PT`; any other device is `rebellions.ai/RBLN_<device>_PT`.
+//! - `rebellions` (the default): vendor `1eff`, class `12xxxx`. In the `seed` naming
+//!   `1120`, `1220`, `1250` and `2030` are `rebellions.ai/ATOM_CA12_PT`,
+//!   `ATOM_CA22_PT`, `ATOM_CA25_PT` and `REBEL_CR03_PT`; their SR-IOV VFs (`1121`,
+//!   `1221`, `1251`, `2031`) get `_VF_PT` instead of `_PT`; any other device is
+//!   `rebellions.ai/RBLN_<device>_PT`. In the `pci-ids` naming each device is named
+//!   from the PCI ID database as Rebellions' plugin does (`RBLN-CA25 (PF)` becomes
+//!   `rebellions.ai/RBLN-CA25_PF`), an unnamed one `rebellions.ai/RBLN-<device>_PF`
+//!   (even id) or `_VF` (odd id); [`rebellions_names`] lists them.
 //! - `nvidia`: vendor `10de`, classes `0300xx` and `0302xx`, named from the PCI ID
 //!   database the way NVIDIA's KubeVirt GPU device plugin names them
 //!   (`GH100 [H100 SXM5 80GB]` becomes `nvidia.com/GH100_H100_SXM5_80GB`), falling
@@ -105,6 +117,7 @@ mod json;
 mod name;
 mod parse;
 mod preset;
+mod rebellions;
 mod selector;
 
 pub use sysfs_pci::device::DeviceIds;
@@ -113,12 +126,12 @@ pub use sysfs_pci::vfio_driver::{
 };
 
 pub use name::{ResourceName, ResourceNameError};
-pub use preset::PRESETS;
+pub use preset::{NAMINGS, PRESETS};
 
 use json::Json;
 use parse::{
-    check_names, check_overlaps, json_error, parse_presets, parse_resources, read_file, Entry,
-    EntrySource,
+    check_names, check_overlaps, json_error, parse_naming, parse_presets, parse_resources,
+    read_file, Entry, EntrySource,
 };
 use selector::{ClassPrefix, Selector};
 
@@ -131,13 +144,49 @@ pub const MAX_FILE_BYTES: u64 = 1024 * 1024;
 /// The driver an entry binds when it names none.
 pub const DEFAULT_DRIVER: &str = sysfs_pci::vfio_driver::VFIO_PCI;
 
+/// The `driver` value that lets the running kernel's aliases choose per device.
+pub const AUTO_DRIVER: &str = "auto";
+
+/// Which vfio driver an entry binds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DriverRule {
+    /// This driver (`vfio-pci` or a variant driver).
+    Named(String),
+    /// `"auto"`: per device, the most specific `vfio_pci:` alias of the running
+    /// kernel's `modules.alias`, else `vfio-pci`
+    /// ([`DriverChoice`](crate::inventory::DriverChoice) says which and why).
+    Auto,
+}
+
+impl DriverRule {
+    /// The driver's name, or `auto`.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::Named(name) => name,
+            Self::Auto => AUTO_DRIVER,
+        }
+    }
+}
+
+impl fmt::Display for DriverRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl PartialEq<&str> for DriverRule {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
 /// What a device is selected as.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Selection {
     /// The extended resource it is advertised as.
     pub resource: ResourceName,
-    /// The vfio driver it is bound to (`vfio-pci` or a variant driver).
-    pub driver: String,
+    /// The vfio driver it is bound to (`vfio-pci`, a variant driver, or `auto`).
+    pub driver: DriverRule,
 }
 
 /// The parsed, validated resource list.
@@ -294,7 +343,7 @@ impl ResourceList {
     /// The list used when no file is given: the rebellions preset.
     pub fn builtin_default() -> Self {
         Self {
-            entries: preset::entries("rebellions").unwrap_or_default(),
+            entries: preset::entries("rebellions", false).unwrap_or_default(),
         }
     }
 
@@ -309,18 +358,35 @@ impl ResourceList {
         };
         json::check_unique_keys(&fields).map_err(ConfigError::document)?;
 
+        let naming = fields.iter().find(|(key, _)| key == "naming");
+        let pci_ids = naming.map(|(_, v)| parse_naming(v)).transpose()?;
         let mut entries = Vec::new();
         let mut explicit = Vec::new();
         for (key, value) in &fields {
             match key.as_str() {
-                "preset" => entries.extend(parse_presets(value)?),
+                "preset" => entries.extend(parse_presets(value, pci_ids.unwrap_or(false))?),
                 "resources" => explicit = parse_resources(value)?,
+                "naming" => {}
+                "driver" => {
+                    return Err(ConfigError::document(
+                        "unknown key \"driver\": a driver (\"auto\" included) belongs in an \
+                         entry of \"resources\"; presets bind vfio-pci",
+                    ))
+                }
                 other => {
                     return Err(ConfigError::document(format!(
-                        "unknown key {other:?} (expected \"preset\" or \"resources\")"
+                        "unknown key {other:?} (expected \"preset\", \"naming\" or \"resources\")"
                     )))
                 }
             }
+        }
+        if let (Some(pci_ids), false) = (pci_ids, entries.iter().any(Entry::is_rebellions)) {
+            return Err(ConfigError::document(format!(
+                "naming: {:?} only chooses the names of the rebellions preset, and \"preset\" \
+                 does not list it (entries in \"resources\" name themselves; the nvidia presets \
+                 always take their names from the PCI ID database)",
+                if pci_ids { "pci-ids" } else { "seed" }
+            )));
         }
         check_names(&entries, &explicit)?;
         entries.extend(explicit);
@@ -367,16 +433,23 @@ impl ResourceList {
         vendors.into_iter().collect()
     }
 
-    /// Every distinct driver named by an entry (vfio-pci plus variants), in entry order,
-    /// for module loading.
+    /// Every distinct driver named by an entry (vfio-pci plus variants), in entry order;
+    /// `auto` entries name none (their drivers are chosen per device by the inventory).
     pub fn drivers(&self) -> Vec<String> {
         let mut drivers: Vec<String> = Vec::new();
         for entry in &self.entries {
-            if !drivers.contains(&entry.driver) {
-                drivers.push(entry.driver.clone());
+            if let DriverRule::Named(name) = &entry.driver {
+                if !drivers.contains(name) {
+                    drivers.push(name.clone());
+                }
             }
         }
         drivers
+    }
+
+    /// True when some entry has `"driver": "auto"`.
+    pub fn has_auto_driver(&self) -> bool {
+        self.entries.iter().any(|e| e.driver == DriverRule::Auto)
     }
 
     /// A human-readable line per entry, for `--help` and status output, e.g.
@@ -384,6 +457,24 @@ impl ResourceList {
     pub fn describe(&self) -> Vec<String> {
         self.entries.iter().map(Entry::describe).collect()
     }
+}
+
+/// Every name the `rebellions` preset gives a device it knows by id, under `naming`
+/// (`"seed"` or `"pci-ids"`; `None` for another value): what the DeviceClasses and the
+/// docs list. Devices it knows no name for get a name with their id in it.
+pub fn rebellions_names(naming: &str) -> Option<Vec<ResourceName>> {
+    let mut names: Vec<ResourceName> = match naming {
+        "seed" => rebellions::SEED_NAMES
+            .iter()
+            .map(|(id, _)| rebellions::seed_name(*id))
+            .collect(),
+        "pci-ids" => rebellions::named_devices()
+            .map(rebellions::pci_ids_name)
+            .collect(),
+        _ => return None,
+    };
+    names.sort();
+    Some(names)
 }
 
 impl Default for ResourceList {

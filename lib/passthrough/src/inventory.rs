@@ -7,13 +7,17 @@
 
 use std::collections::BTreeMap;
 
-use crate::config::{ResourceList, ResourceName};
+use crate::config::{DriverRule, ResourceList, ResourceName};
 use sysfs_pci::device::{
     iommu_group_of, list_addresses, parse_hex, Detail, DeviceError, PciDevice,
 };
 use sysfs_pci::group::{judge, Viability};
 use sysfs_pci::io::{read_attribute, IoError};
 use sysfs_pci::{error_chain, Host, PciAddress};
+
+mod auto;
+use auto::AutoResolver;
+pub use auto::DriverChoice;
 
 /// Driver that group companions are moved to.
 pub const COMPANION_DRIVER: &str = "vfio-pci";
@@ -45,6 +49,9 @@ pub struct Entry {
     pub role: Role,
     /// The driver it should be on.
     pub target_driver: String,
+    /// How `"driver": "auto"` chose `target_driver`; `None` for a named driver.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver_choice: Option<DriverChoice>,
 }
 
 impl Entry {
@@ -169,6 +176,7 @@ impl Inventory {
         detail: Detail,
     ) -> Self {
         let vendors = list.vendors();
+        let mut auto = AutoResolver::new(host);
         let mut selected = Vec::new();
         let mut skipped = Vec::new();
         for &address in addresses {
@@ -198,12 +206,23 @@ impl Inventory {
                 if device.is_bridge() {
                     continue;
                 }
+                // The one place a selected device's driver is decided: `auto` becomes
+                // a concrete driver here, so binding and restoring never see it.
+                let (target_driver, driver_choice) = match sel.driver {
+                    DriverRule::Named(name) => (name, None),
+                    DriverRule::Auto => {
+                        let choice = auto.choose(&device);
+                        tracing::debug!(bdf = %device.address, choice = %choice, "driver auto");
+                        (choice.driver.clone(), Some(choice))
+                    }
+                };
                 selected.push(Entry {
                     device,
                     role: Role::Selected {
                         resource: sel.resource,
                     },
-                    target_driver: sel.driver,
+                    target_driver,
+                    driver_choice,
                 });
             }
         }
@@ -267,6 +286,7 @@ impl Inventory {
                     m.address,
                     Entry {
                         target_driver: target_driver.unwrap_or_else(|| COMPANION_DRIVER.into()),
+                        driver_choice: None,
                         device: m,
                         role,
                     },

@@ -208,6 +208,13 @@ pub enum SmallFileError {
 /// in meanwhile is opened without blocking and refused, and a huge file is not
 /// read past the limit.
 pub fn read_small_file(path: &Path, limit: u64) -> Result<String, SmallFileError> {
+    String::from_utf8(read_small_bytes(path, limit)?)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e).into())
+}
+
+/// [`read_small_file`] without the UTF-8 check, for files whose lines are judged
+/// one by one (such as `modules.alias`).
+pub fn read_small_bytes(path: &Path, limit: u64) -> Result<Vec<u8>, SmallFileError> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     // Look before opening: opening a device node can have effects of its own.
@@ -226,8 +233,7 @@ pub fn read_small_file(path: &Path, limit: u64) -> Result<String, SmallFileError
     if bytes.len() as u64 > limit {
         return Err(SmallFileError::TooLarge(limit));
     }
-    String::from_utf8(bytes)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e).into())
+    Ok(bytes)
 }
 
 /// What a file type is, in words, when it is not a regular file.

@@ -24,6 +24,7 @@ pub mod out;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod uevent;
+pub mod vfio_alias;
 pub mod vfio_driver;
 
 pub use address::PciAddress;

@@ -168,6 +168,20 @@ impl FakeNode {
         w("class", format!("0x{:06x}", d.class));
         w("subsystem_vendor", format!("0x{:04x}", d.vendor));
         w("subsystem_device", "0x0000".into());
+        // As drivers/pci/pci-sysfs.c (modalias_show) prints it.
+        w(
+            "modalias",
+            format!(
+                "pci:v{:08X}d{:08X}sv{:08X}sd{:08X}bc{:02X}sc{:02X}i{:02X}",
+                d.vendor,
+                d.device,
+                d.vendor,
+                0,
+                (d.class >> 16) & 0xff,
+                (d.class >> 8) & 0xff,
+                d.class & 0xff
+            ),
+        );
         w("numa_node", d.numa_node.to_string());
         w("driver_override", "(null)".into());
         if let Some((total, num)) = d.sriov {
@@ -290,6 +304,13 @@ impl FakeNode {
         for g in wanted {
             fs::write(self.host.vfio_dir().join(g), "").unwrap();
         }
+    }
+
+    /// Writes `text` as the `modules.alias` of `release`.
+    pub fn add_modules_alias(&self, release: &str, text: &str) {
+        let dir = self.host.modules_release_dir(release);
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("modules.alias"), text).unwrap();
     }
 
     /// Writes a `modules.dep` for `release` and creates the module files it names.

@@ -142,3 +142,29 @@ fn slice_names_are_dns_subdomains_of_bounded_length() {
     );
     assert!(!long.ends_with('-'));
 }
+
+#[test]
+fn resource_name_follows_the_rebellions_naming() {
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let node = FakeNode::new(dir.path());
+    node.add_device(&FakeDevice::new("0000:3b:00.0", 0x1eff, 0x1250, 0x12_0000).group(3));
+    node.add_device(&FakeDevice::new("0000:5e:00.0", 0x1eff, 0x1221, 0x12_0000).group(4));
+    let names = |json: &str| -> Vec<String> {
+        let inv = Inventory::scan(&node.host, &ResourceList::parse(json).unwrap()).unwrap();
+        slice_devices(&inv)
+            .iter()
+            .map(|d| attr(d, "resourceName").string.clone().unwrap())
+            .collect()
+    };
+    assert_eq!(
+        names(r#"{"preset": "rebellions"}"#),
+        [
+            "rebellions.ai/ATOM_CA25_PT",
+            "rebellions.ai/ATOM_CA22_VF_PT"
+        ]
+    );
+    assert_eq!(
+        names(r#"{"preset": "rebellions", "naming": "pci-ids"}"#),
+        ["rebellions.ai/RBLN-CA25_PF", "rebellions.ai/RBLN-CA22_VF"]
+    );
+}

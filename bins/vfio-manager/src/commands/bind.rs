@@ -25,6 +25,7 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
         tracing::warn!(config = %super::config_source(ctx), "no devices selected by the resource list; nothing to bind");
         return Ok(exit_code(skipped_ok));
     }
+    print_driver_choices(&inv, &groups, args.dry_run);
     let ok = with_passthrough(ctx, args.dry_run, |pt| {
         pt.load_modules(&target_drivers(&inv, &groups))?;
         Ok(report::print_bind(
@@ -33,6 +34,25 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
         ))
     })?;
     Ok(exit_code(ok && skipped_ok))
+}
+
+/// Says which driver `"driver": "auto"` chose for each device that will move, and
+/// why: on stdout for a dry run, in the log otherwise.
+fn print_driver_choices(inv: &Inventory, groups: &[u32], dry_run: bool) {
+    let moving = inv
+        .entries
+        .iter()
+        .filter(|e| groups.is_empty() || e.device.iommu_group.is_some_and(|g| groups.contains(&g)));
+    for entry in moving {
+        let Some(choice) = &entry.driver_choice else {
+            continue;
+        };
+        if dry_run {
+            sysfs_pci::outln!("driver for {}: {choice}", entry.device.address);
+        } else {
+            tracing::info!(bdf = %entry.device.address, choice = %choice, "driver auto");
+        }
+    }
 }
 
 fn exit_code(ok: bool) -> ExitCode {

@@ -1,5 +1,9 @@
 //! `vfio-manager status`: what is selected, where it is, and whether its group is usable.
 //!
+//! A device whose entry has `"driver": "auto"` gets a line saying which driver the
+//! kernel's `vfio_pci:` aliases chose and the alias line that chose it (or why none
+//! did).
+//!
 //! Devices the scan had to skip (malformed sysfs attributes, or a group with such a
 //! member) are listed with their error, and make the exit code 1: the node is not
 //! fully usable.
@@ -7,7 +11,7 @@
 use std::process::ExitCode;
 
 use node_agent::cli::{OutputFormat, EXIT_NOT_READY};
-use passthrough::inventory::{product_name, Entry, Inventory, Role, Skipped};
+use passthrough::inventory::{product_name, DriverChoice, Entry, Inventory, Role, Skipped};
 use sysfs_pci::{Host, PciDevice};
 
 use crate::Context;
@@ -33,6 +37,9 @@ struct Row {
     companion_of: Option<String>,
     driver: Option<String>,
     target_driver: String,
+    /// How `"driver": "auto"` chose `target_driver`, and why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    driver_choice: Option<DriverChoice>,
     bound: bool,
     iommu_group: Option<u32>,
     group_viable: Option<bool>,
@@ -58,6 +65,7 @@ fn row(entry: &Entry, inv: &Inventory, ctx_state: &passthrough::state::State) ->
         companion_of,
         driver: d.driver.clone(),
         target_driver: entry.target_driver.clone(),
+        driver_choice: entry.driver_choice.clone(),
         bound: entry.is_bound(),
         iommu_group: d.iommu_group,
         group_viable: d
@@ -197,6 +205,11 @@ fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
     line(&header.map(String::from));
     for r in &table {
         line(r);
+    }
+    for r in rows {
+        if let Some(choice) = &r.driver_choice {
+            sysfs_pci::outln!("driver for {}: {choice}", r.bdf);
+        }
     }
     for v in inv.groups.values().filter(|v| !v.is_viable()) {
         for b in &v.blockers {

@@ -52,10 +52,15 @@ pub(super) struct Entry {
     pub(super) source: EntrySource,
     pub(super) selector: Selector,
     pub(super) naming: Naming,
-    pub(super) driver: String,
+    pub(super) driver: DriverRule,
 }
 
 impl Entry {
+    /// True for the entry of the `rebellions` preset.
+    pub(super) fn is_rebellions(&self) -> bool {
+        matches!(self.naming, Naming::Rebellions | Naming::RebellionsPciIds)
+    }
+
     pub(super) fn describe(&self) -> String {
         let selector = &self.selector;
         match (&self.source, &self.naming) {
@@ -91,8 +96,30 @@ impl fmt::Display for EntrySource {
     }
 }
 
-/// The `preset` value: a name or a list of names.
-pub(super) fn parse_presets(value: &Json) -> Result<Vec<Entry>, ConfigError> {
+/// The top-level `naming` value: `"seed"` (false) or `"pci-ids"` (true).
+pub(super) fn parse_naming(value: &Json) -> Result<bool, ConfigError> {
+    match value {
+        Json::String(naming) if naming == "seed" => Ok(false),
+        Json::String(naming) if naming == "pci-ids" => Ok(true),
+        Json::String(other) => Err(ConfigError::document(format!(
+            "naming: unknown naming {other:?} (expected {})",
+            quoted(preset::NAMINGS)
+        ))),
+        other => Err(ConfigError::document(format!(
+            "naming: expected {}, found {}",
+            quoted(preset::NAMINGS),
+            other.kind()
+        ))),
+    }
+}
+
+fn quoted(values: &[&str]) -> String {
+    let quoted: Vec<String> = values.iter().map(|v| format!("{v:?}")).collect();
+    quoted.join(" or ")
+}
+
+/// The `preset` value: a name or a list of names; `pci_ids` is the `naming`.
+pub(super) fn parse_presets(value: &Json, pci_ids: bool) -> Result<Vec<Entry>, ConfigError> {
     let names: Vec<&str> = match value {
         Json::String(name) => vec![name.as_str()],
         Json::Array(items) => items
@@ -120,12 +147,12 @@ pub(super) fn parse_presets(value: &Json) -> Result<Vec<Entry>, ConfigError> {
                 "preset[{i}]: {name:?} is listed twice"
             )));
         }
-        entries.extend(
-            preset::entries(name).ok_or_else(|| ConfigError::UnknownPreset {
+        entries.extend(preset::entries(name, pci_ids).ok_or_else(|| {
+            ConfigError::UnknownPreset {
                 file: None,
                 name: (*name).to_owned(),
-            })?,
-        );
+            }
+        })?);
     }
     Ok(entries)
 }
@@ -217,10 +244,15 @@ fn parse_entry(index: usize, item: &Json) -> Result<Entry, ConfigError> {
         Some(value) => Some(parse_addresses(value).map_err(fail)?),
     };
     let driver = match values.get("driver") {
-        None => DEFAULT_DRIVER.to_owned(),
+        None => DriverRule::Named(DEFAULT_DRIVER.to_owned()),
+        Some(Json::String(driver)) if driver == AUTO_DRIVER => DriverRule::Auto,
         Some(Json::String(driver)) => {
-            check_vfio_driver(driver).map_err(|p| fail(format!("driver: {p}")))?;
-            driver.clone()
+            check_vfio_driver(driver).map_err(|p| {
+                fail(format!(
+                    "driver: {p}; or {AUTO_DRIVER:?} to let the kernel's vfio_pci aliases choose"
+                ))
+            })?;
+            DriverRule::Named(driver.clone())
         }
         Some(other) => {
             return Err(fail(format!(

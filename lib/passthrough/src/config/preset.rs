@@ -1,32 +1,27 @@
 //! The built-in presets and how they name devices.
 
-use super::{ClassPrefix, DeviceIds, Entry, EntrySource, ResourceName, Selector, DEFAULT_DRIVER};
+use super::rebellions::{self, is_lower_hex_id};
+use super::{
+    ClassPrefix, DeviceIds, DriverRule, Entry, EntrySource, ResourceName, Selector, DEFAULT_DRIVER,
+};
 
 /// The names `preset` accepts.
 pub const PRESETS: &[&str] = &["rebellions", "nvidia", "nvidia-nvswitch"];
 
-const REBELLIONS_VENDOR: u16 = 0x1eff;
 const NVIDIA_VENDOR: u16 = 0x10de;
 
-/// Rebellions devices with fixed names: device id and resource name.
-const REBELLIONS_NAMES: &[(u16, &str)] = &[
-    (0x1120, "rebellions.ai/ATOM_CA12_PT"),
-    (0x1121, "rebellions.ai/ATOM_CA12_VF_PT"),
-    (0x1220, "rebellions.ai/ATOM_CA22_PT"),
-    (0x1221, "rebellions.ai/ATOM_CA22_VF_PT"),
-    (0x1250, "rebellions.ai/ATOM_CA25_PT"),
-    (0x1251, "rebellions.ai/ATOM_CA25_VF_PT"),
-    (0x2030, "rebellions.ai/REBEL_CR03_PT"),
-    (0x2031, "rebellions.ai/REBEL_CR03_VF_PT"),
-];
+/// The values of the top-level `"naming"`: how the `rebellions` preset names devices.
+pub const NAMINGS: &[&str] = &["seed", "pci-ids"];
 
 /// How an entry names the devices it selects.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Naming {
     /// One name for every device (explicit entries).
     Fixed(ResourceName),
-    /// The Rebellions table, else `rebellions.ai/RBLN_<device>_PT`.
+    /// `seed`: the Rebellions table, else `rebellions.ai/RBLN_<device>_PT`.
     Rebellions,
+    /// `pci-ids`: Rebellions' current names, `rebellions.ai/RBLN-CA25_PF`.
+    RebellionsPciIds,
     /// The PCI ID database name, else `nvidia.com/<device>`.
     Nvidia,
 }
@@ -35,7 +30,8 @@ impl Naming {
     pub(super) fn name_for(&self, ids: &DeviceIds) -> ResourceName {
         match self {
             Self::Fixed(name) => name.clone(),
-            Self::Rebellions => rebellions_name(ids.device),
+            Self::Rebellions => rebellions::seed_name(ids.device),
+            Self::RebellionsPciIds => rebellions::pci_ids_name(ids.device),
             Self::Nvidia => nvidia_name(ids.vendor, ids.device),
         }
     }
@@ -44,14 +40,8 @@ impl Naming {
     pub(super) fn can_give(&self, name: &ResourceName) -> bool {
         match self {
             Self::Fixed(fixed) => fixed == name,
-            Self::Rebellions => {
-                REBELLIONS_NAMES.iter().any(|(_, n)| *n == name.as_str())
-                    || name
-                        .as_str()
-                        .strip_prefix("rebellions.ai/RBLN_")
-                        .and_then(|rest| rest.strip_suffix("_PT"))
-                        .is_some_and(is_lower_hex_id)
-            }
+            Self::Rebellions => rebellions::seed_can_give(name),
+            Self::RebellionsPciIds => rebellions::pci_ids_can_give(name),
             Self::Nvidia => {
                 name.as_str()
                     .strip_prefix("nvidia.com/")
@@ -67,12 +57,21 @@ impl Naming {
         match self {
             Self::Fixed(name) => name.to_string(),
             Self::Rebellions => {
-                let table: Vec<String> = REBELLIONS_NAMES
+                let table: Vec<String> = rebellions::SEED_NAMES
                     .iter()
                     .map(|(id, name)| format!("{id:04x} {name}"))
                     .collect();
                 format!(
                     "{}, any other rebellions.ai/RBLN_<device>_PT",
+                    table.join(", ")
+                )
+            }
+            Self::RebellionsPciIds => {
+                let table: Vec<String> = rebellions::named_devices()
+                    .map(|id| format!("{id:04x} {}", rebellions::pci_ids_name(id)))
+                    .collect();
+                format!(
+                    "{}, any other rebellions.ai/RBLN-<device>_PF (even id) or _VF (odd id)",
                     table.join(", ")
                 )
             }
@@ -83,15 +82,20 @@ impl Naming {
     }
 }
 
-/// The entries of a preset, `None` for an unknown name.
-pub(super) fn entries(name: &str) -> Option<Vec<Entry>> {
+/// The entries of a preset, `None` for an unknown name; `pci_ids` selects the
+/// `pci-ids` naming of the `rebellions` preset.
+pub(super) fn entries(name: &str, pci_ids: bool) -> Option<Vec<Entry>> {
     let class = |value, digits| ClassPrefix { value, digits };
     let (source, vendor, classes, naming) = match name {
         "rebellions" => (
             "rebellions",
-            REBELLIONS_VENDOR,
+            rebellions::VENDOR,
             vec![class(0x12, 2)],
-            Naming::Rebellions,
+            if pci_ids {
+                Naming::RebellionsPciIds
+            } else {
+                Naming::Rebellions
+            },
         ),
         "nvidia" => (
             "nvidia",
@@ -116,26 +120,8 @@ pub(super) fn entries(name: &str) -> Option<Vec<Entry>> {
             addresses: None,
         },
         naming,
-        driver: DEFAULT_DRIVER.to_owned(),
+        driver: DriverRule::Named(DEFAULT_DRIVER.to_owned()),
     }])
-}
-
-fn is_lower_hex_id(text: &str) -> bool {
-    text.len() == 4
-        && text
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-}
-
-fn rebellions_name(device: u16) -> ResourceName {
-    let name = REBELLIONS_NAMES
-        .iter()
-        .find(|(id, _)| *id == device)
-        .map_or_else(
-            || format!("rebellions.ai/RBLN_{device:04x}_PT"),
-            |(_, name)| (*name).to_owned(),
-        );
-    ResourceName::from_trusted(name)
 }
 
 /// NVIDIA's KubeVirt naming: the PCI ID database name, trimmed, upper-cased, '/' and
@@ -223,11 +209,11 @@ mod tests {
 
     #[test]
     fn table_names_are_valid() {
-        for (_, name) in REBELLIONS_NAMES {
+        for (_, name) in rebellions::SEED_NAMES {
             name.parse::<ResourceName>().unwrap();
         }
         assert_eq!(
-            rebellions_name(0xabcd).as_str(),
+            rebellions::seed_name(0xabcd).as_str(),
             "rebellions.ai/RBLN_abcd_PT"
         );
         assert_eq!(nvidia_name(0x10de, 0x0000).as_str(), "nvidia.com/0000");

@@ -44,7 +44,7 @@ fn unknown_top_level_key() {
     let msg = err(r#"{"preset": "rebellions", "resource": []}"#);
     assert_eq!(
         msg,
-        "resource list: unknown key \"resource\" (expected \"preset\" or \"resources\")"
+        "resource list: unknown key \"resource\" (expected \"preset\", \"naming\" or \"resources\")"
     );
 }
 
@@ -516,5 +516,7 @@ fn close_but_disjoint_selectors() {
 
 // ---- selection ----
 
+mod driver_auto;
 mod load;
+mod naming;
 mod selection;

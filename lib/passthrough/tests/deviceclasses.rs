@@ -1,0 +1,80 @@
+//! The DRA DeviceClasses under `manifests/dra/deviceclasses` cover every name the
+//! `rebellions` preset gives a device it knows, in both namings, each class named
+//! after its resource and selecting exactly that `resourceName`.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+
+use passthrough::config::rebellions_names;
+
+const DRIVER: &str = "vfio-sandbox.rebellions.ai";
+
+fn manifests() -> String {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../manifests/dra/deviceclasses");
+    let mut text = String::new();
+    for file in ["rebellions.yaml", "rebellions-pci-ids.yaml"] {
+        let kustomization = std::fs::read_to_string(dir.join("kustomization.yaml")).unwrap();
+        assert!(
+            kustomization.contains(&format!("- {file}")),
+            "{file} is not installed"
+        );
+        text.push_str(&std::fs::read_to_string(dir.join(file)).unwrap());
+        text.push_str("\n---\n");
+    }
+    text
+}
+
+/// The DeviceClass documents, as (metadata name, the resourceName its CEL selects).
+fn classes(text: &str) -> Vec<(String, Option<String>)> {
+    text.split("\n---\n")
+        .filter(|doc| doc.contains("kind: DeviceClass"))
+        .map(|doc| {
+            let name = doc
+                .lines()
+                .find_map(|l| l.strip_prefix("  name: "))
+                .unwrap()
+                .to_owned();
+            let selects = doc
+                .split(".resourceName ==")
+                .nth(1)
+                .map(|rest| rest.trim().trim_matches('"').to_owned());
+            (name, selects)
+        })
+        .collect()
+}
+
+#[test]
+fn every_preset_name_of_both_namings_has_its_class() {
+    let found = classes(&manifests());
+    for naming in ["seed", "pci-ids"] {
+        let names = rebellions_names(naming).unwrap();
+        assert!(names.len() >= 8, "{naming}: {names:?}");
+        for resource in names {
+            let local = resource.as_str().split_once('/').unwrap().1;
+            let class = format!("{}.{DRIVER}", local.to_lowercase().replace('_', "-"));
+            let selects = found
+                .iter()
+                .find(|(name, _)| *name == class)
+                .unwrap_or_else(|| panic!("no DeviceClass {class} for {resource} ({naming})"));
+            assert_eq!(selects.1.as_deref(), Some(resource.as_str()), "{class}");
+        }
+    }
+    assert_eq!(rebellions_names("other"), None);
+}
+
+#[test]
+fn no_class_selects_a_name_no_naming_gives() {
+    let mut known: Vec<String> = ["seed", "pci-ids"]
+        .iter()
+        .flat_map(|n| rebellions_names(n).unwrap())
+        .map(|n| n.to_string())
+        .collect();
+    known.sort();
+    for (class, selects) in classes(&manifests()) {
+        match selects {
+            Some(resource) => assert!(known.contains(&resource), "{class} selects {resource}"),
+            None => assert_eq!(class, DRIVER, "only the catch-all class selects no name"),
+        }
+    }
+}
