@@ -126,15 +126,27 @@ qemu_user() {
     echo "qemu-$(rust_arch "$1")"
 }
 
-ctx="$(mktemp -d)"
+work="$(mktemp -d)"
+ctx="$work/context"
 ctr=""
 mnt=""
 cleanup() {
     [[ -n "$mnt" ]] && "${bh[@]}" umount "$ctr" >/dev/null 2>&1
     [[ -n "$ctr" ]] && "${bh[@]}" rm "$ctr" >/dev/null 2>&1
-    rm -rf "$ctx"
+    rm -rf "$work"
 }
 trap cleanup EXIT
+# buildah checks every image it commits or copies against the signature
+# policy, /etc/containers/policy.json (Debian's golang-github-containers-common;
+# a conffile, so gone for good once deleted by hand). These images are built
+# FROM scratch and never pulled: without the host's policy, one that accepts
+# local images does.
+policy=()
+if [[ ! -e /etc/containers/policy.json ]]; then
+    log "no /etc/containers/policy.json: using a policy that accepts any image (nothing is pulled)"
+    printf '{"default": [{"type": "insecureAcceptAnything"}]}\n' >"$work/policy.json"
+    policy=(--signature-policy "$work/policy.json")
+fi
 
 # 0. What an interrupted run of the same tags left: its working containers
 # (the images themselves are replaced below).
@@ -179,7 +191,7 @@ for a in "${archs[@]}"; do
     previous="$("${bh[@]}" images --quiet --no-trunc "$image-$a" 2>/dev/null | head -n1 || true)"
     # TARGETARCH and BUILDARCH are also passed explicitly: buildah versions
     # differ in which platform arguments they set on their own.
-    "${bh[@]}" bud --isolation chroot --quiet --platform "linux/$a" \
+    "${bh[@]}" bud "${policy[@]}" --isolation chroot --quiet --platform "linux/$a" \
         -f "$repo_root/Dockerfile" --target runtime-prebuilt \
         --build-arg "TARGETARCH=$a" --build-arg "BUILDARCH=$host_arch" \
         --build-arg "VERSION=$image_version" --build-arg "REVISION=$revision" \
@@ -278,7 +290,7 @@ done
 if [[ -n "$archive" ]]; then
     mkdir -p "$(dirname "$archive")"
     rm -f "$archive"
-    "${bh[@]}" manifest push --quiet --all "$image" "oci-archive:$archive:$image" >/dev/null
+    "${bh[@]}" manifest push "${policy[@]}" --quiet --all "$image" "oci-archive:$archive:$image" >/dev/null
     # What a node's runtime reads: index.json names the list, the list each
     # platform's image.
     list_digest="$(tar -xOf "$archive" index.json | grep -o '"digest":"sha256:[0-9a-f]*"' | head -n1 | cut -d: -f3 | tr -d '"')"
