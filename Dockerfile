@@ -24,7 +24,8 @@
 #        docker buildx build --platform linux/amd64,linux/arm64 \
 #            --target runtime-prebuilt -t vfio-sandbox ctx
 #      scripts/image.sh does exactly this with buildah (one build per
-#      platform, joined in a manifest list) and then checks the images.
+#      platform, joined in a manifest list) and then checks the images;
+#      CI runs it on the test bed's static binaries (--profile testbed).
 #
 # The binaries are static (glibc, +crt-static), so the runtime stage needs no
 # libc, no shell and no modprobe: vfio-manager loads kernel modules itself with

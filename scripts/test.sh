@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: formatting, lints, unit and CLI tests,
 # then the real-kernel scenarios in QEMU (which install qemu-system-x86,
-# busybox-static, kmod and the Debian kernel package themselves).
+# busybox-static, kmod and the Debian kernel package themselves), then the
+# container image built from the same static binaries (which installs buildah).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Each step prints how long the one before it took, and the end the whole run.
@@ -46,3 +47,5 @@ for b in vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver
 done
 scripts/check-no-fakes.sh "${shipped[@]}" -- "$control"
 step "the same on Debian 13's arm64 kernel (qemu-system-aarch64, SMMUv3) with cross-built aarch64 binaries" && scripts/vm/run.sh --kernel trixie-arm64 tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
+step "the container image (buildah, vfs, chroot) from the test bed's amd64 and arm64 static binaries: each binary's --version inside the amd64 image and under qemu-user from the arm64 one, size per architecture"
+scripts/image.sh --profile testbed --archive target/image/vfio-sandbox-testbed.tar --remove
