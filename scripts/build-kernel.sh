@@ -150,8 +150,13 @@ fetch_source
 
 # The build: tinyconfig + fragment, every fragment line checked afterwards
 # (Kconfig drops a symbol whose dependencies are unmet without a word).
+# An interrupted build of the same key resumes in its build tree (make only
+# redoes what is missing); anything else in it is made again.
 work="$dest.tmp"
-rm -rf "$work"
+if [[ -d "$work/build" ]]; then
+    log "resuming the interrupted build in $work"
+    find "$work" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
+fi
 mkdir -p "$work/build"
 load_before="$(cut -d' ' -f1-3 /proc/loadavg)"
 t0=$(date +%s)
