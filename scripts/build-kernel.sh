@@ -153,7 +153,9 @@ fetch_source
 # An interrupted build of the same key resumes in its build tree (make only
 # redoes what is missing); anything else in it is made again.
 work="$dest.tmp"
+resumed=0
 if [[ -d "$work/build" ]]; then
+    resumed=1
     log "resuming the interrupted build in $work"
     find "$work" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
 fi
@@ -191,7 +193,8 @@ rm -rf "$work/build"
 cpu="$(awk '{ printf "%.0f", $1 + $2 }' "$work/make.time")"
 log "built $kver in $((t1 - t0)) s on $jobs cores, compile CPU time $cpu s (load average before: $load_before; after: $load_after)"
 {
-    printf 'source=%s=%s\nfragment=%s\n' "$pkg" "$ver" "$frag_sum"
+    # A resumed build's times are those of its last part only.
+    printf 'source=%s=%s\nfragment=%s\nresumed=%s\n' "$pkg" "$ver" "$frag_sum" "$resumed"
     printf 'build_seconds=%s\ncompile_cpu_seconds=%s\njobs=%s\nload_before=%s\nload_after=%s\n' \
         "$((t1 - t0))" "$cpu" "$jobs" "$load_before" "$load_after"
 } >"$work/build-info"
