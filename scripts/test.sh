@@ -38,6 +38,10 @@ step "VM harness self-test (stall watchdog, fake QEMU)"
 tests/vm/harness-selftest.sh
 step "real-kernel scenarios (QEMU) on Debian 12 and 13 kernels, and the demo so it cannot rot"
 scripts/vm/run.sh --kernel bookworm,trixie tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
+step "the test bed's own kernel: Debian's 6.12 source with IOMMUFD, VFIO_DEVICE_CDEV and virtio_vfio_pci (scripts/build-kernel.sh; cached by its config, rebuilt only when that changes)"
+scripts/build-kernel.sh >/dev/null
+step "the iommufd and VFIO cdev scenario on it (on Debian's kernels it ran above: nothing iommufd offered, nothing fails)"
+scripts/vm/run.sh --no-build --kernel iommufd iommufd-cdev
 step "no test fakes in the shipped binaries (symbols of the test bed's x86 static build; the sysfs-pci unit tests as the control)"
 control="$(cargo test -p sysfs-pci --lib --no-run --locked --message-format=json |
     grep -o '"executable":"[^"]*"' | sed 's/^"executable":"//; s/"$//' | tail -n1)"

@@ -16,6 +16,11 @@
 #     04:00.1  ICH9 HD Audio                 GPU_AUDIO } device and its audio
 #              function with different ids and drivers (virtio-pci,
 #              snd_hda_intel), so the audio function is a true companion
+#   pcie.0 00:08.0  pcie-root-port rp_virtio (chassis 5, slot 5) -> bus 05,
+#                   on the iommufd kernel only (run.sh --kernel iommufd)
+#     05:00.0  virtio-net-pci, disable-legacy=on (1af4:1041)  VIRTIO_NIC
+#              the id of the virtio_vfio_pci variant driver's alias
+#              (drivers/vfio/pci/virtio/main.c: virtiovf_pci_table)
 #
 # Secondary bus numbers follow the root ports' order on pcie.0, so they stay
 # as above as long as no PCI bridge is added in front of these ports.
@@ -37,6 +42,16 @@ VM_NVME_VF1=0000:03:00.2
 VM_GPU_FN0=0000:04:00.0
 # shellcheck disable=SC2034
 VM_GPU_AUDIO=0000:04:00.1
+# shellcheck disable=SC2034
+VM_VIRTIO_NIC=0000:05:00.0
+
+# vm_extra_modules KERNEL -- modules the initramfs of KERNEL (a --kernel name)
+# holds besides VM_MODULES: iommufd and the variant driver on the iommufd
+# kernel; none on Debian's, which build neither.
+vm_extra_modules() {
+    [[ "$1" == iommufd ]] && echo "iommufd virtio_vfio_pci"
+    return 0
+}
 
 # On arm64 (qemu-system-aarch64 -machine virt) the same root ports and
 # devices sit on the virt machine's PCIe host bridge (also pcie.0, bus 00),
@@ -54,12 +69,13 @@ vm_machine_args_arm64() {
         -nodefaults -no-user-config -display none -serial stdio -no-reboot
 }
 
-# vm_device_args IOMMU [ARCH] -- print the QEMU device options, one per line.
+# vm_device_args IOMMU [ARCH [KERNEL]] -- print the QEMU device options, one per line.
 # IOMMU is 1 for an emulated IOMMU or 0 for no IOMMU at all. ARCH (x86_64,
 # the default, or aarch64) selects how: an intel-iommu device on x86; on
-# aarch64 the SMMUv3 is part of the machine (vm_machine_args_arm64).
+# aarch64 the SMMUv3 is part of the machine (vm_machine_args_arm64). KERNEL
+# iommufd adds VIRTIO_NIC behind a fifth root port.
 vm_device_args() {
-    local iommu="$1" arch="${2:-x86_64}"
+    local iommu="$1" arch="${2:-x86_64}" kernel="${3:-}"
     if [[ "$iommu" == 1 && "$arch" == x86_64 ]]; then
         # Must come before the PCI devices it translates for.
         printf '%s\n' -device intel-iommu,intremap=off
@@ -78,4 +94,9 @@ vm_device_args() {
         -device pcie-root-port,id=rp_gpu,bus=pcie.0,addr=0x7,chassis=4,slot=4 \
         -device virtio-rng-pci,id=gpu_fn0,bus=rp_gpu,addr=0.0,multifunction=on \
         -device ich9-intel-hda,id=gpu_audio,bus=rp_gpu,addr=0.1
+    if [[ "$kernel" == iommufd ]]; then
+        printf '%s\n' \
+            -device pcie-root-port,id=rp_virtio,bus=pcie.0,addr=0x8,chassis=5,slot=5 \
+            -device virtio-net-pci,id=virtio_nic,bus=rp_virtio,addr=0.0,disable-legacy=on,mac=52:54:00:00:05:00
+    fi
 }

@@ -9,7 +9,8 @@
 # wait for its timeout to know that something went wrong.
 #
 # /testbed.env (from the per-scenario archive) provides SCENARIO, the device
-# BDFs (CARD_FN0, CARD_FN1, SOLO_NIC, NVME_PF, NVME_VF0, NVME_VF1),
+# BDFs (CARD_FN0, CARD_FN1, SOLO_NIC, NVME_PF, NVME_VF0, NVME_VF1; VIRTIO_NIC
+# on the iommufd kernel only), TESTBED_KERNEL (the --kernel name),
 # TESTBED_IOMMU (1 or 0) and TESTBED_GUEST_TIMEOUT (seconds).
 
 PATH=/sbin:/usr/sbin:/bin:/usr/bin
@@ -56,7 +57,8 @@ dmesg -n 3 2>/dev/null
 # shellcheck disable=SC1091
 . /testbed.env
 [ -r /scenario.sh ] || abort "/scenario.sh missing"
-export SCENARIO CARD_FN0 CARD_FN1 SOLO_NIC NVME_PF NVME_VF0 NVME_VF1 GPU_FN0 GPU_AUDIO TESTBED_IOMMU
+export SCENARIO CARD_FN0 CARD_FN1 SOLO_NIC NVME_PF NVME_VF0 NVME_VF1 GPU_FN0 GPU_AUDIO TESTBED_IOMMU \
+    VIRTIO_NIC TESTBED_KERNEL
 
 echo "TESTBED BOOT $SCENARIO: uptime=$(uptime_s) kernel=$(uname -r)"
 
@@ -76,7 +78,7 @@ deadline=$(($(cut -d. -f1 /proc/uptime) + 30))
 while :; do
     missing=""
     for pair in "$CARD_FN0=e1000e" "$CARD_FN1=e1000e" "$SOLO_NIC=e1000e" "$NVME_PF=nvme" \
-        "$GPU_FN0=virtio-pci" "$GPU_AUDIO=snd_hda_intel"; do
+        "$GPU_FN0=virtio-pci" "$GPU_AUDIO=snd_hda_intel" ${VIRTIO_NIC:+"$VIRTIO_NIC=virtio-pci"}; do
         bdf=${pair%%=*}
         drv=${pair#*=}
         bound_to "$bdf" "$drv" || missing="$missing $bdf($drv)"

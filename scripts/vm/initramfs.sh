@@ -38,7 +38,8 @@ output="$1"
 shift
 
 # Modules the bed provides (dependencies are added from modules.dep).
-VM_MODULES="${VM_MODULES:-vfio vfio_pci vfio_pci_core vfio_iommu_type1 irqbypass e1000e nvme nvme_core virtio_pci snd_hda_intel}"
+# VM_MODULES_EXTRA adds a kernel's own (run.sh: vm_extra_modules).
+VM_MODULES="${VM_MODULES:-vfio vfio_pci vfio_pci_core vfio_iommu_type1 irqbypass e1000e nvme nvme_core virtio_pci snd_hda_intel} ${VM_MODULES_EXTRA:-}"
 
 vm_ensure_packages "${VM_HOST_PACKAGES[@]}"
 

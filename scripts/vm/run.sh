@@ -25,7 +25,12 @@
 #                qemu-system-aarch64 (virt machine, emulated SMMUv3) with
 #                aarch64 binaries (cross-built) and an arm64 userland; its
 #                timeouts are VM_ARM64_TIMEOUT_FACTOR (default 2) times the
-#                x86 ones
+#                x86 ones. "iommufd" is the bed's own x86 kernel, built
+#                from Debian's trixie source by scripts/build-kernel.sh
+#                (cached) with IOMMUFD, VFIO_DEVICE_CDEV and the
+#                virtio_vfio_pci variant driver, which Debian's kernels
+#                lack; its guests also get a modern virtio-net device
+#                (VIRTIO_NIC) that the variant driver matches
 #   --stall-timeout S  a guest whose console shows no new output for S
 #                seconds before its scenario started is killed and booted
 #                again, once (default: VM_STALL_TIMEOUT or 90); a second
@@ -96,6 +101,7 @@ for k in "${kernel_args[@]}"; do
     case "$k" in
         *-arm64) k_suite[$k]="${k%-arm64}" k_arch[$k]=aarch64 k_factor[$k]=$arm64_factor ;;
         *-amd64) k_suite[$k]="${k%-amd64}" k_arch[$k]=x86_64 k_factor[$k]=1 ;;
+        iommufd) k_suite[$k]=iommufd k_arch[$k]=x86_64 k_factor[$k]=1 ;;
         *) k_suite[$k]="$k" k_arch[$k]=x86_64 k_factor[$k]=1 ;;
     esac
     arch_bins[${k_arch[$k]}]=""
@@ -197,8 +203,12 @@ prepare_kernel() {
         KERNEL_PVH KERNEL_MODULES KERNEL_CONFIG KERNEL_SUITE KERNEL_ARCH \
         KERNEL_BUSYBOX KERNEL_KMOD KERNEL_USERLAND
     [[ "${k_arch[$k]}" == aarch64 ]] && deb_arch=arm64
-    env_text="$(KERNEL_SUITE="${k_suite[$k]}" KERNEL_ARCH="$deb_arch" "$repo_root/scripts/fetch-kernel.sh")" ||
-        vm_die "cannot fetch the $k kernel"
+    if [[ "$k" == iommufd ]]; then
+        env_text="$("$repo_root/scripts/build-kernel.sh")" || vm_die "cannot build the $k kernel"
+    else
+        env_text="$(KERNEL_SUITE="${k_suite[$k]}" KERNEL_ARCH="$deb_arch" "$repo_root/scripts/fetch-kernel.sh")" ||
+            vm_die "cannot fetch the $k kernel"
+    fi
     eval "$env_text"
     k_version[$k]="$KERNEL_VERSION"
     # Boot the uncompressed vmlinux through its PVH entry when possible: the
@@ -211,7 +221,7 @@ prepare_kernel() {
     k_base[$k]="$run_dir/$k/base.cpio"
     t0=$(date +%s.%N)
     mapfile -t binaries < <(printf '%s' "${arch_bins[${k_arch[$k]}]}")
-    KERNEL_VERSION="$KERNEL_VERSION" KERNEL_MODULES="$KERNEL_MODULES" \
+    VM_MODULES_EXTRA="$(vm_extra_modules "$k")" KERNEL_VERSION="$KERNEL_VERSION" KERNEL_MODULES="$KERNEL_MODULES" \
         KERNEL_BUSYBOX="$KERNEL_BUSYBOX" KERNEL_KMOD="$KERNEL_KMOD" KERNEL_USERLAND="$KERNEL_USERLAND" \
         "$here/initramfs.sh" "${k_base[$k]}" "${binaries[@]}"
     vm_log "[$k] kernel $KERNEL_VERSION, booting $(basename "${k_boot[$k]}"), base initramfs in $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
@@ -316,6 +326,9 @@ run_scenario() {
         printf 'CARD_FN0=%s\nCARD_FN1=%s\nSOLO_NIC=%s\n' "$VM_CARD_FN0" "$VM_CARD_FN1" "$VM_SOLO_NIC"
         printf 'NVME_PF=%s\nNVME_VF0=%s\nNVME_VF1=%s\n' "$VM_NVME_PF" "$VM_NVME_VF0" "$VM_NVME_VF1"
         printf 'GPU_FN0=%s\nGPU_AUDIO=%s\n' "$VM_GPU_FN0" "$VM_GPU_AUDIO"
+        # The variant-driver device exists on the iommufd kernel only.
+        [[ "$kernel" == iommufd ]] && printf 'VIRTIO_NIC=%s\n' "$VM_VIRTIO_NIC"
+        printf 'TESTBED_KERNEL=%s\n' "$kernel"
         printf 'TESTBED_IOMMU=%s\nTESTBED_GUEST_TIMEOUT=%s\n' "$iommu" "$guest_timeout"
     } >"$sdir/testbed.env"
     (cd "$sdir" && printf '%s\n' scenario.sh testbed.env |
@@ -357,7 +370,7 @@ run_scenario() {
         )
     fi
     ((${#extra_cmdline[@]})) && cmdline+=" ${extra_cmdline[*]}"
-    mapfile -t -O "${#qemu[@]}" qemu < <(vm_device_args "$iommu" "${k_arch[$kernel]}")
+    mapfile -t -O "${#qemu[@]}" qemu < <(vm_device_args "$iommu" "${k_arch[$kernel]}" "$kernel")
     qemu+=(-kernel "${k_boot[$kernel]}" -initrd "$kdir/$name.initrd" -append "$cmdline")
     local a
     for a in "${qemu[@]}"; do

@@ -98,7 +98,10 @@ fn find<'a>(devices: &'a [DeviceState], id: &str) -> Option<&'a DeviceState> {
 
 /// The answer for one container: the KubeVirt env var with the canonical BDFs in
 /// request order, `/dev/vfio/vfio` and each distinct `/dev/vfio/<group>`, plus
-/// `/dev/iommu` and `/dev/vfio/devices/vfioN` when `iommufd` is set. Two IDs naming
+/// `/dev/iommu` and `/dev/vfio/devices/vfioN` when `iommufd` is set and the kernel has
+/// the VFIO device cdev (on a kernel without it the group nodes alone are handed out,
+/// so one flag serves a mixed fleet; a device missing its cdev on a kernel that has it
+/// is refused). Two IDs naming
 /// one device (`10:00.0` and `0000:10:00.0`) are a duplicate.
 pub fn allocate(
     resource: &ResourceName,
@@ -145,12 +148,14 @@ pub fn allocate(
     if iommufd {
         let missing: Vec<String> = chosen
             .iter()
-            .filter(|d| d.cdev.is_none())
+            .filter(|d| d.cdev.is_none() && !d.no_cdev_kernel)
             .map(|d| d.id())
             .collect();
         if !missing.is_empty() {
             return Err(AllocateError::NoCdev(missing));
         }
+    }
+    if iommufd && chosen.iter().any(|d| d.cdev.is_some()) {
         specs.push(spec("/dev/iommu".into()));
         specs.extend(
             chosen
@@ -262,6 +267,7 @@ mod tests {
             numa_node: numa,
             bridge: Some(bridge.parse().unwrap()),
             cdev: None,
+            no_cdev_kernel: false,
             problem: None,
         }
     }
@@ -356,6 +362,18 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("CONFIG_VFIO_DEVICE_CDEV"));
+        // A kernel without the cdev at all (Debian's): the group nodes alone.
+        d.no_cdev_kernel = true;
+        let r = allocate(
+            &name(),
+            std::slice::from_ref(&d),
+            &ids(&["0000:01:00.0"]),
+            true,
+        )
+        .unwrap();
+        let paths: Vec<&str> = r.devices.iter().map(|d| d.host_path.as_str()).collect();
+        assert_eq!(paths, ["/dev/vfio/vfio", "/dev/vfio/5"]);
+        d.no_cdev_kernel = false;
         d.cdev = Some("vfio3".into());
         let r = allocate(&name(), &[d], &ids(&["0000:01:00.0"]), true).unwrap();
         let paths: Vec<&str> = r.devices.iter().map(|d| d.host_path.as_str()).collect();

@@ -30,6 +30,9 @@ pub struct DeviceState {
     pub bridge: Option<PciAddress>,
     /// The iommufd character device (`vfioN` under `vfio-dev/`), when the kernel has one.
     pub cdev: Option<String>,
+    /// True when the kernel has no VFIO device cdev at all (no vfio device has a
+    /// `dev` attribute): with `--iommufd` its nodes are left out, not refused.
+    pub no_cdev_kernel: bool,
     /// `None` when healthy, else why not.
     pub problem: Option<String>,
 }
@@ -129,6 +132,8 @@ impl Tracker {
             tracing::warn!(bdf = %s.address, reason = %s, "not advertising a device that cannot be read");
         }
         let mut seen: BTreeMap<ResourceName, BTreeMap<PciAddress, DeviceState>> = BTreeMap::new();
+        let no_cdev_kernel =
+            self.iommufd && sysfs_pci::cdev::kernel_has_vfio_cdev(host) == Some(false);
         // Advertised before, held back now: Unhealthy with the reason, not "removed".
         for s in &inv.skipped {
             let Some(resource) = &s.resource else {
@@ -170,10 +175,11 @@ impl Tracker {
                 numa_node: d.numa_node,
                 bridge: d.parent_bridge(),
                 cdev: if self.iommufd {
-                    vfio_cdev(host, &d.address)
+                    sysfs_pci::cdev::vfio_cdev_name(host, &d.address)
                 } else {
                     None
                 },
+                no_cdev_kernel,
                 problem,
             };
             seen.entry(resource.clone())
@@ -231,15 +237,6 @@ fn group_problem(host: &Host, inv: &Inventory, group: Option<u32>) -> Option<Str
     }
     let node = host.vfio_group_node(group);
     (!Host::exists(&node)).then(|| format!("{} is missing", node.display()))
-}
-
-/// The `vfioN` name of a device's iommufd character device, if the kernel made one.
-fn vfio_cdev(host: &Host, address: &PciAddress) -> Option<String> {
-    let dir = host.device_dir(address).join("vfio-dev");
-    std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .find(|n| n.starts_with("vfio"))
 }
 
 #[cfg(test)]

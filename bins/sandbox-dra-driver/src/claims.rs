@@ -473,7 +473,7 @@ impl Claims<'_> {
                     iommufd_node: self
                         .files
                         .iommufd
-                        .then(|| vfio_dev_node(self.pt.host, &d.address))
+                        .then(|| sysfs_pci::cdev::vfio_cdev_name(self.pt.host, &d.address))
                         .flatten(),
                 }
             })
@@ -617,20 +617,6 @@ fn device_list(devices: &[ClaimDevice]) -> String {
         .map(|d| format!("{} ({})", d.device, d.address))
         .collect();
     names.join(", ")
-}
-
-/// The `vfioN` character device name of a function bound to vfio-pci with iommufd
-/// (`<device>/vfio-dev/vfioN`), if the kernel made one.
-fn vfio_dev_node(host: &Host, address: &PciAddress) -> Option<String> {
-    let dir = host.device_dir(address).join("vfio-dev");
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("vfio"))
-        .collect();
-    names.sort();
-    names.into_iter().next()
 }
 
 #[cfg(test)]

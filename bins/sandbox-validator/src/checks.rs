@@ -8,6 +8,7 @@ use std::path::Path;
 use passthrough::config::ResourceList;
 use passthrough::inventory::{Inventory, Role};
 use passthrough::VFIO_MODULES;
+use sysfs_pci::cdev::{kernel_has_vfio_cdev, vfio_cdev_name};
 use sysfs_pci::group::iommu_enabled;
 use sysfs_pci::module::is_loaded;
 use sysfs_pci::{error_chain, Host};
@@ -162,6 +163,7 @@ pub fn validate(host: &Host, list: &ResourceList, allow_empty: bool) -> Report {
             "a group node appears once every member is bound to vfio-pci; is the host's /dev mounted (--dev-root)?",
         )
     });
+    checks.push(check_cdev(host, &selected));
     Report {
         checks,
         devices,
@@ -250,6 +252,67 @@ fn check_container(host: &Host) -> Check {
             "vfio-container",
             format!("{} is missing or not a char device", node.display()),
             "it appears when the vfio module loads; is the host's /dev mounted (--dev-root)?",
+        )
+    }
+}
+
+/// `vfio-cdev`: on a kernel with the VFIO device cdev, every selected device on its
+/// vfio driver has `/dev/vfio/devices/vfioN` and `/dev/iommu` is there, so iommufd
+/// users (KubeVirt with iommufd, the plugins' `--iommufd`) can open them. Skipped,
+/// with the reason, on kernels without it (the group nodes are then the only way).
+fn check_cdev(host: &Host, selected: &[&passthrough::inventory::Entry]) -> Check {
+    match kernel_has_vfio_cdev(host) {
+        None => {
+            return pass(
+                "vfio-cdev",
+                "skipped: no vfio device in /sys/class/vfio-dev tells whether the kernel has the VFIO device cdev",
+            )
+        }
+        Some(false) => {
+            return pass(
+                "vfio-cdev",
+                "skipped: the kernel has no VFIO device cdev (CONFIG_VFIO_DEVICE_CDEV unset); iommufd cannot be used, the group nodes can",
+            )
+        }
+        Some(true) => {}
+    }
+    let mut missing = Vec::new();
+    let mut nodes = 0;
+    for e in selected.iter().filter(|e| e.is_bound()) {
+        match vfio_cdev_name(host, &e.device.address) {
+            None => missing.push(format!("{} has no vfio-dev/vfioN", e.device.address)),
+            Some(name) => {
+                let node = host.vfio_cdev_node(&name);
+                if is_char_device(&node) {
+                    nodes += 1;
+                } else {
+                    missing.push(format!(
+                        "{}: {} is missing or not a char device",
+                        e.device.address,
+                        node.display()
+                    ));
+                }
+            }
+        }
+    }
+    let iommu = host.iommufd_node();
+    if !is_char_device(&iommu) {
+        missing.push(format!(
+            "{} is missing or not a char device",
+            iommu.display()
+        ));
+    }
+    if missing.is_empty() {
+        pass(
+            "vfio-cdev",
+            format!("{nodes} device cdev(s) under /dev/vfio/devices and /dev/iommu present"),
+        )
+    } else {
+        fail(
+            "vfio-cdev",
+            missing.join("; "),
+            "the nodes appear when the device binds to vfio-pci (/dev/iommu when the iommufd module loads); \
+             is the host's /dev mounted (--dev-root)?",
         )
     }
 }
@@ -359,7 +422,8 @@ mod tests {
                 "devices-found",
                 "devices-bound",
                 "groups-viable",
-                "group-nodes"
+                "group-nodes",
+                "vfio-cdev"
             ]
         );
         assert!(r.passed(), "{:?}", failed(&r));
@@ -518,5 +582,82 @@ mod tests {
         let r = validate(&node.host, &list, false);
         assert_eq!(failed(&r)[0].0, "group-nodes");
         assert!(failed(&r)[0].1.ends_with("dev/vfio/5"), "{:?}", failed(&r));
+    }
+
+    /// `<device>/vfio-dev/<name>` and its `/sys/class/vfio-dev` link, as the kernel
+    /// makes them for a device on vfio-pci; with `cdev` (CONFIG_VFIO_DEVICE_CDEV) also
+    /// the `dev` attribute and `/dev/vfio/devices/<name>`.
+    fn vfio_dev(node: &FakeNode, addr: &str, name: &str, cdev: bool) {
+        let a: sysfs_pci::PciAddress = addr.parse().unwrap();
+        let dir = node.host.device_dir(&a).join("vfio-dev").join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let class = node.host.vfio_dev_class_dir();
+        std::fs::create_dir_all(&class).unwrap();
+        std::os::unix::fs::symlink(&dir, class.join(name)).unwrap();
+        if cdev {
+            std::fs::write(dir.join("dev"), "511:0\n").unwrap();
+            let n = node.host.vfio_cdev_node(name);
+            std::fs::create_dir_all(n.parent().unwrap()).unwrap();
+            std::os::unix::fs::symlink("/dev/null", n).unwrap();
+        }
+    }
+
+    fn cdev_check(r: &Report) -> &Check {
+        r.checks.iter().find(|c| c.name == "vfio-cdev").unwrap()
+    }
+
+    #[test]
+    fn cdev_nodes_pass_on_a_cdev_kernel() {
+        let (_d, node, list) = ready_node();
+        vfio_dev(&node, "0000:01:00.0", "vfio0", true);
+        vfio_dev(&node, "0000:01:00.1", "vfio1", true);
+        std::os::unix::fs::symlink("/dev/null", node.host.iommufd_node()).unwrap();
+        let r = validate(&node.host, &list, false);
+        assert!(r.passed(), "{:?}", failed(&r));
+        assert_eq!(
+            cdev_check(&r).reason,
+            "2 device cdev(s) under /dev/vfio/devices and /dev/iommu present"
+        );
+    }
+
+    #[test]
+    fn missing_cdev_and_iommu_nodes_are_named() {
+        let (_d, node, list) = ready_node();
+        vfio_dev(&node, "0000:01:00.0", "vfio0", true);
+        vfio_dev(&node, "0000:01:00.1", "vfio1", true);
+        std::fs::remove_file(node.host.vfio_cdev_node("vfio1")).unwrap();
+        let r = validate(&node.host, &list, false);
+        let f = failed(&r);
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert_eq!(f[0].0, "vfio-cdev");
+        assert!(
+            f[0].1.starts_with("0000:01:00.1: ")
+                && f[0].1.contains("dev/vfio/devices/vfio1 is missing")
+                && f[0]
+                    .1
+                    .ends_with("dev/iommu is missing or not a char device"),
+            "{f:?}"
+        );
+    }
+
+    #[test]
+    fn cdev_is_skipped_with_the_reason_on_a_kernel_without_it() {
+        let (_d, node, list) = ready_node();
+        vfio_dev(&node, "0000:01:00.0", "vfio0", false);
+        vfio_dev(&node, "0000:01:00.1", "vfio1", false);
+        let r = validate(&node.host, &list, false);
+        assert!(r.passed(), "{:?}", failed(&r));
+        assert!(
+            cdev_check(&r)
+                .reason
+                .starts_with("skipped: the kernel has no VFIO device cdev"),
+            "{:?}",
+            cdev_check(&r)
+        );
+        let (_d, node, list) = ready_node();
+        let r = validate(&node.host, &list, false);
+        assert!(
+            cdev_check(&r).passed && cdev_check(&r).reason.starts_with("skipped: no vfio device")
+        );
     }
 }

@@ -85,7 +85,7 @@ fn one_shot_fails_then_passes_and_keeps_the_ready_file_true() {
         serde_json::from_str(&std::fs::read_to_string(&ready).unwrap()).unwrap();
     assert_eq!(file["devices"][0]["bdf"], "0000:01:00.0");
     assert_eq!(file["groups"], serde_json::json!([5]));
-    assert_eq!(file["checks"].as_array().unwrap().len(), 7);
+    assert_eq!(file["checks"].as_array().unwrap().len(), 8);
     assert!(file["time"].as_u64().unwrap() > 0);
 }
 

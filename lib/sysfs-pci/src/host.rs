@@ -110,6 +110,21 @@ impl Host {
         self.vfio_dir().join(group.to_string())
     }
 
+    /// `/dev/vfio/devices/<name>`, a VFIO device cdev (`name` is `vfioN`).
+    pub fn vfio_cdev_node(&self, name: &str) -> PathBuf {
+        self.vfio_dir().join("devices").join(name)
+    }
+
+    /// `/dev/iommu`, the iommufd node.
+    pub fn iommufd_node(&self) -> PathBuf {
+        self.dev.join("iommu")
+    }
+
+    /// `/sys/class/vfio-dev`, every vfio device's `vfioN` entry.
+    pub fn vfio_dev_class_dir(&self) -> PathBuf {
+        self.sysfs.join("class/vfio-dev")
+    }
+
     /// `<modules>/<release>`.
     pub fn modules_release_dir(&self, release: &str) -> PathBuf {
         self.modules.join(release)

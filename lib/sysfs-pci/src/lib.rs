@@ -12,6 +12,7 @@
 
 pub mod address;
 pub mod bind;
+pub mod cdev;
 pub mod deadline;
 pub mod device;
 pub mod failpoint;

@@ -1,0 +1,176 @@
+# iommufd and the VFIO device cdev on a real kernel. On the bed's own kernel
+# (--kernel iommufd: IOMMUFD, VFIO_DEVICE_CDEV, virtio_vfio_pci) every device
+# bound to a vfio driver gets /dev/vfio/devices/vfioN and /dev/iommu exists;
+# the DRA driver's CDI spec and the device plugin's Allocate hand them out with
+# --iommufd, next to the group nodes, which still work; the validator checks
+# them; the modern virtio-net device binds to the virtio_vfio_pci variant
+# driver, whose alias modules.alias lists. On Debian's kernels (no cdev: the
+# kernel still lists vfio-dev/vfioN in sysfs, without a dev attribute or node)
+# the same flags offer nothing iommufd and nothing fails.
+# vm: needs=vfio-manager,sandbox-validator,sandbox-device-plugin,sandbox-dra-driver,kubelet-peer,fake-apiserver
+# vm: timeout=300
+# shellcheck shell=sh
+
+export VFIO_SANDBOX_CONFIG=/tmp/list.json
+NIC='{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}'
+if [ -n "${VIRTIO_NIC:-}" ]; then
+    # The variant driver by name; "auto" could pick it from modules.alias.
+    VNET='{"name":"example.com/VNET_PT","vendor":"1af4","devices":["1041"],"driver":"virtio_vfio_pci"}'
+    echo "{\"resources\":[$NIC,$VNET]}" >"$VFIO_SANDBOX_CONFIG"
+else
+    echo "{\"resources\":[$NIC]}" >"$VFIO_SANDBOX_CONFIG"
+fi
+run_logged cat "$VFIO_SANDBOX_CONFIG"
+# The one kernel of the bed built with the device cdev.
+want_cdev=no
+[ "$TESTBED_KERNEL" = iommufd ] && want_cdev=yes
+note "kernel $TESTBED_KERNEL ($(uname -r)): device cdev expected: $want_cdev"
+
+# cdev_of BDF -- the vfioN name of BDF's device cdev (vfio-dev/vfioN with a
+# dev attribute), or nothing.
+cdev_of() {
+    for d in /sys/bus/pci/devices/"$1"/vfio-dev/vfio*; do
+        [ -e "$d/dev" ] && basename "$d" && return 0
+    done
+    return 1
+}
+# has_cdev -- yes when some vfio device of the kernel has a dev attribute.
+has_cdev() {
+    for d in /sys/class/vfio-dev/vfio*; do
+        [ -e "$d/dev" ] && echo yes && return 0
+    done
+    echo no
+}
+
+note "DRA driver with --iommufd, before anything is bound"
+DRIVER=vfio-sandbox.rebellions.ai
+REG=/var/lib/kubelet/plugins_registry
+NODE=dra-node
+CDI=/var/run/cdi
+LABEL=rebellions.ai/npu.deploy.sandbox-dra-driver
+ifconfig lo 127.0.0.1 up 2>/dev/null || ip link set lo up
+fake-apiserver serve --listen 127.0.0.1:6443 --kubeconfig /tmp/kubeconfig \
+    --node "$NODE" --label "$LABEL=true" \
+    --daemonset "vfio-sandbox-dra/sandbox-dra-driver" --selector "$LABEL=true" \
+    --pod "vfio-sandbox-dra/dra-pod1" >/tmp/apiserver.log 2>&1 &
+apiserver=$!
+wait_for "the stand-in API server serves" 10 -- test -s /tmp/kubeconfig
+export KUBECONFIG=/tmp/kubeconfig NODE_NAME=$NODE POD_NAMESPACE=vfio-sandbox-dra POD_NAME=dra-pod1
+sandbox-dra-driver --prepare-timeout 5s --iommufd >/tmp/dra.log 2>&1 &
+driver=$!
+wait_for "sandbox-dra-driver --iommufd serves" 20 -- grep -q "serving registration" /tmp/dra.log
+step "the peer registers the driver" -- kubelet-peer dra register --registry "$REG"
+wait_for "the ResourceSlice is published" 10 -- sh -c \
+    'fake-apiserver request GET /apis/resource.k8s.io/v1/resourceslices | grep -q pci-0000'
+solo_dev=$(echo "pci-$SOLO_NIC" | tr ':.' '--')
+uid=$(fake-apiserver claim vms/vm-solo --result "nic:$DRIVER:$NODE:$solo_dev")
+step "NodePrepareResources for SOLO_NIC" -- kubelet-peer dra prepare --registry "$REG" --version v1 --claim "vms/vm-solo/$uid"
+run_logged cat "$TB_OUT"
+expect_driver "SOLO_NIC on vfio-pci" "$SOLO_NIC" vfio-pci
+expect_eq "the kernel has the device cdev exactly when expected" "$(has_cdev)" "$want_cdev"
+solo_group=$(group_of "$SOLO_NIC")
+spec=$CDI/$DRIVER-vfio_$uid.json
+run_logged cat "$spec"
+expect_contains "CDI spec: /dev/vfio/vfio" "$spec" '"path": "/dev/vfio/vfio"'
+expect_contains "CDI spec: the group node" "$spec" "\"path\": \"/dev/vfio/$solo_group\""
+step "the group node is a char device" -- test -c "/dev/vfio/$solo_group"
+if [ "$want_cdev" = yes ]; then
+    solo_cdev=$(cdev_of "$SOLO_NIC")
+    expect_ne "SOLO_NIC has a device cdev" "$solo_cdev" ""
+    step "/dev/vfio/devices/$solo_cdev is a char device" -- test -c "/dev/vfio/devices/$solo_cdev"
+    step "/dev/iommu is a char device" -- test -c /dev/iommu
+    expect_contains "CDI spec: /dev/iommu" "$spec" '"path": "/dev/iommu"'
+    expect_contains "CDI spec: SOLO_NIC's device cdev" "$spec" "\"path\": \"/dev/vfio/devices/$solo_cdev\""
+else
+    step "the kernel lists vfio-dev/vfioN without a dev attribute" -- \
+        sh -c "ls -d /sys/bus/pci/devices/$SOLO_NIC/vfio-dev/vfio* && ! ls /sys/bus/pci/devices/$SOLO_NIC/vfio-dev/vfio*/dev"
+    step "no /dev/vfio/devices and no /dev/iommu" -- sh -c '! test -e /dev/vfio/devices && ! test -e /dev/iommu'
+    expect_not_contains "CDI spec: no /dev/iommu" "$spec" "/dev/iommu"
+    expect_not_contains "CDI spec: no device cdev" "$spec" "/dev/vfio/devices/"
+fi
+step "NodeUnprepareResources" -- kubelet-peer dra unprepare --registry "$REG" --version v1 --claim "vms/vm-solo/$uid"
+expect_driver "SOLO_NIC back on e1000e" "$SOLO_NIC" e1000e
+kill -TERM "$driver"
+wait "$driver"
+expect_eq "the DRA driver exits 0 on SIGTERM" "$?" 0
+kill "$apiserver" 2>/dev/null
+
+note "vfio-manager binds everything selected"
+step "vfio-manager bind --all" -- vfio-manager bind --all
+for bdf in "$CARD_FN0" "$CARD_FN1" "$SOLO_NIC"; do
+    expect_driver "$bdf on vfio-pci" "$bdf" vfio-pci
+done
+if [ -n "${VIRTIO_NIC:-}" ]; then
+    step "modules.alias lists the variant driver's vfio_pci alias" -- grep -q \
+        "^alias vfio_pci:v00001AF4d00001041sv\*sd\*bc\*sc\*i\* virtio_vfio_pci$" "/lib/modules/$(uname -r)/modules.alias"
+    expect_driver "VIRTIO_NIC on virtio_vfio_pci" "$VIRTIO_NIC" virtio_vfio_pci
+    step "virtio_vfio_pci was loaded by vfio-manager" -- module_loaded virtio_vfio_pci
+fi
+
+note "the validator"
+step "sandbox-validator passes" -- sandbox-validator
+cp "$TB_OUT" /tmp/validator.out
+run_logged cat /tmp/validator.out
+if [ "$want_cdev" = yes ]; then
+    n=3
+    [ -n "${VIRTIO_NIC:-}" ] && n=4
+    expect_contains "vfio-cdev checks every device's node and /dev/iommu" /tmp/validator.out \
+        "vfio-cdev       ok      $n device cdev(s) under /dev/vfio/devices and /dev/iommu present"
+    # A missing node fails the check by name: hide one (renamed within devtmpfs)
+    # the way a /dev without it would.
+    card_cdev=$(cdev_of "$CARD_FN1")
+    mv "/dev/vfio/devices/$card_cdev" /dev/vfio/devices/hidden
+    expect_fail "the validator fails without CARD_FN1's device cdev" 1 -- sandbox-validator
+    expect_contains "vfio-cdev names it" "$TB_OUT" "$CARD_FN1: /dev/vfio/devices/$card_cdev is missing or not a char device"
+    mv /dev/vfio/devices/hidden "/dev/vfio/devices/$card_cdev"
+else
+    expect_contains "vfio-cdev is skipped with the reason" /tmp/validator.out \
+        "vfio-cdev       ok      skipped: the kernel has no VFIO device cdev (CONFIG_VFIO_DEVICE_CDEV unset)"
+fi
+
+note "the device plugin with --iommufd"
+D=/var/lib/kubelet/device-plugins
+mkdir -p "$D"
+kubelet-peer --dir "$D" serve >/tmp/regs.log 2>&1 &
+peer=$!
+sandbox-device-plugin --iommufd >/tmp/plugin.log 2>&1 &
+plugin=$!
+wait_for "plugin registers example.com/NIC_PT" 10 -- grep -q "registered example.com/NIC_PT" /tmp/regs.log
+EP=$(awk '$2 == "example.com/NIC_PT" { e = $3 } END { print e }' /tmp/regs.log)
+step "Allocate SOLO_NIC and CARD_FN1" -- kubelet-peer --dir "$D" allocate --endpoint "$EP" "$SOLO_NIC" "$CARD_FN1"
+cp "$TB_OUT" /tmp/alloc.out
+run_logged cat /tmp/alloc.out
+expect_contains "/dev/vfio/vfio handed out" /tmp/alloc.out "device /dev/vfio/vfio /dev/vfio/vfio mrw"
+expect_contains "SOLO_NIC's group node handed out" /tmp/alloc.out "device /dev/vfio/$solo_group /dev/vfio/$solo_group mrw"
+expect_contains "the card's group node handed out" /tmp/alloc.out "device /dev/vfio/$CARD_GROUP /dev/vfio/$CARD_GROUP mrw"
+if [ "$want_cdev" = yes ]; then
+    expect_contains "/dev/iommu handed out" /tmp/alloc.out "device /dev/iommu /dev/iommu mrw"
+    for bdf in "$SOLO_NIC" "$CARD_FN1"; do
+        c=$(cdev_of "$bdf")
+        expect_contains "$bdf's device cdev $c handed out" /tmp/alloc.out "device /dev/vfio/devices/$c /dev/vfio/devices/$c mrw"
+    done
+else
+    expect_not_contains "no /dev/iommu handed out" /tmp/alloc.out "/dev/iommu"
+    expect_not_contains "no device cdev handed out" /tmp/alloc.out "/dev/vfio/devices/"
+fi
+for node in $(awk '$1 == "device" { print $2 }' /tmp/alloc.out); do
+    step "$node is a char device in the guest" -- test -c "$node"
+done
+# The group node opens: the legacy path still works next to iommufd.
+step "/dev/vfio/$solo_group opens" -- sh -c "exec 3<>/dev/vfio/$solo_group"
+if [ -n "${VIRTIO_NIC:-}" ]; then
+    wait_for "plugin registers example.com/VNET_PT" 10 -- grep -q "registered example.com/VNET_PT" /tmp/regs.log
+    VEP=$(awk '$2 == "example.com/VNET_PT" { e = $3 } END { print e }' /tmp/regs.log)
+    step "Allocate VIRTIO_NIC (on the variant driver)" -- kubelet-peer --dir "$D" allocate --endpoint "$VEP" "$VIRTIO_NIC"
+    cp "$TB_OUT" /tmp/valloc.out
+    run_logged cat /tmp/valloc.out
+    c=$(cdev_of "$VIRTIO_NIC")
+    expect_contains "VIRTIO_NIC's device cdev $c handed out" /tmp/valloc.out \
+        "device /dev/vfio/devices/$c /dev/vfio/devices/$c mrw"
+    step "/dev/vfio/devices/$c is a char device" -- test -c "/dev/vfio/devices/$c"
+fi
+kill -TERM "$plugin"
+wait "$plugin"
+expect_eq "plugin exits 0 on SIGTERM" "$?" 0
+run_logged tail -n 20 /tmp/plugin.log
+kill "$peer" 2>/dev/null
