@@ -52,6 +52,17 @@ impl DeviceState {
 /// Every resource with its devices, sorted by address.
 pub type Snapshot = BTreeMap<ResourceName, Vec<DeviceState>>;
 
+/// One device whose state an update changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Changed {
+    /// The resource it is advertised under.
+    pub resource: ResourceName,
+    /// Its state before; `None` when it was not advertised.
+    pub before: Option<DeviceState>,
+    /// Its state now.
+    pub after: DeviceState,
+}
+
 /// Remembers every device ever advertised, so one that goes away turns Unhealthy.
 #[derive(Debug, Default)]
 pub struct Tracker {
@@ -74,13 +85,12 @@ impl Tracker {
 
     /// Reads the whole node and returns the new snapshot.
     pub fn rescan(&mut self, host: &Host, list: &ResourceList) -> Result<Snapshot, DeviceError> {
-        let inv = Inventory::scan_with(host, list, Detail::Brief)?;
-        Ok(self.apply(host, &inv, None))
+        self.rescan_changes(host, list)?;
+        Ok(self.snapshot())
     }
 
-    /// Reads again only what `addresses` and `groups` touch: those devices and every
-    /// member of their IOMMU groups (the groups they were in and the ones they are in
-    /// now), so the work follows the change, not the size of the node.
+    /// [`Self::refresh_changes`], then the whole snapshot.
+    #[cfg(test)]
     pub fn refresh(
         &mut self,
         host: &Host,
@@ -88,6 +98,39 @@ impl Tracker {
         addresses: &BTreeSet<PciAddress>,
         groups: &BTreeSet<u32>,
     ) -> Result<Snapshot, DeviceError> {
+        self.refresh_changes(host, list, addresses, groups)?;
+        Ok(self.snapshot())
+    }
+
+    /// Every resource with its devices, as ListAndWatch lists them.
+    pub fn snapshot(&self) -> Snapshot {
+        self.known
+            .iter()
+            .map(|(r, m)| (r.clone(), m.values().cloned().collect()))
+            .collect()
+    }
+
+    /// Reads the whole node; returns the devices whose state changed.
+    pub fn rescan_changes(
+        &mut self,
+        host: &Host,
+        list: &ResourceList,
+    ) -> Result<Vec<Changed>, DeviceError> {
+        let inv = Inventory::scan_with(host, list, Detail::Brief)?;
+        Ok(self.apply(host, &inv, None))
+    }
+
+    /// Reads again only what `addresses` and `groups` touch: those devices and every
+    /// member of their IOMMU groups (the groups they were in and the ones they are in
+    /// now), so the work follows the change, not the size of the node. Returns the
+    /// devices whose state changed; every other device is left as it was.
+    pub fn refresh_changes(
+        &mut self,
+        host: &Host,
+        list: &ResourceList,
+        addresses: &BTreeSet<PciAddress>,
+        groups: &BTreeSet<u32>,
+    ) -> Result<Vec<Changed>, DeviceError> {
         let mut groups = groups.clone();
         for address in addresses {
             groups.extend(self.known_group(address));
@@ -120,17 +163,66 @@ impl Tracker {
     }
 
     /// Takes a scan of the devices in `scope` (every device when `None`) into the
-    /// known devices and returns the whole snapshot.
+    /// known devices, in place (a device outside the scope is not touched), and
+    /// returns those whose state changed.
     fn apply(
         &mut self,
         host: &Host,
         inv: &Inventory,
         scope: Option<&BTreeSet<PciAddress>>,
-    ) -> Snapshot {
+    ) -> Vec<Changed> {
         let in_scope = |a: &PciAddress| scope.is_none_or(|s| s.contains(a));
         for s in self.note_skipped(&inv.skipped, in_scope) {
             tracing::warn!(bdf = %s.address, reason = %s, "not advertising a device that cannot be read");
         }
+        let mut seen = self.read_states(host, inv);
+        // Known devices the scan covered but did not find are gone; the rest are
+        // as they were.
+        let covered: Vec<(&ResourceName, &DeviceState)> = match scope {
+            None => self
+                .known
+                .iter()
+                .flat_map(|(r, m)| m.values().map(move |d| (r, d)))
+                .collect(),
+            Some(scope) => self
+                .known
+                .iter()
+                .flat_map(|(r, m)| scope.iter().filter_map(move |a| Some((r, m.get(a)?))))
+                .collect(),
+        };
+        for (resource, old) in covered {
+            let now = seen.entry(resource.clone()).or_default();
+            now.entry(old.address).or_insert_with(|| {
+                let mut kept = old.clone();
+                kept.problem = Some("device removed".into());
+                kept
+            });
+        }
+        let mut changed = Vec::new();
+        for (resource, devices) in seen {
+            let known = self.known.entry(resource.clone()).or_default();
+            for (address, state) in devices {
+                if known.get(&address) == Some(&state) {
+                    continue;
+                }
+                let before = known.insert(address, state.clone());
+                changed.push(Changed {
+                    resource: resource.clone(),
+                    before,
+                    after: state,
+                });
+            }
+        }
+        changed
+    }
+
+    /// The state of each device the scan read: the selected devices (once bound, or
+    /// once advertised) and the advertised ones it had to skip.
+    fn read_states(
+        &self,
+        host: &Host,
+        inv: &Inventory,
+    ) -> BTreeMap<ResourceName, BTreeMap<PciAddress, DeviceState>> {
         let mut seen: BTreeMap<ResourceName, BTreeMap<PciAddress, DeviceState>> = BTreeMap::new();
         let no_cdev_kernel =
             self.iommufd && sysfs_pci::cdev::kernel_has_vfio_cdev(host) == Some(false);
@@ -186,25 +278,7 @@ impl Tracker {
                 .or_default()
                 .insert(d.address, state);
         }
-        // Known devices the scan covered but did not find are gone; the rest are
-        // as they were.
-        for (resource, devices) in &self.known {
-            for (address, old) in devices {
-                let now = seen.entry(resource.clone()).or_default();
-                if !now.contains_key(address) {
-                    let mut kept = old.clone();
-                    if in_scope(address) {
-                        kept.problem = Some("device removed".into());
-                    }
-                    now.insert(*address, kept);
-                }
-            }
-        }
-        self.known = seen;
-        self.known
-            .iter()
-            .map(|(r, m)| (r.clone(), m.values().cloned().collect()))
-            .collect()
+        seen
     }
 
     /// The skipped devices not logged yet (or whose reason changed), among those the
@@ -506,6 +580,73 @@ mod tests {
                 Some("on e1000e instead of vfio-pci".into())
             )
         );
+    }
+
+    /// Three bound devices in three groups, read once.
+    fn three_bound() -> (tempfile::TempDir, FakeNode, ResourceList, Tracker) {
+        let (d, node, list) = setup();
+        node.attach(&"0000:02:00.0".parse().unwrap(), "vfio-pci");
+        node.add_device(
+            &FakeDevice::new("0000:03:00.0", 0x8086, 0x10d3, 0x02_0000)
+                .driver("vfio-pci")
+                .group(6),
+        );
+        let mut t = Tracker::default();
+        t.rescan(&node.host, &list).unwrap();
+        (d, node, list, t)
+    }
+
+    /// A change to one device updates exactly that device: it is the one change
+    /// reported, and every other device's state is the one it had.
+    #[test]
+    fn a_change_to_one_device_updates_exactly_that_device() {
+        let (_d, node, list, mut t) = three_bound();
+        let before = t.snapshot();
+        let b: PciAddress = "0000:02:00.0".parse().unwrap();
+        node.attach(&b, "e1000e");
+        let changed = t
+            .refresh_changes(&node.host, &list, &addrs(&["0000:02:00.0"]), &[5].into())
+            .unwrap();
+        assert_eq!(changed.len(), 1, "{changed:?}");
+        assert_eq!(changed[0].after.address, b);
+        assert_eq!(changed[0].before.as_ref().map(|d| &d.problem), Some(&None));
+        assert_eq!(
+            changed[0].after.problem.as_deref(),
+            Some("on e1000e instead of vfio-pci")
+        );
+        let after = t.snapshot();
+        let (old, new) = (
+            before.values().next().unwrap(),
+            after.values().next().unwrap(),
+        );
+        assert_eq!(old.len(), new.len());
+        for (o, n) in old.iter().zip(new) {
+            assert_eq!(o == n, o.address != b, "{o:?} -> {n:?}");
+        }
+        // Read again with nothing new: no change reported.
+        let again = t
+            .refresh_changes(&node.host, &list, &addrs(&["0000:02:00.0"]), &[5].into())
+            .unwrap();
+        assert!(again.is_empty(), "{again:?}");
+    }
+
+    /// A change no event named (the event was lost) is not picked up by a partial
+    /// read of something else, and is by the full read lost events ask for.
+    #[test]
+    fn a_change_no_event_named_is_found_by_the_full_read() {
+        let (_d, node, list, mut t) = three_bound();
+        let c: PciAddress = "0000:03:00.0".parse().unwrap();
+        std::fs::remove_file(node.host.vfio_group_node(6)).unwrap();
+        node.attach(&c, "e1000e");
+        let other = t
+            .refresh_changes(&node.host, &list, &addrs(&["0000:01:00.0"]), &[4].into())
+            .unwrap();
+        assert!(other.is_empty(), "{other:?}");
+        let full = t.rescan_changes(&node.host, &list).unwrap();
+        assert_eq!(full.len(), 1, "{full:?}");
+        assert_eq!(full[0].after.address, c);
+        assert!(!full[0].after.healthy());
+        assert!(t.rescan_changes(&node.host, &list).unwrap().is_empty());
     }
 
     mod changes {
