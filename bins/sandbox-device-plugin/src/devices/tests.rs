@@ -407,3 +407,27 @@ mod changes {
         }
     }
 }
+
+/// The ID is the address as its `Display` writes it, whatever the address.
+#[test]
+fn the_id_is_the_canonical_address() {
+    for (domain, bus, slot, function) in [
+        (0, 0, 0, 0),
+        (0, 0x3b, 0x1f, 7),
+        (0xabcd, 0xff, 0x0a, 3),
+        (0xffff, 0x10, 0x01, 1),
+        (0x1_0000, 0x01, 0x02, 0),
+    ] {
+        let address = PciAddress::new(domain, bus, slot, function).unwrap();
+        let d = DeviceState {
+            address,
+            group: None,
+            numa_node: None,
+            bridge: None,
+            cdev: None,
+            no_cdev_kernel: false,
+            problem: None,
+        };
+        assert_eq!(d.id(), address.to_string());
+    }
+}
