@@ -38,9 +38,29 @@ pub struct DeviceState {
 }
 
 impl DeviceState {
-    /// The device-plugin ID: the BDF.
+    /// The device-plugin ID: the BDF, as [`PciAddress`]'s `Display` writes it.
+    /// Written digit by digit (every ListAndWatch message has one per device, and
+    /// the formatting machinery cost more than the rest of the message).
     pub fn id(&self) -> String {
-        self.address.to_string()
+        let a = &self.address;
+        let Ok(domain) = u16::try_from(a.domain()) else {
+            return a.to_string(); // more than four digits: the general path
+        };
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let nibble = |v: u32, shift: u32| char::from(HEX[((v >> shift) & 0xf) as usize]);
+        let mut id = String::with_capacity(12);
+        for shift in [12, 8, 4, 0] {
+            id.push(nibble(domain.into(), shift));
+        }
+        id.push(':');
+        id.push(nibble(a.bus().into(), 4));
+        id.push(nibble(a.bus().into(), 0));
+        id.push(':');
+        id.push(nibble(a.slot().into(), 4));
+        id.push(nibble(a.slot().into(), 0));
+        id.push('.');
+        id.push(nibble(a.function().into(), 0));
+        id
     }
 
     /// True when a VM can use it now.
@@ -51,6 +71,17 @@ impl DeviceState {
 
 /// Every resource with its devices, sorted by address.
 pub type Snapshot = BTreeMap<ResourceName, Vec<DeviceState>>;
+
+/// One device whose state an update changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Changed {
+    /// The resource it is advertised under.
+    pub resource: ResourceName,
+    /// Its state before; `None` when it was not advertised.
+    pub before: Option<DeviceState>,
+    /// Its state now.
+    pub after: DeviceState,
+}
 
 /// Remembers every device ever advertised, so one that goes away turns Unhealthy.
 #[derive(Debug, Default)]
@@ -74,13 +105,12 @@ impl Tracker {
 
     /// Reads the whole node and returns the new snapshot.
     pub fn rescan(&mut self, host: &Host, list: &ResourceList) -> Result<Snapshot, DeviceError> {
-        let inv = Inventory::scan_with(host, list, Detail::Brief)?;
-        Ok(self.apply(host, &inv, None))
+        self.rescan_changes(host, list)?;
+        Ok(self.snapshot())
     }
 
-    /// Reads again only what `addresses` and `groups` touch: those devices and every
-    /// member of their IOMMU groups (the groups they were in and the ones they are in
-    /// now), so the work follows the change, not the size of the node.
+    /// [`Self::refresh_changes`], then the whole snapshot.
+    #[cfg(test)]
     pub fn refresh(
         &mut self,
         host: &Host,
@@ -88,6 +118,39 @@ impl Tracker {
         addresses: &BTreeSet<PciAddress>,
         groups: &BTreeSet<u32>,
     ) -> Result<Snapshot, DeviceError> {
+        self.refresh_changes(host, list, addresses, groups)?;
+        Ok(self.snapshot())
+    }
+
+    /// Every resource with its devices, as ListAndWatch lists them.
+    pub fn snapshot(&self) -> Snapshot {
+        self.known
+            .iter()
+            .map(|(r, m)| (r.clone(), m.values().cloned().collect()))
+            .collect()
+    }
+
+    /// Reads the whole node; returns the devices whose state changed.
+    pub fn rescan_changes(
+        &mut self,
+        host: &Host,
+        list: &ResourceList,
+    ) -> Result<Vec<Changed>, DeviceError> {
+        let inv = Inventory::scan_with(host, list, Detail::Brief)?;
+        Ok(self.apply(host, &inv, None))
+    }
+
+    /// Reads again only what `addresses` and `groups` touch: those devices and every
+    /// member of their IOMMU groups (the groups they were in and the ones they are in
+    /// now), so the work follows the change, not the size of the node. Returns the
+    /// devices whose state changed; every other device is left as it was.
+    pub fn refresh_changes(
+        &mut self,
+        host: &Host,
+        list: &ResourceList,
+        addresses: &BTreeSet<PciAddress>,
+        groups: &BTreeSet<u32>,
+    ) -> Result<Vec<Changed>, DeviceError> {
         let mut groups = groups.clone();
         for address in addresses {
             groups.extend(self.known_group(address));
@@ -120,17 +183,66 @@ impl Tracker {
     }
 
     /// Takes a scan of the devices in `scope` (every device when `None`) into the
-    /// known devices and returns the whole snapshot.
+    /// known devices, in place (a device outside the scope is not touched), and
+    /// returns those whose state changed.
     fn apply(
         &mut self,
         host: &Host,
         inv: &Inventory,
         scope: Option<&BTreeSet<PciAddress>>,
-    ) -> Snapshot {
+    ) -> Vec<Changed> {
         let in_scope = |a: &PciAddress| scope.is_none_or(|s| s.contains(a));
         for s in self.note_skipped(&inv.skipped, in_scope) {
             tracing::warn!(bdf = %s.address, reason = %s, "not advertising a device that cannot be read");
         }
+        let mut seen = self.read_states(host, inv);
+        // Known devices the scan covered but did not find are gone; the rest are
+        // as they were.
+        let covered: Vec<(&ResourceName, &DeviceState)> = match scope {
+            None => self
+                .known
+                .iter()
+                .flat_map(|(r, m)| m.values().map(move |d| (r, d)))
+                .collect(),
+            Some(scope) => self
+                .known
+                .iter()
+                .flat_map(|(r, m)| scope.iter().filter_map(move |a| Some((r, m.get(a)?))))
+                .collect(),
+        };
+        for (resource, old) in covered {
+            let now = seen.entry(resource.clone()).or_default();
+            now.entry(old.address).or_insert_with(|| {
+                let mut kept = old.clone();
+                kept.problem = Some("device removed".into());
+                kept
+            });
+        }
+        let mut changed = Vec::new();
+        for (resource, devices) in seen {
+            let known = self.known.entry(resource.clone()).or_default();
+            for (address, state) in devices {
+                if known.get(&address) == Some(&state) {
+                    continue;
+                }
+                let before = known.insert(address, state.clone());
+                changed.push(Changed {
+                    resource: resource.clone(),
+                    before,
+                    after: state,
+                });
+            }
+        }
+        changed
+    }
+
+    /// The state of each device the scan read: the selected devices (once bound, or
+    /// once advertised) and the advertised ones it had to skip.
+    fn read_states(
+        &self,
+        host: &Host,
+        inv: &Inventory,
+    ) -> BTreeMap<ResourceName, BTreeMap<PciAddress, DeviceState>> {
         let mut seen: BTreeMap<ResourceName, BTreeMap<PciAddress, DeviceState>> = BTreeMap::new();
         let no_cdev_kernel =
             self.iommufd && sysfs_pci::cdev::kernel_has_vfio_cdev(host) == Some(false);
@@ -186,25 +298,7 @@ impl Tracker {
                 .or_default()
                 .insert(d.address, state);
         }
-        // Known devices the scan covered but did not find are gone; the rest are
-        // as they were.
-        for (resource, devices) in &self.known {
-            for (address, old) in devices {
-                let now = seen.entry(resource.clone()).or_default();
-                if !now.contains_key(address) {
-                    let mut kept = old.clone();
-                    if in_scope(address) {
-                        kept.problem = Some("device removed".into());
-                    }
-                    now.insert(*address, kept);
-                }
-            }
-        }
-        self.known = seen;
-        self.known
-            .iter()
-            .map(|(r, m)| (r.clone(), m.values().cloned().collect()))
-            .collect()
+        seen
     }
 
     /// The skipped devices not logged yet (or whose reason changed), among those the
@@ -240,344 +334,4 @@ fn group_problem(host: &Host, inv: &Inventory, group: Option<u32>) -> Option<Str
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use sysfs_pci::testing::{FakeDevice, FakeNode};
-
-    const LIST: &str =
-        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
-
-    fn setup() -> (tempfile::TempDir, FakeNode, ResourceList) {
-        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
-        let node = FakeNode::new(dir.path());
-        node.add_driver("vfio-pci");
-        node.add_driver("e1000e");
-        node.add_device(
-            &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
-                .driver("vfio-pci")
-                .group(4)
-                .numa(1),
-        );
-        node.add_device(
-            &FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000)
-                .driver("e1000e")
-                .group(5),
-        );
-        (dir, node, ResourceList::parse(LIST).unwrap())
-    }
-
-    fn health(s: &Snapshot) -> Vec<(String, Option<String>)> {
-        s.values()
-            .flatten()
-            .map(|d| (d.id(), d.problem.clone()))
-            .collect()
-    }
-
-    #[test]
-    fn only_bound_devices_join_and_then_stay_listed() {
-        let (_d, node, list) = setup();
-        let mut t = Tracker::default();
-        let s = t.rescan(&node.host, &list).unwrap();
-        assert_eq!(health(&s), [("0000:01:00.0".into(), None)]);
-        assert_eq!(s.values().next().unwrap()[0].numa_node, Some(1));
-        // Unbound by hand: listed, Unhealthy, with the reason.
-        node.attach(&"0000:01:00.0".parse().unwrap(), "e1000e");
-        let s = t.rescan(&node.host, &list).unwrap();
-        assert_eq!(
-            health(&s),
-            [(
-                "0000:01:00.0".into(),
-                Some("on e1000e instead of vfio-pci".into())
-            )]
-        );
-        // Bound again: Healthy; a new device bound later appears.
-        node.attach(&"0000:01:00.0".parse().unwrap(), "vfio-pci");
-        node.attach(&"0000:02:00.0".parse().unwrap(), "vfio-pci");
-        let s = t.rescan(&node.host, &list).unwrap();
-        assert_eq!(
-            health(&s),
-            [("0000:01:00.0".into(), None), ("0000:02:00.0".into(), None)]
-        );
-    }
-
-    #[test]
-    fn removed_device_and_lost_group_node_turn_unhealthy() {
-        let (_d, node, list) = setup();
-        let mut t = Tracker::default();
-        t.rescan(&node.host, &list).unwrap();
-        std::fs::remove_file(node.host.vfio_group_node(4)).unwrap();
-        let s = t.rescan(&node.host, &list).unwrap();
-        assert!(health(&s)[0]
-            .1
-            .as_deref()
-            .unwrap()
-            .ends_with("dev/vfio/4 is missing"));
-        node.remove_device(&"0000:01:00.0".parse().unwrap());
-        let s = t.rescan(&node.host, &list).unwrap();
-        assert_eq!(
-            health(&s),
-            [("0000:01:00.0".into(), Some("device removed".into()))]
-        );
-    }
-
-    #[test]
-    fn a_companion_on_a_host_driver_makes_the_group_unhealthy() {
-        let (_d, node, list) = setup();
-        node.add_device(
-            &FakeDevice::new("0000:01:00.1", 0x8086, 0x1234, 0x04_0300)
-                .driver("snd_hda_intel")
-                .group(4),
-        );
-        let s = Tracker::default().rescan(&node.host, &list).unwrap();
-        assert_eq!(
-            health(&s)[0].1.as_deref(),
-            Some("IOMMU group 4 is not viable: 0000:01:00.1 is on snd_hda_intel")
-        );
-    }
-
-    #[test]
-    fn a_malformed_device_is_skipped_logged_once_and_the_rest_advertised() {
-        let (_d, node, list) = setup();
-        node.attach(&"0000:02:00.0".parse().unwrap(), "vfio-pci");
-        let bad = node.canonical_dir(&"0000:02:00.0".parse().unwrap());
-        std::fs::write(bad.join("numa_node"), "abc\n").unwrap();
-        let mut t = Tracker::default();
-        let inv = Inventory::scan(&node.host, &list).unwrap();
-        assert_eq!(
-            t.note_skipped(&inv.skipped, |_| true).len(),
-            1,
-            "first sight is logged"
-        );
-        assert!(
-            t.note_skipped(&inv.skipped, |_| true).is_empty(),
-            "not on every resync"
-        );
-        let s = t.rescan(&node.host, &list).unwrap();
-        assert_eq!(health(&s), [("0000:01:00.0".into(), None)]);
-        // Readable again: advertised, and forgotten by the log.
-        std::fs::write(bad.join("numa_node"), "0\n").unwrap();
-        let s = t.rescan(&node.host, &list).unwrap();
-        assert_eq!(
-            health(&s),
-            [("0000:01:00.0".into(), None), ("0000:02:00.0".into(), None)]
-        );
-        assert!(t.skip_log.is_empty());
-    }
-
-    #[test]
-    fn an_advertised_device_whose_group_gains_an_unreadable_member_turns_unhealthy() {
-        let (_d, node, list) = setup();
-        let mut t = Tracker::default();
-        t.rescan(&node.host, &list).unwrap();
-        node.add_device(
-            &FakeDevice::new("0000:01:00.1", 0x8086, 0x1234, 0x04_0300)
-                .driver("vfio-pci")
-                .group(4),
-        );
-        let bad = node.canonical_dir(&"0000:01:00.1".parse().unwrap());
-        // An attribute the health read needs (the override, say, it does not read).
-        std::fs::write(bad.join("class"), b"\xff\n").unwrap();
-        let s = t.rescan(&node.host, &list).unwrap();
-        assert_eq!(
-            health(&s),
-            [(
-                "0000:01:00.0".into(),
-                Some(
-                    "0000:01:00.0: IOMMU group 4 has a member that could not be read \
-                     (0000:01:00.1); the group is left alone"
-                        .into()
-                )
-            )]
-        );
-    }
-
-    fn addrs(list: &[&str]) -> BTreeSet<PciAddress> {
-        list.iter().map(|a| a.parse().unwrap()).collect()
-    }
-
-    /// After any change, a refresh of what the change touched gives the snapshot a
-    /// full rescan gives.
-    #[test]
-    fn a_refresh_of_what_changed_equals_a_full_rescan() {
-        let (_d, node, list) = setup();
-        node.add_device(
-            &FakeDevice::new("0000:01:00.1", 0x8086, 0x1234, 0x04_0300)
-                .driver("vfio-pci")
-                .group(4),
-        );
-        let a: PciAddress = "0000:01:00.0".parse().unwrap();
-        let b: PciAddress = "0000:02:00.0".parse().unwrap();
-        let companion: PciAddress = "0000:01:00.1".parse().unwrap();
-        let mut partial = Tracker::default();
-        let mut full = Tracker::default();
-        let first = partial.rescan(&node.host, &list).unwrap();
-        assert_eq!(first, full.rescan(&node.host, &list).unwrap());
-        type Change = Box<dyn Fn(&FakeNode)>;
-        let steps: Vec<(&str, Change, BTreeSet<PciAddress>, BTreeSet<u32>)> = vec![
-            (
-                "device unbound",
-                Box::new(move |n: &FakeNode| n.attach(&a, "e1000e")),
-                addrs(&["0000:01:00.0"]),
-                BTreeSet::new(),
-            ),
-            (
-                "bound again",
-                Box::new(move |n: &FakeNode| n.attach(&a, "vfio-pci")),
-                BTreeSet::new(),
-                [4].into(),
-            ),
-            (
-                "companion taken by a host driver",
-                Box::new(move |n: &FakeNode| n.attach(&companion, "snd_hda_intel")),
-                addrs(&["0000:01:00.1"]),
-                BTreeSet::new(),
-            ),
-            (
-                "companion back",
-                Box::new(move |n: &FakeNode| n.attach(&companion, "vfio-pci")),
-                addrs(&["0000:01:00.1"]),
-                BTreeSet::new(),
-            ),
-            (
-                "second device bound",
-                Box::new(move |n: &FakeNode| n.attach(&b, "vfio-pci")),
-                BTreeSet::new(),
-                [5].into(),
-            ),
-            (
-                "group node removed",
-                Box::new(|n: &FakeNode| std::fs::remove_file(n.host.vfio_group_node(5)).unwrap()),
-                BTreeSet::new(),
-                [5].into(),
-            ),
-            (
-                "device removed",
-                Box::new(move |n: &FakeNode| n.remove_device(&b)),
-                addrs(&["0000:02:00.0"]),
-                BTreeSet::new(),
-            ),
-        ];
-        for (what, change, addresses, groups) in steps {
-            change(&node);
-            let got = partial
-                .refresh(&node.host, &list, &addresses, &groups)
-                .unwrap();
-            let want = full.rescan(&node.host, &list).unwrap();
-            assert_eq!(got, want, "after: {what}");
-        }
-        assert_eq!(
-            health(&full.rescan(&node.host, &list).unwrap()),
-            [
-                ("0000:01:00.0".into(), None),
-                ("0000:02:00.0".into(), Some("device removed".into()))
-            ]
-        );
-    }
-
-    /// A refresh reads the touched group only: a device elsewhere that changed
-    /// without an event keeps its last state until it is named or resynced.
-    #[test]
-    fn a_refresh_reads_only_what_it_is_told() {
-        let (_d, node, list) = setup();
-        let b: PciAddress = "0000:02:00.0".parse().unwrap();
-        node.attach(&b, "vfio-pci");
-        let mut t = Tracker::default();
-        t.rescan(&node.host, &list).unwrap();
-        node.attach(&b, "e1000e");
-        let s = t
-            .refresh(
-                &node.host,
-                &list,
-                &addrs(&["0000:01:00.0"]),
-                &BTreeSet::new(),
-            )
-            .unwrap();
-        assert_eq!(
-            health(&s),
-            [("0000:01:00.0".into(), None), ("0000:02:00.0".into(), None)]
-        );
-        let s = t
-            .refresh(&node.host, &list, &BTreeSet::new(), &[5].into())
-            .unwrap();
-        assert_eq!(
-            health(&s)[1],
-            (
-                "0000:02:00.0".into(),
-                Some("on e1000e instead of vfio-pci".into())
-            )
-        );
-    }
-
-    mod changes {
-        use super::*;
-        use proptest::prelude::*;
-
-        const DEVICES: [&str; 4] = [
-            "0000:01:00.0",
-            "0000:01:00.1",
-            "0000:02:00.0",
-            "0000:03:00.0",
-        ];
-        const GROUPS: [u32; 4] = [4, 4, 5, 6];
-
-        /// One change to the node, as the kernel would make it.
-        #[derive(Debug, Clone)]
-        enum Change {
-            Attach(usize, &'static str),
-            Detach(usize),
-            DropNode(usize),
-            Remove(usize),
-        }
-
-        fn change() -> impl Strategy<Value = Change> {
-            let driver = prop::sample::select(vec!["vfio-pci", "e1000e", "snd_hda_intel"]);
-            prop_oneof![
-                4 => (0..DEVICES.len(), driver).prop_map(|(d, drv)| Change::Attach(d, drv)),
-                1 => (0..DEVICES.len()).prop_map(Change::Detach),
-                1 => (0..DEVICES.len()).prop_map(Change::DropNode),
-                1 => (0..DEVICES.len()).prop_map(Change::Remove),
-            ]
-        }
-
-        proptest! {
-            #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
-            /// Whatever happens to the node, reading again what the events name (the
-            /// device for a uevent, the group for a /dev/vfio event) leaves the
-            /// tracker where a full rescan would.
-            #[test]
-            fn refreshing_what_the_events_name_equals_a_rescan(steps in prop::collection::vec(change(), 1..12)) {
-                let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
-                let node = FakeNode::new(dir.path());
-                for drv in ["vfio-pci", "e1000e", "snd_hda_intel"] {
-                    node.add_driver(drv);
-                }
-                for (i, a) in DEVICES.iter().enumerate() {
-                    let id = if i == 1 { 0x1234 } else { 0x10d3 };
-                    node.add_device(&FakeDevice::new(a, 0x8086, id, 0x02_0000).driver("vfio-pci").group(GROUPS[i]));
-                }
-                let list = ResourceList::parse(LIST).unwrap();
-                let (mut partial, mut full) = (Tracker::default(), Tracker::default());
-                partial.rescan(&node.host, &list).unwrap();
-                full.rescan(&node.host, &list).unwrap();
-                let mut gone = BTreeSet::new();
-                for step in steps {
-                    let index = match step { Change::Attach(i, _) | Change::Detach(i) | Change::DropNode(i) | Change::Remove(i) => i };
-                    if gone.contains(&index) {
-                        continue;
-                    }
-                    let address: PciAddress = DEVICES[index].parse().unwrap();
-                    let (mut addresses, mut groups) = (BTreeSet::new(), BTreeSet::new());
-                    match step {
-                        Change::Attach(_, drv) => { node.attach(&address, drv); addresses.insert(address); groups.insert(GROUPS[index]); }
-                        Change::Detach(_) => { node.detach(&address); addresses.insert(address); groups.insert(GROUPS[index]); }
-                        Change::DropNode(_) => { let _ = std::fs::remove_file(node.host.vfio_group_node(GROUPS[index])); groups.insert(GROUPS[index]); }
-                        Change::Remove(_) => { node.remove_device(&address); gone.insert(index); addresses.insert(address); groups.insert(GROUPS[index]); }
-                    }
-                    let got = partial.refresh(&node.host, &list, &addresses, &groups).unwrap();
-                    let want = full.rescan(&node.host, &list).unwrap();
-                    prop_assert_eq!(got, want, "after {:?}", step);
-                }
-            }
-        }
-    }
-}
+mod tests;

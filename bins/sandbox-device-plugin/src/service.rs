@@ -115,6 +115,15 @@ pub fn to_message(devices: &[DeviceState]) -> ListAndWatchResponse {
     }
 }
 
+/// True when both lists give the same ListAndWatch message: the same IDs in the
+/// same order, each with the same health and NUMA node.
+fn same_message(a: &[DeviceState], b: &[DeviceState]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.address == y.address && x.healthy() == y.healthy() && x.numa_node == y.numa_node
+        })
+}
+
 type ListStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -141,19 +150,23 @@ impl DevicePlugin for PluginService {
         streams.active.fetch_add(1, Ordering::SeqCst);
         tracing::info!(resource = %resource, "kubelet opened ListAndWatch");
         tokio::spawn(async move {
-            let mut last: Option<ListAndWatchResponse> = None;
+            let mut last: Option<Arc<Snapshot>> = None;
             loop {
-                let msg = {
-                    let snap = snapshot.borrow_and_update();
-                    to_message(devices_of(&snap, &resource))
-                };
-                // Each change is one full message; an unchanged list sends nothing.
-                if last.as_ref() != Some(&msg) {
-                    if tx.send(Ok(msg.clone())).await.is_err() {
+                let snap = snapshot.borrow_and_update().clone();
+                let devices = devices_of(&snap, &resource);
+                // Each change is one full message: kubelet replaces its whole list
+                // with each one (pkg/kubelet/cm/devicemanager/endpoint.go, run()).
+                // A list that reads the same sends nothing; compared on what the
+                // message carries, so no message is built to find out.
+                if last
+                    .as_ref()
+                    .is_none_or(|l| !same_message(devices_of(l, &resource), devices))
+                {
+                    if tx.send(Ok(to_message(devices))).await.is_err() {
                         break;
                     }
                     updates.inc();
-                    last = Some(msg);
+                    last = Some(snap);
                 }
                 tokio::select! {
                     changed = snapshot.changed() => if changed.is_err() { break },
@@ -226,5 +239,57 @@ impl DevicePlugin for PluginService {
         _: Request<PreStartContainerRequest>,
     ) -> Result<Response<PreStartContainerResponse>, Status> {
         Ok(Response::new(PreStartContainerResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn device(address: &str, numa: Option<u32>, problem: Option<&str>) -> DeviceState {
+        DeviceState {
+            address: address.parse().unwrap(),
+            group: Some(4),
+            numa_node: numa,
+            bridge: None,
+            cdev: None,
+            no_cdev_kernel: false,
+            problem: problem.map(str::to_owned),
+        }
+    }
+
+    /// Two lists read the same exactly when the messages built from them are equal.
+    #[test]
+    fn same_message_agrees_with_the_built_messages() {
+        let base = vec![
+            device("0000:01:00.0", Some(0), None),
+            device("0000:02:00.0", Some(1), Some("device removed")),
+        ];
+        let mut variants = vec![base.clone()];
+        let mut reason = base.clone();
+        reason[1].problem = Some("on e1000e instead of vfio-pci".into());
+        variants.push(reason);
+        let mut group = base.clone();
+        group[0].group = Some(9);
+        variants.push(group);
+        let mut health = base.clone();
+        health[0].problem = Some("device removed".into());
+        variants.push(health);
+        let mut numa = base.clone();
+        numa[1].numa_node = None;
+        variants.push(numa);
+        variants.push(base[..1].to_vec());
+        let mut other = base.clone();
+        other[1] = device("0000:03:00.0", Some(1), Some("device removed"));
+        variants.push(other);
+        for a in &variants {
+            for b in &variants {
+                assert_eq!(
+                    same_message(a, b),
+                    to_message(a) == to_message(b),
+                    "{a:?} vs {b:?}"
+                );
+            }
+        }
     }
 }

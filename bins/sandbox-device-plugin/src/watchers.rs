@@ -8,18 +8,27 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use node_agent::watch::{AsyncNodeWatch, DirEvents, EventMask, Options, WatchMask};
+use node_agent::watch::{AsyncNodeWatch, Changes, DirEvents, EventMask, Options, WatchMask};
 use passthrough::config::{ResourceList, ResourceName};
+use sysfs_pci::device::DeviceError;
 use sysfs_pci::{error_chain, Host};
 use tokio::sync::{mpsc, watch};
 
-use crate::devices::{Snapshot, Tracker};
+use crate::devices::{Changed, Snapshot, Tracker};
 use crate::kubelet::Sockets;
+
+/// A batch naming at most this many functions and groups is read on the runtime
+/// thread; a larger one on a blocking thread.
+const READ_INLINE: usize = 8;
 
 /// Follows the node and publishes each change of health.
 ///
 /// The node watcher ([`node_agent::watch`]) hands over each burst as one batch;
 /// only the devices and groups it names are read again, unless it asks for all.
+/// A batch that names a few devices is read right here (a handful of small sysfs
+/// files): handing it to a blocking thread and back would cost two thread wake-ups,
+/// more than the reads. A whole-node rescan goes to a blocking thread. The snapshot
+/// is built and published only when some device's state changed.
 pub async fn watch_node(
     host: Host,
     list: ResourceList,
@@ -36,31 +45,17 @@ pub async fn watch_node(
     );
     loop {
         let work = node.next().await;
-        let (h, l) = (host.clone(), list.clone());
-        let result = tokio::task::spawn_blocking(move || {
-            let r = if work.full {
-                tracker.rescan(&h, &l)
-            } else {
-                tracker.refresh(&h, &l, &work.addresses, &work.groups)
-            };
-            (tracker, r)
-        })
-        .await;
-        let Ok((back, result)) = result else {
+        let Some((back, result)) = read(tracker, &host, &list, &work).await else {
             tracing::error!("rescan task panicked");
             return;
         };
         tracker = back;
         match result {
-            Ok(snapshot) => {
-                publish.send_if_modified(|cur| {
-                    let changed = **cur != snapshot;
-                    if changed {
-                        log_changes(cur, &snapshot);
-                        *cur = Arc::new(snapshot);
-                    }
-                    changed
-                });
+            Ok(changed) if changed.is_empty() => {}
+            Ok(changed) => {
+                log_changes(&changed);
+                let snapshot = Arc::new(tracker.snapshot());
+                publish.send_replace(snapshot);
             }
             Err(e) => {
                 tracing::warn!(error = %error_chain(&e), "rescan failed; keeping the last state")
@@ -69,21 +64,46 @@ pub async fn watch_node(
     }
 }
 
-fn log_changes(old: &Snapshot, new: &Snapshot) {
-    for (resource, devices) in new {
-        for d in devices {
-            let before = old
-                .get(resource)
-                .and_then(|v| v.iter().find(|o| o.address == d.address));
-            if before.map(|b| &b.problem) != Some(&d.problem) {
-                match &d.problem {
-                    None => {
-                        tracing::info!(resource = %resource, bdf = %d.address, "device healthy")
-                    }
-                    Some(why) => {
-                        tracing::warn!(resource = %resource, bdf = %d.address, reason = %why, "device unhealthy")
-                    }
-                }
+/// Reads what `work` names: everything on a blocking thread when it asks for a
+/// full read (a resync, lost events) or names many devices, else those devices
+/// here. Gives the tracker back with the devices whose state changed; `None` when
+/// the blocking read panicked.
+async fn read(
+    mut tracker: Tracker,
+    host: &Host,
+    list: &ResourceList,
+    work: &Changes,
+) -> Option<(Tracker, Result<Vec<Changed>, DeviceError>)> {
+    if !work.full && work.addresses.len() + work.groups.len() <= READ_INLINE {
+        let r = tracker.refresh_changes(host, list, &work.addresses, &work.groups);
+        return Some((tracker, r));
+    }
+    let (h, l, work) = (host.clone(), list.clone(), work.clone());
+    tokio::task::spawn_blocking(move || {
+        let r = if work.full {
+            tracker.rescan_changes(&h, &l)
+        } else {
+            tracker.refresh_changes(&h, &l, &work.addresses, &work.groups)
+        };
+        (tracker, r)
+    })
+    .await
+    .ok()
+}
+
+/// Logs each device whose health changed (or that joined).
+fn log_changes(changed: &[Changed]) {
+    for c in changed {
+        let d = &c.after;
+        if c.before.as_ref().map(|b| &b.problem) == Some(&d.problem) {
+            continue;
+        }
+        match &d.problem {
+            None => {
+                tracing::info!(resource = %c.resource, bdf = %d.address, "device healthy")
+            }
+            Some(why) => {
+                tracing::warn!(resource = %c.resource, bdf = %d.address, reason = %why, "device unhealthy")
             }
         }
     }
@@ -124,5 +144,52 @@ pub async fn watch_kubelet_dir(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sysfs_pci::testing::{FakeDevice, FakeNode};
+    use sysfs_pci::PciAddress;
+
+    /// A batch that asks for a full read (lost events, a resync) finds a change
+    /// no event named; one that names another device does not.
+    #[tokio::test]
+    async fn a_batch_asking_for_everything_reads_everything() {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let node = FakeNode::new(dir.path());
+        node.add_driver("vfio-pci");
+        node.add_driver("e1000e");
+        for (a, g) in [("0000:01:00.0", 4), ("0000:02:00.0", 5)] {
+            node.add_device(
+                &FakeDevice::new(a, 0x8086, 0x10d3, 0x02_0000)
+                    .driver("vfio-pci")
+                    .group(g),
+            );
+        }
+        let list = ResourceList::parse(
+            r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#,
+        )
+        .unwrap();
+        let mut tracker = Tracker::default();
+        tracker.rescan(&node.host, &list).unwrap();
+        let silent: PciAddress = "0000:02:00.0".parse().unwrap();
+        node.attach(&silent, "e1000e");
+        let other = Changes {
+            addresses: ["0000:01:00.0".parse().unwrap()].into(),
+            ..Changes::default()
+        };
+        let (tracker, r) = read(tracker, &node.host, &list, &other).await.unwrap();
+        assert!(r.unwrap().is_empty());
+        let full = Changes {
+            full: true,
+            ..Changes::default()
+        };
+        let (_, r) = read(tracker, &node.host, &list, &full).await.unwrap();
+        let changed = r.unwrap();
+        assert_eq!(changed.len(), 1, "{changed:?}");
+        assert_eq!(changed[0].after.address, silent);
+        assert!(!changed[0].after.healthy());
     }
 }
