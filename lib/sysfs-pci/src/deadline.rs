@@ -57,10 +57,18 @@ impl std::fmt::Display for StuckWrite {
             self.data.trim_end(),
             self.path.display(),
             self.since.elapsed().as_secs(),
-            self.driver
-                .as_deref()
-                .map_or_else(|| "its driver".to_owned(), |d| format!("driver {d}")),
+            self.who(),
         )
+    }
+}
+
+impl StuckWrite {
+    /// The driver that is stuck, as a sentence names it (`driver nvidia`, or `its
+    /// driver` when it could not be read).
+    fn who(&self) -> String {
+        self.driver
+            .as_deref()
+            .map_or_else(|| "its driver".to_owned(), |d| format!("driver {d}"))
     }
 }
 
@@ -228,18 +236,15 @@ fn driver_behind(path: &Path, address: &PciAddress) -> Option<String> {
 }
 
 fn timed_out(path: &Path, data: &str, w: &StuckWrite, timeout: Duration) -> IoError {
-    let driver = w
-        .driver
-        .as_deref()
-        .map_or_else(|| "its driver".to_owned(), |d| format!("driver {d}"));
     IoError::new(
         Action::Write(data.to_owned()),
         path,
         std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             format!(
-                "did not return within {} s: {driver} is stuck in the kernel; {} is left alone until the write returns",
+                "did not return within {} s: {} is stuck in the kernel; {} is left alone until the write returns",
                 timeout.as_secs_f32(),
+                w.who(),
                 w.address
             ),
         ),
@@ -257,9 +262,7 @@ fn refused(path: &Path, data: &str, s: &StuckWrite) -> IoError {
                 s.address,
                 s.data.trim_end(),
                 s.path.display(),
-                s.driver
-                    .as_deref()
-                    .map_or_else(|| "its driver".to_owned(), |d| format!("driver {d}")),
+                s.who(),
             ),
         ),
     )
