@@ -362,6 +362,7 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
         node: node_name.clone(),
         pod: cli.pod_namespace.clone().zip(cli.pod_name.clone()),
         controller: PROGRAM.into(),
+        restore_label: None,
     };
     let cluster = Cluster::connect(identity)
         .await

@@ -2,15 +2,21 @@
 //! server), so the main loop stays a `poll(2)` loop that no slow server can hold up.
 //!
 //! The main thread sends it Events to post (fire and forget) and asks it, on a stop,
-//! whether the node stays in VM mode. Without API access ([`Side::start`] with no
-//! identity, or a client that cannot be built) every question answers "restore" and
-//! Events go nowhere, which is how vfio-manager behaved before it could ask.
+//! whether the node stays in VM mode. With a restore label it also keeps that label
+//! on the Node as the main thread wants it, and asks the same question every resync
+//! period while the pod runs: the answers come back through a channel and a socket
+//! the main loop polls ([`Side::wake_fd`]). Without API access ([`Side::start`] with
+//! no identity, or a client that cannot be built) every question answers "restore"
+//! and Events go nowhere, which is how vfio-manager behaved before it could ask.
 
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
 use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use node_agent::cluster::{Cluster, Identity, Verdict, STOP_LOOKUP_TIMEOUT};
+use node_agent::cluster::{Check, Cluster, Identity, Verdict, STOP_LOOKUP_TIMEOUT};
 use node_agent::metrics::{self as endpoint, ListenAddress, Registry};
 use sysfs_pci::error_chain;
 use tokio::sync::mpsc;
@@ -35,7 +41,17 @@ pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(2);
 enum Msg {
     Event(NodeEvent),
     Verdict(std_mpsc::Sender<Verdict>),
+    Check(std_mpsc::Sender<Result<Check, String>>),
+    Label(bool),
+    LabelSettled(std_mpsc::Sender<()>),
     Flush(std_mpsc::Sender<()>),
+}
+
+/// The periodic checks' way back to the main loop: each definite answer, and a
+/// byte on a socket to wake its `poll(2)`.
+struct Checks {
+    wake: UnixStream,
+    answers: std_mpsc::Receiver<Check>,
 }
 
 /// Handle of the side thread.
@@ -44,6 +60,7 @@ pub struct Side {
     asks: bool,
     tx: Option<mpsc::UnboundedSender<Msg>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    checks: Option<Checks>,
 }
 
 impl Side {
@@ -52,15 +69,20 @@ impl Side {
     /// reads the Node once to say at start whether a rollout will keep the devices
     /// bound. With `metrics` it serves the registry there; a listener that cannot be
     /// bound is an error now, not a silent gap later.
+    ///
+    /// With an identity that names the pod and a restore label, it also looks every
+    /// `check_every` whether the node still is in VM mode ([`Side::checked`]).
     pub fn start(
         identity: Option<Identity>,
         metrics: Option<(ListenAddress, Registry)>,
+        check_every: Duration,
     ) -> anyhow::Result<Self> {
         if identity.is_none() && metrics.is_none() {
             return Ok(Self {
                 asks: false,
                 tx: None,
                 thread: None,
+                checks: None,
             });
         }
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -75,6 +97,21 @@ impl Side {
             None => None,
         };
         let asks = identity.is_some();
+        let watches = identity
+            .as_ref()
+            .is_some_and(|i| i.pod.is_some() && i.restore_label.is_some());
+        let (checks, back) = if watches {
+            let (wake, waker) = UnixStream::pair()?;
+            wake.set_nonblocking(true)?;
+            waker.set_nonblocking(true)?;
+            let (tx, answers) = std_mpsc::channel();
+            (
+                Some(Checks { wake, answers }),
+                Some((waker, tx, check_every)),
+            )
+        } else {
+            (None, None)
+        };
         let (tx, rx) = mpsc::unbounded_channel();
         let thread = std::thread::Builder::new()
             .name("vfio-manager-side".into())
@@ -83,14 +120,66 @@ impl Side {
                     if let Some((listener, registry)) = endpoint {
                         tokio::spawn(endpoint::serve(listener, registry));
                     }
-                    serve(identity, rx).await;
+                    serve(identity, rx, back).await;
                 });
             })?;
         Ok(Self {
             asks,
             tx: Some(tx),
             thread: Some(thread),
+            checks,
         })
+    }
+
+    /// Whether the side thread keeps a restore label and looks every resync period
+    /// whether the node is still in VM mode.
+    pub fn watches(&self) -> bool {
+        self.checks.is_some()
+    }
+
+    /// Readable when a periodic check has answered; for the main loop's `poll(2)`.
+    pub fn wake_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.checks.as_ref().map(|c| c.wake.as_fd())
+    }
+
+    /// The latest definite answer of the periodic checks since the last call.
+    pub fn checked(&self) -> Option<Check> {
+        let c = self.checks.as_ref()?;
+        let mut buf = [0u8; 64];
+        while matches!((&c.wake).read(&mut buf), Ok(n) if n > 0) {}
+        c.answers.try_iter().last()
+    }
+
+    /// Asks now (bounded like a stop's question); `None` when the side thread does
+    /// not watch.
+    pub fn check_now(&self) -> Option<Result<Check, String>> {
+        self.checks.as_ref()?;
+        let (reply, answer) = std_mpsc::channel();
+        self.tx.as_ref()?.send(Msg::Check(reply)).ok()?;
+        Some(
+            answer
+                .recv_timeout(STOP_LOOKUP_TIMEOUT + Duration::from_secs(1))
+                .unwrap_or_else(|_| Err("the API client did not answer in time".into())),
+        )
+    }
+
+    /// Wants the restore label on the Node (`true`) or off it; the side thread
+    /// patches the Node when that differs from what it last put there, retrying
+    /// until it succeeds or is told otherwise. Never waits.
+    pub fn restore_label(&self, on: bool) {
+        if let (Some(tx), Some(_)) = (&self.tx, &self.checks) {
+            let _ = tx.send(Msg::Label(on));
+        }
+    }
+
+    /// Waits at most `limit` until the Node carries the restore label as last
+    /// wanted; false if it did not get there in time.
+    pub fn label_settled(&self, limit: Duration) -> bool {
+        let (Some(tx), Some(_)) = (&self.tx, &self.checks) else {
+            return true;
+        };
+        let (reply, done) = std_mpsc::channel();
+        tx.send(Msg::LabelSettled(reply)).is_ok() && done.recv_timeout(limit).is_ok()
     }
 
     /// Posts an Event about the Node, if the API server is reachable; never waits.
@@ -121,8 +210,8 @@ impl Side {
         )
     }
 
-    /// Waits (at most [`FLUSH_TIMEOUT`]) until the Events sent so far are posted, then
-    /// stops the thread.
+    /// Waits (at most [`FLUSH_TIMEOUT`]) until the Events sent so far are posted and
+    /// the restore label is as last wanted, then stops the thread.
     pub fn finish(mut self) {
         if let Some(tx) = self.tx.take() {
             let (reply, done) = std_mpsc::channel();
@@ -140,7 +229,14 @@ impl Side {
     }
 }
 
-async fn serve(identity: Option<Identity>, mut rx: mpsc::UnboundedReceiver<Msg>) {
+/// The side thread's end of the periodic checks.
+type CheckBack = (UnixStream, std_mpsc::Sender<Check>, Duration);
+
+async fn serve(
+    identity: Option<Identity>,
+    mut rx: mpsc::UnboundedReceiver<Msg>,
+    back: Option<CheckBack>,
+) {
     let node = identity
         .as_ref()
         .map(|i| i.node.clone())
@@ -167,6 +263,34 @@ async fn serve(identity: Option<Identity>, mut rx: mpsc::UnboundedReceiver<Msg>)
             }
         });
     }
+    // The restore label: wanted (set by the main thread) and put (by `keep_label`).
+    let (want_tx, want_rx) = tokio::sync::watch::channel(None::<bool>);
+    let (put_tx, put_rx) = tokio::sync::watch::channel(None::<bool>);
+    let put_tx = Arc::new(put_tx);
+    let labels_kept = match (cluster.clone(), back) {
+        (Some(c), Some((waker, answers, every))) => {
+            tokio::spawn(keep_label(c.clone(), want_rx, put_tx.clone()));
+            tokio::spawn(check_periodically(
+                c,
+                every,
+                waker,
+                answers,
+                put_tx,
+                want_tx.subscribe(),
+            ));
+            true
+        }
+        _ => false,
+    };
+    // Resolves once the label is as wanted now (at once when nothing keeps it).
+    let settled = |want: Option<bool>| {
+        let mut put = put_rx.clone();
+        async move {
+            if labels_kept && want.is_some() {
+                let _ = put.wait_for(|p| *p == want).await;
+            }
+        }
+    };
     while let Some(msg) = rx.recv().await {
         match msg {
             Msg::Event(ev) => {
@@ -185,12 +309,127 @@ async fn serve(identity: Option<Identity>, mut rx: mpsc::UnboundedReceiver<Msg>)
                 };
                 let _ = reply.send(v);
             }
+            Msg::Check(reply) => {
+                let v = match &cluster {
+                    Some(c) => c.check().await,
+                    None => Err("no API access".into()),
+                };
+                let _ = reply.send(v);
+            }
+            Msg::Label(on) => {
+                want_tx.send_if_modified(|w| {
+                    let changed = *w != Some(on);
+                    *w = Some(on);
+                    changed
+                });
+            }
+            Msg::LabelSettled(reply) => {
+                let wait = settled(*want_tx.borrow());
+                tokio::spawn(async move {
+                    wait.await;
+                    let _ = reply.send(());
+                });
+            }
             Msg::Flush(reply) => {
                 while posting.join_next().await.is_some() {}
+                settled(*want_tx.borrow()).await;
                 let _ = reply.send(());
             }
         }
         // Reap finished posts so the set does not grow.
         while posting.try_join_next().is_some() {}
+    }
+}
+
+/// Delay before a failed label patch is tried again.
+const LABEL_RETRY: Duration = Duration::from_secs(2);
+
+/// Keeps the restore label on the Node as wanted: patches when the wish differs
+/// from what was last put there (or from what a check saw on the Node, which
+/// resets `put`), retrying a failed patch.
+async fn keep_label(
+    c: Cluster,
+    mut want: tokio::sync::watch::Receiver<Option<bool>>,
+    put: Arc<tokio::sync::watch::Sender<Option<bool>>>,
+) {
+    let mut put_seen = put.subscribe();
+    let mut last_error = None;
+    loop {
+        let wanted = *want.borrow_and_update();
+        let current = *put_seen.borrow_and_update();
+        if let Some(on) = wanted.filter(|on| current != Some(*on)) {
+            match c.set_label(on).await {
+                Ok(()) => {
+                    tracing::info!(
+                        on,
+                        "restore label {}",
+                        if on {
+                            "set on the Node: a pod killed mid-restore comes back to finish it"
+                        } else {
+                            "removed from the Node: nothing left to restore"
+                        }
+                    );
+                    last_error = None;
+                    put.send_replace(Some(on));
+                    continue;
+                }
+                Err(e) => {
+                    let e = error_chain(&e);
+                    if last_error.as_ref() != Some(&e) {
+                        tracing::warn!(error = %e, "cannot change the restore label; retrying");
+                    }
+                    last_error = Some(e);
+                    tokio::select! {
+                        () = tokio::time::sleep(LABEL_RETRY) => continue,
+                        r = want.changed() => if r.is_err() { return },
+                    }
+                    continue;
+                }
+            }
+        }
+        tokio::select! {
+            r = want.changed() => if r.is_err() { return },
+            r = put_seen.changed() => if r.is_err() { return },
+        }
+    }
+}
+
+/// Every `every`, asks whether the node is still in VM mode; hands each definite
+/// answer to the main loop and wakes it. A Node found without the label that was
+/// put there (someone removed it) has it put again.
+async fn check_periodically(
+    c: Cluster,
+    every: Duration,
+    waker: UnixStream,
+    answers: std_mpsc::Sender<Check>,
+    put: Arc<tokio::sync::watch::Sender<Option<bool>>>,
+    want: tokio::sync::watch::Receiver<Option<bool>>,
+) {
+    // The start asked already (`Side::check_now`): the first look is one period on.
+    let every = every.max(Duration::from_millis(100));
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_error = None;
+    loop {
+        tick.tick().await;
+        match c.check().await {
+            Ok(check) => {
+                last_error = None;
+                if *want.borrow() == Some(true) && !check.labelled && *put.borrow() == Some(true) {
+                    tracing::warn!("the restore label is gone from the Node; putting it back");
+                    put.send_replace(None);
+                }
+                if answers.send(check).is_err() {
+                    return;
+                }
+                let _ = (&waker).write(&[1]);
+            }
+            Err(e) => {
+                if last_error.as_ref() != Some(&e) {
+                    tracing::warn!(error = %e, "cannot tell now whether the node stays in VM mode; asking again next resync");
+                }
+                last_error = Some(e);
+            }
+        }
     }
 }

@@ -338,3 +338,152 @@ fn node_events_say_what_was_restored() {
     assert_eq!(e["type"], "Warning");
     assert!(e["note"].as_str().unwrap().contains(BDF), "{e}");
 }
+
+const PENDING: &str = "vfio-sandbox.rebellions.ai/vfio-manager.restore-pending";
+
+fn node_labels(s: &FakeApiServer) -> serde_json::Value {
+    s.get(&paths::node(NODE)).unwrap()["metadata"]["labels"].clone()
+}
+
+/// Starts `run` against `server` with a short resync (the period of its checks)
+/// and follows its stderr; does not wait for the ready file.
+fn spawn_watching(dir: &Path, server: &FakeApiServer) -> (Child, Arc<Mutex<String>>) {
+    let mut child = command(dir)
+        .args(["--ready-file", &dir.join("run/ready").to_string_lossy()])
+        .args([
+            "--validator-status-dir",
+            &dir.join("run/validations").to_string_lossy(),
+        ])
+        .args(["run", "--resync-interval", "200ms"])
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env("HOME", dir)
+        .env("KUBECONFIG", server.write_kubeconfig(dir).unwrap())
+        .env("NODE_NAME", NODE)
+        .env("POD_NAME", POD)
+        .env("POD_NAMESPACE", NS)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let seen = Arc::new(Mutex::new(String::new()));
+    let s = seen.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let mut s = s.lock().unwrap();
+            s.push_str(&line);
+            s.push('\n');
+        }
+    });
+    (child, seen)
+}
+
+#[test]
+fn the_restore_label_stands_while_run_may_have_devices_and_survives_a_rollout() {
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    node(dir.path());
+    let server = cluster();
+    let child = start(dir.path(), Some(&server));
+    // Put before the first bind: the ready file came after it.
+    assert_eq!(node_labels(&server)[PENDING], "true");
+    let (code, _, err) = stop(child);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("the node stays in VM mode"), "{err}");
+    assert_eq!(
+        node_labels(&server)[PENDING],
+        "true",
+        "a rollout keeps the records, so the label stays"
+    );
+    assert_eq!(node_labels(&server)[LABEL], "vm-passthrough");
+}
+
+#[test]
+fn leaving_vm_mode_restores_while_the_pod_runs_and_drops_the_label_when_nothing_is_left() {
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let fake = node(dir.path());
+    let server = cluster();
+    let (mut child, seen) = spawn_watching(dir.path(), &server);
+    wait_until("the ready file", || dir.path().join("run/ready").exists());
+    assert_eq!(node_labels(&server)[PENDING], "true");
+    // The workload label goes; the restore label keeps the pod (the DaemonSet
+    // controller would not stop it), so `run` finds out by its own check.
+    let mut n = server.get(&paths::node(NODE)).unwrap();
+    fake_apiserver::merge_patch(&mut n, &json!({"metadata": {"labels": {LABEL: null}}}));
+    server.put(&paths::node(NODE), n);
+    wait_until("the restore while running", || {
+        seen.lock()
+            .unwrap()
+            .contains("the node leaves VM mode; restoring while this pod runs")
+    });
+    wait_until("the override cleared", || {
+        override_of(&fake) != "vfio-pci\n"
+    });
+    assert!(!dir.path().join("run/ready").exists());
+    assert!(!dir.path().join("run/validations/vfio-pci-ready").exists());
+    // The fake tree never rebinds, so the record stays, and so does the label;
+    // repeated tries do not repeat the Event.
+    std::thread::sleep(Duration::from_millis(1000));
+    assert_eq!(node_labels(&server)[PENDING], "true");
+    assert_eq!(
+        event_reasons(&server),
+        ["RestoreFailed"],
+        "{}",
+        seen.lock().unwrap()
+    );
+    assert!(child.try_wait().unwrap().is_none(), "run keeps running");
+    // Once the record is settled (the device is gone), the label goes.
+    fake.remove_device(&BDF.parse().unwrap());
+    wait_until("the label removed", || {
+        node_labels(&server).get(PENDING).is_none()
+    });
+    let state = std::fs::read_to_string(dir.path().join("run/state.json")).unwrap();
+    assert!(!state.contains(BDF), "{state}");
+    // Back in VM mode: the label returns.
+    let mut n = server.get(&paths::node(NODE)).unwrap();
+    fake_apiserver::merge_patch(
+        &mut n,
+        &json!({"metadata": {"labels": {LABEL: "vm-passthrough"}}}),
+    );
+    server.put(&paths::node(NODE), n);
+    wait_until("the label back", || node_labels(&server)[PENDING] == "true");
+    assert!(seen
+        .lock()
+        .unwrap()
+        .contains("the node is back in VM mode; binding again"));
+    let (code, _, _) = stop(child);
+    let err = seen.lock().unwrap().clone();
+    assert_eq!(code, Some(0), "{err}");
+}
+
+#[test]
+fn a_pod_brought_back_by_the_label_finishes_the_restore_and_binds_nothing() {
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let fake = node(dir.path());
+    // The node left VM mode and a pod was killed mid-restore; the label stands.
+    let server = cluster();
+    let mut n = server.get(&paths::node(NODE)).unwrap();
+    fake_apiserver::merge_patch(
+        &mut n,
+        &json!({"metadata": {"labels": {LABEL: null, PENDING: "true"}}}),
+    );
+    server.put(&paths::node(NODE), n);
+    let (child, seen) = spawn_watching(dir.path(), &server);
+    wait_until("the start in leave mode", || {
+        seen.lock()
+            .unwrap()
+            .contains("the node is not in VM mode: finishing the restore, binding nothing")
+    });
+    wait_until("the override cleared", || {
+        override_of(&fake) != "vfio-pci\n"
+    });
+    fake.remove_device(&BDF.parse().unwrap());
+    wait_until("the label removed", || {
+        node_labels(&server).get(PENDING).is_none()
+    });
+    assert!(!dir.path().join("run/ready").exists());
+    let (code, out, _) = stop(child);
+    let err = seen.lock().unwrap().clone();
+    assert_eq!(code, Some(0), "{err}");
+    assert!(!out.contains("bound "), "{out}");
+    assert!(!err.contains("bound bdf"), "{err}");
+}

@@ -17,6 +17,10 @@
 //!    (`NodeShouldRunDaemonPod`'s `shouldContinueRunning`,
 //!    kubernetes `pkg/controller/daemon/daemon_controller.go`).
 //!
+//! The agent's own restore label ([`Identity::restore_label`]) is left out of that
+//! test: it keeps the pod scheduled while devices are still to be restored, and says
+//! nothing about VM mode.
+//!
 //! Only when all three hold is the stop a rollout ([`Verdict::Keep`]). Anything else
 //! — an object missing, the API server unreachable or slow, a pod without a
 //! DaemonSet — restores ([`Verdict::Restore`]): restoring is always safe (it never
@@ -42,6 +46,8 @@ use kube::Client;
 /// manifests) must still hold the restore after it, and a server that cannot answer
 /// in this time restores anyway.
 pub const STOP_LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
+/// The value of the restore label while it stands.
+pub const RESTORE_LABEL_VALUE: &str = "true";
 /// Upper bound for posting one Event.
 pub const EVENT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -54,6 +60,10 @@ pub struct Identity {
     pub pod: Option<(String, String)>,
     /// The reporting controller's name in Events (`vfio-manager`).
     pub controller: String,
+    /// The Node label this agent keeps while it has devices to restore, and its
+    /// DaemonSet's node affinity selects on as well (see [`Cluster::set_label`]):
+    /// whether the node stays in VM mode is judged without it.
+    pub restore_label: Option<String>,
 }
 
 /// What a stop should do, and why (said in the log and in an Event).
@@ -63,6 +73,16 @@ pub enum Verdict {
     Keep(String),
     /// The node leaves VM mode (or that cannot be shown): restore.
     Restore(String),
+}
+
+/// What a look at the cluster found: the verdict, and whether the Node carries
+/// the agent's restore label.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    /// Keep or restore.
+    pub verdict: Verdict,
+    /// `<restore label>=true` is on the Node.
+    pub labelled: bool,
 }
 
 /// Whether `spec` (a pod template) would be scheduled onto `node` by its node
@@ -259,6 +279,28 @@ pub fn decide(
     let Lookup::Found(node) = node else {
         return Verdict::Restore(format!("Node {node_name} is not found"));
     };
+    // The agent's own restore label keeps its pod scheduled until the devices are
+    // back; it says nothing about VM mode.
+    let unlabelled;
+    let mut without = String::new();
+    let node = match identity.restore_label.as_deref() {
+        Some(key)
+            if node
+                .metadata
+                .labels
+                .as_ref()
+                .is_some_and(|l| l.contains_key(key)) =>
+        {
+            let mut n = node.clone();
+            if let Some(l) = n.metadata.labels.as_mut() {
+                l.remove(key);
+            }
+            unlabelled = n;
+            without = format!(" (judged without {key}, the label that keeps this agent there until its devices are back)");
+            &unlabelled
+        }
+        _ => node,
+    };
     if node.metadata.deletion_timestamp.is_some() {
         return Verdict::Restore(format!("Node {node_name} is being deleted"));
     }
@@ -270,7 +312,7 @@ pub fn decide(
             "Node {node_name} is still selected by DaemonSet {ds_name} (a rollout or a pod restart)"
         )),
         Err(why) => Verdict::Restore(format!(
-            "Node {node_name} is no longer selected by DaemonSet {ds_name}: {why}"
+            "Node {node_name} is no longer selected by DaemonSet {ds_name}: {why}{without}"
         )),
     }
 }
@@ -397,6 +439,11 @@ impl Cluster {
     /// tell (an error, or no answer within [`STOP_LOOKUP_TIMEOUT`]), for callers to
     /// whom "cannot tell" is not "restore".
     pub async fn stop_lookup(&self) -> Result<Verdict, String> {
+        self.check().await.map(|c| c.verdict)
+    }
+
+    /// [`Cluster::stop_lookup`], and whether the Node carries the restore label.
+    pub async fn check(&self) -> Result<Check, String> {
         match tokio::time::timeout(STOP_LOOKUP_TIMEOUT, self.lookup()).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(format!("the API server could not tell whether the node stays in VM mode: {e}")),
@@ -406,11 +453,14 @@ impl Cluster {
         }
     }
 
-    async fn lookup(&self) -> Result<Verdict, ClusterError> {
+    async fn lookup(&self) -> Result<Check, ClusterError> {
         let Some((ns, pod_name)) = self.identity.pod.clone() else {
-            return Ok(Verdict::Restore(
-                "POD_NAME/POD_NAMESPACE are not set, so the DaemonSet cannot be found".into(),
-            ));
+            return Ok(Check {
+                verdict: Verdict::Restore(
+                    "POD_NAME/POD_NAMESPACE are not set, so the DaemonSet cannot be found".into(),
+                ),
+                labelled: false,
+            });
         };
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
         let pod = get_opt(&pods, &pod_name, &format!("get Pod {ns}/{pod_name}")).await?;
@@ -431,7 +481,56 @@ impl Cluster {
             &format!("get Node {}", self.identity.node),
         )
         .await?;
-        Ok(decide(&self.identity, &pod, ds.as_ref(), &node))
+        let labelled = match (&node, self.identity.restore_label.as_deref()) {
+            (Lookup::Found(n), Some(key)) => n
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(key))
+                .is_some_and(|v| v == RESTORE_LABEL_VALUE),
+            _ => false,
+        };
+        Ok(Check {
+            verdict: decide(&self.identity, &pod, ds.as_ref(), &node),
+            labelled,
+        })
+    }
+
+    /// Puts the restore label (`<key>=true`) on this agent's Node, or takes it off,
+    /// with a JSON merge patch of the Node's labels (`kubectl label` does the same).
+    /// The agent's DaemonSet selects nodes with the label as well as nodes in VM
+    /// mode, so while it stands a pod that was killed mid-restore is recreated and
+    /// finishes the restore. Nothing to do without a label key.
+    pub async fn set_label(&self, on: bool) -> Result<(), ClusterError> {
+        let Some(key) = self.identity.restore_label.as_deref() else {
+            return Ok(());
+        };
+        let value = if on {
+            serde_json::Value::from(RESTORE_LABEL_VALUE)
+        } else {
+            serde_json::Value::Null
+        };
+        let patch = serde_json::json!({"metadata": {"labels": {key: value}}});
+        let api: Api<Node> = Api::all(self.client.clone());
+        let what = if on {
+            format!(
+                "label Node {} {key}={RESTORE_LABEL_VALUE}",
+                self.identity.node
+            )
+        } else {
+            format!("remove label {key} from Node {}", self.identity.node)
+        };
+        bounded(
+            &what,
+            EVENT_TIMEOUT,
+            api.patch(
+                &self.identity.node,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            ),
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Posts an Event about this agent's Node (in namespace `default`, where Events

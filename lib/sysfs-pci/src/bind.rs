@@ -227,12 +227,15 @@ pub fn restore(
         dir.join("driver_override"),
         original_override.unwrap_or("\n"),
     )?;
+    crate::failpoint::step("restore-after-override");
     if dev.driver.is_some() && dev.driver.as_deref() != original_driver {
         write(dir.join("driver/unbind"), &bdf)?;
+        crate::failpoint::step("restore-after-unbind");
     }
     if original_driver.is_some() && dev.driver.as_deref() != original_driver {
         write(host.drivers_probe(), &bdf)?;
     }
+    crate::failpoint::step("restore-after-probe");
     if !kernel.is_dry_run() {
         confirm_driver(host, &address, original_driver, "restore")?;
     }

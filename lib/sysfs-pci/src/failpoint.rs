@@ -6,8 +6,11 @@
 //! stderr when it reaches that step and then sleeps until it is killed, so a test
 //! can `kill -9` it at exactly that point. The steps of binding one device are
 //! `bind-after-record` (its record is on disk), `bind-after-override`,
-//! `bind-after-unbind` and `bind-after-probe`; the DRA driver adds
-//! `prepare-after-save` and `unprepare-after-save`.
+//! `bind-after-unbind` and `bind-after-probe`; those of putting it back are
+//! `restore-after-override`, `restore-after-unbind` and `restore-after-probe` (its
+//! record is still on disk); the DRA driver adds `prepare-after-save` and
+//! `unprepare-after-save`. The `fail` crate's counts apply: `1*off->return` passes
+//! the step once and stops there the second time.
 //!
 //! The feature is decided here, in this crate: the crates above call [`step`] and
 //! turn it on by forwarding their own `failpoints` feature to this one.

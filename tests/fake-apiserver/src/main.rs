@@ -50,6 +50,10 @@ enum Command {
         /// A Pod (NAMESPACE/NAME) on the Node, owned by the DaemonSet.
         #[arg(long, value_name = "NAMESPACE/NAME")]
         pod: Option<String>,
+        /// Shape the DaemonSet like the shipped vfio-manager's: the --selector labels
+        /// or KEY=true, as two ORed required node-affinity terms.
+        #[arg(long, value_name = "KEY")]
+        restore_label: Option<String>,
     },
     /// Send one request and print the response body; exit 1 unless it is a 2xx.
     Request {
@@ -104,6 +108,7 @@ fn serve(cmd: &Command) -> anyhow::Result<()> {
         daemonset,
         selectors,
         pod,
+        restore_label,
     } = cmd
     else {
         unreachable!("serve is only called for Serve");
@@ -114,10 +119,11 @@ fn serve(cmd: &Command) -> anyhow::Result<()> {
     }
     if let Some(ds) = daemonset {
         let (ns, name) = split_ref(ds)?;
-        server.put(
-            &paths::daemonset(ns, name),
-            objects::daemonset(ns, name, &pairs(selectors)?),
-        );
+        let object = match restore_label {
+            Some(key) => objects::daemonset_with_restore_label(ns, name, &pairs(selectors)?, key),
+            None => objects::daemonset(ns, name, &pairs(selectors)?),
+        };
+        server.put(&paths::daemonset(ns, name), object);
         if let (Some(pod), Some(node)) = (pod, node) {
             let (pns, pname) = split_ref(pod)?;
             server.put(

@@ -38,6 +38,33 @@ pub fn daemonset(ns: &str, name: &str, node_selector: &[(&str, &str)]) -> Value 
     })
 }
 
+/// A DaemonSet shaped like the shipped vfio-manager's (manifests/base/vfio-manager.yaml):
+/// no node selector, and a required node affinity of two ORed terms, the `selector`
+/// labels (VM mode) or `restore_label=true` (a restore to finish).
+pub fn daemonset_with_restore_label(
+    ns: &str,
+    name: &str,
+    selector: &[(&str, &str)],
+    restore_label: &str,
+) -> Value {
+    let mut ds = daemonset(ns, name, &[]);
+    let term = |pairs: &[(&str, &str)]| {
+        let exprs: Vec<Value> = pairs
+            .iter()
+            .map(|(k, v)| json!({"key": k, "operator": "In", "values": [v]}))
+            .collect();
+        json!({ "matchExpressions": exprs })
+    };
+    let spec = &mut ds["spec"]["template"]["spec"];
+    if let Some(o) = spec.as_object_mut() {
+        o.remove("nodeSelector");
+    }
+    spec["affinity"] = json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [term(selector), term(&[(restore_label, "true")])],
+    }}});
+    ds
+}
+
 /// One allocated device of a ResourceClaim (`status.allocation.devices.results[]`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceResult {

@@ -7,9 +7,18 @@
 //! whether the node stays in VM mode (a rollout: leave the devices bound for the next
 //! pod) or leaves it (restore like `unbind --all`); see `node_agent::cluster`.
 //!
-//! The loop sleeps in `poll(2)` on a signalfd and the node watcher's descriptors
-//! (kernel uevents, `/dev/vfio`), so an idle node costs nothing; the watcher's
-//! periodic resync covers what events cannot see.
+//! With API access and a restore label (`--restore-label`, on by default) it does
+//! not wait for the stop to find out: it labels its Node while it may have devices
+//! to restore, and asks every resync period whether the node is still in VM mode.
+//! The shipped DaemonSet selects nodes with that label too, so when the node leaves
+//! VM mode the pod is not stopped: it restores while it runs, with no grace period
+//! to beat, and only then removes the label (the DaemonSet controller then removes
+//! the pod). A pod killed mid-restore is recreated by the label, finds the records
+//! and the node out of VM mode, and finishes the restore without binding anything.
+//!
+//! The loop sleeps in `poll(2)` on a signalfd, the node watcher's descriptors
+//! (kernel uevents, `/dev/vfio`) and the side thread's answers, so an idle node
+//! costs nothing; the watcher's periodic resync covers what events cannot see.
 
 use std::collections::BTreeSet;
 use std::os::fd::AsFd;
@@ -59,9 +68,68 @@ pub struct Args {
     /// outcome. ADDR is HOST:PORT, [IPV6]:PORT or :PORT (all addresses). Off by default.
     #[arg(long, env = "VFIO_SANDBOX_METRICS_ADDRESS", value_name = "ADDR", value_parser = node_agent::metrics::parse_address)]
     metrics_address: Option<node_agent::metrics::ListenAddress>,
-    /// Full rescan period, besides reacting to kernel uevents (90s, 5m, 500ms, seconds).
+    /// Full rescan period, besides reacting to kernel uevents (90s, 5m, 500ms, seconds);
+    /// with a restore label, also how often the API server is asked whether the node
+    /// is still in VM mode.
     #[arg(long, env = "VFIO_MANAGER_RESYNC_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     resync_interval: Duration,
+    /// Node label (KEY, set to "true") kept on this node while vfio-manager may have
+    /// devices to restore, and removed once everything is back. Its DaemonSet must
+    /// select nodes with this label as well as VM-mode nodes (the shipped one does, in
+    /// a second required node-affinity term): then leaving VM mode restores while the
+    /// pod runs, and a pod killed mid-restore comes back to finish it. Whether the
+    /// node is in VM mode is judged without this label. Needs NODE_NAME, POD_NAME,
+    /// POD_NAMESPACE and `patch` on nodes. Empty: no label (restore on SIGTERM only).
+    #[arg(long, env = "VFIO_MANAGER_RESTORE_LABEL", default_value = DEFAULT_RESTORE_LABEL, value_name = "KEY", value_parser = parse_label_key)]
+    restore_label: String,
+}
+
+/// The restore label of the shipped manifests (overlays/nvidia has its own).
+pub const DEFAULT_RESTORE_LABEL: &str = "vfio-sandbox.rebellions.ai/vfio-manager.restore-pending";
+
+/// How long the start waits for the restore label before it binds anything.
+const LABEL_WAIT: Duration = Duration::from_secs(5);
+
+/// A label key as the API server accepts it: an optional DNS-subdomain prefix and
+/// `/`, then a name of at most 63 characters of `[A-Za-z0-9._-]` that starts and
+/// ends with a letter or digit. Empty turns the label off.
+fn parse_label_key(s: &str) -> Result<String, String> {
+    if s.is_empty() {
+        return Ok(String::new());
+    }
+    let (prefix, name) = match s.rsplit_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, s),
+    };
+    let alnum_ends = |x: &str| {
+        x.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && x.ends_with(|c: char| c.is_ascii_alphanumeric())
+    };
+    if name.len() > 63
+        || !alnum_ends(name)
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    {
+        return Err(format!("{s:?}: the name part must be 1-63 characters of [A-Za-z0-9._-], starting and ending with a letter or digit"));
+    }
+    if let Some(p) = prefix {
+        let ok = !p.is_empty()
+            && p.len() <= 253
+            && p.split('.').all(|l| {
+                !l.is_empty()
+                    && l.len() <= 63
+                    && alnum_ends(l)
+                    && l.chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            });
+        if !ok {
+            return Err(format!(
+                "{s:?}: the prefix must be a DNS subdomain (lower case, dots)"
+            ));
+        }
+    }
+    Ok(s.to_owned())
 }
 
 /// Delay between the first node event of a batch and the pass it triggers. The
@@ -87,7 +155,11 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     // signalfd sees every stop signal.
     let mut registry = node_agent::metrics::registry();
     let metrics = Metrics::new(&mut registry);
-    let side = Side::start(identity(args), args.metrics_address.map(|a| (a, registry)))?;
+    let side = Side::start(
+        identity(args),
+        args.metrics_address.map(|a| (a, registry)),
+        args.resync_interval,
+    )?;
     let mut state = ctx.owned_state(owner)?;
     let kernel = ctx.write.kernel();
     let mut pt = Passthrough {
@@ -96,8 +168,6 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         state: &mut state,
         release: kernel_release(),
     };
-    let inv = Inventory::scan(&ctx.host, &list)?;
-    pt.prepare(&inv, &args.unload_modules)?;
     let mut pass = Pass {
         ready_file: &ctx.ready_file,
         side: &side,
@@ -108,7 +178,36 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         last_failure: None,
         stuck: BTreeSet::new(),
     };
-    pass.converge(&mut pt, &list)?;
+    // Out of VM mode already (a pod the restore label brought back after a kill
+    // mid-restore): finish the restore, bind nothing.
+    let mut leaving = match side.check_now() {
+        Some(Ok(check)) => match check.verdict {
+            Verdict::Restore(reason) => Some(reason),
+            Verdict::Keep(_) => None,
+        },
+        Some(Err(why)) => {
+            tracing::warn!(%why, "binding as usual");
+            None
+        }
+        None => None,
+    };
+    let mut leave = LeaveLog::default();
+    match &leaving {
+        Some(reason) => {
+            tracing::info!(%reason, devices = pt.state.state().devices.len(), "the node is not in VM mode: finishing the restore, binding nothing");
+            pass.leave(ctx, &mut pt, &mut leave);
+        }
+        None => {
+            // The label first: from now on a kill mid-restore is finished by the next pod.
+            side.restore_label(true);
+            if !side.label_settled(LABEL_WAIT) {
+                tracing::warn!(label = %args.restore_label, "the restore label is not on the Node yet (still trying): until it is, a kill during a restore leaves devices for a person");
+            }
+            let inv = Inventory::scan(&ctx.host, &list)?;
+            pt.prepare(&inv, &args.unload_modules)?;
+            pass.converge(&mut pt, &list)?;
+        }
+    }
     // The node watcher: every batch of PCI uevents and /dev/vfio changes, and the
     // resync, leads to one more pass SETTLE later (a pass is whole-node and changes
     // nothing that is already right, so our own binds' events cost one idle pass).
@@ -127,9 +226,26 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
                 .min(at.saturating_duration_since(Instant::now())),
             None => node.timeout(),
         };
-        if let Some(sig) = wait(&signals, &node, timeout)? {
+        if let Some(sig) = wait(&signals, &node, side.wake_fd(), timeout)? {
             tracing::info!(signal = ?sig, "stopping");
             break;
+        }
+        if let Some(check) = side.checked() {
+            match (check.verdict, &leaving) {
+                (Verdict::Restore(reason), None) => {
+                    tracing::info!(%reason, "the node leaves VM mode; restoring while this pod runs");
+                    leaving = Some(reason);
+                    pending = Some(Instant::now());
+                }
+                (Verdict::Keep(reason), Some(_)) => {
+                    tracing::info!(%reason, "the node is back in VM mode; binding again");
+                    leaving = None;
+                    leave = LeaveLog::default();
+                    side.restore_label(true);
+                    pending = Some(Instant::now());
+                }
+                _ => {}
+            }
         }
         if !node.collect().is_empty() && pending.is_none() {
             pending = Some(Instant::now() + SETTLE);
@@ -138,6 +254,10 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
             continue;
         }
         pending = None;
+        if leaving.is_some() {
+            pass.leave(ctx, &mut pt, &mut leave);
+            continue;
+        }
         // A device vanishing mid-scan, a module that fails to load: log it and
         // try again soon. The daemon only stops on a signal.
         if let Err(e) = pass.converge(&mut pt, &list) {
@@ -173,7 +293,11 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         None => tracing::info!("no API access; restoring (set NODE_NAME and give the pod API access to keep devices bound across rollouts)"),
     }
     metrics.stop("restore");
-    let ok = restore_all(ctx, &mut pt, &side, &metrics);
+    let ok = restore_all(ctx, &mut pt, &side, &metrics, &mut leave);
+    let state = pt.state.state();
+    if state.devices.is_empty() && state.unloaded_modules.is_empty() {
+        side.restore_label(false);
+    }
     side.finish();
     Ok(if ok {
         ExitCode::SUCCESS
@@ -195,21 +319,40 @@ fn identity(args: &Args) -> Option<Identity> {
         }
         _ => None,
     };
+    // The label is kept only where it can work: the pod must be known to judge VM
+    // mode while it runs, and with --keep-bound-on-exit nothing restores.
+    let restore_label = (!args.restore_label.is_empty() && !args.keep_bound_on_exit)
+        .then(|| args.restore_label.clone());
+    if restore_label.is_some() && pod.is_none() {
+        tracing::warn!(
+            "POD_NAME/POD_NAMESPACE are not set: no restore label, a stop alone restores"
+        );
+    }
     Some(Identity {
         node,
+        restore_label: restore_label.filter(|_| pod.is_some()),
         pod,
         controller: "vfio-manager".into(),
     })
 }
 
+/// What the restores of a node leaving VM mode said already, so a retry every
+/// resync does not repeat its Events.
+#[derive(Debug, Default)]
+pub struct LeaveLog {
+    held: Vec<u32>,
+    failure: Option<String>,
+}
+
 /// Restores every recorded device (the node leaves VM mode): the validator's ready
-/// file goes first, then the devices; Events say what happened. True when all went
-/// back.
+/// file goes first, then the devices; Events say what happened, unless `log` shows
+/// they were said already. True when all went back.
 pub fn restore_all(
     ctx: &Context,
     pt: &mut Passthrough<'_>,
     side: &Side,
     metrics: &Metrics,
+    log: &mut LeaveLog,
 ) -> bool {
     clear_validator_ready_file(ctx);
     let report = pt.restore_concurrent(&[], ctx.bind_jobs);
@@ -228,7 +371,12 @@ pub fn restore_all(
     }
     let mut held: Vec<u32> = report.in_use.iter().map(|(_, g)| *g).collect();
     held.dedup();
-    for g in held {
+    let again = if side.watches() {
+        "it is restored once the VM has stopped"
+    } else {
+        "run `vfio-manager unbind --all` once the VM has stopped"
+    };
+    for &g in held.iter().filter(|g| !log.held.contains(g)) {
         let devices = report
             .in_use
             .iter()
@@ -239,11 +387,17 @@ pub fn restore_all(
             reason: "GroupHeld",
             action: "Restore",
             note: format!(
-                "IOMMU group {g} ({}) is held by a VM (/dev/vfio/{g} is open): left on vfio, record kept; run `vfio-manager unbind --all` once the VM has stopped",
+                "IOMMU group {g} ({}) is held by a VM (/dev/vfio/{g} is open): left on vfio, record kept; {again}",
                 listing(devices)
             ),
         });
     }
+    log.held = held;
+    let failure = report.failed.first().map(|e| error_chain(e));
+    if failure.is_some() && failure == log.failure {
+        return report::print_restore(&report, false);
+    }
+    log.failure = failure;
     if let Some(e) = report.failed.first() {
         side.event(NodeEvent {
             warning: true,
@@ -294,6 +448,28 @@ struct Pass<'a> {
 }
 
 impl Pass<'_> {
+    /// A pass while the node is out of VM mode: nothing is bound; what is recorded
+    /// is restored (a group a VM holds is tried again next pass), and the restore
+    /// label goes once nothing is left.
+    fn leave(&mut self, ctx: &Context, pt: &mut Passthrough<'_>, log: &mut LeaveLog) {
+        for file in [self.ready_file.to_path_buf(), stuck_file(self.ready_file)] {
+            if let Err(e) = remove_if_present(&file) {
+                tracing::warn!(error = %error_chain(&e), "cannot remove {}", file.display());
+            }
+        }
+        self.converged = false;
+        let state = pt.state.state();
+        if !state.devices.is_empty() || !state.unloaded_modules.is_empty() {
+            restore_all(ctx, pt, self.side, self.metrics, log);
+        } else {
+            clear_validator_ready_file(ctx);
+        }
+        let state = pt.state.state();
+        if state.devices.is_empty() && state.unloaded_modules.is_empty() {
+            self.side.restore_label(false);
+        }
+    }
+
     /// One pass: rescan, bind what is not bound, keep the ready file true. A device
     /// that cannot be read is left out (its group with it) and logged once; the
     /// validator names it too.
@@ -437,9 +613,16 @@ fn block_signals() -> anyhow::Result<SignalFd> {
     )?)
 }
 
-/// Waits for a signal, a node event, or `timeout`; the signal, if one came.
-fn wait(signals: &SignalFd, node: &NodeWatch, timeout: Duration) -> anyhow::Result<Option<Signal>> {
+/// Waits for a signal, a node event, the side thread's answer, or `timeout`; the
+/// signal, if one came.
+fn wait(
+    signals: &SignalFd,
+    node: &NodeWatch,
+    side: Option<std::os::fd::BorrowedFd<'_>>,
+    timeout: Duration,
+) -> anyhow::Result<Option<Signal>> {
     let mut fds = vec![PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
+    fds.extend(side.map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
     fds.extend(
         node.fds()
             .into_iter()

@@ -233,6 +233,7 @@ fn a_stop_restores_when_a_no_execute_taint_would_evict_the_pod() {
         node: "node-a".into(),
         pod: Some(("ns".into(), "vm-1".into())),
         controller: "vfio-manager".into(),
+        restore_label: None,
     };
     let pod = Pod {
         metadata: ObjectMeta {
@@ -281,4 +282,66 @@ fn a_stop_restores_when_a_no_execute_taint_would_evict_the_pod() {
         decide(&identity, &pod, Some(&Lookup::Found(pinned)), &node),
         Verdict::Restore(_)
     ));
+}
+
+#[test]
+fn the_restore_label_keeps_the_pod_scheduled_but_not_the_node_in_vm_mode() {
+    use k8s_openapi::api::apps::v1::DaemonSetSpec;
+    use k8s_openapi::api::core::v1::PodTemplateSpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+    const DEPLOY: &str = "rebellions.ai/npu.deploy.vfio-manager";
+    const PENDING: &str = "vfio-sandbox.rebellions.ai/vfio-manager.restore-pending";
+    let identity = Identity {
+        node: "node-a".into(),
+        pod: Some(("ns".into(), "vm-1".into())),
+        controller: "vfio-manager".into(),
+        restore_label: Some(PENDING.into()),
+    };
+    let pod = Lookup::Found(Pod {
+        metadata: ObjectMeta {
+            namespace: Some("ns".into()),
+            owner_references: Some(vec![OwnerReference {
+                api_version: "apps/v1".into(),
+                kind: "DaemonSet".into(),
+                name: "vm".into(),
+                controller: Some(true),
+                ..OwnerReference::default()
+            }]),
+            ..ObjectMeta::default()
+        },
+        ..Pod::default()
+    });
+    // The shipped DaemonSet's shape: VM mode, or a restore to finish.
+    let spec = affinity(vec![
+        (vec![req(DEPLOY, "In", &["true"])], vec![]),
+        (vec![req(PENDING, "In", &["true"])], vec![]),
+    ]);
+    let ds = Lookup::Found(DaemonSet {
+        spec: Some(DaemonSetSpec {
+            template: PodTemplateSpec {
+                spec: Some(spec.clone()),
+                ..PodTemplateSpec::default()
+            },
+            ..DaemonSetSpec::default()
+        }),
+        ..DaemonSet::default()
+    });
+    let both = node(&[(DEPLOY, "true"), (PENDING, "true")]);
+    let pending = node(&[(PENDING, "true")]);
+    // The scheduler and the DaemonSet controller keep the pod on both nodes ...
+    assert!(node_selected(&spec, &both).is_ok());
+    assert!(node_selected(&spec, &pending).is_ok());
+    // ... but only the first is in VM mode.
+    let verdict = |n: &Node, id: &Identity| decide(id, &pod, Some(&ds), &Lookup::Found(n.clone()));
+    assert!(matches!(verdict(&both, &identity), Verdict::Keep(_)));
+    match verdict(&pending, &identity) {
+        Verdict::Restore(why) => assert!(why.contains(DEPLOY), "{why}"),
+        v => panic!("{v:?}"),
+    }
+    // An agent that does not know the label takes it for a VM-mode node.
+    let unaware = Identity {
+        restore_label: None,
+        ..identity.clone()
+    };
+    assert!(matches!(verdict(&pending, &unaware), Verdict::Keep(_)));
 }
