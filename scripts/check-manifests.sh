@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Check what ships: every kustomize overlay (and each component on top of
 # each overlay) renders, every rendered object is valid Kubernetes API,
-# the nvidia and Rebellions instances can share a cluster and a node, the
+# the nvidia and Rebellions instances can share a cluster and a node (each
+# vfio-manager scheduled by its own restore label too), the
 # DRA overlay installs beside them and deploys no VM-mode agent, the
 # examples are valid KubeVirt (and Kubernetes) API, and the repository's
 # shell scripts, YAML and Dockerfile pass their linters at warning level.
@@ -216,6 +217,13 @@ coexistence() {
     return "$rc"
 }
 
+# Every render's vfio-manager stays scheduled by its own restore label.
+restore_label() {
+    local files=("$cache"/render/*.yaml)
+    [[ -e "${files[0]}" ]] || { echo "nothing rendered"; return 1; }
+    "$py" scripts/manifests/check.py restore-label "${files[@]}"
+}
+
 # The DRA overlay (alone and with every component) runs the DRA driver and
 # no VM-mode agent, stays off every node a vfio-manager of the other
 # overlays is scheduled on, and shares only the owner lock with vfio-manager.
@@ -290,6 +298,7 @@ log "tools ready in $((SECONDS - t0))s: $("$kubectl" version --client 2>/dev/nul
 check "render overlays and components (kubectl kustomize)" render_all
 check "Kubernetes API validation, strict ($k8s_versions)" validate_k8s
 check "overlays side by side (nvidia, rebellions, standalone, dra): names and host paths" coexistence
+check "vfio-manager: its restore label keeps its pod scheduled" restore_label
 check "DRA overlay: the driver, no VM-mode agent, never beside vfio-manager" dra_overlay
 check "examples against KubeVirt's API schema and Kubernetes" validate_examples
 check "shellcheck" run_shellcheck

@@ -25,6 +25,12 @@
       Example files that mix KubeVirt and Kubernetes objects: kubevirt.io
       objects and partial KubeVirt CRs as `kubevirt` does, every other
       object as `k8s` does.
+  check.py restore-label FILE...
+      Every DaemonSet that runs vfio-manager names its restore label
+      (VFIO_MANAGER_RESTORE_LABEL, or the binary's default), and one term of
+      its required node affinity selects that label's "true" alone (besides
+      the platform labels), so the label keeps the pod scheduled until the
+      restore is done. `coexist` also fails two renders sharing a label.
   check.py dra DRA.yaml OTHER.yaml...
       The DRA overlay's render deploys the DRA driver and nothing of VM
       mode: no container runs vfio-manager, the device plugin or the
@@ -187,6 +193,11 @@ def cmd_coexist(a_path, b_path):
         if name_of(o) in a_names:
             print(f"FAIL both renders have {name_of(o)}")
             failed += 1
+    a_labels = {k for _, k in restore_labels(a) if k}
+    for o, k in restore_labels(b):
+        if k in a_labels:
+            print(f"FAIL both renders' vfio-managers keep restore label {k} ({name_of(o)})")
+            failed += 1
     a_paths, b_paths = host_paths(a), host_paths(b)
     shared = 0
     for pa, users_a in sorted(a_paths.items()):
@@ -210,6 +221,68 @@ def cmd_coexist(a_path, b_path):
     if not failed:
         print(f"coexist: host paths shared by design: {shared} "
               f"({', '.join(sorted(p for p in a_paths if p in b_paths and (p in SHARED_HOST_PATHS or owner_lock_shared_by_design(p, a_paths[p], b_paths[p]))))})")
+    return 1 if failed else 0
+
+
+# vfio-manager's --restore-label default (bins/vfio-manager/src/commands/run.rs).
+DEFAULT_RESTORE_LABEL = "vfio-sandbox.rebellions.ai/vfio-manager.restore-pending"
+
+
+def required_terms(spec):
+    return ((((spec.get("affinity") or {}).get("nodeAffinity") or {})
+             .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+            .get("nodeSelectorTerms") or [])
+
+
+def restore_labels(objs):
+    """(object, label key or "") for each workload that runs vfio-manager."""
+    out = []
+    for obj in objs:
+        for c in containers(obj):
+            if binary(c) != "vfio-manager":
+                continue
+            key = DEFAULT_RESTORE_LABEL
+            for e in c.get("env") or []:
+                if e.get("name") == "VFIO_MANAGER_RESTORE_LABEL":
+                    key = e.get("value") or ""
+            argv = (c.get("command") or []) + (c.get("args") or [])
+            for i, a in enumerate(argv):
+                if a.startswith("--restore-label="):
+                    key = a.split("=", 1)[1]
+                elif a == "--restore-label" and i + 1 < len(argv):
+                    key = argv[i + 1]
+            out.append((obj, key))
+    return out
+
+
+def cmd_restore_label(files):
+    failed = 0
+    for path in files:
+        for obj, key in restore_labels(load(path)):
+            if not key:
+                print(f"FAIL {path}: {name_of(obj)} runs vfio-manager without a restore label")
+                failed += 1
+                continue
+            spec = pod_spec(obj) or {}
+            alone = False
+            for term in required_terms(spec):
+                exprs = term.get("matchExpressions") or []
+                mine = [e for e in exprs if e.get("key") == key
+                        and e.get("operator") == "In" and "true" in (e.get("values") or [])]
+                rest = [e for e in exprs if e not in mine]
+                if mine and all(e.get("key") in PLATFORM_LABELS for e in rest) \
+                        and not term.get("matchFields"):
+                    alone = True
+            if spec.get("nodeSelector"):
+                print(f"FAIL {path}: {name_of(obj)} has a nodeSelector, which every node must "
+                      f"meet: the restore label {key} cannot keep its pod")
+                failed += 1
+            elif not alone:
+                print(f"FAIL {path}: {name_of(obj)}: no required node-affinity term selects "
+                      f"its restore label {key}=true alone")
+                failed += 1
+            else:
+                print(f"restore-label: {path}: {name_of(obj)} stays on nodes labelled {key}=true")
     return 1 if failed else 0
 
 
@@ -312,12 +385,24 @@ def binary(container):
     return argv[0].rsplit("/", 1)[-1] if argv else ""
 
 
+# Labels every agent's affinity names for the platform, not for a mode.
+PLATFORM_LABELS = {"kubernetes.io/os", "kubernetes.io/arch"}
+
+
 def vfio_manager_selectors(objs):
-    """(object, {label: value}) for each workload that runs vfio-manager."""
+    """(object, {label: value}) for each workload that runs vfio-manager: its
+    nodeSelector, and each value an `In` expression of a required node-affinity
+    term asks for (the deploy label, the restore label), platform labels aside."""
     out = []
     for obj in objs:
         if any(binary(c) == "vfio-manager" for c in containers(obj)):
-            out.append((name_of(obj), dict((pod_spec(obj) or {}).get("nodeSelector") or {})))
+            spec = pod_spec(obj) or {}
+            selector = list((spec.get("nodeSelector") or {}).items())
+            for term in required_terms(spec):
+                for e in term.get("matchExpressions") or []:
+                    if e.get("operator") == "In" and e.get("key") not in PLATFORM_LABELS:
+                        selector += [(e["key"], v) for v in e.get("values") or []]
+            out.append((name_of(obj), selector))
     return out
 
 
@@ -382,7 +467,7 @@ def cmd_dra(dra_path, others):
         excluded = 0
         for other in others:
             for who, selector in vfio_manager_selectors(load(other)):
-                for key, value in sorted(selector.items()):
+                for key, value in sorted(selector):
                     if excludes(terms, key, value):
                         excluded += 1
                     else:
@@ -442,6 +527,8 @@ def main(argv):
         return cmd_kubevirt(argv[2], argv[3:])
     if len(argv) >= 5 and argv[1] == "examples":
         return cmd_examples(argv[2], argv[3], argv[4:])
+    if len(argv) >= 3 and argv[1] == "restore-label":
+        return cmd_restore_label(argv[2:])
     if len(argv) >= 4 and argv[1] == "dra":
         return cmd_dra(argv[2], argv[3:])
     print(__doc__, file=sys.stderr)
