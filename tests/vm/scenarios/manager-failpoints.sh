@@ -4,9 +4,9 @@
 # is gone. Each time the shipped `unbind --all` must put every device back on e1000e
 # with driver_override cleared, reload e1000e, and leave the state file empty.
 # Then the node leaves VM mode while `run` runs against the stand-in API server: it
-# restores while running, is killed with SIGKILL between two devices of that
-# restore, and the pod its restore label brings back finishes the restore and drops
-# the label, binding nothing.
+# restores while running and is killed with SIGKILL at each step of that restore
+# in turn (first, second and third device); each time the pod its restore label
+# brings back finishes the restore and drops the label, binding nothing.
 # `vfio-manager-failpoints` is vfio-manager built with the `failpoints` feature: with
 # FAILPOINTS=<step>=return it prints "failpoint <step>: paused" and sleeps there.
 # vm: needs=vfio-manager,vfio-manager-failpoints,fake-apiserver
@@ -48,10 +48,10 @@ kill_at bind-after-unbind
 kill_at bind-after-probe
 kill_at bind-after-probe --unload-module e1000e
 
-note "leaving VM mode: SIGKILL mid-restore, and the next pod finishes without a person"
+# ---- leaving VM mode -------------------------------------------------------
 # The stand-in API server holds what a cluster would: the Node with the deploy
 # label, the DaemonSet shaped like manifests/base/vfio-manager.yaml (deploy label
-# OR restore label, two required node-affinity terms) and its pod on the Node.
+# OR restore label, two required node-affinity terms) and its pods on the Node.
 NODE=vm-node
 NS=vfio-sandbox
 DEPLOY=rebellions.ai/npu.deploy.vfio-manager
@@ -60,10 +60,17 @@ ifconfig lo 127.0.0.1 up 2>/dev/null || ip link set lo up
 fake-apiserver serve --listen 127.0.0.1:6443 --kubeconfig /tmp/kubeconfig \
     --node "$NODE" --label "$DEPLOY=true" \
     --daemonset "$NS/vfio-manager" --selector "$DEPLOY=true" --restore-label "$PENDING" \
-    --pod "$NS/vfio-manager-a1" >/tmp/apiserver.log 2>&1 &
+    >/tmp/apiserver.log 2>&1 &
 wait_for "the stand-in API server serves" 10 -- test -s /tmp/kubeconfig
-export KUBECONFIG=/tmp/kubeconfig NODE_NAME=$NODE POD_NAMESPACE=$NS POD_NAME=vfio-manager-a1
+export KUBECONFIG=/tmp/kubeconfig NODE_NAME=$NODE POD_NAMESPACE=$NS
 labelled() { fake-apiserver request GET "/api/v1/nodes/$NODE" | grep -q "\"$PENDING\":\"true\""; }
+unlabelled() { ! fake-apiserver request GET "/api/v1/nodes/$NODE" | grep -q "\"$PENDING\""; }
+deploy_label() { fake-apiserver request PATCH "/api/v1/nodes/$NODE" "{\"metadata\":{\"labels\":{\"$DEPLOY\":$1}}}"; }
+# new_pod NAME: the DaemonSet controller's pod on the Node.
+new_pod() {
+    fake-apiserver request POST "/api/v1/namespaces/$NS/pods" \
+        "{\"apiVersion\":\"v1\",\"kind\":\"Pod\",\"metadata\":{\"name\":\"$1\",\"namespace\":\"$NS\",\"ownerReferences\":[{\"apiVersion\":\"apps/v1\",\"kind\":\"DaemonSet\",\"name\":\"vfio-manager\",\"uid\":\"uid-ds-vfio-manager\",\"controller\":true}]},\"spec\":{\"nodeName\":\"$NODE\",\"containers\":[{\"name\":\"vfio-manager\",\"image\":\"localhost/vfio-sandbox:0.1.0\"}]}}"
+}
 # count_on DRIVER: how many of the three NICs are on DRIVER ("none": unbound).
 count_on() {
     n=0
@@ -73,48 +80,57 @@ count_on() {
     echo "$n"
 }
 
-# One group after another (--bind-jobs 1), so the kill lands between devices:
-# the first device restored passes restore-after-unbind, the second stops there,
-# unbound from vfio-pci and not yet probed by e1000e.
-FAILPOINTS="restore-after-unbind=1*off->return" \
-    vfio-manager-failpoints --bind-jobs 1 run --resync-interval 1s >/tmp/leave1.log 2>&1 &
-leave_pid=$!
-wait_for "run binds the NICs" 30 -- test -e /run/vfio-manager/ready
-wait_for "run labels its Node $PENDING=true" 10 -- labelled
-expect_eq "three NICs on vfio-pci" "$(count_on vfio-pci)" 3
-step "the deploy label is removed (the node leaves VM mode)" -- \
-    fake-apiserver request PATCH "/api/v1/nodes/$NODE" "{\"metadata\":{\"labels\":{\"$DEPLOY\":null}}}"
-wait_for "run sees it and restores while running" 20 -- \
-    grep -q "the node leaves VM mode; restoring while this pod runs" /tmp/leave1.log
-wait_for "the restore stops between two devices" 30 -- \
-    grep -q "failpoint restore-after-unbind: paused" /tmp/leave1.log
-step "SIGKILL mid-restore" -- kill -9 "$leave_pid"
-wait "$leave_pid" 2>/dev/null
-run_logged cat /tmp/leave1.log
-run_logged cat "$STATE"
-expect_eq "one NIC back on e1000e" "$(count_on e1000e)" 1
-expect_eq "one NIC left with no driver" "$(count_on none)" 1
-expect_eq "one NIC still on vfio-pci" "$(count_on vfio-pci)" 1
-restored=$(for d in "$CARD_FN0" "$CARD_FN1" "$SOLO_NIC"; do [ "$(driver_of "$d")" = e1000e ] && echo "$d"; done)
-expect_not_contains "the restored NIC's record is gone" "$STATE" "\"$restored\""
-step "the restore label still stands, so the DaemonSet's second term keeps selecting the node" -- labelled
+# leave_kill_at FAILPOINT BACK UNBOUND: the node in VM mode, then out of it; run,
+# restoring while it runs, is killed at FAILPOINT (BACK NICs then on e1000e,
+# UNBOUND on no driver); a recreated pod finishes. One group after another
+# (--bind-jobs 1), so the failpoint's count picks the device.
+leaves=0
+leave_kill_at() {
+    leaves=$((leaves + 1))
+    fp=$1
+    note "leaving VM mode: SIGKILL at $fp, and the next pod finishes without a person"
+    step "the node is in VM mode" -- deploy_label '"true"'
+    new_pod "vfio-manager-a$leaves" >/dev/null
+    FAILPOINTS="$fp" POD_NAME="vfio-manager-a$leaves" \
+        vfio-manager-failpoints --bind-jobs 1 run --resync-interval 1s >"/tmp/leave-a$leaves.log" 2>&1 &
+    leave_pid=$!
+    wait_for "run binds the NICs" 30 -- test -e /run/vfio-manager/ready
+    wait_for "run labels its Node $PENDING=true" 10 -- labelled
+    expect_eq "three NICs on vfio-pci" "$(count_on vfio-pci)" 3
+    step "the deploy label is removed (the node leaves VM mode)" -- deploy_label null
+    wait_for "run sees it and restores while running" 20 -- \
+        grep -q "the node leaves VM mode; restoring while this pod runs" "/tmp/leave-a$leaves.log"
+    wait_for "the restore reaches $fp" 30 -- \
+        grep -q "failpoint ${fp%%=*}: paused" "/tmp/leave-a$leaves.log"
+    step "SIGKILL mid-restore" -- kill -9 "$leave_pid"
+    wait "$leave_pid" 2>/dev/null
+    run_logged cat "/tmp/leave-a$leaves.log"
+    run_logged cat "$STATE"
+    expect_eq "NICs back on e1000e at the kill" "$(count_on e1000e)" "$2"
+    expect_eq "NICs with no driver at the kill" "$(count_on none)" "$3"
+    expect_ne "a record is left" "$(grep -c '"original_driver"' "$STATE")" 0
+    step "the restore label still stands, so the DaemonSet's second term still selects the node" -- labelled
 
-# The DaemonSet controller recreates the pod (a new name, owned by the DaemonSet).
-step "the recreated pod" -- fake-apiserver request POST "/api/v1/namespaces/$NS/pods" \
-    "{\"apiVersion\":\"v1\",\"kind\":\"Pod\",\"metadata\":{\"name\":\"vfio-manager-b2\",\"namespace\":\"$NS\",\"ownerReferences\":[{\"apiVersion\":\"apps/v1\",\"kind\":\"DaemonSet\",\"name\":\"vfio-manager\",\"uid\":\"uid-ds-vfio-manager\",\"controller\":true}]},\"spec\":{\"nodeName\":\"$NODE\",\"containers\":[{\"name\":\"vfio-manager\",\"image\":\"localhost/vfio-sandbox:0.1.0\"}]}}"
-POD_NAME=vfio-manager-b2 vfio-manager run --resync-interval 1s >/tmp/leave2.log 2>&1 &
-leave_pid=$!
-wait_for "the new pod finishes the restore and removes the label" 30 -- sh -c "! fake-apiserver request GET /api/v1/nodes/$NODE | grep -q '$PENDING'"
-run_logged cat /tmp/leave2.log
-expect_contains "it started out of VM mode" /tmp/leave2.log "the node is not in VM mode: finishing the restore, binding nothing"
-expect_not_contains "it bound nothing" /tmp/leave2.log "bound bdf"
-for d in "$CARD_FN0" "$CARD_FN1" "$SOLO_NIC"; do
-    expect_driver "$d back on e1000e" "$d" e1000e
-    expect_contains "$d driver_override cleared" "/sys/bus/pci/devices/$d/driver_override" "(null)"
-done
-expect_contains "state file empty" "$STATE" '"devices": {}'
-step "the pod is still running until the DaemonSet controller stops it" -- kill -0 "$leave_pid"
-kill -TERM "$leave_pid"
-wait "$leave_pid"
-expect_eq "SIGTERM then: exit 0" "$?" 0
-run_logged cat /tmp/leave2.log
+    new_pod "vfio-manager-b$leaves" >/dev/null
+    POD_NAME="vfio-manager-b$leaves" vfio-manager run --resync-interval 1s >"/tmp/leave-b$leaves.log" 2>&1 &
+    leave_pid=$!
+    wait_for "the recreated pod finishes the restore and removes the label" 30 -- unlabelled
+    run_logged cat "/tmp/leave-b$leaves.log"
+    expect_contains "it started out of VM mode" "/tmp/leave-b$leaves.log" "the node is not in VM mode: finishing the restore, binding nothing"
+    expect_not_contains "it bound nothing" "/tmp/leave-b$leaves.log" "bound bdf"
+    for d in "$CARD_FN0" "$CARD_FN1" "$SOLO_NIC"; do
+        expect_driver "$d back on e1000e" "$d" e1000e
+        expect_contains "$d driver_override cleared" "/sys/bus/pci/devices/$d/driver_override" "(null)"
+    done
+    expect_contains "state file empty" "$STATE" '"devices": {}'
+    step "the pod runs until the DaemonSet controller stops it" -- kill -0 "$leave_pid"
+    kill -TERM "$leave_pid"
+    wait "$leave_pid"
+    expect_eq "SIGTERM then: exit 0" "$?" 0
+}
+
+# The first device with its override cleared; the second unbound from vfio-pci,
+# not yet probed by e1000e; the third probed, its record not yet dropped.
+leave_kill_at "restore-after-override=return" 0 0
+leave_kill_at "restore-after-unbind=1*off->return" 1 1
+leave_kill_at "restore-after-probe=2*off->return" 3 0
