@@ -645,3 +645,35 @@ fn wait(
     };
     Ok(signal)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::parse_label_key;
+
+    #[test]
+    fn label_keys_are_checked_as_the_api_server_would() {
+        for ok in [
+            "",
+            "restore-pending",
+            super::DEFAULT_RESTORE_LABEL,
+            "a.b-c/x_y.z",
+            "example.com/A1",
+        ] {
+            assert_eq!(parse_label_key(ok).as_deref(), Ok(ok), "{ok}");
+        }
+        let long = "x".repeat(64);
+        for bad in [
+            "/x",
+            "Example.com/x",
+            "a..b/x",
+            "a/-x",
+            "a/x-",
+            "a/x y",
+            "a/",
+            long.as_str(),
+            "a/b/c",
+        ] {
+            assert!(parse_label_key(bad).is_err(), "{bad}");
+        }
+    }
+}
