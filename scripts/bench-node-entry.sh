@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Benchmark of vfio-manager's node entry and exit: how long `run` takes to put 1 and
-# 8 devices on vfio-pci, and its stop to put them back, on a fake node whose every
-# unbind and probe takes the given latency (default 1000 ms, as a GPU driver's remove
-# or probe can). Prints numbers, asserts nothing about time.
+# 8 devices on vfio-pci, and its stop to put them back; then the same for
+# sandbox-dra-driver: one claim of 1 and 8 devices prepared and unprepared. Both on a
+# fake node whose every unbind and probe takes the given latency (default 1000 ms, as
+# a GPU driver's remove or probe can). Prints numbers, asserts nothing about time.
 #
 #   scripts/bench-node-entry.sh [--latency-ms MS] [--runs N] [--jobs N]
 #
@@ -10,6 +11,7 @@
 #   jobs=1 entry_ms leave_ms   one IOMMU group after another (--bind-jobs 1)
 #   jobs=J entry_ms leave_ms   J groups at once (default: vfio-manager's --bind-jobs
 #                              default), entering and leaving
+#   jobs=1|J prepare_ms unprepare_ms   the same for one claim of the DRA driver
 set -euo pipefail
 cd "$(dirname "$0")/.."
 latency=1000
@@ -25,10 +27,13 @@ while (($#)); do
     shift
 done
 cargo build -q --release -p passthrough --example node_entry
-for n in 1 8; do
-    out=$(for _ in $(seq "$runs"); do
-        target/release/examples/node_entry --devices "$n" --latency-ms "$latency" "${jobs[@]}"
-    done)
-    echo "$out"
-    echo "$out" | awk -f scripts/lib/median.awk
+cargo build -q --release -p sandbox-dra-driver --example prepare
+for bench in node_entry prepare; do
+    for n in 1 8; do
+        out=$(for _ in $(seq "$runs"); do
+            target/release/examples/$bench --devices "$n" --latency-ms "$latency" "${jobs[@]}"
+        done)
+        echo "$out"
+        echo "$out" | awk -f scripts/lib/median.awk
+    done
 done

@@ -21,6 +21,7 @@
 //! (`claims/recovery.rs`) sit beside it.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 
 use crate::cdi::{self, AttributeValue, PCI_BUS_ID};
@@ -169,6 +170,9 @@ pub struct Claims<'a> {
     pub pool: &'a str,
     /// Where the claim files go.
     pub files: &'a Files,
+    /// IOMMU groups moved at once (`--bind-jobs`): a claim of several devices is
+    /// prepared, and given back, in about the slowest group's time.
+    pub jobs: NonZeroUsize,
 }
 
 impl Claims<'_> {
@@ -422,7 +426,7 @@ impl Claims<'_> {
         self.pt
             .load_modules(&target_drivers(inv, groups))
             .map_err(|e| ("loading the vfio modules", boxed(e)))?;
-        let report = self.pt.bind(inv, groups);
+        let report = self.pt.bind_concurrent(inv, groups, self.jobs);
         if !report.failed.is_empty() {
             return Err((
                 "moving its IOMMU groups to vfio",
@@ -557,7 +561,7 @@ impl Claims<'_> {
             .map(|(a, _)| *a)
             .collect();
         if !members.is_empty() {
-            let report = self.pt.restore(&members);
+            let report = self.pt.restore_concurrent(&members, self.jobs);
             let held: BTreeSet<u32> = report.in_use.iter().map(|(_, g)| *g).collect();
             if !report.failed.is_empty() || !held.is_empty() {
                 return Err(fail(

@@ -133,6 +133,13 @@ struct Cli {
     /// at the deadline goes on; kubelet's retry gets its result.
     #[arg(long, env = "VFIO_SANDBOX_PREPARE_TIMEOUT", default_value = "40s", value_parser = parse_duration)]
     prepare_timeout: Duration,
+    /// IOMMU groups a prepare moves at once (and an unprepare gives back): a native
+    /// driver's remove and probe can each take a second on a GPU, so a claim of
+    /// several devices then takes about the slowest group's time, not the sum. Each
+    /// group stays all-or-nothing, with the same records and rollback. 1 moves one
+    /// group after another.
+    #[arg(long, env = "VFIO_SANDBOX_BIND_JOBS", default_value_t = passthrough::DEFAULT_BIND_JOBS, value_name = "N")]
+    bind_jobs: std::num::NonZeroUsize,
     /// Full rescan period for the ResourceSlice beneath PCI uevents.
     #[arg(long, env = "VFIO_SANDBOX_RESYNC_INTERVAL", default_value = "5m", value_parser = parse_duration)]
     resync_interval: Duration,
@@ -247,6 +254,7 @@ fn main() -> ExitCode {
         },
         pool: &node_name,
         files: &files,
+        jobs: cli.bind_jobs,
     }
     .recover();
     for c in &recovery.rolled_back {
@@ -275,6 +283,7 @@ fn main() -> ExitCode {
             release,
             pool: node_name.clone(),
             files,
+            jobs: cli.bind_jobs,
             metrics: metrics.clone(),
             kernel,
         },

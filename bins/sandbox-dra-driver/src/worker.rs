@@ -82,6 +82,8 @@ pub struct Setup {
     pub pool: String,
     /// Where claim files go.
     pub files: Files,
+    /// IOMMU groups moved at once.
+    pub jobs: std::num::NonZeroUsize,
     /// Device gauges, set after every job.
     pub metrics: Arc<Metrics>,
     /// The kernel door, with its deadline on every sysfs write (and the devices
@@ -266,6 +268,7 @@ fn work(
             },
             pool: &setup.pool,
             files: &setup.files,
+            jobs: setup.jobs,
         };
         match job {
             Job::Prepare {

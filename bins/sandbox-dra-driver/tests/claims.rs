@@ -134,6 +134,7 @@ impl Node {
             },
             pool: POOL,
             files: &self.files,
+            jobs: passthrough::DEFAULT_BIND_JOBS,
         };
         f(&mut claims, &inv)
     }
@@ -479,4 +480,66 @@ fn every_step_of_a_claims_life_fails_or_crashes_and_nothing_is_lost() {
     );
     assert_eq!(crashed, points.len(), "every crash point is reached");
     assert!(lost.is_empty(), "{}", lost.join("\n"));
+}
+
+/// A claim's groups move at once with `jobs` > 1 (the same engine as `vfio-manager
+/// --bind-jobs`), one after another with 1; both give every device back.
+#[test]
+fn a_claim_of_several_groups_moves_them_at_once() {
+    use std::num::NonZeroUsize;
+    use std::time::Duration;
+    for (jobs, at_once) in [(1, 1..=1), (8, 2..=4)] {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let kernel = FakeKernel::slow_nics(dir.path(), 4, Duration::from_millis(50), RELEASE);
+        let files = Files {
+            driver: "vfio-sandbox.example.com".into(),
+            cdi_dir: dir.path().join("var/run/cdi"),
+            metadata_dir: dir.path().join("var/run/dra-device-attributes"),
+            iommufd: false,
+        };
+        let mut state = StateFile::load(
+            &dir.path().join("run/state.json"),
+            true,
+            passthrough::owner::Program::DraDriver,
+        )
+        .unwrap();
+        let list = ResourceList::parse(LIST).unwrap();
+        let host = &kernel.node.host;
+        let mut claims = Claims {
+            pt: Passthrough {
+                host,
+                kernel: &kernel,
+                state: &mut state,
+                release: RELEASE.into(),
+            },
+            pool: POOL,
+            files: &files,
+            jobs: NonZeroUsize::new(jobs).unwrap(),
+        };
+        let bdfs = [
+            "0000:01:00.0",
+            "0000:02:00.0",
+            "0000:03:00.0",
+            "0000:04:00.0",
+        ];
+        let inv = Inventory::scan(host, &list).unwrap();
+        claims
+            .prepare(&claim("four"), None, &alloc(&bdfs), &inv)
+            .unwrap();
+        let entered = kernel.max_concurrent_probes();
+        assert!(at_once.contains(&entered), "jobs {jobs}: {entered} at once");
+        for b in bdfs {
+            assert_eq!(kernel.node.driver_of(&addr(b)).as_deref(), Some("vfio-pci"));
+        }
+        kernel.reset_concurrency();
+        claims.unprepare(&claim("four")).unwrap();
+        let left = kernel.max_concurrent_probes();
+        assert!(
+            at_once.contains(&left),
+            "jobs {jobs}: {left} at once leaving"
+        );
+        for b in bdfs {
+            assert_eq!(kernel.node.driver_of(&addr(b)).as_deref(), Some("e1000e"));
+        }
+    }
 }

@@ -26,68 +26,13 @@ use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use passthrough::state::StateFile;
 use passthrough::{target_drivers, Passthrough, DEFAULT_BIND_JOBS};
-use sysfs_pci::testing::{FakeDevice, FakeKernel, FakeNode};
+use sysfs_pci::testing::FakeKernel;
 use sysfs_pci::{error_chain, PciAddress};
 
 const LIST: &str =
     r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
 const RELEASE: &str = "6.1.0-bench";
 const USAGE: &str = "usage: node_entry [--devices N] [--latency-ms MS] [--jobs N]";
-
-struct Args {
-    devices: u16,
-    latency: Duration,
-    jobs: NonZeroUsize,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        devices: 8,
-        latency: Duration::from_secs(1),
-        jobs: DEFAULT_BIND_JOBS,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        let bad = |e: &dyn std::fmt::Display| format!("{flag} {value}: {e}");
-        match flag.as_str() {
-            "--devices" => args.devices = value.parse().map_err(|e| bad(&e))?,
-            "--latency-ms" => {
-                args.latency = Duration::from_millis(value.parse().map_err(|e| bad(&e))?)
-            }
-            "--jobs" => args.jobs = value.parse().map_err(|e| bad(&e))?,
-            _ => return Err(format!("unknown flag {flag}")),
-        }
-    }
-    if args.devices == 0 || args.devices > 255 {
-        return Err("--devices must be 1 to 255".into());
-    }
-    Ok(args)
-}
-
-/// A fresh fake node with `devices` NICs on e1000e, one per IOMMU group.
-fn fake_node(root: &std::path::Path, devices: u16, latency: Duration) -> FakeKernel {
-    let node = FakeNode::new(root);
-    for i in 1..=devices {
-        node.add_device(
-            &FakeDevice::new(&format!("0000:{i:02x}:00.0"), 0x8086, 0x10d3, 0x02_0000)
-                .driver("e1000e")
-                .group(u32::from(i)),
-        );
-    }
-    node.add_modules_dep(
-        RELEASE,
-        "kernel/drivers/vfio/pci/vfio-pci.ko: kernel/drivers/vfio/vfio_iommu_type1.ko kernel/drivers/vfio/vfio.ko\n\
-         kernel/drivers/vfio/vfio_iommu_type1.ko: kernel/drivers/vfio/vfio.ko\n\
-         kernel/drivers/vfio/vfio.ko:\n",
-    );
-    let kernel = FakeKernel::new(&node).with_latency(latency);
-    kernel.learn_native_drivers();
-    if let Ok(mut drivers) = kernel.module_drivers.lock() {
-        drivers.insert("vfio_pci".into(), "vfio-pci".into());
-    }
-    kernel
-}
 
 /// Enters VM mode as `vfio-manager run` does, checks every device is on `want`, then
 /// leaves it as a stop does; the time each took.
@@ -96,7 +41,7 @@ fn enter_and_leave(
     state_path: &std::path::Path,
     list: &ResourceList,
     jobs: NonZeroUsize,
-    devices: u16,
+    devices: u8,
 ) -> Result<(Duration, Duration), String> {
     let host = &kernel.node.host;
     let started = Instant::now();
@@ -132,7 +77,7 @@ fn enter_and_leave(
 }
 
 /// Every device of the bench node is on `driver`.
-fn all_on(kernel: &FakeKernel, devices: u16, want: &str) -> Result<(), String> {
+fn all_on(kernel: &FakeKernel, devices: u8, want: &str) -> Result<(), String> {
     for i in 1..=devices {
         let address: PciAddress = format!("0000:{i:02x}:00.0")
             .parse()
@@ -145,40 +90,23 @@ fn all_on(kernel: &FakeKernel, devices: u16, want: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn run(args: &Args) -> Result<String, String> {
-    let list = ResourceList::parse(LIST).map_err(|e| error_chain(&e))?;
-    let mut line = format!(
-        "devices={} latency_ms={}",
-        args.devices,
-        args.latency.as_millis()
-    );
-    for jobs in [NonZeroUsize::MIN, args.jobs] {
-        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root())
-            .map_err(|e| format!("cannot create a scratch directory: {e}"))?;
-        let kernel = fake_node(dir.path(), args.devices, args.latency);
-        let state = dir.path().join("run/state.json");
-        let (entry, leave) = enter_and_leave(&kernel, &state, &list, jobs, args.devices)?;
-        line.push_str(&format!(
-            " jobs={jobs} entry_ms={} leave_ms={}",
-            entry.as_millis(),
-            leave.as_millis()
-        ));
-    }
-    Ok(line)
-}
-
 fn main() -> ExitCode {
-    let result = parse_args()
-        .map_err(|e| format!("{e}\n{USAGE}"))
-        .and_then(|args| run(&args));
-    match result {
-        Ok(line) => {
-            println!("{line}");
-            ExitCode::SUCCESS
-        }
+    let list = match ResourceList::parse(LIST) {
+        Ok(l) => l,
         Err(e) => {
-            eprintln!("node_entry: {e}");
-            ExitCode::FAILURE
+            eprintln!("node_entry: {}", error_chain(&e));
+            return ExitCode::FAILURE;
         }
-    }
+    };
+    FakeKernel::bench_main(
+        "node_entry",
+        USAGE,
+        DEFAULT_BIND_JOBS,
+        ["entry", "leave"],
+        |root, args, jobs| {
+            let kernel = FakeKernel::slow_nics(root, args.devices, args.latency, RELEASE);
+            let state = root.join("run/state.json");
+            enter_and_leave(&kernel, &state, &list, jobs, args.devices)
+        },
+    )
 }

@@ -17,6 +17,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs;
+use std::num::NonZeroUsize;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -397,6 +398,17 @@ pub struct FakeKernel {
     max_in_flight: AtomicUsize,
 }
 
+/// What a benchmark on [`FakeKernel::slow_nics`] was asked for.
+#[derive(Debug, Clone, Copy)]
+pub struct BenchArgs {
+    /// NICs on the node (1 to 255).
+    pub devices: u8,
+    /// What each unbind and probe takes.
+    pub latency: Duration,
+    /// Groups moved at once, besides one at a time.
+    pub jobs: NonZeroUsize,
+}
+
 /// One unbind, bind or probe under way; counted until dropped.
 struct InFlight<'k>(&'k FakeKernel);
 
@@ -431,6 +443,104 @@ impl FakeKernel {
     pub fn with_latency(mut self, latency: Duration) -> Self {
         self.latency = latency;
         self
+    }
+
+    /// The flags of the benchmarks on [`FakeKernel::slow_nics`]: `--devices N`
+    /// (default 8), `--latency-ms MS` (default 1000) and `--jobs N` (default
+    /// `default_jobs`), from the process's arguments.
+    pub fn bench_args(default_jobs: NonZeroUsize) -> Result<BenchArgs, String> {
+        let mut args = BenchArgs {
+            devices: 8,
+            latency: Duration::from_secs(1),
+            jobs: default_jobs,
+        };
+        let mut it = std::env::args().skip(1);
+        while let Some(flag) = it.next() {
+            let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+            let bad = |e: &dyn std::fmt::Display| format!("{flag} {value}: {e}");
+            match flag.as_str() {
+                "--devices" => args.devices = value.parse().map_err(|e| bad(&e))?,
+                "--latency-ms" => {
+                    args.latency = Duration::from_millis(value.parse().map_err(|e| bad(&e))?)
+                }
+                "--jobs" => args.jobs = value.parse().map_err(|e| bad(&e))?,
+                _ => return Err(format!("unknown flag {flag}")),
+            }
+        }
+        if args.devices == 0 {
+            return Err("--devices must be 1 to 255".into());
+        }
+        Ok(args)
+    }
+
+    /// A benchmark's main: reads [`FakeKernel::bench_args`], then times `pass` once
+    /// moving one group at a time and once with `--jobs`, each in a fresh scratch
+    /// directory, and prints one line: `devices=N latency_ms=MS`, then per pass
+    /// `jobs=J <first>_ms=.. <second>_ms=..` for the two durations `pass` returns.
+    /// On an error it names `name`, prints `usage` and fails.
+    pub fn bench_main(
+        name: &str,
+        usage: &str,
+        default_jobs: NonZeroUsize,
+        [first, second]: [&str; 2],
+        pass: impl Fn(&Path, &BenchArgs, NonZeroUsize) -> Result<(Duration, Duration), String>,
+    ) -> std::process::ExitCode {
+        let run = |args: BenchArgs| -> Result<String, String> {
+            let mut line = format!(
+                "devices={} latency_ms={}",
+                args.devices,
+                args.latency.as_millis()
+            );
+            for jobs in [NonZeroUsize::MIN, args.jobs] {
+                let dir = tempfile::tempdir_in(scratch_root())
+                    .map_err(|e| format!("cannot create a scratch directory: {e}"))?;
+                let (a, b) = pass(dir.path(), &args, jobs)?;
+                line.push_str(&format!(
+                    " jobs={jobs} {first}_ms={} {second}_ms={}",
+                    a.as_millis(),
+                    b.as_millis()
+                ));
+            }
+            Ok(line)
+        };
+        match Self::bench_args(default_jobs)
+            .map_err(|e| format!("{e}\n{usage}"))
+            .and_then(run)
+        {
+            Ok(line) => {
+                println!("{line}");
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{name}: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        }
+    }
+
+    /// The benchmarks' node: `devices` NICs (8086:10d3 at `0000:NN:00.0`) on e1000e,
+    /// each alone in IOMMU group NN, vfio-pci a module to load for kernel `release`,
+    /// and every unbind and probe taking `latency` (a GPU driver's remove or probe can
+    /// take a second).
+    pub fn slow_nics(root: &Path, devices: u8, latency: Duration, release: &str) -> Self {
+        let node = FakeNode::new(root);
+        for i in 1..=devices {
+            node.add_device(
+                &FakeDevice::new(&format!("0000:{i:02x}:00.0"), 0x8086, 0x10d3, 0x02_0000)
+                    .driver("e1000e")
+                    .group(u32::from(i)),
+            );
+        }
+        node.add_modules_dep(
+            release,
+            "kernel/drivers/vfio/pci/vfio-pci.ko: kernel/drivers/vfio/vfio_iommu_type1.ko kernel/drivers/vfio/vfio.ko\n\
+             kernel/drivers/vfio/vfio_iommu_type1.ko: kernel/drivers/vfio/vfio.ko\n\
+             kernel/drivers/vfio/vfio.ko:\n",
+        );
+        let kernel = Self::new(&node).with_latency(latency);
+        kernel.learn_native_drivers();
+        lock(&kernel.module_drivers).insert("vfio_pci".into(), "vfio-pci".into());
+        kernel
     }
 
     /// The most unbinds, binds and probes that were under way at one moment.
