@@ -14,7 +14,12 @@
 //! `DeviceNode{path, hostPath, type, major, minor, fileMode, permissions, uid, gid}`,
 //! `Mount{hostPath, containerPath, options, type}`); we write only `deviceNodes`
 //! (`path`, `hostPath` when needed, `permissions: "mrw"`, as the device plugin's
-//! `Allocate` does; the runtime stats the node for type and numbers) and `mounts`.
+//! `Allocate` does; the runtime stats the node for type and numbers) and `mounts`
+//! per device, and the spec's own `containerEdits.env` (applied to a container
+//! given any device of the spec): KubeVirt's `PCI_RESOURCE_<NAME>=<bdf>[,<bdf>...]`
+//! per resource name of the claim's devices, as the device plugin's `Allocate` sets
+//! it, so a VM written for the device plugin also runs on a claim made for its
+//! extended resource (KEP-5004).
 //!
 //! - `cdiVersion`: the lowest version that has what the spec uses, as upstream's
 //!   `MinimumRequiredVersion` (`specs-go/version.go`) computes it. Device nodes,
@@ -160,6 +165,9 @@ pub struct SpecDevice {
     /// Its iommufd node name (`vfioN` under `/dev/vfio/devices/`), when iommufd is
     /// asked for.
     pub iommufd_node: Option<String>,
+    /// KubeVirt's variable for its resource name (`PCI_RESOURCE_<NAME>`, as
+    /// `ResourceName::kubevirt_env_var` spells it), when it has one.
+    pub kubevirt_env: Option<String>,
 }
 
 /// Everything prepare writes for a claim, and what it returns to kubelet.
@@ -270,6 +278,14 @@ struct Spec {
     cdi_version: &'static str,
     kind: String,
     devices: Vec<Device>,
+    #[serde(rename = "containerEdits", skip_serializing_if = "Option::is_none")]
+    container_edits: Option<SpecEdits>,
+}
+
+/// The edits of the whole spec, applied to a container given any of its devices.
+#[derive(Serialize)]
+struct SpecEdits {
+    env: Vec<String>,
 }
 
 #[derive(Serialize)]
@@ -543,10 +559,24 @@ pub fn claim_files(
         metadata.push((PathBuf::from(host), text));
     }
 
+    // KubeVirt's variables, one per resource name: the claim's devices of that
+    // name, comma-separated, as the device plugin's Allocate sets them.
+    let mut env: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for dev in &sorted {
+        if let Some(var) = &dev.kubevirt_env {
+            env.entry(var).or_default().push(dev.address.to_string());
+        }
+    }
     let spec = Spec {
         cdi_version: if dev_root.is_some() { "0.5.0" } else { "0.3.0" },
         kind,
         devices: cdi_devices,
+        container_edits: (!env.is_empty()).then(|| SpecEdits {
+            env: env
+                .into_iter()
+                .map(|(var, bdfs)| format!("{var}={}", bdfs.join(",")))
+                .collect(),
+        }),
     };
     Ok(ClaimFiles {
         cdi: (spec_path, pretty(&spec)?),

@@ -461,7 +461,8 @@ impl Claims<'_> {
                     PCI_BUS_ID.to_owned(),
                     AttributeValue::String(d.address.to_string()),
                 );
-                if let Some(r) = inv.get(&d.address).and_then(|e| e.resource()) {
+                let resource = inv.get(&d.address).and_then(|e| e.resource());
+                if let Some(r) = resource {
                     attributes.insert(
                         "resourceName".to_owned(),
                         AttributeValue::String(r.to_string()),
@@ -479,6 +480,7 @@ impl Claims<'_> {
                         .iommufd
                         .then(|| sysfs_pci::cdev::vfio_cdev_name(self.pt.host, &d.address))
                         .flatten(),
+                    kubevirt_env: resource.map(|r| r.kubevirt_env_var()),
                 }
             })
             .collect();

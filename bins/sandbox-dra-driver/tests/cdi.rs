@@ -62,6 +62,7 @@ fn device(bdf: &str, group: u32, requests: &[&str], numa: Option<i64>) -> SpecDe
         group,
         attributes,
         iommufd_node: None,
+        kubevirt_env: Some("PCI_RESOURCE_REBELLIONS_AI_ATOM_CA22_PT".into()),
     }
 }
 
@@ -167,7 +168,12 @@ const SPEC: &str = r#"{
         ]
       }
     }
-  ]
+  ],
+  "containerEdits": {
+    "env": [
+      "PCI_RESOURCE_REBELLIONS_AI_ATOM_CA22_PT=0000:01:00.0,0000:02:00.0"
+    ]
+  }
 }
 "#;
 
@@ -545,6 +551,8 @@ struct CdiSpec {
     cdi_version: String,
     kind: String,
     devices: Vec<CdiDevice>,
+    #[serde(rename = "containerEdits")]
+    container_edits: Option<CdiEdits>,
 }
 
 #[derive(Deserialize)]
@@ -558,6 +566,8 @@ struct CdiDevice {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CdiEdits {
+    #[serde(default)]
+    env: Vec<String>,
     #[serde(rename = "deviceNodes", default)]
     device_nodes: Vec<CdiNode>,
     #[serde(default)]
@@ -746,4 +756,33 @@ fn every_kubevirt_from_1_8_0_finds_the_pci_address() {
             }
         }
     }
+}
+
+/// KubeVirt's `PCI_RESOURCE_<NAME>` (what the device plugin's Allocate sets) is in the
+/// spec's own edits, so a container given any device of the claim gets it: one
+/// variable per resource name, the devices comma-separated in address order; a
+/// device without a resource name adds none.
+#[test]
+fn the_claim_sets_kubevirts_variable_per_resource_name() {
+    let mut devices = vec![
+        device("0000:03:00.0", 9, &["nic"], None),
+        device("0000:02:00.0", 7, &["nic"], None),
+        device("0000:01:00.0", 5, &["card"], None),
+        device("0000:04:00.0", 11, &["nic"], None),
+    ];
+    devices[0].kubevirt_env = Some("PCI_RESOURCE_EXAMPLE_COM_NIC_PT".into());
+    devices[3].kubevirt_env = None;
+    let spec: CdiSpec = serde_json::from_str(&files(&devices).cdi.1).expect("spec");
+    assert_eq!(
+        spec.container_edits.expect("spec edits").env,
+        [
+            "PCI_RESOURCE_EXAMPLE_COM_NIC_PT=0000:03:00.0",
+            "PCI_RESOURCE_REBELLIONS_AI_ATOM_CA22_PT=0000:01:00.0,0000:02:00.0",
+        ]
+    );
+    for d in &mut devices {
+        d.kubevirt_env = None;
+    }
+    let spec: CdiSpec = serde_json::from_str(&files(&devices).cdi.1).expect("spec");
+    assert!(spec.container_edits.is_none());
 }

@@ -27,6 +27,15 @@ fn manifests() -> String {
 
 /// The DeviceClass documents, as (metadata name, the resourceName its CEL selects).
 fn classes(text: &str) -> Vec<(String, Option<String>)> {
+    documents(text)
+        .into_iter()
+        .map(|(name, selects, _)| (name, selects))
+        .collect()
+}
+
+/// The DeviceClass documents, as (metadata name, the resourceName its CEL selects,
+/// its `extendedResourceName`).
+fn documents(text: &str) -> Vec<(String, Option<String>, Option<String>)> {
     text.split("\n---\n")
         .filter(|doc| doc.contains("kind: DeviceClass"))
         .map(|doc| {
@@ -39,9 +48,28 @@ fn classes(text: &str) -> Vec<(String, Option<String>)> {
                 .split(".resourceName ==")
                 .nth(1)
                 .map(|rest| rest.trim().trim_matches('"').to_owned());
-            (name, selects)
+            let extended = doc
+                .lines()
+                .find_map(|l| l.strip_prefix("  extendedResourceName: "))
+                .map(str::to_owned);
+            (name, selects, extended)
         })
         .collect()
+}
+
+/// KEP-5004: each class serves the extended resource of the name it selects (what
+/// the device plugin advertises), and no two classes claim one name (the API
+/// server then picks the newest, silently).
+#[test]
+fn each_named_class_serves_its_name_as_an_extended_resource() {
+    let mut seen = std::collections::BTreeSet::new();
+    for (class, selects, extended) in documents(&manifests()) {
+        assert_eq!(extended, selects, "{class}");
+        if let Some(name) = extended {
+            assert!(seen.insert(name.clone()), "{name} twice");
+        }
+    }
+    assert!(seen.len() >= 16, "{seen:?}");
 }
 
 #[test]

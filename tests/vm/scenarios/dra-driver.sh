@@ -93,6 +93,8 @@ spec=$CDI/$DRIVER-vfio_$uid_card.json
 run_logged cat "$spec"
 expect_contains "CDI spec gives /dev/vfio/vfio" "$spec" '"path": "/dev/vfio/vfio"'
 expect_contains "CDI spec gives the group node" "$spec" "\"path\": \"/dev/vfio/$CARD_GROUP\""
+expect_contains "CDI spec sets KubeVirt's variable as the device plugin's Allocate does" "$spec" \
+    "\"PCI_RESOURCE_EXAMPLE_COM_NIC_PT=$CARD_FN0\""
 expect_contains "CDI spec mounts the metadata file where KubeVirt >= 1.8.3 reads it" "$spec" \
     "\"containerPath\": \"/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm-card/nic/$DRIVER-metadata.json\""
 expect_contains "CDI spec mounts it where KubeVirt 1.8.0-1.8.2 read it" "$spec" \

@@ -79,7 +79,12 @@ pub const V1_SPEC: &str = r#"{
         ]
       }
     }
-  ]
+  ],
+  "containerEdits": {
+    "env": [
+      "PCI_RESOURCE_EXAMPLE_COM_NIC_PT=0000:01:00.0,0000:01:00.1"
+    ]
+  }
 }
 "#;
 
@@ -215,7 +220,13 @@ pub const V1BETA1_SPEC: &str = r#"{
         ]
       }
     }
-  ]
+  ],
+  "containerEdits": {
+    "env": [
+      "PCI_RESOURCE_EXAMPLE_COM_NIC_PT=0000:02:00.0",
+      "PCI_RESOURCE_EXAMPLE_COM_NVME_PT=0000:03:00.0"
+    ]
+  }
 }
 "#;
 
