@@ -1,11 +1,14 @@
 //! Generates the messages and services of our transcribed kubelet APIs: the
-//! device-plugin API (`api.proto`), plugin registration and both DRA versions.
+//! device-plugin API (`api.proto`), plugin registration, both DRA versions and both
+//! versions of the DRA device health stream.
 
 const PROTOS: &[&str] = &[
     "api.proto",
     "pluginregistration/v1/api.proto",
     "dra/v1/api.proto",
     "dra/v1beta1/api.proto",
+    "dra-health/v1alpha1/api.proto",
+    "dra-health/v1/api.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -7,7 +7,9 @@
 //!   service every plugin of kubelet's plugin watcher serves on its registration
 //!   socket ([`pluginregistration`]);
 //! - Dynamic Resource Allocation (`dra/v1/api.proto`, `dra/v1beta1/api.proto`): the
-//!   `DRAPlugin` service a DRA driver serves ([`dra::v1`], [`dra::v1beta1`]).
+//!   `DRAPlugin` service a DRA driver serves ([`dra::v1`], [`dra::v1beta1`]);
+//! - DRA device health (`dra-health/v1alpha1/api.proto`, `dra-health/v1/api.proto`):
+//!   the `DRAResourceHealth` stream a DRA driver serves beside it ([`dra_health`]).
 
 pub mod authority;
 pub mod serve;
@@ -37,6 +39,25 @@ pub mod dra {
         tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
     }
 }
+
+/// The DRA device health stream kubelet reads from a driver's endpoint (KEP-4680):
+/// `DRAResourceHealth.NodeWatchResources`, field for field the same in both.
+#[allow(missing_docs, clippy::all)]
+pub mod dra_health {
+    /// Package `v1alpha1` (kubelet 1.34 and later).
+    pub mod v1alpha1 {
+        tonic::include_proto!("v1alpha1");
+    }
+    /// Package `v1` (the newer kubelets, which prefer it).
+    pub mod v1 {
+        tonic::include_proto!("v1");
+    }
+}
+
+/// `PluginInfo.supported_versions` entry for the [`dra_health::v1`] service.
+pub const DRA_HEALTH_V1_SERVICE: &str = "v1.DRAResourceHealth";
+/// `PluginInfo.supported_versions` entry for the [`dra_health::v1alpha1`] service.
+pub const DRA_HEALTH_V1ALPHA1_SERVICE: &str = "v1alpha1.DRAResourceHealth";
 
 /// The API version a plugin sends in `RegisterRequest.version`.
 pub const VERSION: &str = "v1beta1";

@@ -279,7 +279,7 @@ impl Tracker {
                     entry.target_driver
                 ))
             } else {
-                group_problem(host, inv, d.iommu_group)
+                inv.group_problem(host, d.iommu_group)
             };
             let state = DeviceState {
                 address: d.address,
@@ -315,22 +315,6 @@ impl Tracker {
         }
         news.new
     }
-}
-
-fn group_problem(host: &Host, inv: &Inventory, group: Option<u32>) -> Option<String> {
-    let Some(group) = group else {
-        return Some("no IOMMU group".into());
-    };
-    if let Some(v) = inv.groups.get(&group) {
-        if let Some(b) = v.blockers.first() {
-            return Some(format!(
-                "IOMMU group {group} is not viable: {} is on {}",
-                b.address, b.driver
-            ));
-        }
-    }
-    let node = host.vfio_group_node(group);
-    (!Host::exists(&node)).then(|| format!("{} is missing", node.display()))
 }
 
 #[cfg(test)]

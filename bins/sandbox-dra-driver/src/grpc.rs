@@ -58,6 +58,11 @@ pub trait Driver: Send + Sync + 'static {
     /// driver's last registration went away) can land just before or after a
     /// registration, so a driver republishes them on `true`.
     fn registration_status(&self, _registered: bool) {}
+    /// The device health board whose reports `DRAResourceHealth` streams to
+    /// kubelet; `None` serves no health service and advertises none.
+    fn health(&self) -> Option<Arc<crate::health::HealthBoard>> {
+        None
+    }
 }
 
 /// Where to serve, and under which driver name.
@@ -107,16 +112,24 @@ impl GrpcConfig {
     }
 
     /// What `GetInfo` answers: type `DRAPlugin`, the driver name, the service
-    /// socket, and both versions, v1 first (kubelet picks the first it knows).
-    pub fn plugin_info(&self) -> PluginInfo {
+    /// socket, and both versions, v1 first (kubelet picks the first it knows);
+    /// with `health`, both versions of `DRAResourceHealth` after them (kubelet 1.34
+    /// skips names it does not know, 1.32 looks for `v1beta1.DRAPlugin` alone, and
+    /// newer kubelets open the health stream only when it is listed).
+    pub fn plugin_info(&self, health: bool) -> PluginInfo {
+        let mut supported_versions = vec![
+            kubelet_api::DRA_V1_SERVICE.to_owned(),
+            kubelet_api::DRA_V1BETA1_SERVICE.to_owned(),
+        ];
+        if health {
+            supported_versions.push(kubelet_api::DRA_HEALTH_V1_SERVICE.to_owned());
+            supported_versions.push(kubelet_api::DRA_HEALTH_V1ALPHA1_SERVICE.to_owned());
+        }
         PluginInfo {
             r#type: kubelet_api::DRA_PLUGIN_TYPE.into(),
             name: self.driver_name.clone(),
             endpoint: self.service_socket().to_string_lossy().into_owned(),
-            supported_versions: vec![
-                kubelet_api::DRA_V1_SERVICE.into(),
-                kubelet_api::DRA_V1BETA1_SERVICE.into(),
-            ],
+            supported_versions,
         }
     }
 
@@ -235,9 +248,11 @@ impl Socket {
         self.warned = false;
         let stop = match &self.kind {
             Kind::Dra(driver) => spawn_dra(listener, driver.clone()),
-            Kind::Registration(cfg, driver) => {
-                spawn_registration(listener, cfg.plugin_info(), driver.clone())
-            }
+            Kind::Registration(cfg, driver) => spawn_registration(
+                listener,
+                cfg.plugin_info(driver.health().is_some()),
+                driver.clone(),
+            ),
         };
         if let Some(old) = self.stop.replace(stop) {
             let _ = old.send(());
@@ -296,10 +311,21 @@ impl Socket {
 }
 
 fn spawn_dra(listener: UnixListener, driver: Arc<dyn Driver>) -> oneshot::Sender<()> {
+    use kubelet_api::dra_health;
+    let health = driver.health().map(crate::health::HealthService);
     let service = DraService { driver };
-    let router = Server::builder()
-        .add_service(v1::dra_plugin_server::DraPluginServer::new(service.clone()))
-        .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(service));
+    let router =
+        Server::builder()
+            .add_service(v1::dra_plugin_server::DraPluginServer::new(service.clone()))
+            .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(service))
+            .add_optional_service(
+                health
+                    .clone()
+                    .map(dra_health::v1::dra_resource_health_server::DraResourceHealthServer::new),
+            )
+            .add_optional_service(health.map(
+                dra_health::v1alpha1::dra_resource_health_server::DraResourceHealthServer::new,
+            ));
     kubelet_api::serve::spawn(listener, router, "DRA service")
 }
 

@@ -10,6 +10,7 @@
 pub mod cdi;
 pub mod claims;
 pub mod grpc;
+pub mod health;
 pub mod metrics;
 pub mod owner;
 pub mod publish;

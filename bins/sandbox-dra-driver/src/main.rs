@@ -275,6 +275,11 @@ fn main() -> ExitCode {
     let prepared = state.state().claims.len();
     let mut registry = endpoint::registry();
     let metrics = Arc::new(Metrics::new(&mut registry));
+    let health = Arc::new(sandbox_dra_driver::health::HealthBoard::new(
+        &node_name,
+        host.clone(),
+        list.clone(),
+    ));
     let worker = match worker::Worker::start(
         worker::Setup {
             host: host.clone(),
@@ -284,6 +289,7 @@ fn main() -> ExitCode {
             pool: node_name.clone(),
             files,
             jobs: cli.bind_jobs,
+            health: Some(health.clone()),
             metrics: metrics.clone(),
             kernel,
         },
@@ -313,6 +319,7 @@ fn main() -> ExitCode {
         registry,
         metrics,
         readiness,
+        health,
     };
     match runtime.block_on(run(cli, setup)) {
         Ok(()) => ExitCode::SUCCESS,
@@ -346,6 +353,7 @@ struct Serve {
     registry: endpoint::Registry,
     metrics: Arc<Metrics>,
     readiness: Arc<Readiness>,
+    health: Arc<sandbox_dra_driver::health::HealthBoard>,
 }
 
 async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
@@ -357,6 +365,7 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
         registry,
         metrics,
         readiness,
+        health,
     } = setup;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
@@ -400,6 +409,7 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
         publish::Reports {
             readiness: readiness.clone(),
             metrics: metrics.clone(),
+            health: Some(health.clone()),
         },
     );
     let registered = Arc::new(tokio::sync::Notify::new());
@@ -413,6 +423,7 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
             registered,
             readiness: readiness.clone(),
             metrics,
+            health: Some(health),
         },
     ));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

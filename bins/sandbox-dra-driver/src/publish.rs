@@ -32,6 +32,7 @@ use sysfs_pci::{error_chain, Host};
 use tokio::sync::Notify;
 use tokio_stream::StreamExt;
 
+use crate::health::HealthBoard;
 use crate::metrics::Metrics;
 use crate::ready::Readiness;
 
@@ -52,6 +53,7 @@ pub struct Publisher {
     wake: Arc<Notify>,
     readiness: Arc<Readiness>,
     metrics: Arc<Metrics>,
+    health: Option<Arc<HealthBoard>>,
 }
 
 /// Where the publisher reports each pass.
@@ -60,6 +62,9 @@ pub struct Reports {
     pub readiness: Arc<Readiness>,
     /// Slice writes and published devices.
     pub metrics: Arc<Metrics>,
+    /// Device health: read again on every node change, before the slices are
+    /// written (it does not wait for the API server).
+    pub health: Option<Arc<HealthBoard>>,
 }
 
 impl Publisher {
@@ -88,19 +93,22 @@ impl Publisher {
             wake: Arc::default(),
             readiness: reports.readiness,
             metrics: reports.metrics,
+            health: reports.health,
         }
     }
 
     /// Reconciles now and after every change, until aborted. `registered` is
     /// notified when kubelet accepts a registration.
     pub async fn run(self, registered: Arc<Notify>) {
-        let mut node = AsyncNodeWatch::open(
-            &self.host,
-            Options {
-                resync: Some(self.resync),
-                ..Options::default()
-            },
-        );
+        // The node watcher: device health first, at once; then this loop.
+        let node_changed = Arc::new(Notify::new());
+        let following = tokio::spawn(follow_node(
+            self.host.clone(),
+            self.resync,
+            self.health.clone(),
+            node_changed.clone(),
+        ));
+        let _stop_following = AbortOnDrop(following);
         let watching = tokio::spawn(self.clone().watch());
         let _stop_watching = AbortOnDrop(watching);
         let mut backoff = FIRST_BACKOFF;
@@ -125,7 +133,7 @@ impl Publisher {
                 () = sleep_for(retry) => {}
                 _ = self.wake.notified() => tracing::debug!("our ResourceSlices changed elsewhere; publishing again"),
                 _ = registered.notified() => tracing::debug!("registered with kubelet; publishing again"),
-                _ = node.next() => {}
+                _ = node_changed.notified() => {}
             }
         }
     }
@@ -190,6 +198,34 @@ impl Publisher {
     /// Deletes this node's slices (an uninstall).
     pub async fn delete_all(&self) -> Result<(), SliceError> {
         self.slices.lock().await.delete_all().await.map(|_| ())
+    }
+}
+
+/// Follows the node (PCI uevents, `/dev/vfio`, and a resync every `resync`): on
+/// every batch, reads device health again (when kept) and wakes the publisher.
+async fn follow_node(
+    host: Host,
+    resync: Duration,
+    health: Option<Arc<HealthBoard>>,
+    changed: Arc<Notify>,
+) {
+    let mut node = AsyncNodeWatch::open(
+        &host,
+        Options {
+            resync: Some(resync),
+            ..Options::default()
+        },
+    );
+    if let Some(h) = &health {
+        let h = h.clone();
+        let _ = tokio::task::spawn_blocking(move || h.refresh()).await;
+    }
+    loop {
+        let changes = node.next().await;
+        if let Some(h) = &health {
+            h.refresh_changes(&changes);
+        }
+        changed.notify_one();
     }
 }
 

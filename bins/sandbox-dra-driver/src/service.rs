@@ -30,6 +30,7 @@ pub struct Service {
     registered: Arc<Notify>,
     readiness: Arc<Readiness>,
     metrics: Arc<Metrics>,
+    health: Option<Arc<crate::health::HealthBoard>>,
 }
 
 /// What the service reports to besides kubelet.
@@ -41,6 +42,8 @@ pub struct Reporting {
     pub readiness: Arc<Readiness>,
     /// The metrics.
     pub metrics: Arc<Metrics>,
+    /// Device health, streamed to kubelet.
+    pub health: Option<Arc<crate::health::HealthBoard>>,
 }
 
 impl Service {
@@ -61,6 +64,7 @@ impl Service {
             registered: reporting.registered,
             readiness: reporting.readiness,
             metrics: reporting.metrics,
+            health: reporting.health,
         }
     }
 
@@ -197,6 +201,10 @@ impl crate::grpc::Driver for Service {
         if registered {
             self.registered.notify_one();
         }
+    }
+
+    fn health(&self) -> Option<Arc<crate::health::HealthBoard>> {
+        self.health.clone()
     }
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {

@@ -84,6 +84,8 @@ pub struct Setup {
     pub files: Files,
     /// IOMMU groups moved at once.
     pub jobs: std::num::NonZeroUsize,
+    /// Told the devices of prepared claims after every job.
+    pub health: Option<Arc<crate::health::HealthBoard>>,
     /// Device gauges, set after every job.
     pub metrics: Arc<Metrics>,
     /// The kernel door, with its deadline on every sysfs write (and the devices
@@ -345,6 +347,16 @@ fn held(setup: &Setup) {
     let state = setup.state.state();
     let prepared = state.claims.values().map(|c| c.devices.len()).sum();
     setup.metrics.held(prepared, state.devices.len());
+    if let Some(health) = &setup.health {
+        health.set_prepared(
+            state
+                .claims
+                .values()
+                .filter(|c| c.phase == passthrough::state::ClaimPhase::Prepared)
+                .flat_map(|c| c.devices.iter().map(|d| d.address))
+                .collect(),
+        );
+    }
 }
 
 /// The thread is idle again.

@@ -36,7 +36,12 @@ async fn kubelet_registers_the_driver_with_the_exact_plugin_info() {
     );
     assert_eq!(
         reg.supported_versions,
-        ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        [
+            "v1.DRAPlugin",
+            "v1beta1.DRAPlugin",
+            "v1.DRAResourceHealth",
+            "v1alpha1.DRAResourceHealth"
+        ]
     );
     assert_eq!(reg.chosen, Version::V1);
     // The notification reached the driver, which took it as accepted.

@@ -321,6 +321,26 @@ impl Inventory {
         }
     }
 
+    /// Why a device bound in `group` cannot be used by a VM now, or `None`: no
+    /// group at all, a member on a driver that makes the group not viable, or the
+    /// group's `/dev/vfio/<group>` node missing. The device plugin's health and the
+    /// DRA driver's say the same.
+    pub fn group_problem(&self, host: &Host, group: Option<u32>) -> Option<String> {
+        let Some(group) = group else {
+            return Some("no IOMMU group".into());
+        };
+        if let Some(v) = self.groups.get(&group) {
+            if let Some(b) = v.blockers.first() {
+                return Some(format!(
+                    "IOMMU group {group} is not viable: {} is on {}",
+                    b.address, b.driver
+                ));
+            }
+        }
+        let node = host.vfio_group_node(group);
+        (!Host::exists(&node)).then(|| format!("{} is missing", node.display()))
+    }
+
     /// The entry for `address`.
     pub fn get(&self, address: &PciAddress) -> Option<&Entry> {
         self.entries.iter().find(|e| e.device.address == *address)

@@ -316,6 +316,19 @@ fn read_group(dir: &Path) -> Result<Option<u32>, DeviceError> {
     }
 }
 
+/// The device's fatal PCIe error count since boot, from its `aer_dev_fatal`
+/// (lines `<error name> <count>`, the total on `TOTAL_ERR_FATAL`); `None` where sysfs
+/// has no such file (no AER, an older kernel) or it cannot be read.
+pub fn aer_fatal_total(host: &Host, address: &PciAddress) -> Option<u64> {
+    let text = std::fs::read_to_string(host.device_dir(address).join("aer_dev_fatal")).ok()?;
+    text.lines().find_map(|l| {
+        let (name, count) = l.trim().rsplit_once(char::is_whitespace)?;
+        (name.trim() == "TOTAL_ERR_FATAL")
+            .then(|| count.trim().parse().ok())
+            .flatten()
+    })
+}
+
 /// The IOMMU group of the device at `address`, read on its own (for naming the group
 /// of a device whose other attributes are malformed).
 pub fn iommu_group_of(host: &Host, address: &PciAddress) -> Result<Option<u32>, DeviceError> {

@@ -58,6 +58,7 @@ pub struct PreparedDevice {
 }
 
 mod client;
+pub mod health;
 
 pub use client::{Answer, ClaimError, Dra, PrepareResult, Prepared, UnprepareResult, Unprepared};
 

@@ -23,6 +23,7 @@
 //! checkpoint), for kubelet 1.32 or 1.34.
 
 pub mod api;
+pub mod bench;
 pub mod dra;
 pub mod grpcgo;
 pub mod manager;

@@ -138,6 +138,24 @@ enum DraCmd {
     /// with the same directory re-sends prepare for the listed pods). One line of
     /// JSON per event on stdout.
     Kubelet(KubeletArgs),
+    /// Register, then read the device health stream as kubelet does (the service
+    /// the newest kubelet picks from PluginInfo, on the DRA endpoint, merged into
+    /// kubelet's cache): one line of JSON per response (the cache and what
+    /// changed), until every --until holds (exit 0) or --within passes (exit 1).
+    Health(HealthArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct HealthArgs {
+    #[command(flatten)]
+    registry: Registry,
+    /// POOL/DEVICE=HEALTH (Healthy, Unhealthy, Unknown) to wait for (repeat for
+    /// several); none: stop after the first response.
+    #[arg(long = "until", value_name = "POOL/DEVICE=HEALTH")]
+    until: Vec<String>,
+    /// How long to wait for them.
+    #[arg(long, default_value = "10s", value_parser = node_agent::cli::parse_duration_or_zero)]
+    within: Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -190,6 +208,55 @@ async fn register(r: &Registry) -> anyhow::Result<dra::Registered> {
     dra::register_socket_as(&socket, r.kubelet).await
 }
 
+/// `dra health`: the stream as kubelet reads it, until the wanted states.
+async fn health(a: HealthArgs) -> anyhow::Result<bool> {
+    use kubelet_peer::dra::health::{pick_service, HealthCache, HealthStream};
+    let mut until = Vec::new();
+    for u in &a.until {
+        let (key, want) = u
+            .rsplit_once('=')
+            .ok_or_else(|| anyhow::anyhow!("--until {u:?} is not POOL/DEVICE=HEALTH"))?;
+        until.push((key.to_owned(), want.to_owned()));
+    }
+    let r = register(&a.registry).await?;
+    let Some(version) = pick_service(&r.supported_versions) else {
+        anyhow::bail!(
+            "{} lists no DRAResourceHealth service in {:?}: kubelet opens no health stream",
+            r.name,
+            r.supported_versions
+        );
+    };
+    let deadline = tokio::time::Instant::now() + a.within;
+    let mut stream = HealthStream::open(&r.endpoint_path(), version, a.registry.kubelet).await?;
+    let mut cache = HealthCache::default();
+    loop {
+        let next = tokio::time::timeout_at(deadline, stream.next()).await;
+        let devices = match next {
+            Err(_) => {
+                eprintln!(
+                    "kubelet-peer: {:?} not reached within {:?}",
+                    a.until, a.within
+                );
+                return Ok(false);
+            }
+            Ok(None) => anyhow::bail!("the health stream ended"),
+            Ok(Some(Err(status))) => anyhow::bail!("the health stream failed: {status}"),
+            Ok(Some(Ok(devices))) => devices,
+        };
+        let changed = cache.update(&devices, std::time::Instant::now());
+        println!(
+            "{}",
+            serde_json::json!({"version": version, "changed": changed, "devices": cache.devices})
+        );
+        if until
+            .iter()
+            .all(|(k, w)| cache.health(k) == Some(w.as_str()))
+        {
+            return Ok(true);
+        }
+    }
+}
+
 /// Prints the answer and its problems; true when there are none.
 fn report<T: serde::Serialize + dra::ClaimError>(
     answer: &dra::Answer<T>,
@@ -235,6 +302,7 @@ async fn run_dra(cmd: DraCmd) -> anyhow::Result<bool> {
             let _ = printer.await;
             r.map(|()| true)
         }
+        DraCmd::Health(a) => health(a).await,
         DraCmd::Unprepare(calls) => {
             let answer = dra_client(&calls).await?.unprepare(&calls.claims).await?;
             Ok(report(&answer, &calls.claims))

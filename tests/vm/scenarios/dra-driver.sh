@@ -64,7 +64,8 @@ cp "$TB_OUT" /tmp/reg.json
 run_logged cat /tmp/reg.json
 expect_contains "GetInfo: a DRA plugin" /tmp/reg.json '"type":"DRAPlugin","name":"vfio-sandbox.rebellions.ai"'
 expect_contains "GetInfo: its endpoint" /tmp/reg.json "\"endpoint\":\"/var/lib/kubelet/plugins/$DRIVER/dra.sock\""
-expect_contains "GetInfo: v1 first, then v1beta1" /tmp/reg.json '"supported_versions":["v1.DRAPlugin","v1beta1.DRAPlugin"],"chosen":"v1"'
+expect_contains "GetInfo: v1 first, then v1beta1, then both health services" /tmp/reg.json \
+    '"supported_versions":["v1.DRAPlugin","v1beta1.DRAPlugin","v1.DRAResourceHealth","v1alpha1.DRAResourceHealth"],"chosen":"v1"'
 wait_for "the ResourceSlice is published" 10 -- sh -c 'fake-apiserver request GET /apis/resource.k8s.io/v1/resourceslices | grep -q pci-0000'
 slices
 for b in "$CARD_FN0" "$CARD_FN1" "$SOLO_NIC"; do
@@ -105,6 +106,27 @@ expect_contains "metadata carries the pciBusID" "$meta" "\"string\": \"$CARD_FN0
 expect_contains "state: the claim is prepared" "$STATE" '"phase": "prepared"'
 step "prepare again (kubelet retries): the same answer" -- peer prepare --version v1 --claim "vms/vm-card/$uid_card"
 expect_eq "the same answer" "$(cat "$TB_OUT")" "$(cat /tmp/prep-card.json)"
+
+note "device health as kubelet reads it: the prepared card leaves vfio-pci and comes back"
+card_key="$NODE/$(dev_name "$CARD_FN0")"
+step "health stream: the prepared card is Healthy" -- peer health --until "$card_key=Healthy"
+peer health --until "$card_key=Unhealthy" --within 10s >/tmp/health-down.json 2>&1 &
+health_pid=$!
+sleep 0.5
+step "CARD_FN0 is unbound from vfio-pci behind the driver's back" -- \
+    sysfs_write "/sys/bus/pci/devices/$CARD_FN0/driver/unbind" "$CARD_FN0"
+wait "$health_pid"
+expect_eq "kubelet's peer sees it Unhealthy" "$?" 0
+run_logged tail -n 1 /tmp/health-down.json
+expect_contains "with why" /tmp/health-down.json "is prepared for a VM but on no driver instead of vfio-pci"
+peer health --until "$card_key=Healthy" --within 10s >/tmp/health-up.json 2>&1 &
+health_pid=$!
+sleep 0.5
+step "drivers_probe puts it back on vfio-pci (its override still says so)" -- \
+    sysfs_write /sys/bus/pci/drivers_probe "$CARD_FN0"
+wait "$health_pid"
+expect_eq "kubelet's peer sees it Healthy again" "$?" 0
+expect_driver "CARD_FN0 on vfio-pci again" "$CARD_FN0" vfio-pci
 
 note "unprepare: back to e1000e"
 t0=$(_tb_now_ms)

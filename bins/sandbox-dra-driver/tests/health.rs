@@ -1,0 +1,137 @@
+//! Device health to kubelet (KEP-4680): the real `sandbox-dra-driver` on a fake node,
+//! its `DRAResourceHealth` stream read by the kubelet-like peer as kubelet reads it
+//! (the service picked from PluginInfo, the DRA endpoint's connection, the reports
+//! merged into kubelet's cache).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::driver::*;
+use common::*;
+use kubelet_peer::dra::health::{pick_service, HealthCache, HealthStream, HealthVersion};
+use kubelet_peer::dra::KubeletVersion;
+
+/// Reads the stream until `f` holds for kubelet's cache; the cache then.
+async fn until(
+    stream: &mut HealthStream,
+    cache: &mut HealthCache,
+    what: &str,
+    f: impl Fn(&HealthCache) -> bool,
+) {
+    let deadline = Instant::now() + WAIT;
+    while !f(cache) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let next = tokio::time::timeout(left, stream.next())
+            .await
+            .unwrap_or_else(|_| panic!("timed out waiting for {what}: {cache:?}"));
+        let devices = next.expect("the stream stays open").expect("a response");
+        cache.update(&devices, Instant::now());
+    }
+}
+
+#[tokio::test]
+async fn kubelet_sees_each_device_healthy_and_a_prepared_one_turn_unhealthy_with_why() {
+    let scene = Scene::new();
+    let server = cluster();
+    let driver = scene.start(&server).await;
+    let reg = register(&scene).await;
+    assert_eq!(
+        pick_service(&reg.supported_versions),
+        Some(HealthVersion::V1)
+    );
+    for version in [HealthVersion::V1alpha1, HealthVersion::V1] {
+        let mut stream = HealthStream::open(&reg.endpoint_path(), version, KubeletVersion::V1_34)
+            .await
+            .unwrap();
+        let mut cache = HealthCache::default();
+        until(&mut stream, &mut cache, "every device", |c| {
+            c.devices.len() == 4
+        })
+        .await;
+        for (key, d) in &cache.devices {
+            assert!(key.starts_with("node-a/pci-0000-0"), "{key}");
+            assert_eq!(d.health, "Healthy", "{key}: {d:?}");
+            assert_eq!(d.timeout_seconds, 60, "{key}");
+            assert!(d.message.contains("ready to be prepared"), "{d:?}");
+        }
+    }
+    // A prepared claim: its devices are on vfio-pci for a VM.
+    let claim = put_v1_claim(&server);
+    let mut client = scene.client(kubelet_peer::dra::Version::V1).await;
+    let answers = prepare(&mut client, std::slice::from_ref(&claim)).await;
+    assert_eq!(answers[&claim.uid], v1_answer());
+    let mut stream = HealthStream::open(
+        &reg.endpoint_path(),
+        HealthVersion::V1,
+        KubeletVersion::V1_34,
+    )
+    .await
+    .unwrap();
+    let mut cache = HealthCache::default();
+    let card = "node-a/pci-0000-01-00-0";
+    until(&mut stream, &mut cache, "the prepared card", |c| {
+        c.devices
+            .get(card)
+            .is_some_and(|d| d.message.contains("for a VM"))
+    })
+    .await;
+    // Its group node goes: Unhealthy at once (a /dev/vfio event), saying why.
+    let node = scene.root().join("dev/vfio/5");
+    let started = Instant::now();
+    std::fs::remove_file(&node).unwrap();
+    until(&mut stream, &mut cache, "the card unhealthy", |c| {
+        c.health(card) == Some("Unhealthy")
+    })
+    .await;
+    let took = started.elapsed();
+    let d = &cache.devices[card];
+    assert!(d.message.contains("/dev/vfio/5 is missing"), "{d:?}");
+    assert!(d.message.contains("prepared for a VM"), "{d:?}");
+    assert_eq!(cache.health("node-a/pci-0000-02-00-0"), Some("Healthy"));
+    // And back.
+    std::fs::write(&node, "").unwrap();
+    until(&mut stream, &mut cache, "the card healthy again", |c| {
+        c.health(card) == Some("Healthy")
+    })
+    .await;
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let (status, log) = driver.terminate().await;
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(log.contains("device unhealthy"), "{log}");
+}
+
+/// kubelet's cache, as `healthinfo.go` keeps it: merged device by device, a device
+/// not reported within its timeout turns Unknown with its message cleared.
+#[test]
+fn kubelets_cache_merges_and_times_out_as_kubelet_does() {
+    use kubelet_peer::dra::health::WireDevice;
+    let dev = |name: &str, health: i32, timeout: i64| WireDevice {
+        pool: "node-a".into(),
+        device: name.into(),
+        health,
+        last_updated_time: 1,
+        timeout_seconds: timeout,
+        message: "m".repeat(2000),
+    };
+    let t0 = Instant::now();
+    let mut cache = HealthCache::default();
+    let changed = cache.update(&[dev("a", 1, 0), dev("b", 2, 5)], t0);
+    assert_eq!(changed, ["node-a/a", "node-a/b"]);
+    assert_eq!(
+        cache.devices["node-a/a"].timeout_seconds, 30,
+        "kubelet's default"
+    );
+    assert_eq!(cache.devices["node-a/b"].message.chars().count(), 1024);
+    assert!(cache.devices["node-a/b"].message.ends_with("..."));
+    // Only `a` is reported again, 6 s later: `b` timed out.
+    let changed = cache.update(&[dev("a", 1, 0)], t0 + Duration::from_secs(6));
+    assert_eq!(changed, ["node-a/b"]);
+    assert_eq!(cache.health("node-a/b"), Some("Unknown"));
+    assert!(cache.devices["node-a/b"].message.is_empty());
+    // An unknown enum value reads Unknown.
+    cache.update(&[dev("a", 7, 0)], t0 + Duration::from_secs(7));
+    assert_eq!(cache.health("node-a/a"), Some("Unknown"));
+}
