@@ -80,6 +80,8 @@ pub struct DeviceReport {
     pub health: Health,
     /// Why not, or what it is.
     pub message: String,
+    /// Why not, in one word (the value of the device's taint in the slice).
+    pub reason: Option<&'static str>,
     /// Unix seconds of the last change of `health` or `message`.
     pub since: i64,
 }
@@ -249,7 +251,7 @@ impl HealthBoard {
                 Some(n) => *inner.fatal_baseline.entry(address).or_insert(n),
                 None => 0,
             };
-            let (health, message) = assess(
+            let (health, reason, message) = assess(
                 &self.host,
                 inv,
                 &address,
@@ -265,6 +267,7 @@ impl HealthBoard {
                     address,
                     health,
                     message,
+                    reason,
                     since: now,
                 },
             };
@@ -290,7 +293,23 @@ impl HealthBoard {
     }
 }
 
-/// One device's health on `inv` and why.
+/// Why a device is unhealthy, in one word: the values of its slice taint.
+pub mod reason {
+    /// Gone from the PCI bus.
+    pub const GONE: &str = "Gone";
+    /// Its sysfs attributes cannot be read.
+    pub const UNREADABLE: &str = "Unreadable";
+    /// A fatal PCIe error since the driver started.
+    pub const FATAL_PCIE_ERROR: &str = "FatalPCIeError";
+    /// Prepared, but not on its vfio driver.
+    pub const NOT_ON_VFIO: &str = "NotOnVfioDriver";
+    /// Prepared, but its IOMMU group is not viable or its group node is gone.
+    pub const GROUP_NOT_USABLE: &str = "GroupNotUsable";
+    /// It cannot be prepared (no IOMMU group, a member with VFs enabled).
+    pub const UNPREPARABLE: &str = "Unpreparable";
+}
+
+/// One device's health on `inv`, its reason and why.
 fn assess(
     host: &Host,
     inv: &Inventory,
@@ -298,41 +317,53 @@ fn assess(
     prepared: bool,
     withdrawn: Option<&String>,
     new_fatal: Option<u64>,
-) -> (Health, String) {
-    let bad = |m: String| (Health::Unhealthy, m);
+) -> (Health, Option<&'static str>, String) {
+    let bad = |r: &'static str, m: String| (Health::Unhealthy, Some(r), m);
     let Some(entry) = inv.get(address) else {
         if let Some(s) = inv.skipped.iter().find(|s| &s.address == address) {
-            return bad(format!("{address} cannot be read: {s}"));
+            return bad(reason::UNREADABLE, format!("{address} cannot be read: {s}"));
         }
-        return bad(format!("{address} is gone from the PCI bus"));
+        return bad(reason::GONE, format!("{address} is gone from the PCI bus"));
     };
     if let Some(n) = new_fatal.filter(|n| *n > 0) {
-        return bad(format!(
-            "{address} reported {n} fatal PCIe error(s) since the driver started (aer_dev_fatal)"
-        ));
+        return bad(
+            reason::FATAL_PCIE_ERROR,
+            format!("{address} reported {n} fatal PCIe error(s) since the driver started (aer_dev_fatal)"),
+        );
     }
     if prepared {
         let d = &entry.device;
         if !entry.is_bound() {
-            return bad(format!(
-                "{address} is prepared for a VM but on {} instead of {}",
-                d.driver.as_deref().unwrap_or("no driver"),
-                entry.target_driver
-            ));
+            return bad(
+                reason::NOT_ON_VFIO,
+                format!(
+                    "{address} is prepared for a VM but on {} instead of {}",
+                    d.driver.as_deref().unwrap_or("no driver"),
+                    entry.target_driver
+                ),
+            );
         }
         if let Some(p) = inv.group_problem(host, d.iommu_group) {
-            return bad(format!("{address} is prepared for a VM, but {p}"));
+            return bad(
+                reason::GROUP_NOT_USABLE,
+                format!("{address} is prepared for a VM, but {p}"),
+            );
         }
         return (
             Health::Healthy,
+            None,
             format!("{address} is on {} for a VM", entry.target_driver),
         );
     }
     if let Some(why) = withdrawn {
-        return bad(format!("{address} cannot be prepared: {why}"));
+        return bad(
+            reason::UNPREPARABLE,
+            format!("{address} cannot be prepared: {why}"),
+        );
     }
     (
         Health::Healthy,
+        None,
         format!(
             "{address} is ready to be prepared (on {})",
             entry.device.driver.as_deref().unwrap_or("no driver")

@@ -54,6 +54,8 @@ pub struct Publisher {
     readiness: Arc<Readiness>,
     metrics: Arc<Metrics>,
     health: Option<Arc<HealthBoard>>,
+    /// Whether the API server keeps device taints (until a write shows it drops them).
+    taints: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Where the publisher reports each pass.
@@ -94,6 +96,7 @@ impl Publisher {
             readiness: reports.readiness,
             metrics: reports.metrics,
             health: reports.health,
+            taints: Arc::new(std::sync::atomic::AtomicBool::new(true)),
         }
     }
 
@@ -111,6 +114,8 @@ impl Publisher {
         let _stop_following = AbortOnDrop(following);
         let watching = tokio::spawn(self.clone().watch());
         let _stop_watching = AbortOnDrop(watching);
+        // A device's health changes its taint (a prepare or unprepare too).
+        let mut health = self.health.as_ref().map(|h| h.subscribe());
         let mut backoff = FIRST_BACKOFF;
         loop {
             // After a success the node watcher's resync is the next pass.
@@ -134,6 +139,7 @@ impl Publisher {
                 _ = self.wake.notified() => tracing::debug!("our ResourceSlices changed elsewhere; publishing again"),
                 _ = registered.notified() => tracing::debug!("registered with kubelet; publishing again"),
                 _ = node_changed.notified() => {}
+                () = health_changed(health.as_mut()) => {}
             }
         }
     }
@@ -187,8 +193,29 @@ impl Publisher {
             .await
             .map_err(PublishError::ScanStopped)?
             .map_err(PublishError::Scan)?;
-        let devices = slices::slice_devices(&inv);
-        let report = self.slices.lock().await.reconcile(&devices).await?;
+        let unhealthy: std::collections::BTreeMap<sysfs_pci::PciAddress, &'static str> = self
+            .health
+            .as_ref()
+            .map(|h| {
+                h.subscribe()
+                    .borrow()
+                    .iter()
+                    .filter_map(|r| r.reason.map(|why| (r.address, why)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut slices = self.slices.lock().await;
+        let driver = slices.driver().to_owned();
+        let use_taints = self.taints.load(std::sync::atomic::Ordering::SeqCst);
+        let devices =
+            slices::marked_devices(&inv, &unhealthy, use_taints.then_some(driver.as_str()));
+        let mut report = slices.reconcile(&devices).await?;
+        if report.taints_dropped && self.taints.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            tracing::warn!("the API server drops the taints of ResourceSlice devices (its DRADeviceTaints gate is off, or it predates device taints): unhealthy and unpreparable devices are left out of the slice instead");
+            let devices = slices::marked_devices(&inv, &unhealthy, None);
+            report = slices.reconcile(&devices).await?;
+        }
+        drop(slices);
         tracing::debug!(?report, "ResourceSlices reconciled");
         self.metrics.published(devices.len(), &report);
         *sysfs_pci::kernel::lock(&self.ours) = report.versions.into_iter().collect();
@@ -241,6 +268,18 @@ pub enum PublishError {
     /// The ResourceSlices could not be written.
     #[error(transparent)]
     Slices(#[from] SliceError),
+}
+
+/// Resolves when the health reports change; never without a board.
+async fn health_changed(rx: Option<&mut tokio::sync::watch::Receiver<crate::health::Reports>>) {
+    match rx {
+        Some(rx) => {
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending().await,
+    }
 }
 
 /// Sleeps for `wait`; never without one.

@@ -30,7 +30,8 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{
-    Device, DeviceAttribute, ResourceClaim, ResourcePool, ResourceSlice, ResourceSliceSpec,
+    Device, DeviceAttribute, DeviceTaint, ResourceClaim, ResourcePool, ResourceSlice,
+    ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions};
@@ -45,7 +46,7 @@ mod allocation;
 mod devices;
 
 pub use allocation::{allocation_of, claim_allocation, AllocationError, ClaimAllocation};
-pub use devices::{pcie_root, slice_devices, withdrawn, Withdrawn};
+pub use devices::{marked_devices, pcie_root, slice_devices, taint_key, withdrawn, Withdrawn};
 
 /// The driver name when `--driver-name` is not given.
 pub const DEFAULT_DRIVER_NAME: &str = "vfio-sandbox.rebellions.ai";
@@ -146,6 +147,8 @@ pub struct Report {
     /// `(name, resourceVersion)` of each of our slices as they stand now: a watch
     /// event carrying one of these is our own write.
     pub versions: Vec<(String, String)>,
+    /// The server dropped the device taints this reconcile wrote.
+    pub taints_dropped: bool,
 }
 
 /// What a write that may race another writer came to.
@@ -239,8 +242,30 @@ fn generation(s: &ResourceSlice) -> i64 {
 }
 
 /// Devices equal, reading an absent list as an empty one (the server omits it).
+/// The server stamps each taint with `timeAdded`; ours carry none.
 fn same_devices(have: Option<&Vec<Device>>, want: &[Device]) -> bool {
-    have.map_or(&[][..], Vec::as_slice) == want
+    let have = have.map_or(&[][..], Vec::as_slice);
+    have.len() == want.len()
+        && have.iter().zip(want).all(|(h, w)| {
+            let mut h = h.clone();
+            for t in h.taints.iter_mut().flatten() {
+                t.time_added = None;
+            }
+            &h == w
+        })
+}
+
+/// Whether the server dropped taints we wrote: a device we sent with taints came
+/// back without (the `DRADeviceTaints` gate off, or a server before it).
+fn taints_dropped(sent: &[Device], written: &ResourceSlice) -> bool {
+    let back = written.spec.devices.as_deref().unwrap_or(&[]);
+    sent.iter()
+        .filter(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()))
+        .any(|d| {
+            back.iter()
+                .find(|b| b.name == d.name)
+                .is_none_or(|b| b.taints.as_ref().is_none_or(Vec::is_empty))
+        })
 }
 
 fn version(s: &ResourceSlice) -> (String, String) {
@@ -263,6 +288,11 @@ impl Slices {
     /// The pool: this node's name.
     pub fn pool(&self) -> &str {
         &self.node
+    }
+
+    /// The driver whose slices these are.
+    pub fn driver(&self) -> &str {
+        &self.driver
     }
 
     /// The name our first slice gets ([`slice_name`]).
@@ -381,11 +411,13 @@ impl Slices {
                     updated: 0,
                     deleted: Vec::new(),
                     versions: slices.iter().map(version).collect(),
+                    taints_dropped: false,
                 });
             }
             let generation = top + 1;
             let mut versions = Vec::new();
             let mut raced = false;
+            let mut dropped = false;
             for ((name, have), chunk) in names.iter().zip(&current).zip(&chunks) {
                 let written = match have {
                     Some(s) => {
@@ -398,7 +430,10 @@ impl Slices {
                     }
                 };
                 match written {
-                    Write::Done(s) => versions.push(version(&s)),
+                    Write::Done(s) => {
+                        dropped |= taints_dropped(chunk, &s);
+                        versions.push(version(&s));
+                    }
                     Write::Raced => {
                         raced = true;
                         break;
@@ -433,6 +468,7 @@ impl Slices {
                 generation,
                 deleted,
                 versions,
+                taints_dropped: dropped,
             });
         }
         Err(SliceError::Conflicts {

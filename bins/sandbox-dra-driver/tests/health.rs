@@ -135,3 +135,87 @@ fn kubelets_cache_merges_and_times_out_as_kubelet_does() {
     cache.update(&[dev("a", 7, 0)], t0 + Duration::from_secs(7));
     assert_eq!(cache.health("node-a/a"), Some("Unknown"));
 }
+
+/// The taints of `device` in this node's slices (KEP-5055).
+fn taints_of(server: &fake_apiserver::FakeApiServer, device: &str) -> Option<serde_json::Value> {
+    slices(server).iter().find_map(|s| {
+        s["spec"]["devices"]
+            .as_array()?
+            .iter()
+            .find(|d| d["name"] == device)
+            .map(|d| d["taints"].clone())
+    })
+}
+
+/// An unhealthy device stays in the slice with a NoSchedule taint naming why, which
+/// goes when it recovers; a server that drops taints (the gate off, an older
+/// server) gets the device withdrawn instead, and the driver says so once.
+#[tokio::test]
+async fn an_unhealthy_device_is_tainted_or_where_taints_are_dropped_withdrawn() {
+    for dropped in [false, true] {
+        let scene = Scene::new();
+        let server = cluster();
+        server.drop_device_taints(dropped);
+        let mut driver = scene.start(&server).await;
+        let reg = register(&scene).await;
+        driver
+            .wait_until("the slice", || {
+                taints_of(&server, "pci-0000-01-00-0").is_some()
+            })
+            .await;
+        assert_eq!(
+            taints_of(&server, "pci-0000-01-00-0"),
+            Some(serde_json::Value::Null)
+        );
+        let claim = put_v1_claim(&server);
+        let mut client = scene.client(kubelet_peer::dra::Version::V1).await;
+        prepare(&mut client, std::slice::from_ref(&claim)).await;
+        let node = scene.root().join("dev/vfio/5");
+        std::fs::remove_file(&node).unwrap();
+        if dropped {
+            driver
+                .wait_until("the card withdrawn", || {
+                    taints_of(&server, "pci-0000-01-00-0").is_none()
+                })
+                .await;
+            assert!(
+                taints_of(&server, "pci-0000-02-00-0").is_some(),
+                "the rest stays"
+            );
+        } else {
+            driver
+                .wait_until("the card tainted", || {
+                    taints_of(&server, "pci-0000-01-00-0").is_some_and(|t| t.is_array())
+                })
+                .await;
+            for dev in ["pci-0000-01-00-0", "pci-0000-01-00-1"] {
+                let t = taints_of(&server, dev).unwrap();
+                assert_eq!(t.as_array().unwrap().len(), 1, "{t}");
+                assert_eq!(t[0]["key"], "vfio-sandbox.rebellions.ai/unhealthy");
+                assert_eq!(t[0]["value"], "GroupNotUsable");
+                assert_eq!(t[0]["effect"], "NoSchedule");
+                assert!(t[0]["timeAdded"].is_string(), "the server stamps it: {t}");
+            }
+            // The server's timeAdded is not a difference to write again.
+            let rv = |s: &fake_apiserver::FakeApiServer| {
+                slices(s)[0]["metadata"]["resourceVersion"].clone()
+            };
+            let before = rv(&server);
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            assert_eq!(rv(&server), before, "no rewrite loop");
+        }
+        std::fs::write(&node, "").unwrap();
+        driver
+            .wait_until("the card back, untainted", || {
+                taints_of(&server, "pci-0000-01-00-0") == Some(serde_json::Value::Null)
+            })
+            .await;
+        drop(reg);
+        let (status, log) = driver.terminate().await;
+        assert_eq!(status.code(), Some(0), "{log}");
+        let said = log
+            .matches("drops the taints of ResourceSlice devices")
+            .count();
+        assert_eq!(said, usize::from(dropped), "{log}");
+    }
+}

@@ -166,6 +166,13 @@ impl FakeApiServer {
         lock(&self.store).objects.remove(path).is_some()
     }
 
+    /// From now on, ResourceSlice writes lose their devices' taints, as on a server
+    /// without the `DRADeviceTaints` gate (before 1.33, or the gate off); with
+    /// `false`, taints are kept and stamped with `timeAdded`, as with the gate on.
+    pub fn drop_device_taints(&self, drop: bool) {
+        lock(&self.store).objects.drop_device_taints = drop;
+    }
+
     /// The store's current resourceVersion (that of the latest change).
     pub fn resource_version(&self) -> u64 {
         lock(&self.store).objects.resource_version

@@ -241,6 +241,9 @@ pub(crate) struct Objects {
     pub uids: u64,
     /// The recent changes watches are served from.
     pub history: History,
+    /// Whether ResourceSlice writes lose `spec.devices[].taints`, as a server
+    /// without the `DRADeviceTaints` gate drops them (`dropDisabledFields`).
+    pub drop_device_taints: bool,
 }
 
 /// The field and label requirements of a list or watch.

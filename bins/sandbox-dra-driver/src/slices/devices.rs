@@ -101,10 +101,52 @@ fn slice_device(entry: &Entry) -> Option<Device> {
 /// The devices this node offers, sorted by address: one per selected function
 /// that is not [`withdrawn`].
 pub fn slice_devices(inv: &Inventory) -> Vec<Device> {
-    let mut entries: Vec<&Entry> = inv
-        .selected()
-        .filter(|e| withdraw_reason(inv, e).is_none())
-        .collect();
-    entries.sort_by_key(|e| e.device.address);
-    entries.into_iter().filter_map(slice_device).collect()
+    marked_devices(inv, &BTreeMap::new(), None)
+}
+
+/// The key of the taint a device that should not get new claims carries:
+/// `<driver>/unhealthy` (KEP-5055 device taints, effect `NoSchedule`).
+pub fn taint_key(driver: &str) -> String {
+    format!("{driver}/unhealthy")
+}
+
+/// The devices this node offers, sorted by address, with the ones that should not
+/// get new claims marked: `unhealthy` maps such a device to its reason (the health
+/// board's), and an unpreparable one ([`withdrawn`]) has reason `Unpreparable`.
+/// With `taint_driver` (the API server keeps device taints) every selected function
+/// is offered and each marked one carries a `NoSchedule` taint `<driver>/unhealthy`
+/// whose value is the reason: the scheduler leaves it alone, claims already on it
+/// keep it, and `kubectl get resourceslice -o yaml` says why. Without, the marked
+/// ones are left out, as before taints existed.
+pub fn marked_devices(
+    inv: &Inventory,
+    unhealthy: &BTreeMap<PciAddress, &str>,
+    taint_driver: Option<&str>,
+) -> Vec<Device> {
+    let mut entries: Vec<(&Entry, Option<&str>)> =
+        inv.selected()
+            .map(|e| {
+                let reason = unhealthy.get(&e.device.address).copied().or_else(|| {
+                    withdraw_reason(inv, e).map(|_| crate::health::reason::UNPREPARABLE)
+                });
+                (e, reason)
+            })
+            .filter(|(_, reason)| taint_driver.is_some() || reason.is_none())
+            .collect();
+    entries.sort_by_key(|(e, _)| e.device.address);
+    entries
+        .into_iter()
+        .filter_map(|(e, reason)| {
+            let mut d = slice_device(e)?;
+            if let (Some(driver), Some(reason)) = (taint_driver, reason) {
+                d.taints = Some(vec![DeviceTaint {
+                    key: taint_key(driver),
+                    value: Some(reason.to_owned()),
+                    effect: "NoSchedule".into(),
+                    time_added: None,
+                }]);
+            }
+            Some(d)
+        })
+        .collect()
 }

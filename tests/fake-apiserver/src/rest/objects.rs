@@ -4,6 +4,38 @@
 use super::*;
 
 impl Objects {
+    /// What the real server's ResourceSlice strategy does on create and update
+    /// (kubernetes `pkg/registry/resource/resourceslice/strategy.go`): device taints
+    /// dropped when the `DRADeviceTaints` gate is off, else each taint without a
+    /// `timeAdded` gets the time now.
+    fn prepare_for_write(&self, path: &str, obj: &mut Value) {
+        if !Route::parse(path).is_some_and(|r| r.kind.plural == "resourceslices" && !r.status) {
+            return;
+        }
+        let Some(devices) = obj
+            .pointer_mut("/spec/devices")
+            .and_then(Value::as_array_mut)
+        else {
+            return;
+        };
+        for d in devices.iter_mut().filter_map(Value::as_object_mut) {
+            if self.drop_device_taints {
+                d.remove("taints");
+                continue;
+            }
+            for t in d
+                .get_mut("taints")
+                .and_then(Value::as_array_mut)
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_object_mut)
+            {
+                t.entry("timeAdded")
+                    .or_insert_with(|| crate::now_rfc3339().into());
+            }
+        }
+    }
+
     fn next_rv(&mut self) -> String {
         self.resource_version += 1;
         self.resource_version.to_string()
@@ -302,6 +334,7 @@ impl Objects {
                 o.remove("status");
             }
         }
+        self.prepare_for_write(&path, &mut obj);
         (StatusCode::CREATED, self.store(&path, obj))
     }
 
@@ -404,7 +437,8 @@ impl Objects {
 
     /// Stores `new` unless it equals `old` (a no-op write keeps the
     /// resourceVersion, as on a real server).
-    fn commit(&mut self, path: &str, old: &Value, new: Value) -> Answer {
+    fn commit(&mut self, path: &str, old: &Value, mut new: Value) -> Answer {
+        self.prepare_for_write(path, &mut new);
         let strip = |v: &Value| {
             let mut v = v.clone();
             if let Some(m) = meta_mut(&mut v) {
