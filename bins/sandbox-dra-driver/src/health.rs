@@ -25,8 +25,10 @@
 //! - **Unhealthy** when it is gone from the PCI bus, cannot be read, cannot be
 //!   prepared (withdrawn from the slice: no IOMMU group, a group member with VFs
 //!   enabled), has had a fatal PCIe error since the driver started (`aer_dev_fatal`,
-//!   where sysfs has it), or is prepared for a claim but no longer usable by its VM:
-//!   not on its vfio driver, its IOMMU group not viable or its group node gone;
+//!   where sysfs has it), has a sysfs write that has not returned (its driver is
+//!   stuck in the kernel, past `--write-timeout`), or is prepared for a claim but no
+//!   longer usable by its VM: not on its vfio driver, its IOMMU group not viable or
+//!   its group node gone;
 //! - **Healthy** otherwise;
 //! - each with a message a person understands (at most 1024 characters, as kubelet
 //!   wants them).
@@ -45,6 +47,7 @@ use kubelet_api::dra_health::{v1, v1alpha1};
 use node_agent::watch::Changes;
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
+use sysfs_pci::deadline::StuckList;
 use sysfs_pci::{Host, PciAddress};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -94,6 +97,7 @@ pub struct HealthBoard {
     pool: String,
     host: Host,
     list: ResourceList,
+    stuck: StuckList,
     inner: Mutex<Inner>,
     tx: watch::Sender<Reports>,
 }
@@ -108,6 +112,8 @@ struct Inner {
     prepared: BTreeSet<PciAddress>,
     /// `aer_dev_fatal` totals when first seen.
     fatal_baseline: BTreeMap<PciAddress, u64>,
+    /// Devices with a sysfs write that has not returned, as last seen.
+    stuck: BTreeSet<PciAddress>,
 }
 
 impl std::fmt::Debug for HealthBoard {
@@ -119,12 +125,14 @@ impl std::fmt::Debug for HealthBoard {
 }
 
 impl HealthBoard {
-    /// A board for this node's pool; nothing known yet.
-    pub fn new(pool: &str, host: Host, list: ResourceList) -> Self {
+    /// A board for this node's pool; nothing known yet. `stuck` is the kernel
+    /// door's list of writes that have not returned.
+    pub fn new(pool: &str, host: Host, list: ResourceList, stuck: StuckList) -> Self {
         Self {
             pool: pool.to_owned(),
             host,
             list,
+            stuck,
             inner: Mutex::default(),
             tx: watch::Sender::new(Arc::new(Vec::new())),
         }
@@ -201,6 +209,19 @@ impl HealthBoard {
         self.update(&inv, Some(&scope));
     }
 
+    /// Looks at the stuck writes again (they end without any event); reads again the
+    /// devices that became stuck or came free.
+    pub fn check_stuck(&self) {
+        let now: BTreeSet<PciAddress> = self.stuck.get().into_keys().collect();
+        let moved: BTreeSet<PciAddress> = {
+            let inner = sysfs_pci::kernel::lock(&self.inner);
+            inner.stuck.symmetric_difference(&now).copied().collect()
+        };
+        if !moved.is_empty() {
+            self.refresh_scope(moved, &BTreeSet::new());
+        }
+    }
+
     /// The devices of prepared claims are now `prepared`; reads again those that
     /// joined or left, with their groups.
     pub fn set_prepared(&self, prepared: BTreeSet<PciAddress>) {
@@ -241,6 +262,8 @@ impl HealthBoard {
                 .filter(|a| scope.is_none_or(|s| s.contains(a)))
                 .copied(),
         );
+        let stuck = self.stuck.get();
+        inner.stuck = stuck.keys().copied().collect();
         let mut changed = false;
         for address in addresses {
             if let Some(e) = inv.get(&address) {
@@ -251,14 +274,17 @@ impl HealthBoard {
                 Some(n) => *inner.fatal_baseline.entry(address).or_insert(n),
                 None => 0,
             };
-            let (health, reason, message) = assess(
-                &self.host,
-                inv,
-                &address,
-                inner.prepared.contains(&address),
-                withdrawn.get(&address),
-                fatal.map(|n| n.saturating_sub(baseline)),
-            );
+            let (health, reason, message) = match stuck.get(&address) {
+                Some(w) => (Health::Unhealthy, Some(reason::STUCK), w.to_string()),
+                None => assess(
+                    &self.host,
+                    inv,
+                    &address,
+                    inner.prepared.contains(&address),
+                    withdrawn.get(&address),
+                    fatal.map(|n| n.saturating_sub(baseline)),
+                ),
+            };
             let message = truncate(message);
             let report = match inner.known.get(&address) {
                 Some(old) if old.health == health && old.message == message => continue,
@@ -307,6 +333,8 @@ pub mod reason {
     pub const GROUP_NOT_USABLE: &str = "GroupNotUsable";
     /// It cannot be prepared (no IOMMU group, a member with VFs enabled).
     pub const UNPREPARABLE: &str = "Unpreparable";
+    /// A sysfs write to it has not returned (its driver is stuck in the kernel).
+    pub const STUCK: &str = "StuckInKernel";
 }
 
 /// One device's health on `inv`, its reason and why.

@@ -279,6 +279,7 @@ fn main() -> ExitCode {
         &node_name,
         host.clone(),
         list.clone(),
+        kernel.stuck_list(),
     ));
     let worker = match worker::Worker::start(
         worker::Setup {

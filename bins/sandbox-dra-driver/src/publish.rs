@@ -36,6 +36,8 @@ use crate::health::HealthBoard;
 use crate::metrics::Metrics;
 use crate::ready::Readiness;
 
+/// How often device health looks at the writes stuck in the kernel.
+const STUCK_CHECK: Duration = Duration::from_secs(5);
 /// Waits after a failed API write before trying again, doubling up to the resync.
 const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 
@@ -247,12 +249,23 @@ async fn follow_node(
         let h = h.clone();
         let _ = tokio::task::spawn_blocking(move || h.refresh()).await;
     }
+    // A stuck write ends without any event: look at them every few seconds.
+    let mut stuck_check = tokio::time::interval(STUCK_CHECK);
+    stuck_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let changes = node.next().await;
-        if let Some(h) = &health {
-            h.refresh_changes(&changes);
+        tokio::select! {
+            changes = node.next() => {
+                if let Some(h) = &health {
+                    h.refresh_changes(&changes);
+                }
+                changed.notify_one();
+            }
+            _ = stuck_check.tick() => {
+                if let Some(h) = &health {
+                    h.check_stuck();
+                }
+            }
         }
-        changed.notify_one();
     }
 }
 

@@ -219,3 +219,60 @@ async fn an_unhealthy_device_is_tainted_or_where_taints_are_dropped_withdrawn() 
         assert_eq!(said, usize::from(dropped), "{log}");
     }
 }
+
+/// A device whose sysfs write has not returned (its driver stuck in the kernel) is
+/// Unhealthy with the stuck write named, and healthy again once it returns; the
+/// write ends without any event, so the board looks again when asked.
+#[test]
+fn a_write_stuck_in_the_kernel_makes_the_device_unhealthy_until_it_returns() {
+    use passthrough::config::ResourceList;
+    use sandbox_dra_driver::health::{reason, Health, HealthBoard};
+    use std::sync::Arc;
+    use sysfs_pci::deadline::Bounded;
+    use sysfs_pci::kernel::Kernel;
+    use sysfs_pci::testing::{FakeDevice, FakeKernel, FakeNode, Gate};
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let node = FakeNode::new(dir.path());
+    node.add_device(
+        &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
+            .driver("e1000e")
+            .group(4),
+    );
+    let fake = Arc::new(FakeKernel::new(&node));
+    let gate = Gate::new();
+    *fake.hang_on.lock().unwrap() = Some(("driver/unbind".into(), gate.clone()));
+    let kernel = Bounded::new(fake, Duration::from_millis(50));
+    let list = ResourceList::parse(
+        r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#,
+    )
+    .unwrap();
+    let board = HealthBoard::new("node-a", node.host.clone(), list, kernel.stuck_list());
+    let reports = board.subscribe();
+    board.refresh();
+    assert_eq!(reports.borrow()[0].health, Health::Healthy);
+    let unbind = node
+        .host
+        .device_dir(&"0000:01:00.0".parse().unwrap())
+        .join("driver/unbind");
+    let e = kernel.write(&unbind, "0000:01:00.0").unwrap_err();
+    let e = sysfs_pci::error_chain(&e);
+    assert!(e.contains("did not return within"), "{e}");
+    board.check_stuck();
+    let r = reports.borrow()[0].clone();
+    assert_eq!(
+        (r.health, r.reason),
+        (Health::Unhealthy, Some(reason::STUCK))
+    );
+    assert!(
+        r.message.contains("driver e1000e is stuck in the kernel"),
+        "{r:?}"
+    );
+    gate.open();
+    let start = Instant::now();
+    while !kernel.stuck().is_empty() {
+        assert!(start.elapsed() < WAIT, "the write returned");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    board.check_stuck();
+    assert_eq!(reports.borrow()[0].health, Health::Healthy);
+}

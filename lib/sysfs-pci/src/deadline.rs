@@ -72,6 +72,18 @@ impl StuckWrite {
     }
 }
 
+/// The devices whose write has not returned, as a [`Bounded`] kernel keeps them,
+/// readable from anywhere.
+#[derive(Debug, Clone, Default)]
+pub struct StuckList(Arc<Mutex<BTreeMap<PciAddress, StuckWrite>>>);
+
+impl StuckList {
+    /// The stuck write of each device, by address.
+    pub fn get(&self) -> BTreeMap<PciAddress, StuckWrite> {
+        lock(&self.0).clone()
+    }
+}
+
 /// A [`Kernel`] whose sysfs writes each get at most a deadline (see the module docs).
 pub struct Bounded<K> {
     inner: Arc<K>,
@@ -109,6 +121,11 @@ impl<K: Kernel + Send + Sync + 'static> Bounded<K> {
     /// The writes that have not returned, oldest device first.
     pub fn stuck(&self) -> Vec<StuckWrite> {
         lock(&self.stuck).values().cloned().collect()
+    }
+
+    /// A handle on [`Self::stuck`] for another thread (a health check).
+    pub fn stuck_list(&self) -> StuckList {
+        StuckList(self.stuck.clone())
     }
 
     /// The deadline of each write.
