@@ -25,7 +25,7 @@ cargo test --workspace --locked -- --skip every_fault_and_crash_point --skip eve
 step "fault injection: fail and crash at every kernel write, module syscall and state save (a node's VM-mode life; two DRA claims' life)"
 cargo test -p passthrough --test faults --locked -- --nocapture
 cargo test -p sandbox-dra-driver --test claims --locked -- --nocapture
-step "gRPC interop: a grpc-core client (Python grpcio from PyPI) against the device plugin and the DRA driver (registration, DRA v1 and v1beta1)"
+step "gRPC interop: a grpc-core client (Python grpcio from PyPI) against the device plugin and the DRA driver (registration, DRA v1 and v1beta1, the health stream)"
 python3 -m venv .cache/grpc-venv
 .cache/grpc-venv/bin/pip install --quiet --disable-pip-version-check -r tests/grpc-interop/requirements.txt
 cargo build --locked -p sandbox-device-plugin -p sandbox-dra-driver -p kubelet-peer -p fake-apiserver

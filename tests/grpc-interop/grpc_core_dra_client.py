@@ -11,8 +11,9 @@ the stand-in API server (holding the Node and the ResourceClaims) and the driver
 on a fake node, then with grpc.insecure_channel("unix:" + socket) calls
 Registration.GetInfo and NotifyRegistrationStatus on the registration socket,
 and NodePrepareResources / NodeUnprepareResources on dra.sock in both DRA
-versions (v1 and v1beta1), checking each answer and that the driver rewrote the
-percent-encoded authority. It prints one line per check, then
+versions (v1 and v1beta1), and opens the device health stream
+(DRAResourceHealth.NodeWatchResources, v1 and v1alpha1) there, checking each answer
+and that the driver rewrote the percent-encoded authority. It prints one line per check, then
 "N passed, N failed", and exits 1 when any check failed.
 
     grpc_core_dra_client.py --driver target/debug/sandbox-dra-driver \
@@ -40,20 +41,31 @@ NODE = "node-a"
 NS = "vms"
 DEADLINE = 10  # seconds, for every wait and call
 PROTOS = ["pluginregistration/v1/api.proto", "dra/v1/api.proto", "dra/v1beta1/api.proto"]
+# The health protos live under proto/dra-health/, a name Python cannot import:
+# compiled from a copy under dra_health/ (the wire names come from the packages).
+HEALTH = ["dra_health/v1/api.proto", "dra_health/v1alpha1/api.proto"]
 
 
 def stubs(out_dir):
     """Generates and imports the registration and both DRA versions' stubs."""
     os.makedirs(out_dir)
     proto_dir = os.path.join(REPO, "proto")
+    copies = os.path.join(out_dir, "src")
+    for h in HEALTH:
+        os.makedirs(os.path.join(copies, os.path.dirname(h)))
+        with open(os.path.join(proto_dir, h.replace("dra_health", "dra-health"))) as f:
+            text = f.read()
+        with open(os.path.join(copies, h), "w") as f:
+            f.write(text)
     include = os.path.join(os.path.dirname(protoc.__file__), "_proto")
-    rc = protoc.main(["grpc_tools.protoc", f"-I{proto_dir}", f"-I{include}",
-                      f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", *PROTOS])
+    rc = protoc.main(["grpc_tools.protoc", f"-I{proto_dir}", f"-I{copies}", f"-I{include}",
+                      f"--python_out={out_dir}", f"--grpc_python_out={out_dir}",
+                      *PROTOS, *HEALTH])
     if rc != 0:
-        raise RuntimeError(f"protoc failed on {PROTOS} ({rc})")
+        raise RuntimeError(f"protoc failed on {PROTOS + HEALTH} ({rc})")
     sys.path.insert(0, out_dir)
     mods = {}
-    for p in PROTOS:
+    for p in PROTOS + HEALTH:
         name = p[:-len(".proto")].replace("/", ".")
         mods[p.split("/api.proto")[0]] = (importlib.import_module(name + "_pb2"),
                                           importlib.import_module(name + "_pb2_grpc"))
@@ -144,6 +156,9 @@ def run(args, checks, root):
                 ("v1beta1", mods["dra/v1beta1"], "vm-nic", nic, ["pci-0000-02-00-0"]),
             ]:
                 dra(version, rpc.DRAPluginStub(channel), pb, checks, name, uid, devices)
+            for version in ["v1", "v1alpha1"]:
+                pb, rpc = mods[f"dra_health/{version}"]
+                health(version, rpc.DRAResourceHealthStub(channel), pb, checks)
 
         with open(log_path) as f:
             text = f.read()
@@ -175,7 +190,8 @@ def registration(client, pb, checks, dra_sock):
     info = checks.call("GetInfo", lambda: client.GetInfo(pb.InfoRequest(), timeout=DEADLINE))
     if info is not None:
         got = (info.type, info.name, info.endpoint, list(info.supported_versions))
-        want = ("DRAPlugin", DRIVER, dra_sock, ["v1.DRAPlugin", "v1beta1.DRAPlugin"])
+        want = ("DRAPlugin", DRIVER, dra_sock, ["v1.DRAPlugin", "v1beta1.DRAPlugin",
+                                                "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"])
         checks.check("GetInfo", got == want, f"{got}")
     r = checks.call("NotifyRegistrationStatus", lambda: client.NotifyRegistrationStatus(
         pb.RegistrationStatus(plugin_registered=True), timeout=DEADLINE))
@@ -199,6 +215,22 @@ def dra(version, client, pb, checks, name, uid, devices):
     if r is not None:
         checks.check(f"{version} NodeUnprepareResources",
                      list(r.claims.keys()) == [uid] and r.claims[uid].error == "", f"{r}")
+
+
+def health(version, client, pb, checks):
+    """The first message of the health stream: every selected device of the fake
+    node, Healthy, in this node's pool, with the driver's 60 s timeout."""
+    stream = client.NodeWatchResources(pb.NodeWatchResourcesRequest(), timeout=DEADLINE)
+    first = checks.call(f"{version} NodeWatchResources", lambda: next(stream))
+    stream.cancel()
+    if first is None:
+        return
+    got = sorted((d.device.pool_name, d.device.device_name, d.health, d.health_check_timeout_seconds)
+                 for d in first.devices)
+    want = [(NODE, n, pb.HEALTHY, 60) for n in
+            ["pci-0000-01-00-0", "pci-0000-01-00-1", "pci-0000-02-00-0", "pci-0000-03-00-0"]]
+    checks.check(f"{version} NodeWatchResources: every device Healthy",
+                 got == want and all(d.message for d in first.devices), f"{first}")
 
 
 def main():
