@@ -143,6 +143,15 @@ impl HealthBoard {
         &self.pool
     }
 
+    /// The devices that should get no new claim now, with their reasons.
+    pub fn unhealthy(&self) -> BTreeMap<PciAddress, &'static str> {
+        self.tx
+            .borrow()
+            .iter()
+            .filter_map(|r| r.reason.map(|why| (r.address, why)))
+            .collect()
+    }
+
     /// Every report now, and each change after.
     pub fn subscribe(&self) -> watch::Receiver<Reports> {
         self.tx.subscribe()

@@ -195,16 +195,10 @@ impl Publisher {
             .await
             .map_err(PublishError::ScanStopped)?
             .map_err(PublishError::Scan)?;
-        let unhealthy: std::collections::BTreeMap<sysfs_pci::PciAddress, &'static str> = self
+        let unhealthy = self
             .health
             .as_ref()
-            .map(|h| {
-                h.subscribe()
-                    .borrow()
-                    .iter()
-                    .filter_map(|r| r.reason.map(|why| (r.address, why)))
-                    .collect()
-            })
+            .map(|h| h.unhealthy())
             .unwrap_or_default();
         let mut slices = self.slices.lock().await;
         let driver = slices.driver().to_owned();

@@ -224,18 +224,10 @@ fn tolerations_match_as_the_api_does() {
     assert!(!ok(vec![toleration("maint", "Lt", Some("now"), "")]));
 }
 
-#[test]
-fn a_stop_restores_when_a_no_execute_taint_would_evict_the_pod() {
-    use k8s_openapi::api::apps::v1::DaemonSetSpec;
-    use k8s_openapi::api::core::v1::PodTemplateSpec;
+/// A pod in namespace `ns` controlled by DaemonSet `vm`.
+fn daemon_pod() -> Pod {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-    let identity = Identity {
-        node: "node-a".into(),
-        pod: Some(("ns".into(), "vm-1".into())),
-        controller: "vfio-manager".into(),
-        restore_label: None,
-    };
-    let pod = Pod {
+    Pod {
         metadata: ObjectMeta {
             namespace: Some("ns".into()),
             owner_references: Some(vec![OwnerReference {
@@ -248,19 +240,39 @@ fn a_stop_restores_when_a_no_execute_taint_would_evict_the_pod() {
             ..ObjectMeta::default()
         },
         ..Pod::default()
-    };
-    let ds = |tolerations: Option<Vec<Toleration>>| DaemonSet {
+    }
+}
+
+/// A DaemonSet whose pod template is `spec`.
+fn daemonset(spec: PodSpec) -> DaemonSet {
+    use k8s_openapi::api::apps::v1::DaemonSetSpec;
+    use k8s_openapi::api::core::v1::PodTemplateSpec;
+    DaemonSet {
         spec: Some(DaemonSetSpec {
             template: PodTemplateSpec {
-                spec: Some(PodSpec {
-                    tolerations,
-                    ..PodSpec::default()
-                }),
+                spec: Some(spec),
                 ..PodTemplateSpec::default()
             },
             ..DaemonSetSpec::default()
         }),
         ..DaemonSet::default()
+    }
+}
+
+#[test]
+fn a_stop_restores_when_a_no_execute_taint_would_evict_the_pod() {
+    let identity = Identity {
+        node: "node-a".into(),
+        pod: Some(("ns".into(), "vm-1".into())),
+        controller: "vfio-manager".into(),
+        restore_label: None,
+    };
+    let pod = daemon_pod();
+    let ds = |tolerations: Option<Vec<Toleration>>| {
+        daemonset(PodSpec {
+            tolerations,
+            ..PodSpec::default()
+        })
     };
     let node = Lookup::Found(tainted(&[("maint", None, "NoExecute")]));
     let pod = Lookup::Found(pod);
@@ -286,9 +298,6 @@ fn a_stop_restores_when_a_no_execute_taint_would_evict_the_pod() {
 
 #[test]
 fn the_restore_label_keeps_the_pod_scheduled_but_not_the_node_in_vm_mode() {
-    use k8s_openapi::api::apps::v1::DaemonSetSpec;
-    use k8s_openapi::api::core::v1::PodTemplateSpec;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
     const DEPLOY: &str = "rebellions.ai/npu.deploy.vfio-manager";
     const PENDING: &str = "vfio-sandbox.rebellions.ai/vfio-manager.restore-pending";
     let identity = Identity {
@@ -297,35 +306,13 @@ fn the_restore_label_keeps_the_pod_scheduled_but_not_the_node_in_vm_mode() {
         controller: "vfio-manager".into(),
         restore_label: Some(PENDING.into()),
     };
-    let pod = Lookup::Found(Pod {
-        metadata: ObjectMeta {
-            namespace: Some("ns".into()),
-            owner_references: Some(vec![OwnerReference {
-                api_version: "apps/v1".into(),
-                kind: "DaemonSet".into(),
-                name: "vm".into(),
-                controller: Some(true),
-                ..OwnerReference::default()
-            }]),
-            ..ObjectMeta::default()
-        },
-        ..Pod::default()
-    });
+    let pod = Lookup::Found(daemon_pod());
     // The shipped DaemonSet's shape: VM mode, or a restore to finish.
     let spec = affinity(vec![
         (vec![req(DEPLOY, "In", &["true"])], vec![]),
         (vec![req(PENDING, "In", &["true"])], vec![]),
     ]);
-    let ds = Lookup::Found(DaemonSet {
-        spec: Some(DaemonSetSpec {
-            template: PodTemplateSpec {
-                spec: Some(spec.clone()),
-                ..PodTemplateSpec::default()
-            },
-            ..DaemonSetSpec::default()
-        }),
-        ..DaemonSet::default()
-    });
+    let ds = Lookup::Found(daemonset(spec.clone()));
     let both = node(&[(DEPLOY, "true"), (PENDING, "true")]);
     let pending = node(&[(PENDING, "true")]);
     // The scheduler and the DaemonSet controller keep the pod on both nodes ...
