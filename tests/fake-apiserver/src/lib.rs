@@ -63,6 +63,7 @@ use serde_json::{json, Value};
 
 mod query;
 mod rest;
+pub mod scheduler;
 mod watch;
 
 use rest::{status, Objects, Route};
@@ -170,7 +171,21 @@ impl FakeApiServer {
     /// without the `DRADeviceTaints` gate (before 1.33, or the gate off); with
     /// `false`, taints are kept and stamped with `timeAdded`, as with the gate on.
     pub fn drop_device_taints(&self, drop: bool) {
-        lock(&self.store).objects.drop_device_taints = drop;
+        lock(&self.store).objects.gates.no_device_taints = drop;
+    }
+
+    /// Whether ResourceSlice writes lose `bindsToNode`, `bindingConditions` and
+    /// `bindingFailureConditions`, as a server without `DRADeviceBindingConditions`
+    /// drops them.
+    pub fn drop_binding_conditions(&self, drop: bool) {
+        lock(&self.store).objects.gates.no_binding_conditions = drop;
+    }
+
+    /// Whether ResourceClaim status writes lose `status.devices` (and slices their
+    /// binding fields), as a server without `DRAResourceClaimDeviceStatus` drops
+    /// them.
+    pub fn drop_claim_device_status(&self, drop: bool) {
+        lock(&self.store).objects.gates.no_claim_device_status = drop;
     }
 
     /// The store's current resourceVersion (that of the latest change).

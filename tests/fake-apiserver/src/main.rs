@@ -3,7 +3,9 @@
 //! `serve` answers until killed; `request` is a one-shot HTTP client so a shell
 //! script without curl can change objects (relabel a node, delete a DaemonSet);
 //! `claim` makes an allocated ResourceClaim the way the scheduler leaves one (a
-//! create, then a status update) and prints its uid.
+//! create, then a status update, binding conditions copied from the slices) and
+//! prints its uid; `bind` waits on its binding conditions as the scheduler's
+//! PreBind does, and deallocates it on failure or timeout.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -11,7 +13,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use fake_apiserver::{objects, paths, FakeApiServer};
+use fake_apiserver::{objects, paths, scheduler, FakeApiServer};
 
 /// Command line.
 #[derive(Debug, Parser)]
@@ -82,6 +84,27 @@ enum Command {
         /// the claim unallocated).
         #[arg(long = "result", value_name = "REQUEST:DRIVER:POOL:DEVICE")]
         results: Vec<String>,
+        /// The node the pod is scheduled to (default: the first result's pool).
+        #[arg(long)]
+        node: Option<String>,
+    },
+    /// Wait as kube-scheduler's PreBind does until the claim's binding conditions
+    /// are all True (exit 0), a failure condition is True (exit 1) or the binding
+    /// timeout from its allocationTimestamp passes (exit 3); on failure or timeout
+    /// deallocate it as PostFilter does.
+    Bind {
+        /// The server, http://HOST:PORT.
+        #[arg(long, default_value = "http://127.0.0.1:6443")]
+        server: String,
+        /// The claim, NAMESPACE/NAME.
+        #[arg(value_name = "NAMESPACE/NAME")]
+        claim: String,
+        /// Seconds between looks (upstream: 5).
+        #[arg(long, default_value_t = 5)]
+        poll: u64,
+        /// The binding timeout in seconds (upstream default: 600).
+        #[arg(long, default_value_t = 600)]
+        timeout: u64,
     },
 }
 
@@ -147,7 +170,13 @@ fn request(server: &str, method: &str, path: &str, body: Option<&str>) -> anyhow
     Ok(ok)
 }
 
-fn claim(server: &str, claim: &str, class: &str, results: &[String]) -> anyhow::Result<bool> {
+fn claim(
+    server: &str,
+    claim: &str,
+    class: &str,
+    results: &[String],
+    node: Option<&str>,
+) -> anyhow::Result<bool> {
     let (ns, name) = split_ref(claim)?;
     let results = results
         .iter()
@@ -165,7 +194,22 @@ fn claim(server: &str, claim: &str, class: &str, results: &[String]) -> anyhow::
     let mut object: serde_json::Value = serde_json::from_str(&created)?;
     let uid = object["metadata"]["uid"].as_str().unwrap_or("").to_owned();
     if !results.is_empty() {
-        object["status"] = objects::allocation_status(&results);
+        let (ok, slices) = exchange(
+            server,
+            "GET",
+            "/apis/resource.k8s.io/v1/resourceslices",
+            None,
+        )?;
+        if !ok {
+            eprintln!("{slices}");
+            return Ok(false);
+        }
+        let slices: serde_json::Value = serde_json::from_str(&slices)?;
+        let slices = slices["items"].as_array().cloned().unwrap_or_default();
+        let node = node.unwrap_or(&results[0].pool);
+        object["status"] = serde_json::json!({
+            "allocation": scheduler::allocation(&results, &slices, node),
+        });
         let path = format!("{}/status", paths::resourceclaim(ns, name));
         let (ok, updated) = exchange(server, "PUT", &path, Some(&object.to_string()))?;
         if !ok {
@@ -175,6 +219,45 @@ fn claim(server: &str, claim: &str, class: &str, results: &[String]) -> anyhow::
     }
     println!("{uid}");
     Ok(true)
+}
+
+fn bind(server: &str, claim: &str, poll: u64, timeout: u64) -> anyhow::Result<ExitCode> {
+    let (ns, name) = split_ref(claim)?;
+    let path = paths::resourceclaim(ns, name);
+    let started = std::time::Instant::now();
+    loop {
+        let (ok, body) = exchange(server, "GET", &path, None)?;
+        if !ok {
+            anyhow::bail!("cannot read {claim}: {body}");
+        }
+        let mut object: serde_json::Value = serde_json::from_str(&body)?;
+        let failure = match scheduler::binding(&object) {
+            scheduler::Binding::Ready => {
+                println!("{claim}: ready for binding after {:.1?}", started.elapsed());
+                return Ok(ExitCode::SUCCESS);
+            }
+            scheduler::Binding::Failed(why) => Some((why, 1)),
+            scheduler::Binding::Waiting if started.elapsed() >= Duration::from_secs(timeout) => {
+                Some(("device binding timeout".to_owned(), 3))
+            }
+            scheduler::Binding::Waiting => None,
+        };
+        if let Some((why, code)) = failure {
+            scheduler::deallocate(&mut object);
+            let (ok, body) = exchange(
+                server,
+                "PUT",
+                &format!("{path}/status"),
+                Some(&object.to_string()),
+            )?;
+            if !ok {
+                anyhow::bail!("cannot deallocate {claim}: {body}");
+            }
+            println!("{claim}: {why}; deallocated");
+            return Ok(ExitCode::from(code));
+        }
+        std::thread::sleep(Duration::from_secs(poll));
+    }
 }
 
 /// One HTTP/1.1 exchange: whether the answer is a 2xx, and its body.
@@ -226,7 +309,17 @@ fn main() -> ExitCode {
             claim: c,
             class,
             results,
-        } => claim(server, c, class, results),
+            node,
+        } => claim(server, c, class, results, node.as_deref()),
+        Command::Bind {
+            server,
+            claim,
+            poll,
+            timeout,
+        } => match bind(server, claim, *poll, *timeout) {
+            Ok(code) => return code,
+            Err(e) => Err(e),
+        },
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

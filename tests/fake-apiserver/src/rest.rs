@@ -11,7 +11,10 @@ use serde_json::{json, Map, Value};
 use crate::query::{self, Requirement};
 use crate::watch::History;
 
+mod dra;
 mod objects;
+
+pub(crate) use dra::DraGates;
 
 /// A resource the stand-in serves.
 #[derive(Debug)]
@@ -241,9 +244,8 @@ pub(crate) struct Objects {
     pub uids: u64,
     /// The recent changes watches are served from.
     pub history: History,
-    /// Whether ResourceSlice writes lose `spec.devices[].taints`, as a server
-    /// without the `DRADeviceTaints` gate drops them (`dropDisabledFields`).
-    pub drop_device_taints: bool,
+    /// The DRA feature gates this server has off ([`DraGates`]).
+    pub gates: DraGates,
 }
 
 /// The field and label requirements of a list or watch.
@@ -285,6 +287,21 @@ fn not_found(kind: &Kind, name: &str) -> Answer {
         StatusCode::NOT_FOUND,
         "NotFound",
         &format!("{} \"{name}\" not found", kind.qualified()),
+        kind,
+        name,
+    )
+}
+
+/// A 422 `Invalid` for `field_error`, worded as the API server words one.
+fn invalid(kind: &Kind, name: &str, field_error: &str) -> Answer {
+    status_about(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "Invalid",
+        &format!(
+            "{}.{} \"{name}\" is invalid: {field_error}",
+            kind.kind,
+            kind.group()
+        ),
         kind,
         name,
     )

@@ -52,6 +52,7 @@ fn claim_creates_then_allocates_through_the_status_subresource() {
         methods,
         [
             "POST /apis/resource.k8s.io/v1/namespaces/vms/resourceclaims".to_owned(),
+            "GET /apis/resource.k8s.io/v1/resourceslices".to_owned(),
             "PUT /apis/resource.k8s.io/v1/namespaces/vms/resourceclaims/vm-a-gpu/status".to_owned(),
         ]
     );
@@ -60,6 +61,112 @@ fn claim_creates_then_allocates_through_the_status_subresource() {
     assert!(err.contains("AlreadyExists"), "{err}");
     let (ok, _, err) = run(&["claim", "--server", &url, "vms/x", "--result", "no-colons"]);
     assert!(!ok && err.contains("REQUEST:DRIVER:POOL:DEVICE"), "{err}");
+}
+
+/// A slice whose one device carries binding conditions, a claim allocated from it,
+/// and `bind` waiting on it as PreBind does: ready once the condition is True;
+/// failed, and the claim deallocated, once the failure condition is.
+#[test]
+fn bind_waits_on_binding_conditions_as_prebind_does() {
+    let s = FakeApiServer::start().unwrap();
+    let url = s.url();
+    let mut slice = fake_apiserver::objects::resource_slice(
+        "s",
+        "d.example.com",
+        "node-a",
+        "node-a",
+        1,
+        &["gpu-0"],
+    );
+    slice["spec"]["devices"][0]["bindingConditions"] = serde_json::json!(["d.example.com/Ready"]);
+    slice["spec"]["devices"][0]["bindingFailureConditions"] =
+        serde_json::json!(["d.example.com/Failed"]);
+    slice["spec"]["devices"][0]["bindsToNode"] = serde_json::json!(true);
+    s.put(&paths::resourceslice("s"), slice);
+    let set = |name: &str, kind: &str| {
+        let path = paths::resourceclaim("vms", name);
+        let mut claim = s.get(&path).unwrap();
+        claim["status"]["devices"] = serde_json::json!([{"driver": "d.example.com", "pool": "node-a", "device": "gpu-0",
+            "conditions": [{"type": kind, "status": "True", "reason": "Test", "message": "m", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}]);
+        let (ok, out, err) = run(&[
+            "request",
+            "--server",
+            &url,
+            "PUT",
+            &format!("{path}/status"),
+            &claim.to_string(),
+        ]);
+        assert!(ok, "{out}{err}");
+    };
+    for (name, kind, code) in [
+        ("ready", "d.example.com/Ready", 0),
+        ("failed", "d.example.com/Failed", 1),
+    ] {
+        let (ok, out, err) = run(&[
+            "claim",
+            "--server",
+            &url,
+            &format!("vms/{name}"),
+            "--result",
+            "gpu:d.example.com:node-a:gpu-0",
+        ]);
+        assert!(ok, "{out}{err}");
+        let claim = s.get(&paths::resourceclaim("vms", name)).unwrap();
+        let allocation = &claim["status"]["allocation"];
+        assert_eq!(
+            allocation["devices"]["results"][0]["bindingConditions"][0],
+            "d.example.com/Ready"
+        );
+        assert!(
+            allocation["allocationTimestamp"].is_string(),
+            "{allocation}"
+        );
+        assert_eq!(
+            allocation["nodeSelector"]["nodeSelectorTerms"][0]["matchFields"][0]["values"][0],
+            "node-a"
+        );
+        let (ok, out, _) = run(&[
+            "bind",
+            "--server",
+            &url,
+            &format!("vms/{name}"),
+            "--poll",
+            "1",
+            "--timeout",
+            "0",
+        ]);
+        assert!(!ok && out.contains("device binding timeout"), "{out}");
+        let (ok, out, err) = run(&[
+            "claim",
+            "--server",
+            &url,
+            &format!("vms/{name}-2"),
+            "--result",
+            "gpu:d.example.com:node-a:gpu-0",
+        ]);
+        assert!(ok, "{out}{err}");
+        set(&format!("{name}-2"), kind);
+        let out = Command::new(env!("CARGO_BIN_EXE_fake-apiserver"))
+            .args([
+                "bind",
+                "--server",
+                &url,
+                &format!("vms/{name}-2"),
+                "--poll",
+                "1",
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(code), "{out:?}");
+        let after = s
+            .get(&paths::resourceclaim("vms", &format!("{name}-2")))
+            .unwrap();
+        assert_eq!(
+            after["status"].get("allocation").is_none(),
+            code == 1,
+            "{after}"
+        );
+    }
 }
 
 #[test]

@@ -4,35 +4,23 @@
 use super::*;
 
 impl Objects {
-    /// What the real server's ResourceSlice strategy does on create and update
-    /// (kubernetes `pkg/registry/resource/resourceslice/strategy.go`): device taints
-    /// dropped when the `DRADeviceTaints` gate is off, else each taint without a
-    /// `timeAdded` gets the time now.
-    fn prepare_for_write(&self, path: &str, obj: &mut Value) {
-        if !Route::parse(path).is_some_and(|r| r.kind.plural == "resourceslices" && !r.status) {
-            return;
-        }
-        let Some(devices) = obj
-            .pointer_mut("/spec/devices")
-            .and_then(Value::as_array_mut)
-        else {
-            return;
-        };
-        for d in devices.iter_mut().filter_map(Value::as_object_mut) {
-            if self.drop_device_taints {
-                d.remove("taints");
-                continue;
+    /// What the real server's ResourceSlice and ResourceClaim strategies do on
+    /// create and update (see [`super::dra`]); `Err` is a 422's field error.
+    fn prepare_for_write(
+        &self,
+        path: &str,
+        old: Option<&Value>,
+        obj: &mut Value,
+    ) -> Result<(), String> {
+        match Route::parse(path) {
+            Some(r) if r.kind.plural == "resourceslices" && !r.status => {
+                super::dra::slice_for_write(self.gates, obj);
+                Ok(())
             }
-            for t in d
-                .get_mut("taints")
-                .and_then(Value::as_array_mut)
-                .into_iter()
-                .flatten()
-                .filter_map(Value::as_object_mut)
-            {
-                t.entry("timeAdded")
-                    .or_insert_with(|| crate::now_rfc3339().into());
+            Some(r) if r.kind.plural == "resourceclaims" && !r.status => {
+                super::dra::claim_for_write(self.gates, old.unwrap_or(&Value::Null), obj)
             }
+            _ => Ok(()),
         }
     }
 
@@ -334,7 +322,9 @@ impl Objects {
                 o.remove("status");
             }
         }
-        self.prepare_for_write(&path, &mut obj);
+        if let Err(e) = self.prepare_for_write(&path, None, &mut obj) {
+            return invalid(route.kind, &name, &e);
+        }
         (StatusCode::CREATED, self.store(&path, obj))
     }
 
@@ -438,7 +428,13 @@ impl Objects {
     /// Stores `new` unless it equals `old` (a no-op write keeps the
     /// resourceVersion, as on a real server).
     fn commit(&mut self, path: &str, old: &Value, mut new: Value) -> Answer {
-        self.prepare_for_write(path, &mut new);
+        if let Err(e) = self.prepare_for_write(path, Some(old), &mut new) {
+            let name = meta(old, "name").unwrap_or("").to_owned();
+            return match Route::parse(path) {
+                Some(r) => invalid(r.kind, &name, &e),
+                None => bad_request(&e),
+            };
+        }
         let strip = |v: &Value| {
             let mut v = v.clone();
             if let Some(m) = meta_mut(&mut v) {
