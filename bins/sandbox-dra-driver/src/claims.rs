@@ -10,6 +10,12 @@
 //!    group node checked), then writes the claim's CDI spec and metadata files;
 //! 3. saves the claim as `prepared` and answers kubelet.
 //!
+//! Where the scheduler waits for the claim's binding condition (KEP-5007),
+//! [`Claims::move_early`] does steps 1 and 2 without the files as soon as the claim
+//! is allocated, and saves it as `moved`; prepare then only writes the files.
+//! [`Claims::release`] gives a moved claim's devices back if it loses its
+//! allocation before its pod starts.
+//!
 //! Unprepare refuses a claim whose `/dev/vfio/<group>` is open, saves it as
 //! `unpreparing`, removes its files, restores every recorded member of its groups and
 //! only then forgets the claim. After a `kill -9` anywhere, [`Claims::recover`] rolls a
@@ -189,10 +195,6 @@ impl Claims<'_> {
         allocations: &[Allocation],
         inv: &Inventory,
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
-        let refuse = |reason: String| ClaimError::Refused {
-            claim: claim.to_string(),
-            reason,
-        };
         let devices = self.resolve(claim, allocations, inv)?;
         // Refuse names no file can be made of before anything is touched.
         self.files_for(claim, pod_claim_name, &devices, inv)
@@ -200,36 +202,22 @@ impl Claims<'_> {
                 claim: claim.to_string(),
                 source,
             })?;
-        if let Some(existing) = self.pt.state.state().claims.get(&claim.uid) {
-            if existing.namespace != claim.namespace || existing.name != claim.name {
-                return Err(refuse(format!(
-                    "its uid is prepared for {}/{}",
-                    existing.namespace, existing.name
-                )));
-            }
-            if existing.devices != devices {
-                return Err(refuse(format!(
-                    "it was prepared with {}, and its allocation now names {}; unprepare it first",
-                    device_list(&existing.devices),
-                    device_list(&devices)
-                )));
-            }
-            match existing.phase {
-                ClaimPhase::Prepared => return self.answer(claim, pod_claim_name, &devices, inv),
-                // [`Self::settle`] finishes this before a prepare's scan.
-                ClaimPhase::Unpreparing => {
-                    return Err(refuse(
-                        "an earlier unprepare or rollback of it is unfinished".into(),
-                    ))
-                }
-                // A failed earlier attempt left it: go through the steps again.
-                ClaimPhase::Preparing => {}
-            }
-        }
+        let early = match self.recorded_phase(claim, &devices)? {
+            Some(ClaimPhase::Prepared) => return self.answer(claim, pod_claim_name, &devices, inv),
+            // Moved before its pod was bound: only the files are left to write.
+            Some(ClaimPhase::Moved) => true,
+            // A failed earlier attempt left it: go through the steps again.
+            // (`recorded_phase` refuses an unfinished unprepare.)
+            Some(ClaimPhase::Preparing | ClaimPhase::Unpreparing) | None => false,
+        };
         let record = ClaimRecord {
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
-            phase: ClaimPhase::Preparing,
+            phase: if early {
+                ClaimPhase::Moved
+            } else {
+                ClaimPhase::Preparing
+            },
             devices,
         };
         let fail = |step: &'static str, after: Option<String>, source: Box<StepError>| {
@@ -240,18 +228,22 @@ impl Claims<'_> {
                 source,
             }
         };
-        self.pt
-            .state
-            .set_claim(self.pt.kernel, &claim.uid, record.clone())
-            .map_err(|e| {
-                fail(
-                    "saving the claim before touching its devices",
-                    None,
-                    boxed(e),
-                )
-            })?;
-        sysfs_pci::failpoint::step("prepare-after-save");
+        if !early {
+            self.pt
+                .state
+                .set_claim(self.pt.kernel, &claim.uid, record.clone())
+                .map_err(|e| {
+                    fail(
+                        "saving the claim before touching its devices",
+                        None,
+                        boxed(e),
+                    )
+                })?;
+            sysfs_pci::failpoint::step("prepare-after-save");
+        }
         let groups = record.groups();
+        // After an early move this only checks the groups are still whole on vfio
+        // (and puts back a member moved off behind our back).
         let result = self.move_groups(inv, &groups).and_then(|()| {
             let files = self
                 .files_for(claim, pod_claim_name, &record.devices, inv)
@@ -279,8 +271,8 @@ impl Claims<'_> {
         let files = match result {
             Ok(files) => files,
             Err((step, source)) => {
-                let undo = self.undo(&claim.uid, &record);
-                return Err(fail(step, Some(undo), source));
+                let after = self.after_failed_prepare(&claim.uid, &record);
+                return Err(fail(step, Some(after), source));
             }
         };
         let prepared = ClaimRecord {
@@ -292,10 +284,145 @@ impl Claims<'_> {
             .state
             .set_claim(self.pt.kernel, &claim.uid, prepared)
         {
-            let undo = self.undo(&claim.uid, &record);
-            return Err(fail("saving the prepared claim", Some(undo), boxed(e)));
+            let after = self.after_failed_prepare(&claim.uid, &record);
+            return Err(fail("saving the prepared claim", Some(after), boxed(e)));
         }
         Ok(answer(&record.devices, &files))
+    }
+
+    /// Moves the groups of `claim`'s devices to vfio as soon as the scheduler has
+    /// allocated it, before its pod is bound (KEP-5007: the scheduler waits on the
+    /// claim's binding condition). The same steps and records as [`Self::prepare`]
+    /// up to the files: saved as `preparing` before any device is touched, rolled
+    /// back on failure (and by a restart), saved as `moved` when every group is on
+    /// vfio. Idempotent: a claim already moved or prepared with the same devices is
+    /// left as it is.
+    pub fn move_early(
+        &mut self,
+        claim: &ClaimRef,
+        allocations: &[Allocation],
+        inv: &Inventory,
+    ) -> Result<(), ClaimError> {
+        let devices = self.resolve(claim, allocations, inv)?;
+        if matches!(
+            self.recorded_phase(claim, &devices)?,
+            Some(ClaimPhase::Moved | ClaimPhase::Prepared)
+        ) {
+            return Ok(());
+        }
+        let fail = |step: &'static str, after: Option<String>, source: Box<StepError>| {
+            ClaimError::Failed {
+                claim: claim.to_string(),
+                step,
+                after,
+                source,
+            }
+        };
+        let record = ClaimRecord {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            phase: ClaimPhase::Preparing,
+            devices,
+        };
+        self.pt
+            .state
+            .set_claim(self.pt.kernel, &claim.uid, record.clone())
+            .map_err(|e| {
+                fail(
+                    "saving the claim before touching its devices",
+                    None,
+                    boxed(e),
+                )
+            })?;
+        sysfs_pci::failpoint::step("early-after-save");
+        if let Err((step, source)) = self.move_groups(inv, &record.groups()) {
+            let undo = self.undo(&claim.uid, &record);
+            return Err(fail(step, Some(undo), source));
+        }
+        let moved = ClaimRecord {
+            phase: ClaimPhase::Moved,
+            ..record.clone()
+        };
+        if let Err(e) = self.pt.state.set_claim(self.pt.kernel, &claim.uid, moved) {
+            let undo = self.undo(&claim.uid, &record);
+            return Err(fail("saving the moved claim", Some(undo), boxed(e)));
+        }
+        sysfs_pci::failpoint::step("early-after-moved");
+        Ok(())
+    }
+
+    /// Gives back the devices of claim `uid` if they were moved early and the claim
+    /// was never prepared (it lost its allocation, or was deleted, before its pod
+    /// started). A prepared claim is kubelet's to unprepare: `Ok(false)`, as for a
+    /// claim not recorded.
+    pub fn release(&mut self, uid: &str) -> Result<bool, ClaimError> {
+        match self.pt.state.state().claims.get(uid) {
+            Some(r) if matches!(r.phase, ClaimPhase::Moved | ClaimPhase::Unpreparing) => {
+                let record = r.clone();
+                let claim = ClaimRef::recorded(uid, &record);
+                self.finish_unprepare(&claim, record).map(|()| true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// The claims moved early and not prepared, by uid.
+    pub fn moved_early(&self) -> Vec<ClaimRef> {
+        self.pt
+            .state
+            .state()
+            .claims
+            .iter()
+            .filter(|(_, r)| r.phase == ClaimPhase::Moved)
+            .map(|(uid, r)| ClaimRef::recorded(uid, r))
+            .collect()
+    }
+
+    /// The phase `claim` is recorded in, refusing a record of another claim under
+    /// its uid, of other devices, or with an unprepare unfinished.
+    fn recorded_phase(
+        &self,
+        claim: &ClaimRef,
+        devices: &[ClaimDevice],
+    ) -> Result<Option<ClaimPhase>, ClaimError> {
+        let refuse = |reason: String| ClaimError::Refused {
+            claim: claim.to_string(),
+            reason,
+        };
+        let Some(existing) = self.pt.state.state().claims.get(&claim.uid) else {
+            return Ok(None);
+        };
+        if existing.namespace != claim.namespace || existing.name != claim.name {
+            return Err(refuse(format!(
+                "its uid is prepared for {}/{}",
+                existing.namespace, existing.name
+            )));
+        }
+        if existing.devices != devices {
+            return Err(refuse(format!(
+                "it was prepared with {}, and its allocation now names {}; unprepare it first",
+                device_list(&existing.devices),
+                device_list(devices)
+            )));
+        }
+        if existing.phase == ClaimPhase::Unpreparing {
+            // [`Self::settle`] finishes this before a prepare's scan.
+            return Err(refuse(
+                "an earlier unprepare or rollback of it is unfinished".into(),
+            ));
+        }
+        Ok(Some(existing.phase))
+    }
+
+    /// What a failed prepare leaves: a claim moved early keeps its devices on vfio
+    /// (its pod was bound on the strength of it; a retry writes the files, and
+    /// losing the allocation gives them back); any other is put back.
+    fn after_failed_prepare(&mut self, uid: &str, record: &ClaimRecord) -> String {
+        if record.phase == ClaimPhase::Moved {
+            return "its devices stay on vfio, moved before its pod was bound, for kubelet's retry"
+                .into();
+        }
+        self.undo(uid, record)
     }
 
     /// Finishes what an unprepare or a rollback of `claim` left half-done (a claim

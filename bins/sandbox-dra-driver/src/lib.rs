@@ -7,6 +7,7 @@
 //! Whole-group binding and restoring is not here: it is the passthrough engine's
 //! (`passthrough` crate), shared with vfio-manager.
 
+pub mod binding;
 pub mod cdi;
 pub mod claims;
 pub mod grpc;

@@ -44,7 +44,11 @@ and serves the DRA kubelet API v1 and v1beta1 on <plugins-dir>/<driver>/dra.sock
 NodePrepareResources reads each ResourceClaim from the API server, moves every IOMMU
 group of its devices to vfio-pci (each member recorded in the state file before it is
 touched; a failed group is put back), and writes a CDI spec and the device metadata file
-KubeVirt reads. NodeUnprepareResources gives every device back to the driver it had, and
+KubeVirt reads. With binding conditions (--binding-conditions) the move happens earlier:
+the driver watches ResourceClaims, moves a claim's groups as soon as the scheduler
+allocates it, and sets <driver>/VfioReady (or <driver>/VfioFailed) in the claim's
+status.devices; the scheduler binds the pod only then, and prepare only writes files.
+A claim moved early that loses its allocation gets its devices back. NodeUnprepareResources gives every device back to the driver it had, and
 refuses while a VM holds /dev/vfio/<group> (kubelet retries). After a crash the next start
 rolls a half-prepared claim back and finishes a half-unprepared one.
 
@@ -143,6 +147,22 @@ struct Cli {
     /// Full rescan period for the ResourceSlice beneath PCI uevents.
     #[arg(long, env = "VFIO_SANDBOX_RESYNC_INTERVAL", default_value = "5m", value_parser = parse_duration)]
     resync_interval: Duration,
+    /// Which devices are published with binding conditions (KEP-5007), so the
+    /// scheduler binds a pod only once the driver has moved its claim's groups to
+    /// vfio (the driver watches ResourceClaims and moves them as soon as they are
+    /// allocated; prepare then only writes files). auto: devices whose group
+    /// leaves a native driver; always: every device; off: none, every move at
+    /// prepare. Where the API server drops the fields (gates
+    /// DRADeviceBindingConditions and DRAResourceClaimDeviceStatus off) the driver
+    /// publishes without them and says so once.
+    #[arg(
+        long,
+        env = "VFIO_SANDBOX_BINDING_CONDITIONS",
+        value_enum,
+        default_value = "auto",
+        value_name = "MODE"
+    )]
+    binding_conditions: sandbox_dra_driver::binding::Mode,
     /// Also give containers /dev/iommu and /dev/vfio/devices/vfioN (iommufd).
     #[arg(long, env = "VFIO_SANDBOX_IOMMUFD")]
     iommufd: bool,
@@ -273,6 +293,16 @@ fn main() -> ExitCode {
         tracing::error!(error = %f, "could not finish after a restart; kept for a later unprepare");
     }
     let prepared = state.state().claims.len();
+    // Which devices need a rebind is known before the first slice is published.
+    let homes = Arc::new(sandbox_dra_driver::binding::Homes::default());
+    homes.set(
+        state
+            .state()
+            .devices
+            .iter()
+            .map(|(a, r)| (*a, r.original_driver.clone()))
+            .collect(),
+    );
     let mut registry = endpoint::registry();
     let metrics = Arc::new(Metrics::new(&mut registry));
     let health = Arc::new(sandbox_dra_driver::health::HealthBoard::new(
@@ -293,6 +323,7 @@ fn main() -> ExitCode {
             health: Some(health.clone()),
             metrics: metrics.clone(),
             kernel,
+            homes: Some(homes.clone()),
         },
         cli.prepare_timeout,
     ) {
@@ -321,6 +352,7 @@ fn main() -> ExitCode {
         metrics,
         readiness,
         health,
+        homes,
     };
     match runtime.block_on(run(cli, setup)) {
         Ok(()) => ExitCode::SUCCESS,
@@ -355,6 +387,7 @@ struct Serve {
     metrics: Arc<Metrics>,
     readiness: Arc<Readiness>,
     health: Arc<sandbox_dra_driver::health::HealthBoard>,
+    homes: Arc<sandbox_dra_driver::binding::Homes>,
 }
 
 async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
@@ -367,6 +400,7 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
         metrics,
         readiness,
         health,
+        homes,
     } = setup;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
@@ -411,10 +445,21 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
             readiness: readiness.clone(),
             metrics: metrics.clone(),
             health: Some(health.clone()),
+            binding: Some((cli.binding_conditions, homes)),
         },
     );
     let registered = Arc::new(tokio::sync::Notify::new());
     let publishing = tokio::spawn(publisher.clone().run(registered.clone()));
+    let following = (cli.binding_conditions != sandbox_dra_driver::binding::Mode::Off).then(|| {
+        tokio::spawn(sandbox_dra_driver::binding::follow_claims(
+            sandbox_dra_driver::binding::Follow {
+                cluster: cluster.clone(),
+                driver: cli.driver_name.clone(),
+                pool: node_name.clone(),
+                worker: worker.clone(),
+            },
+        ))
+    });
     let driver = Arc::new(service::Service::new(
         cluster.clone(),
         cli.driver_name.clone(),
@@ -446,6 +491,9 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(5), &mut serving).await;
     publishing.abort();
+    if let Some(f) = following {
+        f.abort();
+    }
     readiness.clear();
     let claims = worker::prepared_claims(&cli.state_file);
     if !claims.is_empty() {

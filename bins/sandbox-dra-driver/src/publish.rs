@@ -58,6 +58,12 @@ pub struct Publisher {
     health: Option<Arc<HealthBoard>>,
     /// Whether the API server keeps device taints (until a write shows it drops them).
     taints: Arc<std::sync::atomic::AtomicBool>,
+    /// Which devices get binding conditions, and the drivers they are on between
+    /// claims.
+    binding: Option<(crate::binding::Mode, Arc<crate::binding::Homes>)>,
+    /// Whether the API server keeps binding conditions (until a write shows it
+    /// drops them).
+    binding_kept: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Where the publisher reports each pass.
@@ -69,6 +75,9 @@ pub struct Reports {
     /// Device health: read again on every node change, before the slices are
     /// written (it does not wait for the API server).
     pub health: Option<Arc<HealthBoard>>,
+    /// Binding conditions (`--binding-conditions`) and the drivers devices are on
+    /// between claims; `None` publishes none.
+    pub binding: Option<(crate::binding::Mode, Arc<crate::binding::Homes>)>,
 }
 
 impl Publisher {
@@ -99,6 +108,8 @@ impl Publisher {
             metrics: reports.metrics,
             health: reports.health,
             taints: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            binding: reports.binding,
+            binding_kept: Arc::new(std::sync::atomic::AtomicBool::new(true)),
         }
     }
 
@@ -202,13 +213,33 @@ impl Publisher {
             .unwrap_or_default();
         let mut slices = self.slices.lock().await;
         let driver = slices.driver().to_owned();
-        let use_taints = self.taints.load(std::sync::atomic::Ordering::SeqCst);
-        let devices =
-            slices::marked_devices(&inv, &unhealthy, use_taints.then_some(driver.as_str()));
+        use std::sync::atomic::Ordering::SeqCst;
+        let marked = match &self.binding {
+            Some((mode, homes)) if self.binding_kept.load(SeqCst) => homes.marked(&inv, *mode),
+            _ => Default::default(),
+        };
+        let devices_now = || {
+            let binding = (!marked.is_empty() && self.binding_kept.load(SeqCst)).then_some(
+                slices::BindingMarks {
+                    driver: &driver,
+                    devices: &marked,
+                },
+            );
+            let taints = self.taints.load(SeqCst).then_some(driver.as_str());
+            slices::marked_devices(&inv, &unhealthy, taints, binding)
+        };
+        let mut devices = devices_now();
         let mut report = slices.reconcile(&devices).await?;
-        if report.taints_dropped && self.taints.swap(false, std::sync::atomic::Ordering::SeqCst) {
+        let taints_lost = report.taints_dropped && self.taints.swap(false, SeqCst);
+        if taints_lost {
             tracing::warn!("the API server drops the taints of ResourceSlice devices (its DRADeviceTaints gate is off, or it predates device taints): unhealthy and unpreparable devices are left out of the slice instead");
-            let devices = slices::marked_devices(&inv, &unhealthy, None);
+        }
+        let binding_lost = report.binding_dropped && self.binding_kept.swap(false, SeqCst);
+        if binding_lost {
+            tracing::warn!("the API server drops the binding conditions of ResourceSlice devices (its DRADeviceBindingConditions or DRAResourceClaimDeviceStatus gate is off, or it predates them): devices are published without, and move to vfio at prepare");
+        }
+        if taints_lost || binding_lost {
+            devices = devices_now();
             report = slices.reconcile(&devices).await?;
         }
         drop(slices);

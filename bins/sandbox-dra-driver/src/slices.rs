@@ -46,7 +46,9 @@ mod allocation;
 mod devices;
 
 pub use allocation::{allocation_of, claim_allocation, AllocationError, ClaimAllocation};
-pub use devices::{marked_devices, pcie_root, slice_devices, taint_key, withdrawn, Withdrawn};
+pub use devices::{
+    marked_devices, pcie_root, slice_devices, taint_key, withdrawn, BindingMarks, Withdrawn,
+};
 
 /// The driver name when `--driver-name` is not given.
 pub const DEFAULT_DRIVER_NAME: &str = "vfio-sandbox.rebellions.ai";
@@ -149,6 +151,8 @@ pub struct Report {
     pub versions: Vec<(String, String)>,
     /// The server dropped the device taints this reconcile wrote.
     pub taints_dropped: bool,
+    /// The server dropped the binding conditions this reconcile wrote.
+    pub binding_dropped: bool,
 }
 
 /// What a write that may race another writer came to.
@@ -255,17 +259,33 @@ fn same_devices(have: Option<&Vec<Device>>, want: &[Device]) -> bool {
         })
 }
 
-/// Whether the server dropped taints we wrote: a device we sent with taints came
-/// back without (the `DRADeviceTaints` gate off, or a server before it).
-fn taints_dropped(sent: &[Device], written: &ResourceSlice) -> bool {
+/// Whether the server dropped a list we wrote: a device we sent with a non-empty
+/// `field` came back without it.
+fn dropped(sent: &[Device], written: &ResourceSlice, field: impl Fn(&Device) -> bool) -> bool {
     let back = written.spec.devices.as_deref().unwrap_or(&[]);
-    sent.iter()
-        .filter(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()))
-        .any(|d| {
-            back.iter()
-                .find(|b| b.name == d.name)
-                .is_none_or(|b| b.taints.as_ref().is_none_or(Vec::is_empty))
-        })
+    sent.iter().filter(|d| field(d)).any(|d| {
+        back.iter()
+            .find(|b| b.name == d.name)
+            .is_none_or(|b| !field(b))
+    })
+}
+
+/// Whether the server dropped taints we wrote (the `DRADeviceTaints` gate off, or a
+/// server before it; `dropDisabledFields` in
+/// `pkg/registry/resource/resourceslice/strategy.go`).
+fn taints_dropped(sent: &[Device], written: &ResourceSlice) -> bool {
+    dropped(sent, written, |d| {
+        d.taints.as_ref().is_some_and(|t| !t.is_empty())
+    })
+}
+
+/// Whether the server dropped the binding conditions we wrote: it clears them
+/// unless both `DRADeviceBindingConditions` and `DRAResourceClaimDeviceStatus` are
+/// on (`dropDisabledDRADeviceBindingConditionsFields`, same file).
+fn binding_dropped(sent: &[Device], written: &ResourceSlice) -> bool {
+    dropped(sent, written, |d| {
+        d.binding_conditions.as_ref().is_some_and(|c| !c.is_empty())
+    })
 }
 
 fn version(s: &ResourceSlice) -> (String, String) {
@@ -412,12 +432,14 @@ impl Slices {
                     deleted: Vec::new(),
                     versions: slices.iter().map(version).collect(),
                     taints_dropped: false,
+                    binding_dropped: false,
                 });
             }
             let generation = top + 1;
             let mut versions = Vec::new();
             let mut raced = false;
             let mut dropped = false;
+            let mut binding_lost = false;
             for ((name, have), chunk) in names.iter().zip(&current).zip(&chunks) {
                 let written = match have {
                     Some(s) => {
@@ -432,6 +454,7 @@ impl Slices {
                 match written {
                     Write::Done(s) => {
                         dropped |= taints_dropped(chunk, &s);
+                        binding_lost |= binding_dropped(chunk, &s);
                         versions.push(version(&s));
                     }
                     Write::Raced => {
@@ -469,6 +492,7 @@ impl Slices {
                 deleted,
                 versions,
                 taints_dropped: dropped,
+                binding_dropped: binding_lost,
             });
         }
         Err(SliceError::Conflicts {

@@ -66,6 +66,18 @@ enum Job {
         claim: ClaimRef,
         reply: oneshot::Sender<Result<(), Failed>>,
     },
+    MoveEarly {
+        claim: ClaimRef,
+        allocations: Vec<Allocation>,
+        reply: oneshot::Sender<Result<(), Failed>>,
+    },
+    Release {
+        uid: String,
+        reply: oneshot::Sender<Result<Option<ClaimRef>, Failed>>,
+    },
+    MovedEarly {
+        reply: oneshot::Sender<Result<Vec<ClaimRef>, Failed>>,
+    },
 }
 
 /// What the thread needs.
@@ -91,6 +103,9 @@ pub struct Setup {
     /// The kernel door, with its deadline on every sysfs write (and the devices
     /// stuck behind one).
     pub kernel: Bounded<SysKernel>,
+    /// Told the driver each recorded device had before it moved, after every job
+    /// (which devices need a rebind, for their binding conditions).
+    pub homes: Option<Arc<crate::binding::Homes>>,
 }
 
 /// When a prepare's RPC arrived, in the order of [`Worker`]'s events.
@@ -201,6 +216,32 @@ impl Worker {
         self.send(Job::Unprepare { claim, reply }, rx)
     }
 
+    /// Queues the early move of one claim's groups (its pod not yet bound).
+    pub fn move_early(&self, claim: ClaimRef, allocations: Vec<Allocation>) -> Pending<()> {
+        let (reply, rx) = oneshot::channel();
+        self.send(
+            Job::MoveEarly {
+                claim,
+                allocations,
+                reply,
+            },
+            rx,
+        )
+    }
+
+    /// Queues giving back the devices of claim `uid` if they were moved early and
+    /// never prepared; the claim, if they were.
+    pub fn release(&self, uid: String) -> Pending<Option<ClaimRef>> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Job::Release { uid, reply }, rx)
+    }
+
+    /// Asks which claims are moved early and not prepared.
+    pub fn moved_early(&self) -> Pending<Vec<ClaimRef>> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Job::MovedEarly { reply }, rx)
+    }
+
     fn send<T>(&self, job: Job, rx: oneshot::Receiver<Result<T, Failed>>) -> Pending<T> {
         match self.tx.send(job) {
             Ok(()) => Pending(Some(rx)),
@@ -257,6 +298,9 @@ fn work(
         let what = match &job {
             Job::Prepare { claim, .. } => format!("preparing claim {claim}"),
             Job::Unprepare { claim, .. } => format!("unpreparing claim {claim}"),
+            Job::MoveEarly { claim, .. } => format!("moving claim {claim} early"),
+            Job::Release { uid, .. } => format!("giving back claim uid {uid}"),
+            Job::MovedEarly { .. } => "listing claims moved early".into(),
         };
         if let Ok(mut b) = busy.lock() {
             *b = Some((what, Instant::now()));
@@ -291,17 +335,7 @@ fn work(
                 let answer = claims
                     .settle(&claim)
                     .map_err(Failed::from)
-                    .and_then(|()| {
-                        Inventory::scan(&setup.host, &setup.list).map_err(|e| {
-                            Failed::new(
-                                Failure::Failed,
-                                format!(
-                                    "claim {claim}: cannot scan the node's PCI devices: {}",
-                                    error_chain(&e)
-                                ),
-                            )
-                        })
-                    })
+                    .and_then(|()| scan(&setup.host, &setup.list, &claim))
                     .and_then(|inv| {
                         claims
                             .prepare(&claim, pod_claim_name.as_deref(), &allocations, &inv)
@@ -337,9 +371,69 @@ fn work(
                 held(&setup);
                 let _ = reply.send(answer);
             }
+            Job::MoveEarly {
+                claim,
+                allocations,
+                reply,
+            } => {
+                let started = Instant::now();
+                let answer = claims
+                    .settle(&claim)
+                    .map_err(Failed::from)
+                    .and_then(|()| scan(&setup.host, &setup.list, &claim))
+                    .and_then(|inv| {
+                        claims
+                            .move_early(&claim, &allocations, &inv)
+                            .map_err(Failed::from)
+                    });
+                match &answer {
+                    Ok(()) => {
+                        tracing::info!(claim = %claim, took = ?started.elapsed(), "moved to vfio before its pod is bound")
+                    }
+                    Err(e) => {
+                        tracing::warn!(claim = %claim, error = %e.message, "early move failed")
+                    }
+                }
+                held(&setup);
+                let _ = reply.send(answer);
+            }
+            Job::Release { uid, reply } => {
+                let shown = claims.moved_early().into_iter().find(|c| c.uid == uid);
+                let answer = claims
+                    .release(&uid)
+                    .map(|released| released.then_some(shown).flatten())
+                    .map_err(Failed::from);
+                match &answer {
+                    Ok(Some(claim)) => {
+                        tracing::info!(claim = %claim, "gave back the devices of a claim that lost its allocation before its pod started")
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(uid = %uid, error = %e.message, "cannot give back the devices of a claim moved early")
+                    }
+                }
+                held(&setup);
+                let _ = reply.send(answer);
+            }
+            Job::MovedEarly { reply } => {
+                let _ = reply.send(Ok(claims.moved_early()));
+            }
         }
         continue_after(&busy);
     }
+}
+
+/// A fresh scan of the node for a job on `claim`.
+fn scan(host: &Host, list: &ResourceList, claim: &ClaimRef) -> Result<Inventory, Failed> {
+    Inventory::scan(host, list).map_err(|e| {
+        Failed::new(
+            Failure::Failed,
+            format!(
+                "claim {claim}: cannot scan the node's PCI devices: {}",
+                error_chain(&e)
+            ),
+        )
+    })
 }
 
 /// Sets the device gauges from the state file.
@@ -347,12 +441,27 @@ fn held(setup: &Setup) {
     let state = setup.state.state();
     let prepared = state.claims.values().map(|c| c.devices.len()).sum();
     setup.metrics.held(prepared, state.devices.len());
+    if let Some(homes) = &setup.homes {
+        homes.set(
+            state
+                .devices
+                .iter()
+                .map(|(a, r)| (*a, r.original_driver.clone()))
+                .collect(),
+        );
+    }
     if let Some(health) = &setup.health {
         health.set_prepared(
             state
                 .claims
                 .values()
-                .filter(|c| c.phase == passthrough::state::ClaimPhase::Prepared)
+                .filter(|c| {
+                    matches!(
+                        c.phase,
+                        passthrough::state::ClaimPhase::Prepared
+                            | passthrough::state::ClaimPhase::Moved
+                    )
+                })
                 .flat_map(|c| c.devices.iter().map(|d| d.address))
                 .collect(),
         );

@@ -543,3 +543,216 @@ fn a_claim_of_several_groups_moves_them_at_once() {
         }
     }
 }
+
+impl Node {
+    fn move_early(&self, kernel: &dyn Kernel, c: &ClaimRef, bdfs: &[&str]) -> Result<(), String> {
+        self.process(kernel, |cl, inv| {
+            cl.move_early(c, &alloc(bdfs), inv)
+                .map_err(|e| error_chain(&e))
+        })
+    }
+
+    fn release(&self, kernel: &dyn Kernel, c: &ClaimRef) -> Result<bool, String> {
+        self.process(kernel, |cl, _| {
+            cl.release(&c.uid).map_err(|e| error_chain(&e))
+        })
+    }
+
+    fn phase(&self, c: &ClaimRef) -> Option<ClaimPhase> {
+        let state = StateFile::load(
+            &self.state_path,
+            false,
+            passthrough::owner::Program::DraDriver,
+        )
+        .unwrap();
+        state.state().claims.get(&c.uid).map(|r| r.phase)
+    }
+
+    /// The sysfs writes so far (not the state file, not the claim files).
+    fn sysfs_writes(&self) -> Vec<String> {
+        self.kernel
+            .write_log()
+            .into_iter()
+            .filter(|w| w.starts_with("sys/"))
+            .collect()
+    }
+}
+
+/// Moved as soon as the claim is allocated (binding conditions): the whole group
+/// goes to vfio and is recorded as `moved`, no file yet; a restart keeps it; the
+/// prepare that follows writes the files and not one sysfs file.
+#[test]
+fn a_claim_moved_early_is_prepared_by_writing_its_files_only() {
+    let n = node();
+    let before = n.snapshot();
+    n.move_early(&n.kernel, &claim("a"), &A).unwrap();
+    assert!(
+        n.on_vfio(&["0000:01:00.0", "0000:01:00.1"]),
+        "the companion moves too"
+    );
+    assert_eq!(n.phase(&claim("a")), Some(ClaimPhase::Moved));
+    assert!(n.files().is_empty(), "no file before prepare");
+    // Asked again (another watch event): nothing more is done.
+    let writes = n.kernel.write_log().len();
+    n.move_early(&n.kernel, &claim("a"), &A).unwrap();
+    assert_eq!(n.kernel.write_log().len(), writes);
+    let recovery = n.process(&n.kernel, |cl, _| cl.recover());
+    assert!(
+        recovery.rolled_back.is_empty() && recovery.failed.is_empty(),
+        "{recovery:?}"
+    );
+    assert_eq!(
+        n.phase(&claim("a")),
+        Some(ClaimPhase::Moved),
+        "a restart keeps it"
+    );
+    let sysfs = n.sysfs_writes().len();
+    assert!(
+        sysfs >= 4,
+        "the move wrote to sysfs: {:?}",
+        n.kernel.write_log()
+    );
+    let ids = n.prepare(&n.kernel, &claim("a"), &A).unwrap();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert_eq!(
+        n.sysfs_writes().len(),
+        sysfs,
+        "prepare wrote to sysfs: {:?}",
+        &n.sysfs_writes()[sysfs..]
+    );
+    assert!(!n.files().is_empty());
+    assert_eq!(n.phase(&claim("a")), Some(ClaimPhase::Prepared));
+    // A prepared claim is kubelet's: losing its allocation does not take it back.
+    assert_eq!(n.release(&n.kernel, &claim("a")), Ok(false));
+    assert!(n.on_vfio(&A));
+    n.unprepare(&n.kernel, &claim("a")).unwrap();
+    assert_eq!(n.lost(&before), Vec::<String>::new());
+}
+
+/// A claim moved early that loses its allocation (the scheduler gave up, the
+/// claim was deleted) before its pod started gets every device back; an early
+/// move of a group another claim holds is refused without touching it.
+#[test]
+fn a_claim_moved_early_that_loses_its_allocation_is_given_back() {
+    let n = node();
+    let before = n.snapshot();
+    n.move_early(&n.kernel, &claim("b"), &B).unwrap();
+    assert!(n.on_vfio(&B));
+    let writes = n.kernel.write_log().len();
+    let e = n
+        .move_early(&n.kernel, &claim("other"), &["0000:03:00.0"])
+        .unwrap_err();
+    assert!(e.contains("prepared for claim vms/b"), "{e}");
+    assert_eq!(n.kernel.write_log().len(), writes);
+    assert_eq!(n.release(&n.kernel, &claim("b")), Ok(true));
+    assert_eq!(n.release(&n.kernel, &claim("b")), Ok(false), "done already");
+    assert_eq!(n.lost(&before), Vec::<String>::new());
+}
+
+/// The early life of two claims: both moved early, `a` prepared and unprepared,
+/// `b` losing its allocation. Errors are what the watcher and kubelet see.
+fn early_life(n: &Node, kernel: &dyn Kernel) -> Vec<String> {
+    let mut errors = Vec::new();
+    errors.extend(n.move_early(kernel, &claim("a"), &A).err());
+    errors.extend(n.move_early(kernel, &claim("b"), &B).err());
+    errors.extend(n.prepare(kernel, &claim("a"), &A).err());
+    errors.extend(n.release(kernel, &claim("b")).err());
+    errors.extend(
+        n.unprepare(kernel, &claim("a"))
+            .err()
+            .map(|e| error_chain(&e)),
+    );
+    errors
+}
+
+/// What follows a fault: the driver restarts (recover), the watcher moves the
+/// still-allocated claims again, kubelet prepares `a`, `b` loses its allocation,
+/// kubelet unprepares `a`. Everything must come up and go away cleanly.
+fn early_aftermath(n: &Node) -> Vec<String> {
+    let mut problems = Vec::new();
+    let recovery = n.process(&n.kernel, |cl, _| cl.recover());
+    problems.extend(recovery.failed.iter().map(|f| format!("recover: {f}")));
+    for (c, bdfs) in [("a", &A[..]), ("b", &B[..])] {
+        // A claim already prepared is not moved again (kubelet's retry follows).
+        if n.phase(&claim(c)) != Some(ClaimPhase::Prepared) {
+            if let Err(e) = n.move_early(&n.kernel, &claim(c), bdfs) {
+                problems.push(format!("move {c} again: {e}"));
+            }
+        }
+    }
+    if !n.on_vfio(&[
+        "0000:01:00.0",
+        "0000:01:00.1",
+        "0000:02:00.0",
+        "0000:03:00.0",
+    ]) {
+        problems.push("the claims moved again are not on vfio-pci".into());
+    }
+    if let Err(e) = n.prepare(&n.kernel, &claim("a"), &A) {
+        problems.push(format!("prepare a: {e}"));
+    }
+    if let Err(e) = n.release(&n.kernel, &claim("b")) {
+        problems.push(format!("release b: {e}"));
+    }
+    if let Err(e) = n.unprepare(&n.kernel, &claim("a")) {
+        problems.push(format!("unprepare a: {}", error_chain(&e)));
+    }
+    problems
+}
+
+/// Every write, module call and state save of the early life, in turn, fails or
+/// crashes the process (a `kill -9` there); after the restart and the watcher's
+/// and kubelet's retries, every device is back where it was, with no record and
+/// no file left.
+#[test]
+fn every_step_of_an_early_move_fails_or_crashes_and_nothing_is_lost() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if !info.payload().is::<Crashed>() {
+            default(info);
+        }
+    }));
+    let points = {
+        let n = node();
+        let before = n.snapshot();
+        let counting = FaultKernel::new(&n.kernel, None);
+        assert_eq!(early_life(&n, &counting), Vec::<String>::new());
+        assert_eq!(n.lost(&before), Vec::<String>::new());
+        counting.points()
+    };
+    let count = |k: Point| points.iter().filter(|(p, _)| *p == k).count();
+    assert!(
+        count(Point::Write) >= 16 && count(Point::Save) >= 10,
+        "{points:?}"
+    );
+    let mut lost = Vec::new();
+    let mut crashed = 0;
+    for fault in [Fault::Fail, Fault::Crash] {
+        for (i, (_, what)) in points.iter().enumerate() {
+            let n = node();
+            let before = n.snapshot();
+            let faulty = FaultKernel::new(&n.kernel, Some((i, fault)));
+            let mut errors = Vec::new();
+            if crashes(|| errors = early_life(&n, &faulty)) {
+                crashed += 1;
+            } else if fault == Fault::Fail && errors.is_empty() {
+                lost.push(format!(
+                    "{fault:?} at {i} ({what}): the failure was not reported"
+                ));
+            }
+            for p in early_aftermath(&n).into_iter().chain(n.lost(&before)) {
+                lost.push(format!("{fault:?} at {i} ({what}): {p}"));
+            }
+        }
+    }
+    println!(
+        "early move: {} injection points ({} writes, {} module calls, {} saves) x fail and crash; crashes {crashed}; lost: {}",
+        points.len(),
+        count(Point::Write),
+        count(Point::Module),
+        count(Point::Save),
+        lost.len()
+    );
+    assert_eq!(crashed, points.len(), "every crash point is reached");
+    assert!(lost.is_empty(), "{}", lost.join("\n"));
+}

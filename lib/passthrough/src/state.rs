@@ -143,7 +143,13 @@ pub struct State {
 #[serde(rename_all = "lowercase")]
 pub enum ClaimPhase {
     /// Prepare has started: its devices may be partly moved. A restart rolls it back.
+    /// An early move (the claim allocated, its pod not yet bound) starts here too.
     Preparing,
+    /// Moved early: every group is on vfio, before kubelet asked (the scheduler
+    /// waits on the claim's binding condition). No files yet. A restart keeps it;
+    /// prepare then only writes the files, and a claim that loses its allocation
+    /// gets its devices back.
+    Moved,
     /// Every group is on vfio and the claim's files are written.
     Prepared,
     /// Unprepare has started. A restart finishes it.

@@ -71,7 +71,9 @@ impl Claims<'_> {
         for (uid, record) in &claims {
             let claim = ClaimRef::recorded(uid, record);
             match record.phase {
-                ClaimPhase::Prepared => {}
+                // A moved claim waits for its prepare, or for the claim watcher to
+                // find it lost its allocation.
+                ClaimPhase::Prepared | ClaimPhase::Moved => {}
                 ClaimPhase::Preparing => {
                     let undo = self.undo(uid, record);
                     if self.pt.state.state().claims.contains_key(uid) {

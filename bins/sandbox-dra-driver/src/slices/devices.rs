@@ -101,7 +101,16 @@ fn slice_device(entry: &Entry) -> Option<Device> {
 /// The devices this node offers, sorted by address: one per selected function
 /// that is not [`withdrawn`].
 pub fn slice_devices(inv: &Inventory) -> Vec<Device> {
-    marked_devices(inv, &BTreeMap::new(), None)
+    marked_devices(inv, &BTreeMap::new(), None, None)
+}
+
+/// Which devices carry binding conditions, and whose conditions they are.
+#[derive(Debug, Clone, Copy)]
+pub struct BindingMarks<'a> {
+    /// The driver (the conditions' prefix).
+    pub driver: &'a str,
+    /// The devices that get them ([`crate::binding::Homes::marked`]).
+    pub devices: &'a std::collections::BTreeSet<PciAddress>,
 }
 
 /// The key of the taint a device that should not get new claims carries:
@@ -117,11 +126,13 @@ pub fn taint_key(driver: &str) -> String {
 /// is offered and each marked one carries a `NoSchedule` taint `<driver>/unhealthy`
 /// whose value is the reason: the scheduler leaves it alone, claims already on it
 /// keep it, and `kubectl get resourceslice -o yaml` says why. Without, the marked
-/// ones are left out, as before taints existed.
+/// ones are left out, as before taints existed. With `binding`, each of its devices
+/// carries the binding conditions of [`crate::binding`] and `bindsToNode`.
 pub fn marked_devices(
     inv: &Inventory,
     unhealthy: &BTreeMap<PciAddress, &str>,
     taint_driver: Option<&str>,
+    binding: Option<BindingMarks<'_>>,
 ) -> Vec<Device> {
     let mut entries: Vec<(&Entry, Option<&str>)> =
         inv.selected()
@@ -145,6 +156,12 @@ pub fn marked_devices(
                     effect: "NoSchedule".into(),
                     time_added: None,
                 }]);
+            }
+            if let Some(b) = binding.filter(|b| b.devices.contains(&e.device.address)) {
+                d.binding_conditions = Some(vec![crate::binding::ready_condition(b.driver)]);
+                d.binding_failure_conditions =
+                    Some(vec![crate::binding::failed_condition(b.driver)]);
+                d.binds_to_node = Some(true);
             }
             Some(d)
         })

@@ -168,3 +168,77 @@ fn resource_name_follows_the_rebellions_naming() {
         ["rebellions.ai/RBLN-CA25_PF", "rebellions.ai/RBLN-CA22_VF"]
     );
 }
+
+/// `--binding-conditions=auto` marks the devices whose group leaves a native
+/// driver between claims (the recorded driver counts, not the vfio-pci a claim
+/// has it on now); marked devices carry both condition lists and `bindsToNode`.
+#[test]
+fn binding_conditions_go_on_the_devices_that_need_a_rebind() {
+    use crate::binding::{Homes, Mode};
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let node = node(dir.path());
+    node.detach(&"0001:00:03.0".parse().unwrap());
+    node.attach(&"0001:00:03.0".parse().unwrap(), "vfio-pci");
+    node.add_device(
+        &FakeDevice::new("0002:00:04.0", 0x8086, 0x10d3, 0x02_0000)
+            .driver("vfio-pci")
+            .group(9),
+    );
+    let inv = scan(&node);
+    let homes = Homes::default();
+    // 0002:00:04.0 is on vfio-pci for a claim; it came from e1000e.
+    homes.set(BTreeMap::from([(
+        "0002:00:04.0".parse().unwrap(),
+        Some("e1000e".to_owned()),
+    )]));
+    let marked: Vec<String> = homes
+        .marked(&inv, Mode::Auto)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    // 01:00.0 is on e1000e, 80:02.0 on no driver; 0001:00:03.0 is on vfio-pci
+    // of its own.
+    assert_eq!(marked, ["0000:01:00.0", "0000:80:02.0", "0002:00:04.0"]);
+    assert_eq!(homes.marked(&inv, Mode::Always).len(), 4);
+    assert!(homes.marked(&inv, Mode::Off).is_empty());
+    let set = homes.marked(&inv, Mode::Auto);
+    let devices = marked_devices(
+        &inv,
+        &BTreeMap::new(),
+        None,
+        Some(BindingMarks {
+            driver: "d.example.com",
+            devices: &set,
+        }),
+    );
+    let card = &devices[0];
+    assert_eq!(
+        card.binding_conditions.as_deref(),
+        Some(&["d.example.com/VfioReady".to_owned()][..])
+    );
+    assert_eq!(
+        card.binding_failure_conditions.as_deref(),
+        Some(&["d.example.com/VfioFailed".to_owned()][..])
+    );
+    assert_eq!(card.binds_to_node, Some(true));
+    let own = devices
+        .iter()
+        .find(|d| d.name == "pci-0001-00-03-0")
+        .unwrap();
+    assert!(own.binding_conditions.is_none() && own.binds_to_node.is_none());
+    // A server that drops them is noticed.
+    let mut back = ResourceSlice {
+        metadata: Default::default(),
+        spec: ResourceSliceSpec {
+            devices: Some(devices.clone()),
+            ..Default::default()
+        },
+    };
+    assert!(!binding_dropped(&devices, &back));
+    for d in back.spec.devices.iter_mut().flatten() {
+        d.binding_conditions = None;
+        d.binding_failure_conditions = None;
+        d.binds_to_node = None;
+    }
+    assert!(binding_dropped(&devices, &back));
+}

@@ -1,0 +1,101 @@
+//! Devices ready before the pod binds (KEP-5007 device binding conditions, with
+//! KEP-4817 claim device status).
+//!
+//! A device whose IOMMU group has to leave a native driver is published with
+//! `bindingConditions: [<driver>/VfioReady]`, `bindingFailureConditions:
+//! [<driver>/VfioFailed]` and `bindsToNode: true`. The scheduler copies both lists
+//! into the claim's allocation result and, in PreBind, waits until the claim's
+//! `status.devices` entry of that device has the first condition `True` (or either
+//! failure condition `True`, when it gives the allocation up and allocates again).
+//! [`follow_claims`] watches the ResourceClaims allocated to this node's devices,
+//! has the claims thread move their groups to vfio at once
+//! ([`crate::claims::Claims::move_early`]), and writes the condition. kubelet's
+//! prepare then only writes the files. A claim moved early that loses its
+//! allocation or is deleted before its pod starts gets its devices back.
+//!
+//! Upstream: `staging/src/k8s.io/api/resource/v1/types.go` (the fields, at most 4
+//! conditions each), `pkg/apis/resource/validation/validation.go`
+//! (`validateDeviceBindingParameters`: both lists or neither, qualified names, no
+//! overlap), and `pkg/scheduler/framework/plugins/dynamicresources/dynamicresources.go`
+//! (`isClaimReadyForBinding`: the status entry is matched by driver, pool and
+//! device).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
+
+use passthrough::inventory::{Entry, Inventory, Role};
+use sysfs_pci::PciAddress;
+
+mod follow;
+
+pub use follow::{follow_claims, Follow};
+
+/// The condition a device's status entry gets once its group is on vfio.
+pub const READY: &str = "VfioReady";
+/// The condition a device's status entry gets when its group could not be moved.
+pub const FAILED: &str = "VfioFailed";
+
+/// `<driver>/VfioReady`: a qualified name, as the API server requires.
+pub fn ready_condition(driver: &str) -> String {
+    format!("{driver}/{READY}")
+}
+
+/// `<driver>/VfioFailed`.
+pub fn failed_condition(driver: &str) -> String {
+    format!("{driver}/{FAILED}")
+}
+
+/// Which devices are published with binding conditions (`--binding-conditions`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Devices whose IOMMU group has a member off its vfio driver between claims:
+    /// the ones a move takes time for.
+    Auto,
+    /// Every device: the scheduler also waits while a group already on vfio-pci is
+    /// checked whole.
+    Always,
+    /// None: every move happens at prepare, as without the feature.
+    Off,
+}
+
+/// The driver each recorded device had before the driver moved it (its home
+/// between claims), as the claims thread last saw the state file.
+#[derive(Debug, Default)]
+pub struct Homes(Mutex<BTreeMap<PciAddress, Option<String>>>);
+
+impl Homes {
+    /// Replaces what is known.
+    pub fn set(&self, homes: BTreeMap<PciAddress, Option<String>>) {
+        *sysfs_pci::kernel::lock(&self.0) = homes;
+    }
+
+    /// The driver `entry` is on between claims: the recorded one, else its own.
+    fn home<'e>(
+        &self,
+        entry: &'e Entry,
+        homes: &'e BTreeMap<PciAddress, Option<String>>,
+    ) -> Option<&'e str> {
+        match homes.get(&entry.device.address) {
+            Some(recorded) => recorded.as_deref(),
+            None => entry.device.driver.as_deref(),
+        }
+    }
+
+    /// The selected devices that get binding conditions under `mode`.
+    pub fn marked(&self, inv: &Inventory, mode: Mode) -> BTreeSet<PciAddress> {
+        let homes = sysfs_pci::kernel::lock(&self.0);
+        inv.selected()
+            .filter(|e| match mode {
+                Mode::Off => false,
+                Mode::Always => true,
+                Mode::Auto => e.device.iommu_group.is_none_or(|g| {
+                    inv.in_group(g).any(|m| {
+                        !matches!(m.role, Role::Bridge)
+                            && self.home(m, &homes) != Some(m.target_driver.as_str())
+                    })
+                }),
+            })
+            .map(|e| e.device.address)
+            .collect()
+    }
+}

@@ -1,0 +1,478 @@
+//! The claim watcher: moves the groups of a claim allocated to this node's devices
+//! with our binding condition as soon as the scheduler allocates it, and writes the
+//! condition into the claim's `status.devices`.
+
+use std::collections::{BTreeSet, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::api::PostParams;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::Api;
+use node_agent::cluster::Cluster;
+use sysfs_pci::error_chain;
+use tokio_stream::StreamExt;
+
+use crate::claims::ClaimRef;
+use crate::slices::{self, ATTEMPTS, REQUEST_TIMEOUT};
+use crate::worker::{Failed, Worker};
+
+/// How long the watcher waits for a move: the scheduler gives a claim up 10
+/// minutes after its allocation (`DynamicResourcesBindingTimeoutDefault`).
+const MOVE_WAIT: Duration = Duration::from_secs(600);
+/// A condition's message is cut to this many bytes (the API allows 32768).
+const MESSAGE_MAX: usize = 4096;
+
+/// What the watcher needs.
+#[derive(Clone)]
+pub struct Follow {
+    /// The API server.
+    pub cluster: Cluster,
+    /// The driver name.
+    pub driver: String,
+    /// This node's pool.
+    pub pool: String,
+    /// The claims thread.
+    pub worker: Worker,
+}
+
+/// The watcher's memory, shared with its move tasks.
+#[derive(Default)]
+struct Seen {
+    /// Claims allocated to our devices with our binding condition: the ones whose
+    /// loss of allocation may have to give devices back.
+    ours: HashSet<String>,
+    /// Claims whose move or status write is under way.
+    busy: HashSet<String>,
+    /// Said once: the API server drops `status.devices`.
+    status_dropped: bool,
+}
+
+/// One of our devices in a claim's allocation that waits on our condition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Waiting {
+    claim: ClaimRef,
+    generation: Option<i64>,
+    allocations: Vec<crate::claims::Allocation>,
+    /// Our condition is already `True` (ready) or the failure one is (failed).
+    settled: bool,
+}
+
+/// Watches every ResourceClaim (a field selector cannot pick claims by allocated
+/// node) until aborted. A claim allocated to this node's devices whose results
+/// carry our binding condition is moved early; one that loses its allocation
+/// before it was prepared gets its devices back. After every (re)list, claims
+/// moved early that are no longer allocated here are given back too.
+pub async fn follow_claims(follow: Follow) {
+    let api: Api<ResourceClaim> = Api::all(follow.cluster.kube_client());
+    let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
+    tokio::pin!(stream);
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let mut listed: BTreeSet<String> = BTreeSet::new();
+    let mut failing = false;
+    while let Some(event) = stream.next().await {
+        let event = match event {
+            Ok(e) => e,
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(error = %error_chain(&e), "cannot watch ResourceClaims; retrying (claims wait for prepare meanwhile)");
+                }
+                failing = true;
+                continue;
+            }
+        };
+        if failing {
+            tracing::info!("watching ResourceClaims again");
+            failing = false;
+        }
+        match event {
+            Event::Init => listed.clear(),
+            Event::InitApply(c) => {
+                if let Some(uid) = follow.seen_claim(&seen, &c) {
+                    listed.insert(uid);
+                }
+            }
+            Event::InitDone => follow.sweep(&seen, &listed).await,
+            Event::Apply(c) => {
+                follow.seen_claim(&seen, &c);
+            }
+            Event::Delete(c) => {
+                let uid = c.metadata.uid.clone().unwrap_or_default();
+                follow.lost(&seen, uid);
+            }
+        }
+    }
+}
+
+impl Follow {
+    /// Acts on one claim as it stands; its uid when it is allocated to us.
+    fn seen_claim(&self, seen: &Arc<Mutex<Seen>>, claim: &ResourceClaim) -> Option<String> {
+        let uid = claim.metadata.uid.clone().unwrap_or_default();
+        let Some(waiting) = self.waiting(claim) else {
+            self.lost(seen, uid);
+            return None;
+        };
+        let mut s = sysfs_pci::kernel::lock(seen);
+        s.ours.insert(uid.clone());
+        if waiting.settled || !s.busy.insert(uid.clone()) {
+            return Some(uid);
+        }
+        drop(s);
+        let this = self.clone();
+        let seen = seen.clone();
+        tokio::spawn(async move {
+            this.move_early(&seen, waiting).await;
+            sysfs_pci::kernel::lock(&seen).busy.remove(&uid);
+        });
+        claim.metadata.uid.clone()
+    }
+
+    /// The claim's devices of ours that wait on our condition, if it has any.
+    fn waiting(&self, claim: &ResourceClaim) -> Option<Waiting> {
+        let cref = ClaimRef {
+            uid: claim.metadata.uid.clone()?,
+            namespace: claim.metadata.namespace.clone()?,
+            name: claim.metadata.name.clone()?,
+        };
+        let allocations = slices::allocation_of(claim, &cref, &self.driver, &self.pool).ok()?;
+        let ready = super::ready_condition(&self.driver);
+        let failed = super::failed_condition(&self.driver);
+        let status = claim.status.as_ref()?;
+        let results = status
+            .allocation
+            .as_ref()?
+            .devices
+            .as_ref()?
+            .results
+            .as_deref()?;
+        let mine: Vec<_> = results
+            .iter()
+            .filter(|r| r.driver == self.driver && r.pool == self.pool)
+            .collect();
+        if !mine.iter().any(|r| {
+            r.binding_conditions
+                .as_ref()
+                .is_some_and(|c| c.contains(&ready))
+        }) {
+            // Allocated without our condition (the scheduler does not wait): the
+            // move happens at prepare.
+            return None;
+        }
+        let entries = status.devices.as_deref().unwrap_or(&[]);
+        let condition = |device: &str, kind: &str| {
+            entries
+                .iter()
+                .find(|e| e.driver == self.driver && e.pool == self.pool && e.device == device)
+                .and_then(|e| e.conditions.as_deref())
+                .is_some_and(|c| c.iter().any(|c| c.type_ == kind && c.status == "True"))
+        };
+        let failed_any = mine.iter().any(|r| condition(&r.device, &failed));
+        let ready_all = mine.iter().all(|r| condition(&r.device, &ready));
+        Some(Waiting {
+            claim: cref,
+            generation: claim.metadata.generation,
+            allocations,
+            settled: failed_any || ready_all,
+        })
+    }
+
+    /// Claim `uid` is no longer allocated to us: give back what was moved early.
+    fn lost(&self, seen: &Arc<Mutex<Seen>>, uid: String) {
+        if !sysfs_pci::kernel::lock(seen).ours.remove(&uid) {
+            return;
+        }
+        let worker = self.worker.clone();
+        tokio::spawn(async move {
+            let job = worker.release(uid);
+            let _ = worker
+                .answer(job, tokio::time::Instant::now() + MOVE_WAIT)
+                .await;
+        });
+    }
+
+    /// After a (re)list: gives back every claim moved early that the list does not
+    /// show allocated to us (deleted or deallocated while we were not watching).
+    async fn sweep(&self, seen: &Arc<Mutex<Seen>>, listed: &BTreeSet<String>) {
+        let job = self.worker.moved_early();
+        let moved = match self
+            .worker
+            .answer(job, tokio::time::Instant::now() + MOVE_WAIT)
+            .await
+        {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e.message, "cannot list the claims moved early");
+                return;
+            }
+        };
+        {
+            let mut s = sysfs_pci::kernel::lock(seen);
+            s.ours.retain(|u| listed.contains(u));
+            s.ours.extend(moved.iter().map(|c| c.uid.clone()));
+        }
+        for c in moved.into_iter().filter(|c| !listed.contains(&c.uid)) {
+            tracing::info!(claim = %c, "a claim moved early is no longer allocated here; giving its devices back");
+            self.lost(seen, c.uid);
+        }
+    }
+
+    /// Moves the claim's groups and says how it went in the claim's status.
+    async fn move_early(&self, seen: &Arc<Mutex<Seen>>, w: Waiting) {
+        let job = self
+            .worker
+            .move_early(w.claim.clone(), w.allocations.clone());
+        let outcome = self
+            .worker
+            .answer(job, tokio::time::Instant::now() + MOVE_WAIT)
+            .await;
+        if let Err(f) = &outcome {
+            self.post_failure(&w.claim, f);
+        }
+        let devices: Vec<String> = w.allocations.iter().map(|a| a.device.clone()).collect();
+        match self.write_status(&w, &devices, &outcome).await {
+            Ok(Written::Kept) => {}
+            Ok(Written::Dropped) => {
+                let first =
+                    !std::mem::replace(&mut sysfs_pci::kernel::lock(seen).status_dropped, true);
+                if first {
+                    tracing::warn!(claim = %w.claim, "the API server drops ResourceClaim status.devices (its DRAResourceClaimDeviceStatus gate is off): the scheduler cannot see that devices are ready; turn the gate on, or run with --binding-conditions=off");
+                }
+            }
+            Ok(Written::Gone) => {
+                tracing::debug!(claim = %w.claim, "the claim changed before its status was written");
+            }
+            Err(e) => {
+                tracing::warn!(claim = %w.claim, error = %e, "cannot write the claim's device status; the next change of the claim tries again");
+                sysfs_pci::kernel::lock(seen)
+                    .ours
+                    .insert(w.claim.uid.clone());
+            }
+        }
+    }
+
+    /// A Warning Event on the claim, in the background.
+    fn post_failure(&self, claim: &ClaimRef, failed: &Failed) {
+        let cluster = self.cluster.clone();
+        let claim = claim.clone();
+        let reason = failed.failure.event_reason();
+        let note = failed.message.clone();
+        tokio::spawn(async move {
+            let (reference, what) = claim.event_target(reason);
+            if let Err(e) = cluster
+                .event(&reference, &what, true, reason, "MoveBeforeBinding", &note)
+                .await
+            {
+                tracing::debug!(claim = %claim, error = %error_chain(&e), "cannot post an Event on the claim");
+            }
+        });
+    }
+
+    /// Sets our condition on each of `devices` in the claim's `status.devices`,
+    /// read fresh, with an update of the status subresource that keeps every other
+    /// entry and condition (a 409 reads again), as upstream's own tests and drivers
+    /// do (`test/integration/dra/binding_conditions_test.go`: Get, change,
+    /// `UpdateStatus` in `RetryOnConflict`).
+    async fn write_status(
+        &self,
+        w: &Waiting,
+        devices: &[String],
+        outcome: &Result<(), Failed>,
+    ) -> Result<Written, String> {
+        let api: Api<ResourceClaim> =
+            Api::namespaced(self.cluster.kube_client(), &w.claim.namespace);
+        let condition = match outcome {
+            Ok(()) => (
+                super::ready_condition(&self.driver),
+                "MovedToVfio",
+                format!(
+                    "the IOMMU group(s) of {} are on vfio on node {}",
+                    devices.join(", "),
+                    self.pool
+                ),
+            ),
+            Err(f) => (
+                super::failed_condition(&self.driver),
+                "MoveFailed",
+                f.message.clone(),
+            ),
+        };
+        let mut last = String::new();
+        for _ in 0..ATTEMPTS {
+            let found =
+                match tokio::time::timeout(REQUEST_TIMEOUT, api.get_opt(&w.claim.name)).await {
+                    Ok(Ok(Some(c))) => c,
+                    Ok(Ok(None)) => return Ok(Written::Gone),
+                    Ok(Err(e)) => {
+                        last = error_chain(&e);
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        continue;
+                    }
+                    Err(_) => {
+                        last = format!("get timed out after {REQUEST_TIMEOUT:?}");
+                        continue;
+                    }
+                };
+            // Only the allocation the move was for.
+            let same = self
+                .waiting(&found)
+                .is_some_and(|now| now.claim == w.claim && now.allocations == w.allocations);
+            if !same {
+                return Ok(Written::Gone);
+            }
+            let mut claim = found;
+            let generation = claim.metadata.generation.or(w.generation);
+            let status = claim.status.get_or_insert_with(Default::default);
+            let entries = status.devices.get_or_insert_with(Vec::new);
+            for device in devices {
+                let at = entries.iter().position(|e| {
+                    e.driver == self.driver
+                        && e.pool == self.pool
+                        && &e.device == device
+                        && e.share_id.is_none()
+                });
+                let entry = match at {
+                    Some(i) => &mut entries[i],
+                    None => {
+                        entries.push(AllocatedDeviceStatus {
+                            driver: self.driver.clone(),
+                            pool: self.pool.clone(),
+                            device: device.clone(),
+                            ..AllocatedDeviceStatus::default()
+                        });
+                        entries.last_mut().expect("just pushed")
+                    }
+                };
+                set_condition(
+                    entry.conditions.get_or_insert_with(Vec::new),
+                    &condition.0,
+                    condition.1,
+                    &condition.2,
+                    generation,
+                );
+            }
+            match tokio::time::timeout(
+                REQUEST_TIMEOUT,
+                api.replace_status(&w.claim.name, &PostParams::default(), &claim),
+            )
+            .await
+            {
+                Ok(Ok(written)) => {
+                    let kept = written
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.devices.as_deref())
+                        .is_some_and(|d| d.iter().any(|e| e.driver == self.driver));
+                    return Ok(if kept {
+                        Written::Kept
+                    } else {
+                        Written::Dropped
+                    });
+                }
+                Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
+                    last = s.message;
+                }
+                Ok(Err(kube::Error::Api(s))) if s.code == 404 => return Ok(Written::Gone),
+                Ok(Err(e)) => {
+                    last = error_chain(&e);
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(_) => last = format!("update timed out after {REQUEST_TIMEOUT:?}"),
+            }
+        }
+        Err(format!(
+            "update of ResourceClaim {}/{} status failed {ATTEMPTS} times: {last}",
+            w.claim.namespace, w.claim.name
+        ))
+    }
+}
+
+/// How a status write ended.
+enum Written {
+    /// The server kept our entries.
+    Kept,
+    /// The server dropped `status.devices`.
+    Dropped,
+    /// The claim is gone, or no longer allocated as the move was for.
+    Gone,
+}
+
+/// Sets condition `kind` to `True` as `meta.SetStatusCondition` does
+/// (`k8s.io/apimachinery/pkg/api/meta/conditions.go`): the transition time moves
+/// only when the status changes; reason, message and generation are updated.
+fn set_condition(
+    conditions: &mut Vec<Condition>,
+    kind: &str,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+) {
+    let mut message = message.to_owned();
+    if message.len() > MESSAGE_MAX {
+        let mut cut = MESSAGE_MAX;
+        while !message.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        message.truncate(cut);
+    }
+    let now = Time(k8s_openapi::jiff::Timestamp::now());
+    match conditions.iter_mut().find(|c| c.type_ == kind) {
+        Some(c) => {
+            if c.status != "True" {
+                c.status = "True".into();
+                c.last_transition_time = now;
+            }
+            c.reason = reason.into();
+            c.message = message;
+            c.observed_generation = generation;
+        }
+        None => conditions.push(Condition {
+            type_: kind.into(),
+            status: "True".into(),
+            reason: reason.into(),
+            message,
+            observed_generation: generation,
+            last_transition_time: now,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_condition_keeps_the_transition_time_while_the_status_stays() {
+        let mut c = Vec::new();
+        set_condition(&mut c, "d/VfioReady", "MovedToVfio", "one", Some(1));
+        let first = c[0].last_transition_time.clone();
+        set_condition(&mut c, "d/VfioReady", "MovedToVfio", "two", Some(2));
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].last_transition_time, first);
+        assert_eq!(
+            (c[0].message.as_str(), c[0].observed_generation),
+            ("two", Some(2))
+        );
+        c[0].status = "False".into();
+        std::thread::sleep(Duration::from_millis(2));
+        set_condition(&mut c, "d/VfioReady", "MovedToVfio", "three", None);
+        assert_eq!(c[0].status, "True");
+        assert_ne!(c[0].last_transition_time, first);
+    }
+
+    #[test]
+    fn long_messages_are_cut_on_a_character_boundary() {
+        let mut c = Vec::new();
+        set_condition(
+            &mut c,
+            "d/VfioFailed",
+            "MoveFailed",
+            &"é".repeat(5000),
+            None,
+        );
+        assert!(c[0].message.len() <= MESSAGE_MAX);
+        assert!(c[0].message.chars().all(|ch| ch == 'é'));
+    }
+}
