@@ -1,0 +1,275 @@
+//! Devices ready before the pod binds (KEP-5007 binding conditions, KEP-4817 claim
+//! device status): the real `sandbox-dra-driver` on a fake node against the
+//! stand-in API server, with the tests playing kube-scheduler as upstream's DRA
+//! plugin does (`fake_apiserver::scheduler`: the allocation copies the device's
+//! binding conditions, PreBind waits on the claim's `status.devices`, a failure
+//! deallocates) and kubelet preparing through the kubelet-like peer.
+//!
+//! The fake node's devices are on vfio-pci already, so these runs use
+//! `--binding-conditions=always`; the real-kernel scenario moves NICs off e1000e
+//! under `auto`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::driver::*;
+use common::*;
+use fake_apiserver::objects::DeviceResult;
+use fake_apiserver::scheduler::{self, Binding};
+use fake_apiserver::{paths, FakeApiServer};
+use kubelet_peer::dra::{ClaimRef, Version};
+use serde_json::Value;
+
+const ALWAYS: (&str, &str) = ("VFIO_SANDBOX_BINDING_CONDITIONS", "always");
+const READY: &str = "vfio-sandbox.rebellions.ai/VfioReady";
+const FAILED: &str = "vfio-sandbox.rebellions.ai/VfioFailed";
+
+/// Creates claim `NS/name` and allocates `results` to it as kube-scheduler does:
+/// from the slices as they are now.
+fn allocate(server: &FakeApiServer, name: &str, results: &[DeviceResult]) -> ClaimRef {
+    let mut claim = fake_apiserver::objects::resource_claim(NS, name, &format!("uid-{name}"), None);
+    claim["status"] = serde_json::json!({
+        "allocation": scheduler::allocation(results, &slices(server), NODE),
+    });
+    server.put(&paths::resourceclaim(NS, name), claim);
+    claim_ref(name, &format!("uid-{name}"))
+}
+
+fn claim(server: &FakeApiServer, name: &str) -> Option<Value> {
+    server.get(&paths::resourceclaim(NS, name))
+}
+
+/// The claim's phase in the driver's state file.
+fn phase(scene: &Scene, uid: &str) -> Option<String> {
+    state_claims(scene)
+        .get(uid)
+        .map(|c| c["phase"].as_str().unwrap().to_owned())
+}
+
+/// What kube-scheduler's PreBind makes of the claim now.
+fn binding(server: &FakeApiServer, name: &str) -> Binding {
+    claim(server, name).map_or(Binding::Waiting, |c| scheduler::binding(&c))
+}
+
+/// The device's binding fields in the slice.
+fn published(server: &FakeApiServer, device: &str) -> Value {
+    slices(server)
+        .iter()
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .find(|d| d["name"] == device)
+        .unwrap_or(Value::Null)
+}
+
+#[tokio::test]
+async fn a_claim_is_moved_before_binding_and_prepare_only_writes_its_files() {
+    let scene = Scene::new();
+    let server = cluster();
+    let mut driver = scene.start_with(&server, &[ALWAYS]).await;
+    let _reg = register(&scene).await;
+    driver
+        .wait_until("binding conditions in the slice", || {
+            published(&server, "pci-0000-02-00-0")["bindingConditions"][0] == READY
+        })
+        .await;
+    let d = published(&server, "pci-0000-02-00-0");
+    assert_eq!(d["bindingFailureConditions"][0], FAILED);
+    assert_eq!(d["bindsToNode"], true);
+
+    let c = allocate(&server, "vm-a", &[ours("nic", "pci-0000-02-00-0")]);
+    driver
+        .wait_until("the claim ready for binding", || {
+            binding(&server, "vm-a") == Binding::Ready
+        })
+        .await;
+    let status = &claim(&server, "vm-a").unwrap()["status"]["devices"][0];
+    assert_eq!(status["driver"], DRIVER);
+    assert_eq!(status["pool"], NODE);
+    assert_eq!(status["conditions"][0]["type"], READY);
+    assert_eq!(status["conditions"][0]["reason"], "MovedToVfio");
+    assert_eq!(phase(&scene, &c.uid).as_deref(), Some("moved"));
+    assert!(!scene.cdi_spec(&c.uid).exists(), "no file before prepare");
+
+    // The pod binds; kubelet prepares: the files, and the claim prepared.
+    let mut client = scene.client(Version::V1).await;
+    let answers = prepare(&mut client, std::slice::from_ref(&c)).await;
+    assert!(answers[&c.uid].error.is_empty(), "{answers:?}");
+    assert!(scene.cdi_spec(&c.uid).exists());
+    assert_eq!(phase(&scene, &c.uid).as_deref(), Some("prepared"));
+    // A watch event of the claim later changes nothing.
+    let rv = claim(&server, "vm-a").unwrap()["metadata"]["resourceVersion"].clone();
+    let mut touched = claim(&server, "vm-a").unwrap();
+    touched["metadata"]["labels"] = serde_json::json!({"touched": "yes"});
+    server.put(&paths::resourceclaim(NS, "vm-a"), touched);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(phase(&scene, &c.uid).as_deref(), Some("prepared"));
+    assert_ne!(
+        claim(&server, "vm-a").unwrap()["metadata"]["resourceVersion"],
+        rv
+    );
+    unprepare(&mut client, std::slice::from_ref(&c)).await;
+    assert_eq!(phase(&scene, &c.uid), None);
+    assert!(!driver.log().contains("panicked"), "{}", driver.log());
+}
+
+#[tokio::test]
+async fn a_claim_that_loses_its_allocation_before_its_pod_starts_is_given_back() {
+    let scene = Scene::new();
+    let server = cluster();
+    let mut driver = scene.start_with(&server, &[ALWAYS]).await;
+    let _reg = register(&scene).await;
+    driver
+        .wait_until("binding conditions in the slice", || {
+            published(&server, "pci-0000-02-00-0")["bindingConditions"][0] == READY
+        })
+        .await;
+    // Deallocated (the pod went elsewhere).
+    let a = allocate(&server, "vm-a", &[ours("nic", "pci-0000-02-00-0")]);
+    driver
+        .wait_until("claim a moved", || {
+            phase(&scene, &a.uid).as_deref() == Some("moved")
+        })
+        .await;
+    let mut c = claim(&server, "vm-a").unwrap();
+    scheduler::deallocate(&mut c);
+    server.put(&paths::resourceclaim(NS, "vm-a"), c);
+    driver
+        .wait_until("claim a given back", || phase(&scene, &a.uid).is_none())
+        .await;
+    // Deleted.
+    let b = allocate(&server, "vm-b", &[ours("nvme", "pci-0000-03-00-0")]);
+    driver
+        .wait_until("claim b moved", || {
+            phase(&scene, &b.uid).as_deref() == Some("moved")
+        })
+        .await;
+    server.remove(&paths::resourceclaim(NS, "vm-b"));
+    driver
+        .wait_until("claim b given back", || phase(&scene, &b.uid).is_none())
+        .await;
+    // Deleted while the driver was down: the restart's list finds it gone.
+    let c = allocate(&server, "vm-c", &[ours("nic", "pci-0000-02-00-0")]);
+    driver
+        .wait_until("claim c moved", || {
+            phase(&scene, &c.uid).as_deref() == Some("moved")
+        })
+        .await;
+    driver.kill();
+    server.remove(&paths::resourceclaim(NS, "vm-c"));
+    let mut driver = scene.start_with(&server, &[ALWAYS]).await;
+    driver
+        .wait_until("claim c given back after the restart", || {
+            phase(&scene, &c.uid).is_none()
+        })
+        .await;
+    assert!(
+        driver.log().contains("no longer allocated here"),
+        "{}",
+        driver.log()
+    );
+    assert!(state_devices(&scene).is_empty());
+}
+
+#[tokio::test]
+async fn a_failed_move_sets_the_failure_condition_and_the_scheduler_gives_the_claim_up() {
+    let scene = Scene::new();
+    let server = cluster();
+    let mut driver = scene.start_with(&server, &[ALWAYS]).await;
+    let _reg = register(&scene).await;
+    driver
+        .wait_until("binding conditions in the slice", || {
+            published(&server, "pci-0000-02-00-0")["bindingConditions"][0] == READY
+        })
+        .await;
+    // Group 6's node is gone: the move cannot be checked, so it fails.
+    std::fs::remove_file(scene.root().join("dev/vfio/6")).unwrap();
+    let c = allocate(&server, "vm-a", &[ours("nic", "pci-0000-02-00-0")]);
+    driver
+        .wait_until("the failure condition", || {
+            matches!(binding(&server, "vm-a"), Binding::Failed(_))
+        })
+        .await;
+    let Binding::Failed(why) = binding(&server, "vm-a") else {
+        unreachable!()
+    };
+    assert!(
+        why.contains("reason=MoveFailed") && why.contains("/dev/vfio/6"),
+        "{why}"
+    );
+    assert_eq!(phase(&scene, &c.uid), None, "rolled back");
+    // A Warning Event names the claim.
+    let events = server.list(&paths::events(NS));
+    assert!(
+        events
+            .iter()
+            .any(|e| e["regarding"]["name"] == "vm-a" && e["type"] == "Warning"),
+        "{events:?}"
+    );
+    // The scheduler deallocates (PostFilter); nothing is left to give back.
+    let mut claimed = claim(&server, "vm-a").unwrap();
+    scheduler::deallocate(&mut claimed);
+    server.put(&paths::resourceclaim(NS, "vm-a"), claimed);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(phase(&scene, &c.uid), None);
+    assert!(state_devices(&scene).is_empty());
+}
+
+#[tokio::test]
+async fn an_api_server_without_the_fields_keeps_the_move_at_prepare() {
+    // Either gate off drops the slice fields (upstream needs both).
+    for gate in ["DRADeviceBindingConditions", "DRAResourceClaimDeviceStatus"] {
+        without(gate).await;
+    }
+}
+
+async fn without(gate: &str) {
+    let scene = Scene::new();
+    let server = cluster();
+    match gate {
+        "DRADeviceBindingConditions" => server.drop_binding_conditions(true),
+        _ => server.drop_claim_device_status(true),
+    }
+    let mut driver = scene.start_with(&server, &[ALWAYS]).await;
+    let _reg = register(&scene).await;
+    driver
+        .wait_until("the warning", || {
+            driver_log_has(&scene, "drops the binding conditions")
+        })
+        .await;
+    driver
+        .wait_until("a slice without binding conditions", || {
+            let d = published(&server, "pci-0000-02-00-0");
+            !d.is_null() && d.get("bindingConditions").is_none()
+        })
+        .await;
+    let c = allocate(&server, "vm-a", &[ours("nic", "pci-0000-02-00-0")]);
+    assert_eq!(
+        binding(&server, "vm-a"),
+        Binding::Ready,
+        "nothing to wait for"
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(phase(&scene, &c.uid), None, "not moved early");
+    let mut client = scene.client(Version::V1).await;
+    let answers = prepare(&mut client, std::slice::from_ref(&c)).await;
+    assert!(answers[&c.uid].error.is_empty(), "{answers:?}");
+    assert_eq!(phase(&scene, &c.uid).as_deref(), Some("prepared"));
+    let log = driver.log();
+    assert_eq!(
+        log.matches("drops the binding conditions").count(),
+        1,
+        "{gate}: {log}"
+    );
+}
+
+fn driver_log_has(scene: &Scene, text: &str) -> bool {
+    std::fs::read_dir(scene.root())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("driver-"))
+        .any(|e| {
+            std::fs::read_to_string(e.path())
+                .unwrap_or_default()
+                .contains(text)
+        })
+}
