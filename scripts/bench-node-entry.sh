@@ -11,7 +11,9 @@
 #   jobs=1 entry_ms leave_ms   one IOMMU group after another (--bind-jobs 1)
 #   jobs=J entry_ms leave_ms   J groups at once (default: vfio-manager's --bind-jobs
 #                              default), entering and leaving
-#   jobs=1|J prepare_ms unprepare_ms   the same for one claim of the DRA driver
+#   jobs=1|J prepare_ms unprepare_ms   the same for one claim of the DRA driver,
+#            early_move_ms early_prepare_ms  and for the claim moved as soon as it is
+#                              allocated (binding conditions), then prepared
 set -euo pipefail
 cd "$(dirname "$0")/.."
 latency=1000

@@ -8,12 +8,15 @@
 //! NodeUnprepareResources (bins/sandbox-dra-driver/src/worker.rs): lock and load the
 //! state file, scan, `Claims::prepare` (save the claim, load the vfio modules, move
 //! its groups, write the CDI spec and metadata files, save it prepared), then
-//! `Claims::unprepare` — once moving one group at a time and once with `--jobs`
-//! groups at once (default: the driver's `--bind-jobs` default), each on a fresh
-//! node. Prints one line:
+//! `Claims::unprepare`; then the same claim moved early, as the claim watcher has
+//! it moved when the scheduler waits on binding conditions (`Claims::move_early`,
+//! between allocation and binding), and the prepare that follows (the files only)
+//! — once moving one group at a time and once with `--jobs` groups at once
+//! (default: the driver's `--bind-jobs` default), each on a fresh node. Prints one
+//! line:
 //!
 //! ```text
-//! devices=8 latency_ms=1000 jobs=1 prepare_ms=16030 unprepare_ms=16020 jobs=8 prepare_ms=2012 unprepare_ms=2009
+//! devices=8 latency_ms=1000 jobs=1 prepare_ms=16030 unprepare_ms=16020 early_move_ms=16010 early_prepare_ms=1 jobs=8 ...
 //! ```
 //!
 //! It checks that every device was on vfio-pci after the prepare and back on e1000e
@@ -59,12 +62,13 @@ fn all_on(kernel: &FakeKernel, devices: &[PciAddress], want: &str) -> Result<(),
     Ok(())
 }
 
-/// Prepares and unprepares one claim of every bench device; the time each took.
+/// Prepares and unprepares one claim of every bench device, then moves it early
+/// and prepares it; the time each took.
 fn prepare_and_unprepare(
     root: &std::path::Path,
     args: &BenchArgs,
     jobs: NonZeroUsize,
-) -> Result<(Duration, Duration), String> {
+) -> Result<Vec<Duration>, String> {
     let kernel = FakeKernel::slow_nics(root, args.devices, args.latency, RELEASE);
     let host = &kernel.node.host;
     let list = ResourceList::parse(LIST).map_err(|e| error_chain(&e))?;
@@ -116,7 +120,22 @@ fn prepare_and_unprepare(
     claims.unprepare(&claim).map_err(|e| error_chain(&e))?;
     let unprepare = started.elapsed();
     all_on(&kernel, &devices, "e1000e")?;
-    Ok((prepare, unprepare))
+    let started = Instant::now();
+    let inv = Inventory::scan(host, &list).map_err(|e| error_chain(&e))?;
+    claims
+        .move_early(&claim, &allocations, &inv)
+        .map_err(|e| error_chain(&e))?;
+    let early_move = started.elapsed();
+    all_on(&kernel, &devices, "vfio-pci")?;
+    let started = Instant::now();
+    let inv = Inventory::scan(host, &list).map_err(|e| error_chain(&e))?;
+    claims
+        .prepare(&claim, None, &allocations, &inv)
+        .map_err(|e| error_chain(&e))?;
+    let early_prepare = started.elapsed();
+    claims.unprepare(&claim).map_err(|e| error_chain(&e))?;
+    all_on(&kernel, &devices, "e1000e")?;
+    Ok(vec![prepare, unprepare, early_move, early_prepare])
 }
 
 fn main() -> ExitCode {
@@ -124,7 +143,7 @@ fn main() -> ExitCode {
         "prepare",
         USAGE,
         DEFAULT_BIND_JOBS,
-        ["prepare", "unprepare"],
+        &["prepare", "unprepare", "early_move", "early_prepare"],
         prepare_and_unprepare,
     )
 }

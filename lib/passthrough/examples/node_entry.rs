@@ -102,11 +102,11 @@ fn main() -> ExitCode {
         "node_entry",
         USAGE,
         DEFAULT_BIND_JOBS,
-        ["entry", "leave"],
+        &["entry", "leave"],
         |root, args, jobs| {
             let kernel = FakeKernel::slow_nics(root, args.devices, args.latency, RELEASE);
             let state = root.join("run/state.json");
-            enter_and_leave(&kernel, &state, &list, jobs, args.devices)
+            enter_and_leave(&kernel, &state, &list, jobs, args.devices).map(|(a, b)| vec![a, b])
         },
     )
 }

@@ -476,14 +476,14 @@ impl FakeKernel {
     /// A benchmark's main: reads [`FakeKernel::bench_args`], then times `pass` once
     /// moving one group at a time and once with `--jobs`, each in a fresh scratch
     /// directory, and prints one line: `devices=N latency_ms=MS`, then per pass
-    /// `jobs=J <first>_ms=.. <second>_ms=..` for the two durations `pass` returns.
-    /// On an error it names `name`, prints `usage` and fails.
+    /// `jobs=J <field>_ms=..` for each of `fields` and the duration `pass` returns
+    /// for it, in order. On an error it names `name`, prints `usage` and fails.
     pub fn bench_main(
         name: &str,
         usage: &str,
         default_jobs: NonZeroUsize,
-        [first, second]: [&str; 2],
-        pass: impl Fn(&Path, &BenchArgs, NonZeroUsize) -> Result<(Duration, Duration), String>,
+        fields: &[&str],
+        pass: impl Fn(&Path, &BenchArgs, NonZeroUsize) -> Result<Vec<Duration>, String>,
     ) -> std::process::ExitCode {
         let run = |args: BenchArgs| -> Result<String, String> {
             let mut line = format!(
@@ -494,12 +494,18 @@ impl FakeKernel {
             for jobs in [NonZeroUsize::MIN, args.jobs] {
                 let dir = tempfile::tempdir_in(scratch_root())
                     .map_err(|e| format!("cannot create a scratch directory: {e}"))?;
-                let (a, b) = pass(dir.path(), &args, jobs)?;
-                line.push_str(&format!(
-                    " jobs={jobs} {first}_ms={} {second}_ms={}",
-                    a.as_millis(),
-                    b.as_millis()
-                ));
+                let took = pass(dir.path(), &args, jobs)?;
+                if took.len() != fields.len() {
+                    return Err(format!(
+                        "{} durations for {} fields",
+                        took.len(),
+                        fields.len()
+                    ));
+                }
+                line.push_str(&format!(" jobs={jobs}"));
+                for (field, d) in fields.iter().zip(took) {
+                    line.push_str(&format!(" {field}_ms={}", d.as_millis()));
+                }
             }
             Ok(line)
         };

@@ -10,6 +10,9 @@
 # vm: needs=sandbox-dra-driver,sandbox-dra-driver-failpoints,kubelet-peer,fake-apiserver
 # vm: timeout=300
 # shellcheck shell=sh
+# Every move here happens at prepare, as on a cluster without binding conditions;
+# dra-early-move.sh moves claims as soon as they are allocated.
+export VFIO_SANDBOX_BINDING_CONDITIONS=off
 
 export VFIO_SANDBOX_CONFIG=/tmp/list.json
 echo '{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}' >"$VFIO_SANDBOX_CONFIG"

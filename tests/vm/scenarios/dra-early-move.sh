@@ -1,0 +1,147 @@
+# sandbox-dra-driver moves a claim's devices before its pod is bound (KEP-5007
+# binding conditions) on the real kernel: the NICs on e1000e are published with
+# <driver>/VfioReady and VfioFailed and bindsToNode; a claim allocated from the
+# slice (fake-apiserver claim copies the conditions as the scheduler's allocator
+# does) is moved whole to vfio-pci at once, the condition appears in the claim's
+# status.devices and `fake-apiserver bind` (PreBind's wait) returns; prepare then
+# only writes files. A claim deleted before its pod started gets its devices
+# back; a claim on a group another claim holds gets the failure condition and is
+# deallocated as PostFilter does. Then kill -9 at every step of the early move
+# (failpoints build: the claim saved, each member recorded, override, unbind,
+# probe, the claim saved as moved): the restarted driver converges (the claim
+# ready) and gives everything back when the claim is deleted; and kill -9 at
+# each step of that give-back (override, unbind, probe), finished by the restart.
+# vm: needs=sandbox-dra-driver,sandbox-dra-driver-failpoints,kubelet-peer,fake-apiserver
+# vm: timeout=300
+# shellcheck shell=sh
+
+export VFIO_SANDBOX_CONFIG=/tmp/list.json
+echo '{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}' >"$VFIO_SANDBOX_CONFIG"
+DRIVER=vfio-sandbox.rebellions.ai
+REG=/var/lib/kubelet/plugins_registry
+NODE=dra-node
+STATE=/run/sandbox-dra-driver/state.json
+CDI=/var/run/cdi
+dev_name() { echo "pci-$1" | tr ':.' '--'; }
+
+ifconfig lo 127.0.0.1 up 2>/dev/null || ip link set lo up
+fake-apiserver serve --listen 127.0.0.1:6443 --kubeconfig /tmp/kubeconfig \
+    --node "$NODE" >/tmp/apiserver.log 2>&1 &
+wait_for "the stand-in API server serves" 10 -- test -s /tmp/kubeconfig
+export KUBECONFIG=/tmp/kubeconfig NODE_NAME=$NODE
+
+starts=0
+start_driver() {
+    bin=${1:-sandbox-dra-driver}
+    starts=$((starts + 1))
+    DLOG=/tmp/dra.$starts.log
+    "$bin" --prepare-timeout 5s >"$DLOG" 2>&1 &
+    driver=$!
+    wait_for "$bin serves its registration socket" 20 -- grep -q "serving registration" "$DLOG"
+}
+peer() { kubelet-peer dra "$@" --registry "$REG"; }
+# claim NAME BDF: a ResourceClaim in namespace vms allocated as the scheduler does; its uid.
+claim() { fake-apiserver claim "vms/$1" --result "nic:$DRIVER:$NODE:$(dev_name "$2")"; }
+# bind NAME: PreBind's wait (polling every second here, upstream every 5 s).
+prebind() { fake-apiserver bind "vms/$1" --poll 1 --timeout 60; }
+delete_claim() { fake-apiserver request DELETE "/apis/resource.k8s.io/v1/namespaces/vms/resourceclaims/$1" >/dev/null; }
+# card_back WHEN: the claim given back: the record goes last, after both functions
+# are back on e1000e with their overrides cleared.
+card_back() {
+    wait_for "state: no claim, no device $1" 20 -- sh -c "! grep -q '\"claims\"' '$STATE' && grep -q '\"devices\": {}' '$STATE'"
+    expect_driver "CARD_FN0 back on e1000e $1" "$CARD_FN0" e1000e
+    expect_driver "CARD_FN1 back on e1000e $1" "$CARD_FN1" e1000e
+    expect_contains "CARD_FN0 override cleared $1" "/sys/bus/pci/devices/$CARD_FN0/driver_override" "(null)"
+}
+
+note "the slice carries binding conditions for the NICs on e1000e"
+start_driver
+step "the peer registers the driver" -- peer register
+wait_for "the ResourceSlice is published" 10 -- sh -c 'fake-apiserver request GET /apis/resource.k8s.io/v1/resourceslices | grep -q pci-0000'
+fake-apiserver request GET /apis/resource.k8s.io/v1/resourceslices >/tmp/slices.json
+expect_contains "slice: the ready condition" /tmp/slices.json "\"bindingConditions\":[\"$DRIVER/VfioReady\"]"
+expect_contains "slice: the failure condition" /tmp/slices.json "\"bindingFailureConditions\":[\"$DRIVER/VfioFailed\"]"
+expect_contains "slice: bound to the node" /tmp/slices.json '"bindsToNode":true'
+
+note "allocated: moved before binding; prepare writes files only"
+t0=$(_tb_now_ms)
+uid=$(claim vm-card "$CARD_FN0")
+step "the scheduler's PreBind wait ends: ready" -- prebind vm-card
+t1=$(_tb_now_ms)
+note "allocation to ready took $((t1 - t0)) ms (the stand-in scheduler polls every second)"
+expect_driver "CARD_FN0 on vfio-pci before the pod is bound" "$CARD_FN0" vfio-pci
+expect_driver "CARD_FN1 (companion) on vfio-pci too" "$CARD_FN1" vfio-pci
+step "/dev/vfio/$CARD_GROUP is a char device" -- test -c "/dev/vfio/$CARD_GROUP"
+fake-apiserver request GET /apis/resource.k8s.io/v1/namespaces/vms/resourceclaims/vm-card >/tmp/claim.json
+expect_contains "claim status: our device's condition" /tmp/claim.json "\"type\":\"$DRIVER/VfioReady\""
+expect_contains "state: the claim is moved" "$STATE" '"phase": "moved"'
+step "no CDI spec before prepare" -- sh -c "! test -e '$CDI/$DRIVER-vfio_$uid.json'"
+t0=$(_tb_now_ms)
+step "NodePrepareResources v1 for vm-card" -- peer prepare --version v1 --claim "vms/vm-card/$uid"
+t1=$(_tb_now_ms)
+note "prepare after the early move took $((t1 - t0)) ms (peer to answer)"
+step "the CDI spec is written" -- test -s "$CDI/$DRIVER-vfio_$uid.json"
+expect_contains "state: the claim is prepared" "$STATE" '"phase": "prepared"'
+step "NodeUnprepareResources v1 for vm-card" -- peer unprepare --version v1 --claim "vms/vm-card/$uid"
+card_back "after unprepare"
+delete_claim vm-card
+
+note "deleted before its pod started: given back"
+uid=$(claim vm-gone "$CARD_FN0")
+step "vm-gone is ready" -- prebind vm-gone
+expect_driver "CARD_FN0 on vfio-pci" "$CARD_FN0" vfio-pci
+step "the claim is deleted" -- delete_claim vm-gone
+card_back "after the claim was deleted"
+
+note "a group another claim holds: the failure condition, and the scheduler gives up"
+uid=$(claim vm-holder "$CARD_FN0")
+step "vm-holder is ready" -- prebind vm-holder
+uid_thief=$(claim vm-thief "$CARD_FN1")
+expect_fail "PreBind fails on the failure condition and deallocates" 1 -- prebind vm-thief
+run_logged cat "$TB_OUT"
+expect_contains "it says why" "$TB_OUT" "reason=MoveFailed"
+expect_contains "naming the claim that holds the group" "$TB_OUT" "which is prepared for claim vms/vm-holder"
+expect_driver "CARD_FN0 stays with vm-holder" "$CARD_FN0" vfio-pci
+step "vm-holder is deleted" -- delete_claim vm-holder
+card_back "after vm-holder went"
+delete_claim vm-thief
+
+note "kill -9 at every step of the early move"
+for fp in early-after-save bind-after-record bind-after-override bind-after-unbind bind-after-probe early-after-moved; do
+    kill -TERM "$driver"
+    wait "$driver" 2>/dev/null
+    FAILPOINTS="$fp=return" start_driver sandbox-dra-driver-failpoints
+    claim "vm-$fp" "$CARD_FN0" >/dev/null
+    wait_for "the driver stops at $fp" 20 -- grep -q "failpoint $fp: paused" "$DLOG"
+    step "kill -9 the driver at $fp" -- kill -9 "$driver"
+    wait "$driver" 2>/dev/null
+    run_logged cat "$STATE"
+    start_driver
+    step "after the kill at $fp the restarted driver makes vm-$fp ready" -- prebind "vm-$fp"
+    expect_driver "CARD_FN0 on vfio-pci after $fp" "$CARD_FN0" vfio-pci
+    expect_driver "CARD_FN1 on vfio-pci after $fp" "$CARD_FN1" vfio-pci
+    expect_contains "state: vm-$fp moved after $fp" "$STATE" '"phase": "moved"'
+    step "vm-$fp is deleted" -- delete_claim "vm-$fp"
+    card_back "after the kill at $fp"
+done
+
+note "kill -9 at every step of giving a deleted claim's devices back"
+for fp in restore-after-override restore-after-unbind restore-after-probe; do
+    kill -TERM "$driver"
+    wait "$driver" 2>/dev/null
+    FAILPOINTS="$fp=return" start_driver sandbox-dra-driver-failpoints
+    claim "vm-$fp" "$CARD_FN0" >/dev/null
+    step "vm-$fp is ready" -- prebind "vm-$fp"
+    step "vm-$fp is deleted" -- delete_claim "vm-$fp"
+    wait_for "the driver stops at $fp" 20 -- grep -q "failpoint $fp: paused" "$DLOG"
+    step "kill -9 the driver at $fp" -- kill -9 "$driver"
+    wait "$driver" 2>/dev/null
+    run_logged cat "$STATE"
+    start_driver
+    card_back "after the kill at $fp"
+done
+
+kill -TERM "$driver"
+wait "$driver"
+expect_eq "SIGTERM: exit 0" "$?" 0
+run_logged sh -c 'cat /tmp/dra.*.log | grep -E "moved|gave back|rolled back|early|failpoint"'
