@@ -304,6 +304,18 @@ impl Claims<'_> {
         inv: &Inventory,
     ) -> Result<(), ClaimError> {
         let devices = self.resolve(claim, allocations, inv)?;
+        // Moved early for an allocation it has since lost (deallocated, then
+        // allocated other devices between two looks): that one goes back first.
+        let stale = self
+            .pt
+            .state
+            .state()
+            .claims
+            .get(&claim.uid)
+            .is_some_and(|r| r.phase == ClaimPhase::Moved && r.devices != devices);
+        if stale {
+            self.release(&claim.uid)?;
+        }
         if matches!(
             self.recorded_phase(claim, &devices)?,
             Some(ClaimPhase::Moved | ClaimPhase::Prepared)

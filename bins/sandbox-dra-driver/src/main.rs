@@ -457,6 +457,7 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
                 driver: cli.driver_name.clone(),
                 pool: node_name.clone(),
                 worker: worker.clone(),
+                metrics: metrics.clone(),
             },
         ))
     });

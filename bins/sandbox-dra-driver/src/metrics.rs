@@ -11,20 +11,35 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-/// `NodePrepareResources` or `NodeUnprepareResources`.
+/// `NodePrepareResources` or `NodeUnprepareResources`, or what the claim watcher
+/// does without kubelet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Operation {
     /// A prepare.
     Prepare,
     /// An unprepare.
     Unprepare,
+    /// A claim's groups moved as soon as it was allocated (binding conditions).
+    MoveEarly,
+    /// A claim moved early given back: it lost its allocation before its pod
+    /// started.
+    GiveBack,
 }
 
 impl Operation {
+    const ALL: [Self; 4] = [
+        Self::Prepare,
+        Self::Unprepare,
+        Self::MoveEarly,
+        Self::GiveBack,
+    ];
+
     fn label(self) -> &'static str {
         match self {
             Self::Prepare => "prepare",
             Self::Unprepare => "unprepare",
+            Self::MoveEarly => "move_early",
+            Self::GiveBack => "give_back",
         }
     }
 }
@@ -81,7 +96,7 @@ impl Metrics {
             devices: Family::default(),
             slice_writes: Family::default(),
         };
-        for op in [Operation::Prepare, Operation::Unprepare] {
+        for op in Operation::ALL {
             let operation = op.label();
             for result in ["ok", "error"] {
                 let _ = m.claims.get_or_create(&Claims { operation, result });
@@ -102,12 +117,12 @@ impl Metrics {
         }
         registry.register(
             "dra_claims",
-            "Claims kubelet asked to prepare or unprepare, by operation and result (ok, error)",
+            "Claims kubelet asked to prepare or unprepare, and claims moved early (binding conditions) or given back after losing their allocation, by operation (prepare, unprepare, move_early, give_back) and result (ok, error)",
             m.claims.clone(),
         );
         registry.register(
             "dra_call_seconds",
-            "Duration of NodePrepareResources and NodeUnprepareResources calls, claim reads included",
+            "Duration of NodePrepareResources and NodeUnprepareResources calls, claim reads included, and of early moves and give-backs",
             m.seconds.clone(),
         );
         registry.register(

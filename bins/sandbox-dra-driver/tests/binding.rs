@@ -116,7 +116,9 @@ async fn a_claim_is_moved_before_binding_and_prepare_only_writes_its_files() {
 async fn a_claim_that_loses_its_allocation_before_its_pod_starts_is_given_back() {
     let scene = Scene::new();
     let server = cluster();
-    let mut driver = scene.start_with(&server, &[ALWAYS]).await;
+    let metrics = ("VFIO_SANDBOX_METRICS_ADDRESS", "127.0.0.1:0");
+    let mut driver = scene.start_with(&server, &[ALWAYS, metrics]).await;
+    let address = metrics_address(&driver).expect("no metrics address in the log");
     let _reg = register(&scene).await;
     driver
         .wait_until("binding conditions in the slice", || {
@@ -147,6 +149,13 @@ async fn a_claim_that_loses_its_allocation_before_its_pod_starts_is_given_back()
     driver
         .wait_until("claim b given back", || phase(&scene, &b.uid).is_none())
         .await;
+    // Counted once the claims thread answers the watcher.
+    for op in ["move_early", "give_back"] {
+        let series = format!(r#"vfio_sandbox_dra_claims_total{{operation="{op}",result="ok"}}"#);
+        driver
+            .wait_until(&series, || value(&scrape(&address), &series) == 2.0)
+            .await;
+    }
     // Deleted while the driver was down: the restart's list finds it gone.
     let c = allocate(&server, "vm-c", &[ours("nic", "pci-0000-02-00-0")]);
     driver

@@ -647,6 +647,18 @@ fn a_claim_moved_early_that_loses_its_allocation_is_given_back() {
     assert_eq!(n.release(&n.kernel, &claim("b")), Ok(true));
     assert_eq!(n.release(&n.kernel, &claim("b")), Ok(false), "done already");
     assert_eq!(n.lost(&before), Vec::<String>::new());
+    // Deallocated and allocated other devices between two looks: the old group
+    // goes back before the new one moves.
+    n.move_early(&n.kernel, &claim("c"), &A).unwrap();
+    n.move_early(&n.kernel, &claim("c"), &["0000:03:00.0"])
+        .unwrap();
+    assert!(n.on_vfio(&["0000:03:00.0"]));
+    assert_eq!(
+        n.node.driver_of(&addr("0000:01:00.0")).as_deref(),
+        Some("e1000e")
+    );
+    assert_eq!(n.release(&n.kernel, &claim("c")), Ok(true));
+    assert_eq!(n.lost(&before), Vec::<String>::new());
 }
 
 /// The early life of two claims: both moved early, `a` prepared and unprepared,

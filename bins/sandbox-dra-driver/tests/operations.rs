@@ -7,9 +7,9 @@
 
 mod common;
 
-use std::io::{Read, Write};
 use std::time::Duration;
 
+use common::driver::{metrics_address, scrape, value};
 use common::*;
 use fake_apiserver::objects::DeviceResult;
 use fake_apiserver::paths;
@@ -155,35 +155,6 @@ fn the_probe_checks_the_sockets_and_refuses_foreign_files() {
         assert_eq!(code, Some(1), "{garbage:?}: {out}");
         assert_contains(&out, &["not ready:", "ready file"]);
     }
-}
-
-/// The address the driver's log says it serves metrics on.
-fn metrics_address(driver: &Driver) -> Option<String> {
-    driver.log().lines().find_map(|l| {
-        if !l.contains("serving metrics at /metrics") {
-            return None;
-        }
-        let at = l.find("address=")? + "address=".len();
-        Some(l[at..].split_whitespace().next()?.to_owned())
-    })
-}
-
-fn scrape(address: &str) -> String {
-    let mut s = std::net::TcpStream::connect(address).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
-    out
-}
-
-/// The value of one series (`name{labels}`).
-fn value(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
 }
 
 /// One claim each way a prepare fails on a node: a group another claim holds, a

@@ -17,12 +17,15 @@ use sysfs_pci::error_chain;
 use tokio_stream::StreamExt;
 
 use crate::claims::ClaimRef;
+use crate::metrics::Operation;
 use crate::slices::{self, ATTEMPTS, REQUEST_TIMEOUT};
 use crate::worker::{Failed, Worker};
 
 /// How long the watcher waits for a move: the scheduler gives a claim up 10
 /// minutes after its allocation (`DynamicResourcesBindingTimeoutDefault`).
 const MOVE_WAIT: Duration = Duration::from_secs(600);
+/// How often a give-back that failed is tried again.
+const GIVE_BACK_RETRY: Duration = Duration::from_secs(10);
 /// A condition's message is cut to this many bytes (the API allows 32768).
 const MESSAGE_MAX: usize = 4096;
 
@@ -37,6 +40,8 @@ pub struct Follow {
     pub pool: String,
     /// The claims thread.
     pub worker: Worker,
+    /// Early moves and give-backs, counted and timed.
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// The watcher's memory, shared with its move tasks.
@@ -180,16 +185,38 @@ impl Follow {
     }
 
     /// Claim `uid` is no longer allocated to us: give back what was moved early.
+    /// A give-back that fails (a process opened the group node meanwhile) is tried
+    /// again every [`GIVE_BACK_RETRY`] until it is done or the claim is allocated
+    /// here again.
     fn lost(&self, seen: &Arc<Mutex<Seen>>, uid: String) {
         if !sysfs_pci::kernel::lock(seen).ours.remove(&uid) {
             return;
         }
         let worker = self.worker.clone();
+        let metrics = self.metrics.clone();
+        let seen = seen.clone();
         tokio::spawn(async move {
-            let job = worker.release(uid);
-            let _ = worker
-                .answer(job, tokio::time::Instant::now() + MOVE_WAIT)
-                .await;
+            loop {
+                let started = std::time::Instant::now();
+                let job = worker.release(uid.clone());
+                let answer = worker
+                    .answer(job, tokio::time::Instant::now() + MOVE_WAIT)
+                    .await;
+                let op = Operation::GiveBack;
+                match answer {
+                    Ok(None) => return,
+                    Ok(Some(_)) => {
+                        metrics.call(op, started.elapsed().as_secs_f64());
+                        metrics.claim(op, None);
+                        return;
+                    }
+                    Err(f) => metrics.claim(op, Some(f.failure)),
+                }
+                tokio::time::sleep(GIVE_BACK_RETRY).await;
+                if sysfs_pci::kernel::lock(&seen).ours.contains(&uid) {
+                    return;
+                }
+            }
         });
     }
 
@@ -221,6 +248,7 @@ impl Follow {
 
     /// Moves the claim's groups and says how it went in the claim's status.
     async fn move_early(&self, seen: &Arc<Mutex<Seen>>, w: Waiting) {
+        let started = std::time::Instant::now();
         let job = self
             .worker
             .move_early(w.claim.clone(), w.allocations.clone());
@@ -228,6 +256,12 @@ impl Follow {
             .worker
             .answer(job, tokio::time::Instant::now() + MOVE_WAIT)
             .await;
+        self.metrics
+            .call(Operation::MoveEarly, started.elapsed().as_secs_f64());
+        self.metrics.claim(
+            Operation::MoveEarly,
+            outcome.as_ref().err().map(|f| f.failure),
+        );
         if let Err(f) = &outcome {
             self.post_failure(&w.claim, f);
         }

@@ -4,6 +4,8 @@
 #![allow(dead_code)] // not every test uses every helper
 
 use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::time::Duration;
 
 use super::*;
 use kubelet_peer::dra::{ClaimRef, PreparedDevice};
@@ -447,3 +449,32 @@ pub fn assert_no_files(scene: &Scene, uid: &str) {
 }
 
 // ---------------------------------------------------------------- 1. registration
+
+/// The address the driver's log says it serves metrics on.
+pub fn metrics_address(driver: &Driver) -> Option<String> {
+    driver.log().lines().find_map(|l| {
+        if !l.contains("serving metrics at /metrics") {
+            return None;
+        }
+        let at = l.find("address=")? + "address=".len();
+        Some(l[at..].split_whitespace().next()?.to_owned())
+    })
+}
+
+pub fn scrape(address: &str) -> String {
+    let mut s = std::net::TcpStream::connect(address).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    out
+}
+
+/// The value of one series (`name{labels}`).
+pub fn value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+}
