@@ -34,6 +34,16 @@ cargo build --locked -p sandbox-device-plugin -p sandbox-dra-driver -p kubelet-p
 .cache/grpc-venv/bin/python tests/grpc-interop/grpc_core_dra_client.py \
     --driver target/debug/sandbox-dra-driver --apiserver target/debug/fake-apiserver \
     --peer target/debug/kubelet-peer
+step "CDI runtime: Debian's podman (runc) runs a container with a prepared claim's CDI devices and sees the PCI_RESOURCE_<NAME> variables, the VFIO nodes and the metadata files"
+missing=()
+for spec in podman:podman runc:runc busybox-static:/bin/busybox; do
+    command -v "${spec#*:}" >/dev/null 2>&1 || missing+=("${spec%%:*}")
+done
+if ((${#missing[@]})); then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+cargo test -p sandbox-dra-driver --test cdi_runtime --locked -- --ignored --nocapture
 step "VM harness self-test (stall watchdog, fake QEMU)"
 tests/vm/harness-selftest.sh
 step "real-kernel scenarios (QEMU) on Debian 12 and 13 kernels, and the demo so it cannot rot"
