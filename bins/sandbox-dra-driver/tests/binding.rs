@@ -282,3 +282,45 @@ fn driver_log_has(scene: &Scene, text: &str) -> bool {
                 .contains(text)
         })
 }
+
+/// The status write the scheduler waits on outlasts another writer (409s: it reads
+/// again and keeps the other's change) and an API server failing for a while (it
+/// tries again with a growing pause).
+#[tokio::test]
+async fn the_status_write_outlasts_conflicts_and_a_failing_api_server() {
+    let scene = Scene::new();
+    let server = cluster();
+    let mut driver = scene.start_with(&server, &[ALWAYS]).await;
+    driver
+        .wait_until("binding conditions in the slice", || {
+            published(&server, "pci-0000-02-00-0")["bindingConditions"][0] == READY
+        })
+        .await;
+    server.race_next("PUT", 3);
+    allocate(&server, "vm-a", &[ours("nic", "pci-0000-02-00-0")]);
+    driver
+        .wait_until("vm-a ready despite three conflicts", || {
+            binding(&server, "vm-a") == Binding::Ready
+        })
+        .await;
+    let conflicts = server
+        .requests()
+        .iter()
+        .filter(|(m, p)| m == "PUT" && p.contains("/resourceclaims/vm-a/status"))
+        .count();
+    assert_eq!(conflicts, 4, "three conflicts, then the write");
+    server.fail_next_on("PUT", 5, 500);
+    allocate(&server, "vm-b", &[ours("disk", "pci-0000-03-00-0")]);
+    driver
+        .wait_until("vm-b ready after five failed writes", || {
+            binding(&server, "vm-b") == Binding::Ready
+        })
+        .await;
+    assert!(
+        driver
+            .log()
+            .contains("cannot write the claim's device status"),
+        "{}",
+        driver.log()
+    );
+}

@@ -400,8 +400,10 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
     if let Some((m, n)) = s.race.clone() {
         if m == method {
             s.race = (n > 1).then_some((m, n - 1));
-            if let Some(current) = s.objects.map.get(&path).cloned() {
-                s.objects.store(&path, current);
+            // A write to `.../status` races a change of its object.
+            let object = path.strip_suffix("/status").unwrap_or(&path).to_owned();
+            if let Some(current) = s.objects.map.get(&object).cloned() {
+                s.objects.store(&object, current);
             }
         }
     }

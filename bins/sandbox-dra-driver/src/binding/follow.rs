@@ -24,6 +24,8 @@ use crate::worker::{Failed, Worker};
 /// How long the watcher waits for a move: the scheduler gives a claim up 10
 /// minutes after its allocation (`DynamicResourcesBindingTimeoutDefault`).
 const MOVE_WAIT: Duration = Duration::from_secs(600);
+/// The longest pause between two tries of a status write.
+const STATUS_RETRY_MAX: Duration = Duration::from_secs(30);
 /// How often a give-back that failed is tried again.
 const GIVE_BACK_RETRY: Duration = Duration::from_secs(10);
 /// A condition's message is cut to this many bytes (the API allows 32768).
@@ -266,23 +268,32 @@ impl Follow {
             self.post_failure(&w.claim, f);
         }
         let devices: Vec<String> = w.allocations.iter().map(|a| a.device.clone()).collect();
-        match self.write_status(&w, &devices, &outcome).await {
-            Ok(Written::Kept) => {}
-            Ok(Written::Dropped) => {
-                let first =
-                    !std::mem::replace(&mut sysfs_pci::kernel::lock(seen).status_dropped, true);
-                if first {
-                    tracing::warn!(claim = %w.claim, "the API server drops ResourceClaim status.devices (its DRAResourceClaimDeviceStatus gate is off): the scheduler cannot see that devices are ready; turn the gate on, or run with --binding-conditions=off");
+        // The scheduler waits on this write: an API server that cannot take it
+        // now is asked again, with a growing pause, while the claim is ours.
+        let mut pause = Duration::from_secs(1);
+        loop {
+            match self.write_status(&w, &devices, &outcome).await {
+                Ok(Written::Kept) => return,
+                Ok(Written::Dropped) => {
+                    let first =
+                        !std::mem::replace(&mut sysfs_pci::kernel::lock(seen).status_dropped, true);
+                    if first {
+                        tracing::warn!(claim = %w.claim, "the API server drops ResourceClaim status.devices (its DRAResourceClaimDeviceStatus gate is off): the scheduler cannot see that devices are ready; turn the gate on, or run with --binding-conditions=off");
+                    }
+                    return;
+                }
+                Ok(Written::Gone) => {
+                    tracing::debug!(claim = %w.claim, "the claim changed before its status was written");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(claim = %w.claim, error = %e, retry_in = ?pause, "cannot write the claim's device status");
                 }
             }
-            Ok(Written::Gone) => {
-                tracing::debug!(claim = %w.claim, "the claim changed before its status was written");
-            }
-            Err(e) => {
-                tracing::warn!(claim = %w.claim, error = %e, "cannot write the claim's device status; the next change of the claim tries again");
-                sysfs_pci::kernel::lock(seen)
-                    .ours
-                    .insert(w.claim.uid.clone());
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(STATUS_RETRY_MAX);
+            if !sysfs_pci::kernel::lock(seen).ours.contains(&w.claim.uid) {
+                return;
             }
         }
     }
