@@ -5,7 +5,8 @@
 # does) is moved whole to vfio-pci at once, the condition appears in the claim's
 # status.devices and `fake-apiserver bind` (PreBind's wait) returns; prepare then
 # only writes files. A claim deleted before its pod started gets its devices
-# back; a claim on a group another claim holds gets the failure condition and is
+# back, also when the deletion races the move (10 rounds); a claim on a group
+# another claim holds gets the failure condition and is
 # deallocated as PostFilter does. Then kill -9 at every step of the early move
 # (failpoints build: the claim saved, each member recorded, override, unbind,
 # probe, the claim saved as moved): the restarted driver converges (the claim
@@ -92,6 +93,19 @@ step "vm-gone is ready" -- prebind vm-gone
 expect_driver "CARD_FN0 on vfio-pci" "$CARD_FN0" vfio-pci
 step "the claim is deleted" -- delete_claim vm-gone
 card_back "after the claim was deleted"
+
+note "the race of a move and the claim's deletion, 10 times, the deletion 0 to 180 ms after the allocation"
+recorded=0
+i=0
+while [ $i -lt 10 ]; do
+    claim "vm-race-$i" "$CARD_FN0" >/dev/null
+    usleep $((i * 20000))
+    grep -q "vm-race-$i" "$STATE" 2>/dev/null && recorded=$((recorded + 1))
+    delete_claim "vm-race-$i"
+    card_back "after race round $i"
+    i=$((i + 1))
+done
+note "$recorded of 10 race rounds had the claim recorded when it was deleted"
 
 note "a group another claim holds: the failure condition, and the scheduler gives up"
 uid=$(claim vm-holder "$CARD_FN0")
