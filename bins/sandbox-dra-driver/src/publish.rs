@@ -45,7 +45,8 @@ const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 #[derive(Clone)]
 pub struct Publisher {
     slices: Arc<tokio::sync::Mutex<slices::Slices>>,
-    client: kube::Client,
+    /// For the slice watch: waits past the watch's server timeout.
+    watch_client: kube::Client,
     host: Host,
     list: ResourceList,
     resync: Duration,
@@ -91,14 +92,13 @@ impl Publisher {
         resync: Duration,
         reports: Reports,
     ) -> Self {
-        let client = cluster.kube_client();
         Self {
+            watch_client: cluster.watch_client(),
             slices: Arc::new(tokio::sync::Mutex::new(slices::Slices::new(
-                client.clone(),
+                cluster.kube_client(),
                 &driver,
                 &node,
             ))),
-            client,
             host,
             list,
             resync,
@@ -162,9 +162,9 @@ impl Publisher {
     /// stray slice, or a fresh list after the watch was re-established.
     async fn watch(self) {
         let selector = self.slices.lock().await.selector();
-        let api: Api<ResourceSlice> = Api::all(self.client.clone());
-        let stream =
-            watcher::watcher(api, watcher::Config::default().fields(&selector)).default_backoff();
+        let api: Api<ResourceSlice> = Api::all(self.watch_client.clone());
+        let stream = watcher::watcher(api, node_agent::cluster::watch_config().fields(&selector))
+            .default_backoff();
         tokio::pin!(stream);
         let mut failing = false;
         while let Some(event) = stream.next().await {

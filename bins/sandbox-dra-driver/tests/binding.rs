@@ -370,3 +370,157 @@ async fn a_claim_deleted_at_any_moment_of_its_move_is_always_given_back() {
         "no deletion landed after the move started"
     );
 }
+
+/// The claim's devices of ours in the driver's state file, and its phase there.
+fn recorded(scene: &Scene, uid: &str) -> Option<(String, Vec<String>)> {
+    let c = state_claims(scene).get(uid)?.clone();
+    let devices = c["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["device"].as_str().unwrap().to_owned())
+        .collect();
+    Some((c["phase"].as_str().unwrap().to_owned(), devices))
+}
+
+/// A claim re-allocated while its early move (and the status write the scheduler
+/// waits on) is under way, directly or through a deallocated step, at delays from
+/// 0 to 800 ms: every event is acted on, so each round ends with the claim ready
+/// on its new device and only that device recorded (the fake node's devices sit
+/// on vfio-pci already; the real-kernel scenario sees the old one go back to its
+/// driver). The status write's read is slowed to 300 ms so that most changes land
+/// while the first move is busy; the count of those is printed.
+#[tokio::test]
+async fn a_claim_reallocated_during_its_move_always_ends_on_its_new_device() {
+    let scene = Scene::new();
+    let server = cluster();
+    let mut driver = scene.start_with(&server, &[ALWAYS]).await;
+    driver
+        .wait_until("binding conditions in the slice", || {
+            published(&server, "pci-0000-03-00-0")["bindingConditions"][0] == READY
+        })
+        .await;
+    let claims = format!("/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims/");
+    server.set_latency(Some((
+        "GET",
+        &claims,
+        std::time::Duration::from_millis(300),
+    )));
+    let delays = [0u64, 1, 5, 20, 80, 150, 250, 400, 800];
+    let (mut rounds, mut while_busy) = (0, 0);
+    for deallocated_between in [false, true] {
+        for delay in delays {
+            let name = format!("vm-{rounds}");
+            rounds += 1;
+            let c = allocate(&server, &name, &[ours("nic", "pci-0000-02-00-0")]);
+            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            if recorded(&scene, &c.uid).is_some_and(|(p, _)| p != "moved")
+                || binding(&server, &name) != Binding::Ready
+            {
+                while_busy += 1;
+            }
+            if deallocated_between {
+                let mut gone = claim(&server, &name).unwrap();
+                scheduler::deallocate(&mut gone);
+                server.put(&paths::resourceclaim(NS, &name), gone);
+                tokio::time::sleep(std::time::Duration::from_millis(delay / 4)).await;
+            }
+            allocate(&server, &name, &[ours("disk", "pci-0000-03-00-0")]);
+            let context = format!("delay {delay} ms, deallocated between: {deallocated_between}");
+            driver
+                .wait_until(&format!("{context}: ready on the new device"), || {
+                    binding(&server, &name) == Binding::Ready
+                        && recorded(&scene, &c.uid)
+                            == Some(("moved".into(), vec!["pci-0000-03-00-0".into()]))
+                })
+                .await;
+            let status = claim(&server, &name).unwrap()["status"]["devices"].clone();
+            let entries = status.as_array().unwrap();
+            assert_eq!(entries.len(), 1, "{context}: {status}");
+            assert_eq!(entries[0]["device"], "pci-0000-03-00-0", "{context}");
+            server.remove(&paths::resourceclaim(NS, &name));
+            driver
+                .wait_until(&format!("{context}: given back"), || {
+                    state_claims(&scene).is_empty() && state_devices(&scene).is_empty()
+                })
+                .await;
+        }
+    }
+    server.set_latency(None);
+    println!("{rounds} re-allocations, {while_busy} of them while the first move was under way, all ended on the new device");
+    assert!(
+        while_busy > rounds / 2,
+        "too few changes landed during a move"
+    );
+    assert!(!driver.log().contains("panicked"), "{}", driver.log());
+}
+
+/// The watch requests (ResourceClaims, ResourceSlices) the server has seen.
+fn watches(server: &FakeApiServer) -> (usize, usize) {
+    let requests = server.requests();
+    let count = |what: &str| {
+        requests
+            .iter()
+            .filter(|(m, p)| m == "GET" && p.contains(what) && p.contains("watch=true"))
+            .count()
+    };
+    (count("/resourceclaims?"), count("/resourceslices?"))
+}
+
+/// A real API server sends nothing on a quiet watch but a bookmark about once a
+/// minute: the watches must outlast that silence (they once died 5 s in, on the
+/// client's read timeout, and a claim allocated in the gap waited up to 41 s).
+/// Here the server's bookmarks come every 60 s, as the real one's do: 12 idle
+/// seconds open no new watch, and each of 100 allocations, some after 6 s of
+/// silence, is marked ready well within 3 s (the slowest is printed).
+#[tokio::test]
+async fn quiet_watches_stay_open_and_every_allocation_is_marked_within_three_seconds() {
+    let scene = Scene::new();
+    let server = cluster();
+    server.set_bookmark_period(std::time::Duration::from_secs(60));
+    let mut driver = scene.start_with(&server, &[ALWAYS]).await;
+    driver
+        .wait_until("binding conditions in the slice", || {
+            published(&server, "pci-0000-02-00-0")["bindingConditions"][0] == READY
+        })
+        .await;
+    driver
+        .wait_until("both watches open", || watches(&server) == (1, 1))
+        .await;
+    tokio::time::sleep(std::time::Duration::from_secs(12)).await;
+    assert_eq!(watches(&server), (1, 1), "{}", driver.log());
+    const ALLOCATIONS: usize = 100;
+    let mut slowest = std::time::Duration::ZERO;
+    for round in 0..ALLOCATIONS {
+        // Mostly back to back; every 25th after 6 s of silence.
+        let gap = if round % 25 == 24 {
+            6000
+        } else {
+            (round as u64 % 5) * 7
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(gap)).await;
+        let name = format!("vm-{round}");
+        let started = std::time::Instant::now();
+        allocate(&server, &name, &[ours("nic", "pci-0000-02-00-0")]);
+        loop {
+            if binding(&server, &name) == Binding::Ready {
+                break;
+            }
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(3),
+                "allocation {round} (after {gap} ms of silence) not marked within 3 s\n{}",
+                driver.log()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        slowest = slowest.max(started.elapsed());
+        server.remove(&paths::resourceclaim(NS, &name));
+        driver
+            .wait_until(&format!("round {round} given back"), || {
+                state_claims(&scene).is_empty()
+            })
+            .await;
+    }
+    assert_eq!(watches(&server), (1, 1), "no watch re-opened");
+    println!("{ALLOCATIONS} allocations, all marked within 3 s, slowest {slowest:?}; the watches opened once each");
+}

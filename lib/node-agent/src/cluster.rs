@@ -362,19 +362,48 @@ pub async fn infer_config() -> Result<kube::Config, ClusterError> {
         .map_err(|e| ClusterError::Config(e.to_string()))
 }
 
+/// How long the API server keeps one of our watches open: kube-rs's default
+/// `timeoutSeconds` (its `watcher::Config`), under the server's own
+/// `--min-request-timeout` (1800 s).
+pub const WATCH_TIMEOUT: Duration = Duration::from_secs(290);
+
+/// How long a watch may stay silent before its connection is taken for dead. A
+/// real API server sends nothing on a quiet watch but a bookmark about once a
+/// minute (`bookmarkFrequency`, staging/src/k8s.io/apiserver/pkg/storage/cacher/
+/// cacher.go), and ends it after [`WATCH_TIMEOUT`]: past both.
+pub const WATCH_READ_TIMEOUT: Duration = Duration::from_secs(310);
+
 /// A client for `config` with the agents' short connect, read and write timeouts
 /// (a node agent never waits long on the API server).
-pub fn client(mut config: kube::Config) -> Result<Client, ClusterError> {
+pub fn client(config: kube::Config) -> Result<Client, ClusterError> {
+    client_reading(config, Duration::from_secs(5))
+}
+
+/// A client whose reads wait `read_timeout` for the next bytes.
+fn client_reading(
+    mut config: kube::Config,
+    read_timeout: Duration,
+) -> Result<Client, ClusterError> {
     config.connect_timeout = Some(Duration::from_secs(3));
-    config.read_timeout = Some(Duration::from_secs(5));
+    config.read_timeout = Some(read_timeout);
     config.write_timeout = Some(Duration::from_secs(5));
     Client::try_from(config).map_err(ClusterError::Client)
+}
+
+/// The watcher configuration every agent's watch uses: the server ends it after
+/// [`WATCH_TIMEOUT`], and the watcher opens the next from where it stopped.
+#[must_use]
+pub fn watch_config() -> kube::runtime::watcher::Config {
+    kube::runtime::watcher::Config::default()
+        .timeout(u32::try_from(WATCH_TIMEOUT.as_secs()).unwrap_or(u32::MAX))
 }
 
 /// A connection to the API server for one agent.
 #[derive(Clone)]
 pub struct Cluster {
     client: Client,
+    /// The same server, for watches: a quiet watch is not a dead one.
+    watch_client: Client,
     identity: Identity,
     recorder: Recorder,
 }
@@ -396,7 +425,8 @@ impl Cluster {
 
     /// Connects with `config` (tests point it at a stand-in server).
     pub fn with_config(identity: Identity, config: kube::Config) -> Result<Self, ClusterError> {
-        let client = client(config)?;
+        let client = client(config.clone())?;
+        let watch_client = client_reading(config, WATCH_READ_TIMEOUT)?;
         let reporter = Reporter {
             controller: identity.controller.clone(),
             instance: identity.pod.as_ref().map(|(_, n)| n.clone()),
@@ -404,6 +434,7 @@ impl Cluster {
         let recorder = Recorder::new(client.clone(), reporter);
         Ok(Self {
             client,
+            watch_client,
             identity,
             recorder,
         })
@@ -412,6 +443,12 @@ impl Cluster {
     /// The client, for the agent's own requests.
     pub fn kube_client(&self) -> Client {
         self.client.clone()
+    }
+
+    /// The client for watches (with [`watch_config`]): its reads wait past the
+    /// watch's server timeout, where [`Self::kube_client`]'s give up after 5 s.
+    pub fn watch_client(&self) -> Client {
+        self.watch_client.clone()
     }
 
     /// Who this agent is.

@@ -2,7 +2,7 @@
 //! with our binding condition as soon as the scheduler allocates it, and writes the
 //! condition into the claim's `status.devices`.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -47,13 +47,21 @@ pub struct Follow {
 }
 
 /// The watcher's memory, shared with its move tasks.
+///
+/// One task at a time acts on a claim (a move with its status write, or a
+/// give-back). An event that arrives meanwhile is kept in `latest`, the newer
+/// replacing the older, and acted on as soon as that task ends: the claim's latest
+/// state is what counts, and no event is lost.
 #[derive(Default)]
 struct Seen {
     /// Claims allocated to our devices with our binding condition: the ones whose
     /// loss of allocation may have to give devices back.
     ours: HashSet<String>,
-    /// Claims whose move or status write is under way.
+    /// Claims a task is acting on.
     busy: HashSet<String>,
+    /// The latest state of a busy claim seen since its task started (`None`: it
+    /// was deleted or is no longer listed).
+    latest: HashMap<String, Option<ResourceClaim>>,
     /// Said once: the API server drops `status.devices`.
     status_dropped: bool,
 }
@@ -74,10 +82,10 @@ struct Waiting {
 /// before it was prepared gets its devices back. After every (re)list, claims
 /// moved early that are no longer allocated here are given back too.
 pub async fn follow_claims(follow: Follow) {
-    let api: Api<ResourceClaim> = Api::all(follow.cluster.kube_client());
-    let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
+    let api: Api<ResourceClaim> = Api::all(follow.cluster.watch_client());
+    let stream = watcher::watcher(api, node_agent::cluster::watch_config()).default_backoff();
     tokio::pin!(stream);
-    let seen = Arc::new(Mutex::new(Seen::default()));
+    let seen = Arc::new(Shared::default());
     let mut listed: BTreeSet<String> = BTreeSet::new();
     let mut failing = false;
     while let Some(event) = stream.next().await {
@@ -98,43 +106,112 @@ pub async fn follow_claims(follow: Follow) {
         match event {
             Event::Init => listed.clear(),
             Event::InitApply(c) => {
-                if let Some(uid) = follow.seen_claim(&seen, &c) {
+                let uid = c.metadata.uid.clone().unwrap_or_default();
+                if follow.act(&seen, uid.clone(), Some(c)) {
                     listed.insert(uid);
                 }
             }
             Event::InitDone => follow.sweep(&seen, &listed).await,
             Event::Apply(c) => {
-                follow.seen_claim(&seen, &c);
+                let uid = c.metadata.uid.clone().unwrap_or_default();
+                follow.act(&seen, uid, Some(c));
             }
             Event::Delete(c) => {
                 let uid = c.metadata.uid.clone().unwrap_or_default();
-                follow.lost(&seen, uid);
+                follow.act(&seen, uid, None);
+            }
+        }
+    }
+}
+
+/// The watcher's memory and a bell its tasks hear when a busy claim changes.
+#[derive(Default)]
+struct Shared {
+    seen: Mutex<Seen>,
+    changed: tokio::sync::Notify,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Seen> {
+        sysfs_pci::kernel::lock(&self.seen)
+    }
+
+    /// True when an event for busy claim `uid` came in since its task started.
+    fn superseded(&self, uid: &str) -> bool {
+        self.lock().latest.contains_key(uid)
+    }
+
+    /// Waits `pause`, or less if an event for `uid` comes in meanwhile; true if one did.
+    async fn pause_unless_changed(&self, uid: &str, pause: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + pause;
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.superseded(uid) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.superseded(uid);
             }
         }
     }
 }
 
 impl Follow {
-    /// Acts on one claim as it stands; its uid when it is allocated to us.
-    fn seen_claim(&self, seen: &Arc<Mutex<Seen>>, claim: &ResourceClaim) -> Option<String> {
-        let uid = claim.metadata.uid.clone().unwrap_or_default();
-        let Some(waiting) = self.waiting(claim) else {
-            self.lost(seen, uid);
-            return None;
-        };
-        let mut s = sysfs_pci::kernel::lock(seen);
-        s.ours.insert(uid.clone());
-        if waiting.settled || !s.busy.insert(uid.clone()) {
-            return Some(uid);
+    /// Acts on claim `uid` as it now stands (`None`: deleted, or gone from a
+    /// list): moves it if it waits on our condition, gives back what was moved for
+    /// it if it no longer does. While a task acts on the claim, the state is kept
+    /// for when that task ends. True when the claim is allocated to us.
+    fn act(&self, seen: &Arc<Shared>, uid: String, claim: Option<ResourceClaim>) -> bool {
+        let waiting = claim.as_ref().and_then(|c| self.waiting(c));
+        let ours = waiting.is_some();
+        let mut s = seen.lock();
+        if s.busy.contains(&uid) {
+            s.latest.insert(uid, claim);
+            drop(s);
+            seen.changed.notify_waiters();
+            return ours;
         }
-        drop(s);
         let this = self.clone();
-        let seen = seen.clone();
-        tokio::spawn(async move {
-            this.move_early(&seen, waiting).await;
-            sysfs_pci::kernel::lock(&seen).busy.remove(&uid);
-        });
-        claim.metadata.uid.clone()
+        let shared = seen.clone();
+        match waiting {
+            Some(waiting) => {
+                s.ours.insert(uid.clone());
+                if waiting.settled {
+                    return true;
+                }
+                s.busy.insert(uid.clone());
+                tokio::spawn(async move {
+                    this.move_early(&shared, waiting).await;
+                    this.done(&shared, uid);
+                });
+            }
+            None => {
+                // Ours until its give-back is done: a failed one is tried again.
+                if !s.ours.contains(&uid) {
+                    return false;
+                }
+                s.busy.insert(uid.clone());
+                tokio::spawn(async move {
+                    this.give_back(&shared, &uid).await;
+                    this.done(&shared, uid);
+                });
+            }
+        }
+        ours
+    }
+
+    /// The task on claim `uid` has ended: acts on what came in meanwhile.
+    fn done(&self, seen: &Arc<Shared>, uid: String) {
+        let next = {
+            let mut s = seen.lock();
+            s.busy.remove(&uid);
+            s.latest.remove(&uid)
+        };
+        if let Some(claim) = next {
+            self.act(seen, uid, claim);
+        }
     }
 
     /// The claim's devices of ours that wait on our condition, if it has any.
@@ -186,45 +263,39 @@ impl Follow {
         })
     }
 
-    /// Claim `uid` is no longer allocated to us: give back what was moved early.
+    /// Claim `uid` is no longer allocated to us: gives back what was moved early.
     /// A give-back that fails (a process opened the group node meanwhile) is tried
-    /// again every [`GIVE_BACK_RETRY`] until it is done or the claim is allocated
-    /// here again.
-    fn lost(&self, seen: &Arc<Mutex<Seen>>, uid: String) {
-        if !sysfs_pci::kernel::lock(seen).ours.remove(&uid) {
-            return;
-        }
-        let worker = self.worker.clone();
-        let metrics = self.metrics.clone();
-        let seen = seen.clone();
-        tokio::spawn(async move {
-            loop {
-                let started = std::time::Instant::now();
-                let job = worker.release(uid.clone());
-                let answer = worker
-                    .answer(job, tokio::time::Instant::now() + MOVE_WAIT)
-                    .await;
-                let op = Operation::GiveBack;
-                match answer {
-                    Ok(None) => return,
-                    Ok(Some(_)) => {
-                        metrics.call(op, started.elapsed().as_secs_f64());
-                        metrics.claim(op, None);
-                        return;
+    /// again every [`GIVE_BACK_RETRY`] until it is done or the claim changes again
+    /// (its next state is then acted on).
+    async fn give_back(&self, seen: &Shared, uid: &str) {
+        loop {
+            let started = std::time::Instant::now();
+            let job = self.worker.release(uid.to_owned());
+            let answer = self
+                .worker
+                .answer(job, tokio::time::Instant::now() + MOVE_WAIT)
+                .await;
+            let op = Operation::GiveBack;
+            match answer {
+                Ok(released) => {
+                    if released.is_some() {
+                        self.metrics.call(op, started.elapsed().as_secs_f64());
+                        self.metrics.claim(op, None);
                     }
-                    Err(f) => metrics.claim(op, Some(f.failure)),
-                }
-                tokio::time::sleep(GIVE_BACK_RETRY).await;
-                if sysfs_pci::kernel::lock(&seen).ours.contains(&uid) {
+                    seen.lock().ours.remove(uid);
                     return;
                 }
+                Err(f) => self.metrics.claim(op, Some(f.failure)),
             }
-        });
+            if seen.pause_unless_changed(uid, GIVE_BACK_RETRY).await {
+                return;
+            }
+        }
     }
 
     /// After a (re)list: gives back every claim moved early that the list does not
     /// show allocated to us (deleted or deallocated while we were not watching).
-    async fn sweep(&self, seen: &Arc<Mutex<Seen>>, listed: &BTreeSet<String>) {
+    async fn sweep(&self, seen: &Arc<Shared>, listed: &BTreeSet<String>) {
         let job = self.worker.moved_early();
         let moved = match self
             .worker
@@ -238,18 +309,18 @@ impl Follow {
             }
         };
         {
-            let mut s = sysfs_pci::kernel::lock(seen);
+            let mut s = seen.lock();
             s.ours.retain(|u| listed.contains(u));
             s.ours.extend(moved.iter().map(|c| c.uid.clone()));
         }
         for c in moved.into_iter().filter(|c| !listed.contains(&c.uid)) {
             tracing::info!(claim = %c, "a claim moved early is no longer allocated here; giving its devices back");
-            self.lost(seen, c.uid);
+            self.act(seen, c.uid, None);
         }
     }
 
     /// Moves the claim's groups and says how it went in the claim's status.
-    async fn move_early(&self, seen: &Arc<Mutex<Seen>>, w: Waiting) {
+    async fn move_early(&self, seen: &Shared, w: Waiting) {
         let started = std::time::Instant::now();
         let job = self
             .worker
@@ -269,14 +340,13 @@ impl Follow {
         }
         let devices: Vec<String> = w.allocations.iter().map(|a| a.device.clone()).collect();
         // The scheduler waits on this write: an API server that cannot take it
-        // now is asked again, with a growing pause, while the claim is ours.
+        // now is asked again, with a growing pause, until the claim changes.
         let mut pause = Duration::from_secs(1);
         loop {
             match self.write_status(&w, &devices, &outcome).await {
                 Ok(Written::Kept) => return,
                 Ok(Written::Dropped) => {
-                    let first =
-                        !std::mem::replace(&mut sysfs_pci::kernel::lock(seen).status_dropped, true);
+                    let first = !std::mem::replace(&mut seen.lock().status_dropped, true);
                     if first {
                         tracing::warn!(claim = %w.claim, "the API server drops ResourceClaim status.devices (its DRAResourceClaimDeviceStatus gate is off): the scheduler cannot see that devices are ready; turn the gate on, or run with --binding-conditions=off");
                     }
@@ -290,11 +360,10 @@ impl Follow {
                     tracing::warn!(claim = %w.claim, error = %e, retry_in = ?pause, "cannot write the claim's device status");
                 }
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(STATUS_RETRY_MAX);
-            if !sysfs_pci::kernel::lock(seen).ours.contains(&w.claim.uid) {
+            if seen.pause_unless_changed(&w.claim.uid, pause).await {
                 return;
             }
+            pause = (pause * 2).min(STATUS_RETRY_MAX);
         }
     }
 
