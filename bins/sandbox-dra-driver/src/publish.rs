@@ -40,6 +40,12 @@ use crate::ready::Readiness;
 const STUCK_CHECK: Duration = Duration::from_secs(5);
 /// Waits after a failed API write before trying again, doubling up to the resync.
 const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+/// The shortest time between two publication passes (each reads the Node and our
+/// slices, and writes them if anything changed). Changes that come faster — a
+/// device whose health flaps, a storm of uevents — are coalesced: the next pass
+/// publishes the state as it is then, so the last one is always written, within
+/// this long of it.
+pub const PASS_SPACING: Duration = Duration::from_millis(500);
 
 /// Publishes the slices.
 #[derive(Clone)]
@@ -130,7 +136,12 @@ impl Publisher {
         // A device's health changes its taint (a prepare or unprepare too).
         let mut health = self.health.as_ref().map(|h| h.subscribe());
         let mut backoff = FIRST_BACKOFF;
+        let mut last_pass: Option<tokio::time::Instant> = None;
         loop {
+            if let Some(last) = last_pass {
+                tokio::time::sleep_until(last + PASS_SPACING).await;
+            }
+            last_pass = Some(tokio::time::Instant::now());
             // After a success the node watcher's resync is the next pass.
             let retry = match self.reconcile().await {
                 Ok(names) => {

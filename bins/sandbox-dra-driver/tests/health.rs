@@ -220,6 +220,97 @@ async fn an_unhealthy_device_is_tainted_or_where_taints_are_dropped_withdrawn() 
     }
 }
 
+/// A device whose health flaps ~50 times a second for 4 s (its group node removed
+/// and put back) must not flood the API server: the slice writes and the Node
+/// reads stay at a few a second, the health stream to kubelet still sees the
+/// changes, and once the device settles it is published settled within a second.
+#[tokio::test]
+async fn a_flapping_device_costs_the_api_server_a_few_writes_a_second() {
+    let scene = Scene::new();
+    let server = cluster();
+    let mut driver = scene.start(&server).await;
+    let _reg = register(&scene).await;
+    driver
+        .wait_until("the slice", || {
+            taints_of(&server, "pci-0000-01-00-0").is_some()
+        })
+        .await;
+    let claim = put_v1_claim(&server);
+    let mut client = scene.client(kubelet_peer::dra::Version::V1).await;
+    prepare(&mut client, std::slice::from_ref(&claim)).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let node = scene.root().join("dev/vfio/5");
+    server.clear_requests();
+    const FLAP: Duration = Duration::from_secs(4);
+    let started = Instant::now();
+    let mut flips = 0;
+    while started.elapsed() < FLAP {
+        if flips % 2 == 0 {
+            std::fs::remove_file(&node).unwrap();
+        } else {
+            std::fs::write(&node, "").unwrap();
+        }
+        flips += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Settled unhealthy: the node stays gone.
+    if node.exists() {
+        std::fs::remove_file(&node).unwrap();
+    }
+    let settled = Instant::now();
+    driver
+        .wait_until("the card published tainted", || {
+            taints_of(&server, "pci-0000-01-00-0").is_some_and(|t| t.is_array())
+        })
+        .await;
+    let took = settled.elapsed();
+    let flapped = started.elapsed().as_secs_f64();
+    let requests = server.requests();
+    let count = |method: &str, what: &str| {
+        requests
+            .iter()
+            .filter(|(m, p)| m == method && p.contains(what))
+            .count()
+    };
+    let writes = count("PUT", "/resourceslices/") + count("POST", "/resourceslices");
+    let node_reads = count("GET", "/api/v1/nodes/");
+    println!(
+        "{flips} health changes in {flapped:.1} s: {writes} slice writes, {node_reads} Node reads \
+         ({:.1} and {:.1} a second); published settled {took:?} after the last change",
+        writes as f64 / flapped,
+        node_reads as f64 / flapped
+    );
+    assert!(
+        flips > 150,
+        "the flapping was too slow to prove anything: {flips}"
+    );
+    assert!(
+        writes as f64 <= 3.0 * flapped + 1.0,
+        "{writes} slice writes"
+    );
+    assert!(
+        node_reads as f64 <= 3.0 * flapped + 1.0,
+        "{node_reads} Node reads"
+    );
+    assert!(
+        took < Duration::from_secs(1),
+        "published settled after {took:?}"
+    );
+    // And settled healthy: the same.
+    std::fs::write(&node, "").unwrap();
+    let settled = Instant::now();
+    driver
+        .wait_until("the card untainted", || {
+            taints_of(&server, "pci-0000-01-00-0") == Some(serde_json::Value::Null)
+        })
+        .await;
+    assert!(
+        settled.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        settled.elapsed()
+    );
+}
+
 /// A device whose sysfs write has not returned (its driver stuck in the kernel) is
 /// Unhealthy with the stuck write named, and healthy again once it returns; the
 /// write ends without any event, so the board looks again when asked.
