@@ -183,8 +183,9 @@ impl Follow {
                 }
                 s.busy.insert(uid.clone());
                 tokio::spawn(async move {
-                    this.move_early(&shared, waiting).await;
-                    this.done(&shared, uid);
+                    let allocations = waiting.allocations.clone();
+                    let written = this.move_early(&shared, waiting).await;
+                    this.done(&shared, uid, written.then_some(allocations));
                 });
             }
             None => {
@@ -195,7 +196,7 @@ impl Follow {
                 s.busy.insert(uid.clone());
                 tokio::spawn(async move {
                     this.give_back(&shared, &uid).await;
-                    this.done(&shared, uid);
+                    this.done(&shared, uid, None);
                 });
             }
         }
@@ -203,13 +204,31 @@ impl Follow {
     }
 
     /// The task on claim `uid` has ended: acts on what came in meanwhile.
-    fn done(&self, seen: &Arc<Shared>, uid: String) {
+    /// `written`: the allocation whose condition the task wrote. A state that
+    /// shows that same allocation without the condition came in before the write
+    /// (another writer's change): the write's own event follows, so it is not
+    /// moved and written again.
+    fn done(
+        &self,
+        seen: &Arc<Shared>,
+        uid: String,
+        written: Option<Vec<crate::claims::Allocation>>,
+    ) {
         let next = {
             let mut s = seen.lock();
             s.busy.remove(&uid);
             s.latest.remove(&uid)
         };
-        if let Some(claim) = next {
+        let Some(claim) = next else {
+            return;
+        };
+        let before_the_write = written.is_some_and(|allocations| {
+            claim
+                .as_ref()
+                .and_then(|c| self.waiting(c))
+                .is_some_and(|w| w.allocations == allocations)
+        });
+        if !before_the_write {
             self.act(seen, uid, claim);
         }
     }
@@ -319,8 +338,9 @@ impl Follow {
         }
     }
 
-    /// Moves the claim's groups and says how it went in the claim's status.
-    async fn move_early(&self, seen: &Shared, w: Waiting) {
+    /// Moves the claim's groups and says how it went in the claim's status; true
+    /// when that was written.
+    async fn move_early(&self, seen: &Shared, w: Waiting) -> bool {
         let started = std::time::Instant::now();
         let job = self
             .worker
@@ -344,24 +364,24 @@ impl Follow {
         let mut pause = Duration::from_secs(1);
         loop {
             match self.write_status(&w, &devices, &outcome).await {
-                Ok(Written::Kept) => return,
+                Ok(Written::Kept) => return true,
                 Ok(Written::Dropped) => {
                     let first = !std::mem::replace(&mut seen.lock().status_dropped, true);
                     if first {
                         tracing::warn!(claim = %w.claim, "the API server drops ResourceClaim status.devices (its DRAResourceClaimDeviceStatus gate is off): the scheduler cannot see that devices are ready; turn the gate on, or run with --binding-conditions=off");
                     }
-                    return;
+                    return true;
                 }
                 Ok(Written::Gone) => {
                     tracing::debug!(claim = %w.claim, "the claim changed before its status was written");
-                    return;
+                    return false;
                 }
                 Err(e) => {
                     tracing::warn!(claim = %w.claim, error = %e, retry_in = ?pause, "cannot write the claim's device status");
                 }
             }
             if seen.pause_unless_changed(&w.claim.uid, pause).await {
-                return;
+                return false;
             }
             pause = (pause * 2).min(STATUS_RETRY_MAX);
         }
