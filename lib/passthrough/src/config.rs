@@ -268,6 +268,18 @@ pub enum ConfigError {
         /// The earlier entry or the preset that gives the same name.
         other: String,
     },
+    /// Two names map to one KubeVirt variable.
+    #[error("{}: {entry} and {other} both map to KubeVirt's variable {variable} (KubeVirt upper-cases a resource name and turns `/` and `.` into `_`), which would be set for both; rename one", Origin(.file))]
+    VariableClash {
+        /// The file, when the list came from one.
+        file: Option<PathBuf>,
+        /// The later entry.
+        entry: String,
+        /// The earlier entry or the preset.
+        other: String,
+        /// The variable, `PCI_RESOURCE_<NAME>`.
+        variable: String,
+    },
     /// Two selectors could match the same device.
     #[error("{}: {entry} overlaps {other}: both would select {example}", Origin(.file))]
     Overlap {
@@ -301,6 +313,7 @@ impl ConfigError {
             | Self::Document { file, .. }
             | Self::Entry { file, .. }
             | Self::DuplicateName { file, .. }
+            | Self::VariableClash { file, .. }
             | Self::Overlap { file, .. }
             | Self::UnknownPreset { file, .. } => file.as_deref(),
         }
@@ -313,6 +326,7 @@ impl ConfigError {
             | Self::Document { file, .. }
             | Self::Entry { file, .. }
             | Self::DuplicateName { file, .. }
+            | Self::VariableClash { file, .. }
             | Self::Overlap { file, .. }
             | Self::UnknownPreset { file, .. } => *file = Some(path.to_owned()),
         }

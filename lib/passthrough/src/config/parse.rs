@@ -401,7 +401,9 @@ fn parse_class_prefix(value: &Json) -> Result<ClassPrefix, String> {
 }
 
 /// Names must be unique among explicit entries, and an explicit entry must not take a
-/// name a preset gives.
+/// name a preset gives. Nor may two names map to one KubeVirt variable
+/// (`PCI_RESOURCE_<NAME>`: upper-cased, `/` and `.` turned into `_`), which
+/// Allocate and a claim's CDI spec would then both set.
 pub(super) fn check_names(presets: &[Entry], explicit: &[Entry]) -> Result<(), ConfigError> {
     for (i, entry) in explicit.iter().enumerate() {
         let Naming::Fixed(name) = &entry.naming else {
@@ -416,6 +418,19 @@ pub(super) fn check_names(presets: &[Entry], explicit: &[Entry]) -> Result<(), C
                 file: None,
                 entry: entry.source.to_string(),
                 other: other.source.to_string(),
+            });
+        }
+        let variable = name.kubevirt_env_var();
+        let clash = explicit[..i]
+            .iter()
+            .chain(presets)
+            .find(|other| other.naming.can_give_variable(&variable));
+        if let Some(other) = clash {
+            return Err(ConfigError::VariableClash {
+                file: None,
+                entry: entry.source.to_string(),
+                other: other.source.to_string(),
+                variable,
             });
         }
     }

@@ -5,6 +5,9 @@ use super::{
     ClassPrefix, DeviceIds, DriverRule, Entry, EntrySource, ResourceName, Selector, DEFAULT_DRIVER,
 };
 
+use std::collections::HashSet;
+use std::sync::OnceLock;
+
 /// The names `preset` accepts.
 pub const PRESETS: &[&str] = &["rebellions", "nvidia", "nvidia-nvswitch"];
 
@@ -51,6 +54,34 @@ impl Naming {
                         .any(|&(id, ..)| nvidia_name_from_db(id, nvidia_db_name(id)) == *name)
             }
         }
+    }
+
+    /// Whether some device this rule names could get a name whose KubeVirt
+    /// variable ([`ResourceName::kubevirt_env_var`]) is `variable`.
+    pub(super) fn can_give_variable(&self, variable: &str) -> bool {
+        static SEED: OnceLock<HashSet<String>> = OnceLock::new();
+        static PCI_IDS: OnceLock<HashSet<String>> = OnceLock::new();
+        static NVIDIA: OnceLock<HashSet<String>> = OnceLock::new();
+        let (cell, vendor) = match self {
+            Self::Fixed(fixed) => return fixed.kubevirt_env_var() == variable,
+            Self::Rebellions => (&SEED, rebellions::VENDOR),
+            Self::RebellionsPciIds => (&PCI_IDS, rebellions::VENDOR),
+            Self::Nvidia => (&NVIDIA, NVIDIA_VENDOR),
+        };
+        // Every name the rule can give, one per device id: 65,536 at most.
+        cell.get_or_init(|| {
+            (0..=u16::MAX)
+                .map(|device| {
+                    let ids = DeviceIds {
+                        vendor,
+                        device,
+                        class: 0,
+                    };
+                    self.name_for(&ids).kubevirt_env_var()
+                })
+                .collect()
+        })
+        .contains(variable)
     }
 
     pub(super) fn describe(&self) -> String {

@@ -378,6 +378,55 @@ fn duplicate_name() {
     );
 }
 
+/// KubeVirt reads `PCI_RESOURCE_<NAME>`, upper-casing the name and turning `/`
+/// and `.` into `_`: two names that map to one variable would both set it.
+#[test]
+fn names_that_map_to_one_kubevirt_variable() {
+    for (a, b, variable) in [
+        ("example.com/gpu", "example.com/GPU", "PCI_RESOURCE_EXAMPLE_COM_GPU"),
+        ("example.com/a.b", "example.com/a_b", "PCI_RESOURCE_EXAMPLE_COM_A_B"),
+        ("example.com/x.y", "example.com.x/y", "PCI_RESOURCE_EXAMPLE_COM_X_Y"),
+        ("a.b/c-d", "a.b/C-D", "PCI_RESOURCE_A_B_C-D"),
+    ] {
+        let msg = err(&format!(
+            r#"{{"resources": [
+                {{"name": "{a}", "vendor": "8086", "devices": ["1"]}},
+                {{"name": "{b}", "vendor": "8086", "devices": ["2"]}}
+            ]}}"#
+        ));
+        assert_eq!(
+            msg,
+            format!(
+                "resource list: resources[1] ({b}) and resources[0] ({a}) both map to KubeVirt's variable {variable} \
+                 (KubeVirt upper-cases a resource name and turns `/` and `.` into `_`), which would be set for both; rename one"
+            )
+        );
+    }
+    // A hyphen is kept by KubeVirt: these are two variables.
+    ResourceList::parse(r#"{"resources": [
+            {"name": "example.com/a-b", "vendor": "8086", "devices": ["1"]},
+            {"name": "example.com/a_b", "vendor": "8086", "devices": ["2"]}
+        ]}"#)
+    .unwrap();
+    // A preset's names, fixed or made from the device id or the PCI ID database.
+    for (preset, name) in [
+        (r#""preset": "rebellions""#, "rebellions.ai/atom_ca22_pt"),
+        (r#""preset": "rebellions""#, "rebellions.ai/RBLN_ABCD_PT"),
+        (r#""preset": "rebellions", "naming": "pci-ids""#, "rebellions.ai/rbln-ca25_pf"),
+        (r#""preset": "nvidia""#, "nvidia.com/gh100_h100_sxm5_80gb"),
+        (r#""preset": "nvidia""#, "nvidia.com/FFFF"),
+    ] {
+        let msg = err(&format!(
+            r#"{{{preset}, "resources": [{{"name": "{name}", "vendor": "8086", "devices": ["1"]}}]}}"#
+        ));
+        assert!(
+            msg.starts_with(&format!("resource list: resources[0] ({name}) and preset ")),
+            "{msg}"
+        );
+        assert!(msg.contains("both map to KubeVirt's variable PCI_RESOURCE_"), "{msg}");
+    }
+}
+
 #[test]
 fn name_given_by_a_preset() {
     // Disjoint selectors, but the preset already advertises these names.
