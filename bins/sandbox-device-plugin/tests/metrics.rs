@@ -373,9 +373,10 @@ fn hostile_clients_do_not_stop_the_plugin_serving_metrics() {
     let bed = Bed::start(&["--metrics-address", "127.0.0.1:0"]);
     scenario(DEADLINE, async {
         let addr = bed.metrics_address().await;
-        // Garbage, a 1 MiB header, and clients that send half a request and stall.
+        // Garbage, a 1 MiB header, and 200 clients that send half a request and
+        // stall (slowloris: more than the 64 connections the endpoint keeps open).
         let mut stalled = Vec::new();
-        for _ in 0..4 {
+        for _ in 0..200 {
             let mut s = TcpStream::connect(&addr).await.unwrap();
             s.write_all(b"GET /metrics HTTP/1.1\r\nHo").await.unwrap();
             stalled.push(s);

@@ -102,6 +102,24 @@ fn run_serves_device_states_and_bind_outcomes() {
         );
         std::thread::sleep(Duration::from_millis(50));
     };
+    // 200 slowloris clients (half a request head, then nothing) do not keep a
+    // scrape waiting.
+    let stalled: Vec<std::net::TcpStream> = (0..200)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHo");
+            s
+        })
+        .collect();
+    let started = Instant::now();
+    let beside = scrape(port).unwrap_or_default();
+    let took = started.elapsed();
+    drop(stalled);
+    assert!(beside.starts_with("HTTP/1.1 200"), "{beside}");
+    assert!(
+        took < Duration::from_secs(1),
+        "a scrape beside 200 slowloris clients took {took:?}"
+    );
     let err = stop(child);
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     assert!(text.contains("application/openmetrics-text"), "{text}");

@@ -23,14 +23,19 @@
 //! The server answers `GET` and `HEAD` on `/metrics`, 404 on any other path and 405
 //! (with `Allow`) on other methods. It is exposed to whatever can reach the port, so
 //! it bounds what a client can cost: request heads over 16 KiB are refused, a head
-//! not complete within 10 s closes the connection, a connection lives at most 5
-//! minutes, and at most 64 are served at once (more wait in the kernel's backlog).
+//! not complete within 3 s closes the connection, a connection lives at most 5
+//! minutes, and at most 64 are open at once. A new client is always accepted: when
+//! 64 are open, the oldest one that is not being answered (still sending its head,
+//! or idle between requests) is closed to make room, so clients that open
+//! connections and send nothing (slowloris) cannot keep a scrape waiting.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::fmt;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -39,7 +44,7 @@ use hyper::header::{HeaderValue, ALLOW, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::Notify;
 
 pub use prometheus_client;
 pub use prometheus_client::registry::Registry;
@@ -56,11 +61,11 @@ pub const PATH: &str = "/metrics";
 
 /// Largest request head accepted (hyper answers 431 above it).
 const MAX_HEAD: usize = 16 * 1024;
-/// Time a client has to send a complete request head.
-const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time a client has to send a complete request head (a scraper sends it at once).
+const HEAD_TIMEOUT: Duration = Duration::from_secs(3);
 /// Longest life of one connection, however busy.
 const CONNECTION_LIFETIME: Duration = Duration::from_secs(300);
-/// Connections served at once.
+/// Connections open at once.
 const MAX_CONNECTIONS: usize = 64;
 /// Pause after a failed accept (out of descriptors), so the loop does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
@@ -174,16 +179,61 @@ pub fn registry() -> Registry {
     Registry::with_prefix(PREFIX)
 }
 
+/// One open connection, as the accept loop sees it.
+#[derive(Default)]
+struct Open {
+    /// A request of it is being answered (it may not be closed for room).
+    answering: AtomicBool,
+    /// Told to close, to make room.
+    close: Notify,
+}
+
+/// The open connections by age (their accept order), and a bell rung when one ends.
+#[derive(Default)]
+struct Connections {
+    open: Mutex<BTreeMap<u64, Arc<Open>>>,
+    ended: Notify,
+}
+
+impl Connections {
+    /// Makes room for one more: closes the oldest connection not being answered,
+    /// or, while all are answered, waits for one to end.
+    async fn make_room(&self) {
+        loop {
+            let ended = self.ended.notified();
+            {
+                let mut open = lock(&self.open);
+                if open.len() < MAX_CONNECTIONS {
+                    return;
+                }
+                let idle = open
+                    .iter()
+                    .find(|(_, c)| !c.answering.load(Ordering::SeqCst))
+                    .map(|(id, _)| *id);
+                if let Some(conn) = idle.and_then(|id| open.remove(&id)) {
+                    conn.close.notify_one();
+                    return;
+                }
+            }
+            ended.await;
+        }
+    }
+
+    fn end(&self, id: u64) {
+        lock(&self.open).remove(&id);
+        self.ended.notify_one();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Serves `registry` on `listener` until the task is dropped. Never returns and
 /// never panics on client input; a failed connection concerns only its client.
 pub async fn serve(listener: TcpListener, registry: Arc<Registry>) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        // Wait for a free slot before accepting, so excess clients queue in the
-        // kernel instead of costing us memory.
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            return; // never closed
-        };
+    let connections = Arc::new(Connections::default());
+    for id in 0u64.. {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
             Err(e) => {
@@ -192,10 +242,17 @@ pub async fn serve(listener: TcpListener, registry: Arc<Registry>) {
                 continue;
             }
         };
+        connections.make_room().await;
+        let open = Arc::new(Open::default());
+        lock(&connections.open).insert(id, open.clone());
         let registry = registry.clone();
+        let connections = connections.clone();
         tokio::spawn(async move {
+            let answering = open.clone();
             let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                answering.answering.store(true, Ordering::SeqCst);
                 let response = respond(req.method(), req.uri().path(), &registry);
+                answering.answering.store(false, Ordering::SeqCst);
                 async move { Ok::<_, Infallible>(response) }
             });
             let connection = hyper::server::conn::http1::Builder::new()
@@ -203,11 +260,14 @@ pub async fn serve(listener: TcpListener, registry: Arc<Registry>) {
                 .header_read_timeout(HEAD_TIMEOUT)
                 .max_buf_size(MAX_HEAD)
                 .serve_connection(TokioIo::new(stream), service);
-            match tokio::time::timeout(CONNECTION_LIFETIME, connection).await {
-                Ok(Ok(())) | Err(_) => {}
-                Ok(Err(e)) => tracing::debug!(error = %e, "metrics: connection failed"),
+            tokio::select! {
+                result = tokio::time::timeout(CONNECTION_LIFETIME, connection) => match result {
+                    Ok(Ok(())) | Err(_) => {}
+                    Ok(Err(e)) => tracing::debug!(error = %e, "metrics: connection failed"),
+                },
+                () = open.close.notified() => tracing::debug!("metrics: closed an idle connection to make room"),
             }
-            drop(slot);
+            connections.end(id);
         });
     }
 }

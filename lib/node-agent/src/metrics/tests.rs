@@ -269,3 +269,29 @@ async fn keep_alive_serves_several_requests_on_one_connection() {
     assert_eq!(r.matches("HTTP/1.1 200 OK\r\n").count(), 2, "{r}");
     assert_eq!(r.matches("HTTP/1.1 404 Not Found\r\n").count(), 1, "{r}");
 }
+
+/// 200 clients that connect and send half a request head (slowloris), against a
+/// limit of 64 open connections: a scrape that comes after them still answers
+/// at once, since the oldest stalled ones are closed to make room; done 5 times,
+/// the slowest scrape is printed.
+#[tokio::test]
+async fn a_scrape_answers_within_a_second_beside_200_slowloris_clients() {
+    let addr = server().await;
+    let mut slowest = Duration::ZERO;
+    for _ in 0..5 {
+        let mut stalled = Vec::new();
+        for _ in 0..200 {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHo").await;
+            stalled.push(s);
+        }
+        let start = Instant::now();
+        let response = tokio::time::timeout(Duration::from_secs(1), scrape(addr))
+            .await
+            .expect("no answer within a second beside 200 stalled clients");
+        slowest = slowest.max(start.elapsed());
+        assert_scraped(&response);
+        drop(stalled);
+    }
+    println!("slowest scrape beside 200 slowloris clients: {slowest:?}");
+}
