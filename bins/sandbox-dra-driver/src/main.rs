@@ -13,7 +13,7 @@ use node_agent::cli::{fail, parse_duration, CommonArgs, WriteArgs, EXIT_NOT_READ
 use node_agent::cluster::{Cluster, Identity, Verdict};
 use node_agent::metrics::{self as endpoint, ListenAddress};
 use passthrough::owner::{Program, DEFAULT_OWNER_LOCK};
-use passthrough::state::{StateFile, DEFAULT_DRA_STATE_FILE};
+use passthrough::state::{StateFile, DEFAULT_DRA_STATE_FILE, DEFAULT_STATE_FILE};
 use passthrough::Passthrough;
 use sandbox_dra_driver::cdi::{DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
 use sandbox_dra_driver::claims::{Claims, Files};
@@ -124,6 +124,12 @@ struct Cli {
     /// devices it holds; created with its directory if absent.
     #[arg(long, env = "VFIO_SANDBOX_OWNER_LOCK", default_value = DEFAULT_OWNER_LOCK, value_name = "FILE")]
     owner_lock: PathBuf,
+    /// vfio-manager's state file, read (never written) when the owner lock is taken:
+    /// while it records a device moved, or cannot be read, the node is not the
+    /// driver's, whatever the lock's record says (a deleted or garbled record does
+    /// not free a node). Mount its directory read-only.
+    #[arg(long, env = "VFIO_MANAGER_STATE_FILE", default_value = DEFAULT_STATE_FILE, value_name = "FILE")]
+    manager_state_file: PathBuf,
     /// While vfio-manager owns the node, how often to try the owner lock again
     /// (90s, 5m, 500ms, seconds).
     #[arg(long, env = "VFIO_SANDBOX_OWNER_RETRY_INTERVAL", default_value = "5s", value_parser = parse_duration)]
@@ -240,6 +246,7 @@ fn main() -> ExitCode {
         cli.owner_retry_interval,
         grpc_config(&cli),
         &cli.state_file,
+        &cli.manager_state_file,
     ) {
         Ok(Some(owner)) => owner,
         Ok(None) => return ExitCode::SUCCESS,

@@ -29,8 +29,9 @@ pub fn take_or_wait(
     retry: Duration,
     grpc: GrpcConfig,
     state_file: &Path,
+    manager_state: &Path,
 ) -> anyhow::Result<Option<Owner>> {
-    let refusal = match Owner::take(lock, Program::DraDriver) {
+    let refusal = match Owner::take(lock, Program::DraDriver, manager_state) {
         Ok(owner) => return Ok(Some(owner)),
         Err(e) if e.by_other_program() => error_chain(&e),
         Err(e) => return Err(e.into()),
@@ -43,11 +44,12 @@ pub fn take_or_wait(
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(wait(lock, retry, grpc, refusing))
+    runtime.block_on(wait(lock, manager_state, retry, grpc, refusing))
 }
 
 async fn wait(
     lock: &Path,
+    manager_state: &Path,
     retry: Duration,
     grpc: GrpcConfig,
     refusing: Arc<Refusing>,
@@ -70,7 +72,7 @@ async fn wait(
                 Ok(Err(e)) => e,
                 Err(e) => anyhow::anyhow!("the kubelet API server task failed: {e}"),
             }),
-            _ = tokio::time::sleep(retry) => match Owner::take(lock, Program::DraDriver) {
+            _ = tokio::time::sleep(retry) => match Owner::take(lock, Program::DraDriver, manager_state) {
                 Ok(owner) => break Ok(Some(owner)),
                 Err(e) => refusing.still_refused(&e),
             },

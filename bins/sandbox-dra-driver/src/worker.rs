@@ -294,7 +294,16 @@ fn work(
     unprepared: &Unprepared,
 ) {
     held(&setup);
-    while let Ok(job) = rx.recv() {
+    let mut owner_lost: Option<String> = None;
+    loop {
+        let job = match rx.recv_timeout(OWNER_CHECK) {
+            Ok(job) => job,
+            Err(std_mpsc::RecvTimeoutError::Timeout) => {
+                check_owner(&mut setup.state, &mut owner_lost);
+                continue;
+            }
+            Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
+        };
         let what = match &job {
             Job::Prepare { claim, .. } => format!("preparing claim {claim}"),
             Job::Unprepare { claim, .. } => format!("unpreparing claim {claim}"),
@@ -420,6 +429,31 @@ fn work(
             }
         }
         continue_after(&busy);
+    }
+}
+
+/// How often the idle thread checks that the owner lock is still ours (every save
+/// that records a device checks it too).
+const OWNER_CHECK: Duration = Duration::from_secs(10);
+
+/// Checks that the node's owner lock still keeps every other taker out (a cleanup
+/// of its directory deletes it), taking it again if it can; says so when that
+/// changes. While it is not ours, every prepare and early move is refused at its
+/// first save, naming the lock.
+fn check_owner(state: &mut StateFile, lost: &mut Option<String>) {
+    match state.ensure_owner() {
+        Ok(()) => {
+            if lost.take().is_some() {
+                tracing::info!("the node's owner lock is ours again; preparing claims");
+            }
+        }
+        Err(e) => {
+            let why = error_chain(&e);
+            if lost.as_ref() != Some(&why) {
+                tracing::error!(error = %why, "moving no device: the node's owner lock is no longer ours; claims prepared here are refused");
+            }
+            *lost = Some(why);
+        }
     }
 }
 

@@ -232,3 +232,50 @@ async fn a_claim_is_refused_while_vfio_manager_owns_the_node_and_prepared_once_i
     let (status, log) = driver.terminate().await;
     assert_eq!(status.code(), Some(0), "{log}");
 }
+
+/// The owner record is not the last word: with vfio-manager's device still
+/// recorded in its state file, neither a deleted lock (an `rm -rf` of its
+/// directory) nor a garbled record lets the driver in; it names the state file.
+#[tokio::test]
+async fn a_deleted_or_garbled_lock_does_not_let_the_driver_take_a_node_vfio_manager_holds() {
+    for tamper in ["deleted", "garbled"] {
+        let scene = Scene::new();
+        let server = cluster();
+        let claim = put_claim(
+            &server,
+            "vm1-card",
+            UID,
+            Some(&[ours("card", "pci-0000-01-00-0")]),
+            None,
+        );
+        std::fs::create_dir_all(scene.manager_state_file().parent().unwrap()).unwrap();
+        std::fs::write(scene.manager_state_file(), MANAGER_STATE).unwrap();
+        let status = scene
+            .manager("bind.log")
+            .args(["bind", "--all"])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        match tamper {
+            "deleted" => std::fs::remove_dir_all(scene.owner_lock().parent().unwrap()).unwrap(),
+            _ => std::fs::write(scene.owner_lock(), "{\"owner\":\"vfio-ma").unwrap(),
+        }
+        let driver = scene.start(&server).await;
+        let mut client = scene.client(Version::V1).await;
+        let answers = client
+            .prepare(std::slice::from_ref(&claim))
+            .await
+            .unwrap()
+            .claims;
+        let error = &answers[UID].error;
+        let said = format!(
+            "vfio-manager's state file {} records 1 device(s) moved on this node; sandbox-dra-driver moves nothing while it does",
+            scene.manager_state_file().display()
+        );
+        assert!(error.contains(&said), "{tamper}: {error}");
+        assert!(answers[UID].devices.is_empty());
+        assert!(!scene.state_file().exists() && !scene.cdi_dir().exists());
+        assert!(slices(&server).is_empty(), "{tamper}: published");
+        assert!(driver.log().contains(&said), "{}", driver.log());
+    }
+}

@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 use node_agent::cli::{CommonArgs, WriteArgs, EXIT_NOT_READY, EXIT_USAGE};
 use node_agent::ready::{DEFAULT_STATUS_DIR, MANAGER_READY_FILE};
 use passthrough::owner::{Owner, OwnerError, Program, DEFAULT_OWNER_LOCK};
-use passthrough::state::{StateFile, DEFAULT_STATE_FILE};
+use passthrough::state::{StateFile, DEFAULT_DRA_STATE_FILE, DEFAULT_STATE_FILE};
 use passthrough::DEFAULT_BIND_JOBS;
 use sysfs_pci::host::DEFAULT_MODULES_ROOT;
 use sysfs_pci::Host;
@@ -76,6 +76,12 @@ struct ManagerArgs {
     /// holds; created with its directory if absent.
     #[arg(long, env = "VFIO_SANDBOX_OWNER_LOCK", global = true, default_value = DEFAULT_OWNER_LOCK, value_name = "FILE")]
     owner_lock: PathBuf,
+    /// sandbox-dra-driver's state file, read (never written) when the owner lock is
+    /// taken: while it records a device moved for a claim, or cannot be read, the
+    /// node is not vfio-manager's, whatever the lock's record says (a deleted or
+    /// garbled record does not free a node). Mount its directory read-only.
+    #[arg(long, env = "VFIO_SANDBOX_DRA_STATE_FILE", global = true, default_value = DEFAULT_DRA_STATE_FILE, value_name = "FILE")]
+    dra_state_file: PathBuf,
     /// How many IOMMU groups `bind`, `unbind` and `run` move at once, to vfio and back.
     /// A native driver's unbind and vfio-pci's probe can each take a second on a GPU,
     /// so with several jobs entering and leaving VM mode take about the slowest
@@ -117,6 +123,8 @@ pub struct Context {
     pub validator_status_dir: PathBuf,
     /// The node-wide owner lock.
     pub owner_lock: PathBuf,
+    /// sandbox-dra-driver's state file (read when taking the lock).
+    pub dra_state_file: PathBuf,
     /// IOMMU groups bound at once.
     pub bind_jobs: NonZeroUsize,
     /// The deadline of each sysfs write.
@@ -135,7 +143,7 @@ impl Context {
 
     /// Takes the node's owner lock, or says who owns the node.
     pub fn take_owner(&self) -> Result<Owner, OwnerError> {
-        Owner::take(&self.owner_lock, Program::VfioManager)
+        Owner::take(&self.owner_lock, Program::VfioManager, &self.dra_state_file)
     }
 
     /// The state file locked, with the node's owner lock taken first and kept
@@ -167,6 +175,7 @@ fn main() -> ExitCode {
         ready_file: cli.manager.ready_file,
         validator_status_dir: cli.manager.validator_status_dir,
         owner_lock: cli.manager.owner_lock,
+        dra_state_file: cli.manager.dra_state_file,
         bind_jobs: cli.manager.bind_jobs,
         write: cli.manager.write,
     };

@@ -238,6 +238,8 @@ fn help_explains_the_interface() {
         "--state-file",
         "--owner-lock",
         "VFIO_SANDBOX_OWNER_LOCK",
+        "--dra-state-file",
+        "VFIO_SANDBOX_DRA_STATE_FILE",
         "Exit codes",
     ] {
         assert!(t.contains(word), "--help lacks {word}: {t}");
@@ -346,6 +348,10 @@ fn run_with_config(dir: &Path, config: &Path, args: &[&str]) -> Output {
         .args([
             "--owner-lock",
             &dir.join(common::OWNER_LOCK).to_string_lossy(),
+        ])
+        .args([
+            "--dra-state-file",
+            &dir.join(common::DRA_STATE_FILE).to_string_lossy(),
         ])
         .args(["--dev-root", &dir.join("dev").to_string_lossy()])
         .args(["--modules-root", &dir.join("lib/modules").to_string_lossy()])
@@ -623,4 +629,100 @@ fn a_symlinked_owner_lock_is_refused_not_followed() {
         "{t}"
     );
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+}
+
+/// A lock directory on a read-only file system (a hostPath mounted read-only, say)
+/// is reported as such, not as a symlink. Runs vfio-manager in a private mount
+/// namespace (`unshare -m`, as root) over a read-only tmpfs.
+#[test]
+fn a_read_only_lock_directory_is_reported_as_read_only() {
+    assert!(
+        std::fs::read_to_string("/proc/self/status")
+            .unwrap()
+            .lines()
+            .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0")),
+        "this test mounts a read-only tmpfs in a private mount namespace: run it as root"
+    );
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    node(dir.path());
+    let lock = dir.path().join(common::OWNER_LOCK);
+    let lock_dir = lock.parent().unwrap();
+    std::fs::create_dir_all(lock_dir).unwrap();
+    let before = snapshot(dir.path());
+    let vfio_manager = common::command(dir.path());
+    let mut argv = vec![vfio_manager.get_program().to_owned()];
+    argv.extend(vfio_manager.get_args().map(ToOwned::to_owned));
+    argv.extend(["bind".into(), "--all".into()]);
+    let out = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c"])
+        .arg(r#"mount -t tmpfs -o ro tmpfs "$0" && exec "$@""#)
+        .arg(lock_dir)
+        .args(&argv)
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    // The gate beside the lock is the first file it creates.
+    assert!(
+        t.contains(&format!(
+            "cannot create the owner lock {}.gate: its file system is read-only (EROFS)",
+            lock.display()
+        )),
+        "{t}"
+    );
+    assert!(!t.contains("symlink"), "{t}");
+    assert_eq!(snapshot(dir.path()), before, "nothing touched");
+}
+
+/// `bind` or `unbind` waiting on the owner lock's gate (held only while a record
+/// is read or written; here by a process that sits on it) says whom it waits for,
+/// and goes on once it is let go.
+#[test]
+fn waiting_on_the_owner_gate_names_its_holder() {
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    node(dir.path());
+    let lock = dir.path().join(common::OWNER_LOCK);
+    std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
+    let gate = lock.with_extension("lock.gate");
+    std::fs::write(&gate, "").unwrap();
+    let mut holder = Command::new("flock")
+        .arg(&gate)
+        .args(["sleep", "2"])
+        .spawn()
+        .unwrap();
+    // flock(1) has taken it once its child runs.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !std::fs::read_to_string("/proc/locks")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains("FLOCK") && l.contains(&format!(":{} ", inode(&gate))))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "flock(1) never took the gate"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let started = std::time::Instant::now();
+    let out = run(dir.path(), &["unbind", "--all"]);
+    let waited = started.elapsed();
+    holder.wait().unwrap();
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(
+        waited >= std::time::Duration::from_millis(500),
+        "{waited:?}"
+    );
+    assert!(
+        t.contains(&format!(
+            "waiting for the owner lock's gate, held by pid {} (flock)",
+            holder.id()
+        )) && t.contains(&gate.display().to_string()),
+        "{t}"
+    );
+}
+
+fn inode(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().ino()
 }

@@ -14,8 +14,18 @@
 //! Ownership outlives the process: `vfio-manager bind` exits leaving its devices on
 //! vfio-pci, and its record still names it with `devices` above zero. So taking the
 //! lock is refused when the `flock` is held (whoever holds it), or when it is free
-//! but the record names the *other* program with devices still moved. An unreadable
-//! record under a free lock names no owner (and is logged).
+//! but the record names the *other* program with devices still moved.
+//!
+//! A record can be lost (the lock file deleted with its directory, garbled by hand),
+//! so it is not the last word: what the other program's state file records as moved
+//! is. Taking the lock is refused while that file records a device, and when it
+//! cannot be read (in doubt), naming it.
+//!
+//! A lock file deleted or replaced while held no longer keeps anyone out: the next
+//! taker locks a new file. So the holder checks, before each save that holds more
+//! devices ([`crate::state::StateFile`]) and on its resyncs ([`Owner::ensure`]),
+//! that the path still names the file it locked; if not, it takes the path again
+//! or, when it cannot, moves nothing and says why.
 //!
 //! The record is written and read under a second, brief lock on `<lock>.gate`, so a
 //! refused taker reads the record of the holder that beat it, never the one left by
@@ -25,17 +35,19 @@
 //! use passthrough::owner::{Owner, Program};
 //! let dir = tempfile::tempdir().unwrap();
 //! let lock = dir.path().join("owner/owner.lock");
-//! let mine = Owner::take(&lock, Program::VfioManager).unwrap();
-//! let err = Owner::take(&lock, Program::DraDriver).unwrap_err();
+//! let manager_state = dir.path().join("vfio-manager/state.json");
+//! let driver_state = dir.path().join("dra/state.json");
+//! let mine = Owner::take(&lock, Program::VfioManager, &driver_state).unwrap();
+//! let err = Owner::take(&lock, Program::DraDriver, &manager_state).unwrap_err();
 //! assert!(err.to_string().starts_with("vfio-manager (pid "), "{err}");
 //! drop(mine);
-//! assert!(Owner::take(&lock, Program::DraDriver).is_ok(), "nothing moved: free");
+//! assert!(Owner::take(&lock, Program::DraDriver, &manager_state).is_ok(), "nothing moved: free");
 //! ```
 
 use std::fmt;
 use std::fs::File;
 use std::io::Read;
-use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use nix::fcntl::{Flock, FlockArg};
@@ -166,6 +178,51 @@ pub enum OwnerError {
         /// The lock file.
         lock: PathBuf,
     },
+    /// The other program's state file records devices it moved.
+    #[error("{other}'s state file {} records {devices} device(s) moved on this node; {program} moves nothing while it does: a node runs either vfio-manager or sandbox-dra-driver, not both; {}", state.display(), other.release_hint())]
+    Recorded {
+        /// The program refused.
+        program: Program,
+        /// The program whose state file it is.
+        other: Program,
+        /// Its state file.
+        state: PathBuf,
+        /// How many devices it records.
+        devices: usize,
+    },
+    /// The other program's state file cannot be read: it may record moved devices.
+    #[error("cannot tell whether {other} has devices moved on this node: its state file {} cannot be read; {program} moves nothing while in doubt (repair the file, or remove it once no device of {other} is on vfio-pci)", state.display())]
+    InDoubt {
+        /// The program refused.
+        program: Program,
+        /// The program whose state file it is.
+        other: Program,
+        /// Its state file.
+        state: PathBuf,
+        /// Why it cannot be read.
+        #[source]
+        source: Box<crate::state::StateError>,
+    },
+    /// The lock path no longer names the file this process locked, and it could
+    /// not be taken again.
+    #[error("the owner lock {} was {what} while this {program} held it (a cleanup of its directory?), and it cannot be taken again; moving no device until it can", lock.display())]
+    Lost {
+        /// The program that held it.
+        program: Program,
+        /// The lock file.
+        lock: PathBuf,
+        /// `deleted` or `replaced by another file`.
+        what: &'static str,
+        /// Why it could not be taken again.
+        #[source]
+        source: Box<OwnerError>,
+    },
+    /// The lock's directory is on a read-only file system.
+    #[error("cannot create the owner lock {lock}: its file system is read-only (EROFS); mount a writable directory there (a hostPath under /run); not touching the node")]
+    ReadOnly {
+        /// The lock file.
+        lock: PathBuf,
+    },
     /// The lock file is not a plain file we may open (a symlink, say).
     #[error("cannot open the owner lock {lock} (it must be a regular file, not a symlink); not touching the node")]
     Open {
@@ -189,6 +246,8 @@ impl OwnerError {
             Self::Owned {
                 program, holder, ..
             } => holder.record.as_ref().is_none_or(|r| r.owner != *program),
+            Self::Recorded { .. } | Self::InDoubt { .. } => true,
+            Self::Lost { source, .. } => source.by_other_program(),
             _ => false,
         }
     }
@@ -217,20 +276,27 @@ pub struct Owner {
     file: Flock<File>,
     lock: PathBuf,
     record: OwnerRecord,
+    /// The other program's state file, read at every take.
+    other_state: PathBuf,
 }
 
 impl Owner {
     /// Takes the node for `program`, or says who owns it. Creates the lock's
     /// directory (0755) and file; a symlink or other non-regular file is refused.
     /// A previous record of `program` hands over its device count (the caller then
-    /// sets the true one); the other program's record with no device left is free.
-    pub fn take(lock: &Path, program: Program) -> Result<Self, OwnerError> {
+    /// sets the true one); the other program's record with no device left is free,
+    /// unless `other_state` (the other program's state file) records a device
+    /// moved, or cannot be read.
+    pub fn take(lock: &Path, program: Program, other_state: &Path) -> Result<Self, OwnerError> {
         if let Some(dir) = lock.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o755)
                 .create(dir)
-                .wrap(Action::Create, dir)?;
+                .map_err(|e| {
+                    read_only(lock, e)
+                        .unwrap_or_else(|e| IoError::new(Action::Create, dir, e).into())
+                })?;
         }
         let _gate = gate(lock, FlockArg::LockExclusive, true)?;
         let file = open(lock, true)?;
@@ -252,6 +318,7 @@ impl Owner {
                 lock: lock.to_owned(),
             });
         }
+        recorded_by_other(program, other_state)?;
         let devices = previous
             .filter(|r| r.owner == program)
             .map_or(0, |r| r.devices);
@@ -264,18 +331,60 @@ impl Owner {
                 since: rfc3339(std::time::SystemTime::now()),
                 devices,
             },
+            other_state: other_state.to_owned(),
         };
         owner.write_record()?;
         tracing::info!(lock = %lock.display(), devices, "took ownership of this node's devices");
         Ok(owner)
     }
 
+    /// Checks that the lock path still names the file we locked. If it was
+    /// deleted or replaced (so another taker could lock a new file there), takes
+    /// the path again as [`Self::take`] does, keeping our device count; when that
+    /// is refused, says so: the caller moves nothing until a later call succeeds.
+    pub fn ensure(&mut self) -> Result<(), OwnerError> {
+        let Some(what) = self.lost() else {
+            return Ok(());
+        };
+        let program = self.record.owner;
+        match Self::take(&self.lock, program, &self.other_state) {
+            Ok(mut again) => {
+                tracing::warn!(lock = %self.lock.display(), "the owner lock was {what} while held; took it again");
+                again.record.devices = self.record.devices;
+                again.write_record()?;
+                *self = again;
+                Ok(())
+            }
+            Err(e) => Err(OwnerError::Lost {
+                program,
+                lock: self.lock.clone(),
+                what,
+                source: Box::new(e),
+            }),
+        }
+    }
+
+    /// How the lock path no longer names our file, if it does not.
+    fn lost(&self) -> Option<&'static str> {
+        let ours = match self.file.metadata() {
+            Ok(m) => (m.dev(), m.ino()),
+            Err(_) => return Some("made unreadable"),
+        };
+        match std::fs::symlink_metadata(&self.lock) {
+            Ok(m) if (m.dev(), m.ino()) == ours => None,
+            Ok(_) => Some("replaced by another file"),
+            Err(_) => Some("deleted"),
+        }
+    }
+
     /// Says whether [`Self::take`] would succeed now, changing nothing (dry runs):
     /// no file is created, and another instance of `program` at work is no
     /// obstacle.
-    pub fn check(lock: &Path, program: Program) -> Result<(), OwnerError> {
+    pub fn check(lock: &Path, program: Program, other_state: &Path) -> Result<(), OwnerError> {
         match std::fs::symlink_metadata(lock) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return recorded_by_other(program, other_state)
+            }
             _ => {}
         }
         let _gate = gate(lock, FlockArg::LockShared, false)?;
@@ -299,7 +408,11 @@ impl Owner {
                 lock: lock.to_owned(),
             });
         }
-        Ok(())
+        if running {
+            // Another instance of `program` holds it: the other's file is its business.
+            return Ok(());
+        }
+        recorded_by_other(program, other_state)
     }
 
     /// The lock file.
@@ -343,6 +456,43 @@ impl Owner {
     }
 }
 
+/// The refusal when the other program's state file records devices moved, or
+/// cannot be read. An absent file records nothing.
+fn recorded_by_other(program: Program, other_state: &Path) -> Result<(), OwnerError> {
+    let other = match program {
+        Program::VfioManager => Program::DraDriver,
+        Program::DraDriver => Program::VfioManager,
+    };
+    let held = crate::state::StateFile::load(other_state, false, other)
+        .map(|s| s.state().held_devices())
+        .map_err(|source| OwnerError::InDoubt {
+            program,
+            other,
+            state: other_state.to_owned(),
+            source: Box::new(source),
+        })?;
+    if held > 0 {
+        return Err(OwnerError::Recorded {
+            program,
+            other,
+            state: other_state.to_owned(),
+            devices: held,
+        });
+    }
+    Ok(())
+}
+
+/// The read-only refusal for `lock` when `e` is `EROFS`.
+fn read_only(lock: &Path, e: std::io::Error) -> Result<OwnerError, std::io::Error> {
+    if e.raw_os_error() == Some(nix::libc::EROFS) {
+        Ok(OwnerError::ReadOnly {
+            lock: lock.to_owned(),
+        })
+    } else {
+        Err(e)
+    }
+}
+
 /// Takes the gate beside `lock`, waiting: it is held only while a record is
 /// written or read. `None` when it is absent and `create` is false.
 fn gate(lock: &Path, arg: FlockArg, create: bool) -> Result<Option<Flock<File>>, OwnerError> {
@@ -353,12 +503,49 @@ fn gate(lock: &Path, arg: FlockArg, create: bool) -> Result<Option<Flock<File>>,
         return Ok(None);
     }
     let file = open(&path, create)?;
+    let now = match arg {
+        FlockArg::LockShared => FlockArg::LockSharedNonblock,
+        _ => FlockArg::LockExclusiveNonblock,
+    };
+    let file = match Flock::lock(file, now) {
+        Ok(f) => return Ok(Some(f)),
+        Err((file, nix::errno::Errno::EWOULDBLOCK)) => file,
+        Err((_, errno)) => {
+            return Err(IoError::new(Action::Open, &path, std::io::Error::from(errno)).into())
+        }
+    };
+    // Held only while a record is read or written: a wait is worth saying.
+    let holder = file
+        .metadata()
+        .ok()
+        .and_then(|m| flock_holder(&std::fs::read_to_string("/proc/locks").ok()?, m.ino()));
+    let holder = holder.map_or_else(
+        || "another process".to_owned(),
+        |pid| {
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            format!("pid {pid} ({})", comm.trim())
+        },
+    );
+    tracing::warn!(gate = %path.display(), holder = %holder, "waiting for the owner lock's gate, held by {holder}");
     match Flock::lock(file, arg) {
         Ok(f) => Ok(Some(f)),
         Err((_, errno)) => {
             Err(IoError::new(Action::Open, &path, std::io::Error::from(errno)).into())
         }
     }
+}
+
+/// The pid holding a `flock` on inode `ino`, from the text of `/proc/locks`
+/// (`1: FLOCK  ADVISORY  WRITE 4242 00:1a:1234 0 EOF`; a waiter's line has `->`).
+fn flock_holder(locks: &str, ino: u64) -> Option<u32> {
+    locks.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.get(1) != Some(&"FLOCK") || fields.contains(&"->") {
+            return None;
+        }
+        let node = fields.get(5)?.rsplit(':').next()?;
+        (node.parse::<u64>().ok()? == ino).then(|| fields.get(4)?.parse().ok())?
+    })
 }
 
 /// Opens the lock file without following a symlink; only a regular file will do.
@@ -378,9 +565,11 @@ fn open(lock: &Path, create: bool) -> Result<File, OwnerError> {
                 Err(std::io::Error::other("not a regular file"))
             }
         });
-    opened.map_err(|source| OwnerError::Open {
-        lock: lock.to_owned(),
-        source,
+    opened.map_err(|source| {
+        read_only(lock, source).unwrap_or_else(|source| OwnerError::Open {
+            lock: lock.to_owned(),
+            source,
+        })
     })
 }
 
@@ -419,7 +608,7 @@ fn read_record(file: &File, lock: &Path) -> Result<Option<OwnerRecord>, OwnerErr
     match OwnerRecord::parse(&text) {
         Ok(r) => Ok(r),
         Err(e) => {
-            tracing::warn!(lock = %lock.display(), error = %e, "the owner record is garbled; taking it as no owner");
+            tracing::warn!(lock = %lock.display(), error = %e, "the owner record is garbled; the other program's state file decides whether the node is free");
             Ok(None)
         }
     }
@@ -461,6 +650,17 @@ mod tests {
         assert_eq!(rfc3339(t), "2000-02-29T01:01:01Z");
         let t = UNIX_EPOCH + Duration::from_secs(1_738_324_800);
         assert_eq!(rfc3339(t), "2025-01-31T12:00:00Z");
+    }
+
+    #[test]
+    fn the_holder_of_a_flock_is_read_from_proc_locks() {
+        let text = "1: POSIX  ADVISORY  WRITE 10 00:1a:77 0 EOF\n\
+                    2: FLOCK  ADVISORY  WRITE 4242 00:1a:1234 0 EOF\n\
+                    2: -> FLOCK  ADVISORY  WRITE 99 00:1a:1234 0 EOF\n";
+        assert_eq!(flock_holder(text, 1234), Some(4242));
+        assert_eq!(flock_holder(text, 77), None, "a POSIX lock is not ours");
+        assert_eq!(flock_holder(text, 5), None);
+        assert_eq!(flock_holder("garbage\n\n1: FLOCK", 1), None);
     }
 
     #[test]

@@ -390,6 +390,16 @@ impl StateFile {
         Ok(())
     }
 
+    /// Checks that the attached owner lock still keeps every other taker out (see
+    /// [`Owner::ensure`]); a resync calls it, so a lost lock is said even when no
+    /// device moves.
+    pub fn ensure_owner(&mut self) -> Result<(), StateError> {
+        match &mut self.owner {
+            Some(owner) => owner.ensure().map_err(Into::into),
+            None => Ok(()),
+        }
+    }
+
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
@@ -481,6 +491,12 @@ impl StateFile {
     ) -> Result<(), StateError> {
         let mut next = self.state.clone();
         f(&mut next);
+        let grows = next.held_devices() > self.state.held_devices();
+        if let Some(owner) = self.owner.as_mut().filter(|_| grows) {
+            // The lock path must still keep every other taker out before a device
+            // that this save records can move.
+            owner.ensure()?;
+        }
         if self.persist {
             // Serialising these types cannot fail today (string keys, no maps with
             // other keys, no custom Serialize); were it ever to, the save fails and

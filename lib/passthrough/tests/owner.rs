@@ -20,6 +20,28 @@ fn scratch() -> (tempfile::TempDir, PathBuf) {
     (dir, lock)
 }
 
+/// The other program's state file, beside the lock's directory.
+fn other_state(lock: &Path, program: Program) -> PathBuf {
+    let other = match program {
+        Program::VfioManager => "sandbox-dra-driver",
+        Program::DraDriver => "vfio-manager",
+    };
+    lock.parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join(other)
+        .join("state.json")
+}
+
+fn take(lock: &Path, program: Program) -> Result<Owner, OwnerError> {
+    Owner::take(lock, program, &other_state(lock, program))
+}
+
+fn check(lock: &Path, program: Program) -> Result<(), OwnerError> {
+    Owner::check(lock, program, &other_state(lock, program))
+}
+
 fn record_of(lock: &Path) -> OwnerRecord {
     OwnerRecord::parse(&std::fs::read_to_string(lock).unwrap())
         .unwrap()
@@ -39,7 +61,7 @@ fn left_behind(lock: &Path, owner: &str, devices: usize) -> String {
 #[test]
 fn the_second_taker_is_refused_while_the_first_holds_the_lock() {
     let (_dir, lock) = scratch();
-    let manager = Owner::take(&lock, Program::VfioManager).unwrap();
+    let manager = take(&lock, Program::VfioManager).unwrap();
     let me = std::process::id();
     assert_eq!(
         record_of(&lock),
@@ -50,7 +72,7 @@ fn the_second_taker_is_refused_while_the_first_holds_the_lock() {
             devices: 0,
         }
     );
-    let err = Owner::take(&lock, Program::DraDriver).unwrap_err();
+    let err = take(&lock, Program::DraDriver).unwrap_err();
     let msg = error_chain(&err);
     for part in [
         &format!("vfio-manager (pid {me}, since "),
@@ -64,7 +86,7 @@ fn the_second_taker_is_refused_while_the_first_holds_the_lock() {
     }
     assert!(err.by_other_program());
     // Another vfio-manager is refused too, told it is one of its own.
-    let err = Owner::take(&lock, Program::VfioManager).unwrap_err();
+    let err = take(&lock, Program::VfioManager).unwrap_err();
     assert!(!err.by_other_program());
     assert!(
         err.to_string().contains("another vfio-manager is at work"),
@@ -74,11 +96,9 @@ fn the_second_taker_is_refused_while_the_first_holds_the_lock() {
     assert_eq!(record_of(&lock).pid, me);
     // Nothing moved: once the holder is gone, the other program may take the node.
     drop(manager);
-    let driver = Owner::take(&lock, Program::DraDriver).unwrap();
+    let driver = take(&lock, Program::DraDriver).unwrap();
     assert_eq!(record_of(&lock).owner, Program::DraDriver);
-    let msg = Owner::take(&lock, Program::VfioManager)
-        .unwrap_err()
-        .to_string();
+    let msg = take(&lock, Program::VfioManager).unwrap_err().to_string();
     assert!(msg.starts_with("sandbox-dra-driver (pid "), "{msg}");
     assert!(msg.contains("delete the ResourceClaims"), "{msg}");
     drop(driver);
@@ -88,7 +108,7 @@ fn the_second_taker_is_refused_while_the_first_holds_the_lock() {
 fn devices_left_moved_by_an_exited_owner_keep_the_other_program_out() {
     let (_dir, lock) = scratch();
     let text = left_behind(&lock, "vfio-manager", 2);
-    let err = Owner::take(&lock, Program::DraDriver).unwrap_err();
+    let err = take(&lock, Program::DraDriver).unwrap_err();
     assert!(matches!(err, OwnerError::Owned { .. }));
     let msg = err.to_string();
     assert!(
@@ -99,33 +119,157 @@ fn devices_left_moved_by_an_exited_owner_keep_the_other_program_out() {
     );
     assert_eq!(std::fs::read_to_string(&lock).unwrap(), text, "untouched");
     assert!(
-        Owner::check(&lock, Program::DraDriver).is_err(),
+        check(&lock, Program::DraDriver).is_err(),
         "a dry run sees it too"
     );
     // Its own program takes over, keeping the count until it knows better.
-    let manager = Owner::take(&lock, Program::VfioManager).unwrap();
+    let manager = take(&lock, Program::VfioManager).unwrap();
     let now = record_of(&lock);
     assert_eq!((now.pid, now.devices), (std::process::id(), 2));
     drop(manager);
     // With no device left, the record of the other program keeps nobody out.
     left_behind(&lock, "vfio-manager", 0);
-    Owner::take(&lock, Program::DraDriver).unwrap();
+    take(&lock, Program::DraDriver).unwrap();
     assert_eq!(record_of(&lock).owner, Program::DraDriver);
 }
 
+/// A state file of `program` at `path` recording one device moved.
+fn moved_one(path: &Path, program: Program) -> StateFile {
+    let mut state = StateFile::load(path, true, program).unwrap();
+    state
+        .record(&SysKernel, "0000:01:00.0".parse().unwrap(), rec(1))
+        .unwrap();
+    state
+}
+
+/// A garbled record says nothing either way: the other program's state file
+/// decides. Nothing recorded there frees the node; a device recorded, or a file
+/// that cannot be read, keeps it, naming that file.
 #[test]
-fn a_garbled_record_names_no_owner() {
+fn a_garbled_record_leaves_the_other_programs_state_file_to_decide() {
     let (_dir, lock) = scratch();
     std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
-    for text in [
+    let garbled = [
         "{not json",
         "\u{0}\u{1}",
         r#"{"owner":"someone","devices":9}"#,
-    ] {
+    ];
+    for text in garbled {
         std::fs::write(&lock, text).unwrap();
-        let owner = Owner::take(&lock, Program::DraDriver).unwrap();
+        let owner = take(&lock, Program::DraDriver).unwrap();
         assert_eq!(record_of(&lock).owner, Program::DraDriver, "{text:?}");
         drop(owner);
+    }
+    let manager_state = other_state(&lock, Program::DraDriver);
+    drop(moved_one(&manager_state, Program::VfioManager));
+    for text in garbled {
+        std::fs::write(&lock, text).unwrap();
+        let err = take(&lock, Program::DraDriver).unwrap_err();
+        assert!(
+            matches!(err, OwnerError::Recorded { devices: 1, .. }),
+            "{err:?}"
+        );
+        assert!(err.by_other_program());
+        let msg = error_chain(&err);
+        assert!(
+            msg.starts_with(&format!(
+                "vfio-manager's state file {} records 1 device(s) moved on this node; sandbox-dra-driver moves nothing while it does",
+                manager_state.display()
+            )),
+            "{msg}"
+        );
+        assert_eq!(std::fs::read_to_string(&lock).unwrap(), text, "untouched");
+        assert!(
+            check(&lock, Program::DraDriver).is_err(),
+            "a dry run sees it too"
+        );
+    }
+    // In doubt: a state file that does not parse.
+    std::fs::write(&manager_state, "{half a state").unwrap();
+    let err = take(&lock, Program::DraDriver).unwrap_err();
+    let msg = error_chain(&err);
+    assert!(matches!(err, OwnerError::InDoubt { .. }), "{msg}");
+    assert!(
+        msg.contains(&format!(
+            "its state file {} cannot be read",
+            manager_state.display()
+        )),
+        "{msg}"
+    );
+    // vfio-manager itself is not kept out by its own file.
+    std::fs::remove_file(&lock).unwrap();
+    take(&lock, Program::VfioManager).unwrap();
+}
+
+/// A lock file deleted (an `rm -rf` of its directory, a tmpfs cleanup) or replaced
+/// while held: the next taker locks a new file, so the holder must notice. Either
+/// way round, only one moves devices: a newcomer is refused while the holder's
+/// state file records a device; a holder whose path was taken by another stops
+/// recording (so moving) devices and names the lock; one whose path is free takes
+/// it again.
+#[test]
+fn a_lock_deleted_or_replaced_while_held_cannot_make_two_owners() {
+    for replace in [false, true] {
+        let (_dir, lock) = scratch();
+        let manager_state = other_state(&lock, Program::DraDriver);
+        let mut state = moved_one(&manager_state, Program::VfioManager);
+        state
+            .attach_owner(take(&lock, Program::VfioManager).unwrap())
+            .unwrap();
+        let gone = |lock: &Path| {
+            if replace {
+                let fresh = lock.with_extension("new");
+                std::fs::write(&fresh, "").unwrap();
+                std::fs::rename(&fresh, lock).unwrap();
+            } else {
+                std::fs::remove_dir_all(lock.parent().unwrap()).unwrap();
+            }
+        };
+        gone(&lock);
+        // The driver comes: the manager's state file keeps it out.
+        let err = take(&lock, Program::DraDriver).unwrap_err();
+        assert!(matches!(err, OwnerError::Recorded { .. }), "{err:?}");
+        // The manager notices at its next resync, and takes the path again.
+        state.ensure_owner().unwrap();
+        assert_eq!(record_of(&lock).owner, Program::VfioManager);
+        assert_eq!(record_of(&lock).devices, 1, "its count carried over");
+        assert!(take(&lock, Program::DraDriver).is_err());
+
+        // With nothing recorded, the newcomer gets a new file; the holder's next
+        // save that would move a device is refused, and nothing is recorded.
+        state
+            .forget(&SysKernel, &"0000:01:00.0".parse().unwrap())
+            .unwrap();
+        gone(&lock);
+        let driver = take(&lock, Program::DraDriver).unwrap();
+        let before = std::fs::read_to_string(&manager_state).unwrap();
+        let err = state
+            .record(&SysKernel, "0000:02:00.0".parse().unwrap(), rec(2))
+            .unwrap_err();
+        let msg = error_chain(&err);
+        // Deleted first or not, the driver's take made a new file there.
+        assert!(
+            msg.contains(&format!(
+                "the owner lock {} was replaced by another file while this vfio-manager held it",
+                lock.display()
+            )),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("sandbox-dra-driver (pid "),
+            "names the new owner: {msg}"
+        );
+        assert_eq!(std::fs::read_to_string(&manager_state).unwrap(), before);
+        assert!(state.state().devices.is_empty());
+        assert!(state.ensure_owner().is_err(), "still not ours");
+        assert_eq!(record_of(&lock).owner, Program::DraDriver);
+        // Once the driver lets go, the manager takes the node again by itself.
+        drop(driver);
+        state
+            .record(&SysKernel, "0000:02:00.0".parse().unwrap(), rec(2))
+            .unwrap();
+        assert_eq!(record_of(&lock).owner, Program::VfioManager);
+        assert_eq!(record_of(&lock).devices, 1);
     }
 }
 
@@ -137,33 +281,31 @@ fn a_symlinked_or_odd_lock_file_is_refused_not_followed() {
     std::fs::write(&victim, "keep").unwrap();
     std::os::unix::fs::symlink(&victim, &lock).unwrap();
     for program in [Program::VfioManager, Program::DraDriver] {
-        let msg = error_chain(&Owner::take(&lock, program).unwrap_err());
+        let msg = error_chain(&take(&lock, program).unwrap_err());
         assert!(
             msg.contains("must be a regular file, not a symlink"),
             "{msg}"
         );
-        assert!(Owner::check(&lock, program).is_err());
+        assert!(check(&lock, program).is_err());
     }
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
     std::fs::remove_file(&lock).unwrap();
     std::fs::create_dir(&lock).unwrap();
-    let msg = error_chain(&Owner::take(&lock, Program::VfioManager).unwrap_err());
+    let msg = error_chain(&take(&lock, Program::VfioManager).unwrap_err());
     assert!(msg.contains(&lock.display().to_string()), "{msg}");
 }
 
 #[test]
 fn a_dry_run_check_creates_nothing_and_sees_only_the_other_program() {
     let (dir, lock) = scratch();
-    Owner::check(&lock, Program::VfioManager).unwrap();
+    check(&lock, Program::VfioManager).unwrap();
     assert!(!lock.exists() && !lock.parent().unwrap().exists());
-    let manager = Owner::take(&lock, Program::VfioManager).unwrap();
-    Owner::check(&lock, Program::VfioManager).unwrap();
-    let msg = Owner::check(&lock, Program::DraDriver)
-        .unwrap_err()
-        .to_string();
+    let manager = take(&lock, Program::VfioManager).unwrap();
+    check(&lock, Program::VfioManager).unwrap();
+    let msg = check(&lock, Program::DraDriver).unwrap_err().to_string();
     assert!(msg.starts_with("vfio-manager (pid "), "{msg}");
     drop(manager);
-    Owner::check(&lock, Program::DraDriver).unwrap();
+    check(&lock, Program::DraDriver).unwrap();
     drop(dir);
 }
 
@@ -191,7 +333,7 @@ fn each_state_save_keeps_the_device_count_current() {
     state.record(k, a, rec(1)).unwrap();
     // Attaching counts what the state already holds.
     state
-        .attach_owner(Owner::take(&lock, Program::DraDriver).unwrap())
+        .attach_owner(take(&lock, Program::DraDriver).unwrap())
         .unwrap();
     assert_eq!(record_of(&lock).devices, 1);
     state.record(k, b, rec(2)).unwrap();
@@ -226,5 +368,5 @@ fn each_state_save_keeps_the_device_count_current() {
     assert_eq!(record_of(&lock).devices, 0);
     // Dropped with nothing held: the other program may come.
     drop(state);
-    Owner::take(&lock, Program::VfioManager).unwrap();
+    take(&lock, Program::VfioManager).unwrap();
 }

@@ -134,6 +134,7 @@ impl Scene {
             .args(["--modules-root", &arg(self.root().join("lib/modules"))])
             .args(["--config", &arg(self.root().join("list.json"))])
             .args(["--state-file", &arg(self.manager_state_file())])
+            .args(["--dra-state-file", &arg(self.state_file())])
             .args(["--owner-lock", &arg(self.owner_lock())])
             .args([
                 "--ready-file",
@@ -199,6 +200,7 @@ impl Scene {
             .args(["--state-file", &arg(self.state_file())])
             .args(["--ready-file", &arg(self.ready_file())])
             .args(["--owner-lock", &arg(self.owner_lock())])
+            .args(["--manager-state-file", &arg(self.manager_state_file())])
             .args(["--resync-interval", "1h"])
             .env("VFIO_SANDBOX_PREPARE_TIMEOUT", "10s")
             .stdin(Stdio::null())

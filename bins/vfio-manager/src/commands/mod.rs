@@ -50,7 +50,7 @@ pub fn with_passthrough<T>(
     let real = ctx.write.kernel();
     let kernel: &dyn Kernel = if dry_run { &dry } else { &real };
     let mut state = if dry_run {
-        Owner::check(&ctx.owner_lock, Program::VfioManager)?;
+        Owner::check(&ctx.owner_lock, Program::VfioManager, &ctx.dra_state_file)?;
         ctx.state(false)?
     } else {
         ctx.owned_state(ctx.take_owner()?)?

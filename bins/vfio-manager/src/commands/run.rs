@@ -177,6 +177,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         skipped: SkipLog::default(),
         last_failure: None,
         stuck: BTreeSet::new(),
+        owner_lost: None,
     };
     // Out of VM mode already (a pod the restore label brought back after a kill
     // mid-restore): finish the restore, bind nothing.
@@ -445,6 +446,8 @@ struct Pass<'a> {
     last_failure: Option<String>,
     /// Devices with a sysfs write that has not returned, as last reported.
     stuck: BTreeSet<PciAddress>,
+    /// Why the owner lock is not ours, as last said (nothing is bound meanwhile).
+    owner_lost: Option<String>,
 }
 
 impl Pass<'_> {
@@ -482,8 +485,24 @@ impl Pass<'_> {
         for s in self.skipped.note(&inv.skipped).new {
             tracing::warn!(bdf = %s.address, reason = %s, "device left out: it cannot be read");
         }
-        // No check of sandbox-dra-driver here: `run` holds the owner lock, so it
-        // cannot have come in since.
+        // `run` holds the owner lock, so sandbox-dra-driver cannot have come in
+        // since, unless the lock file was deleted or replaced: then it is taken
+        // again, or nothing is bound (every save that records a device checks too).
+        match pt.state.ensure_owner() {
+            Ok(()) => {
+                if self.owner_lost.take().is_some() {
+                    tracing::info!("the node's owner lock is ours again; binding");
+                }
+            }
+            Err(e) => {
+                let why = error_chain(&e);
+                if self.owner_lost.as_ref() != Some(&why) {
+                    tracing::error!(error = %why, "not binding any device: the node's owner lock is no longer ours");
+                }
+                self.owner_lost = Some(why);
+                return Ok(());
+            }
+        }
         let needs_work = inv.entries.iter().any(|e| !e.is_bound());
         if needs_work {
             pt.load_modules(&target_drivers(&inv, &[]))?;

@@ -16,10 +16,17 @@ pub fn command(dir: &Path) -> Command {
             &dir.join("run/state.json").to_string_lossy(),
         ])
         .args(["--config", &dir.join("list.json").to_string_lossy()])
+        .args([
+            "--dra-state-file",
+            &dir.join(DRA_STATE_FILE).to_string_lossy(),
+        ])
         .env_remove("VFIO_SANDBOX_CONFIG")
         .env_remove("VFIO_SANDBOX_OWNER_LOCK");
     c
 }
+
+/// sandbox-dra-driver's state file under the fake node's directory.
+pub const DRA_STATE_FILE: &str = "run/dra/state.json";
 
 /// The node-wide owner lock under the fake node's directory.
 pub const OWNER_LOCK: &str = "run/owner/owner.lock";

@@ -383,9 +383,21 @@ fn duplicate_name() {
 #[test]
 fn names_that_map_to_one_kubevirt_variable() {
     for (a, b, variable) in [
-        ("example.com/gpu", "example.com/GPU", "PCI_RESOURCE_EXAMPLE_COM_GPU"),
-        ("example.com/a.b", "example.com/a_b", "PCI_RESOURCE_EXAMPLE_COM_A_B"),
-        ("example.com/x.y", "example.com.x/y", "PCI_RESOURCE_EXAMPLE_COM_X_Y"),
+        (
+            "example.com/gpu",
+            "example.com/GPU",
+            "PCI_RESOURCE_EXAMPLE_COM_GPU",
+        ),
+        (
+            "example.com/a.b",
+            "example.com/a_b",
+            "PCI_RESOURCE_EXAMPLE_COM_A_B",
+        ),
+        (
+            "example.com/x.y",
+            "example.com.x/y",
+            "PCI_RESOURCE_EXAMPLE_COM_X_Y",
+        ),
         ("a.b/c-d", "a.b/C-D", "PCI_RESOURCE_A_B_C-D"),
     ] {
         let msg = err(&format!(
@@ -403,16 +415,21 @@ fn names_that_map_to_one_kubevirt_variable() {
         );
     }
     // A hyphen is kept by KubeVirt: these are two variables.
-    ResourceList::parse(r#"{"resources": [
+    ResourceList::parse(
+        r#"{"resources": [
             {"name": "example.com/a-b", "vendor": "8086", "devices": ["1"]},
             {"name": "example.com/a_b", "vendor": "8086", "devices": ["2"]}
-        ]}"#)
+        ]}"#,
+    )
     .unwrap();
     // A preset's names, fixed or made from the device id or the PCI ID database.
     for (preset, name) in [
         (r#""preset": "rebellions""#, "rebellions.ai/atom_ca22_pt"),
         (r#""preset": "rebellions""#, "rebellions.ai/RBLN_ABCD_PT"),
-        (r#""preset": "rebellions", "naming": "pci-ids""#, "rebellions.ai/rbln-ca25_pf"),
+        (
+            r#""preset": "rebellions", "naming": "pci-ids""#,
+            "rebellions.ai/rbln-ca25_pf",
+        ),
         (r#""preset": "nvidia""#, "nvidia.com/gh100_h100_sxm5_80gb"),
         (r#""preset": "nvidia""#, "nvidia.com/FFFF"),
     ] {
@@ -423,7 +440,10 @@ fn names_that_map_to_one_kubevirt_variable() {
             msg.starts_with(&format!("resource list: resources[0] ({name}) and preset ")),
             "{msg}"
         );
-        assert!(msg.contains("both map to KubeVirt's variable PCI_RESOURCE_"), "{msg}");
+        assert!(
+            msg.contains("both map to KubeVirt's variable PCI_RESOURCE_"),
+            "{msg}"
+        );
     }
 }
 
