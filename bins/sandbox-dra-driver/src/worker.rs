@@ -26,7 +26,7 @@ use passthrough::state::StateFile;
 use passthrough::Passthrough;
 use sysfs_pci::deadline::Bounded;
 use sysfs_pci::kernel::SysKernel;
-use sysfs_pci::{error_chain, Host};
+use sysfs_pci::{error_chain, Host, PciAddress};
 use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
@@ -314,6 +314,20 @@ fn work(
         if let Ok(mut b) = busy.lock() {
             *b = Some((what, Instant::now()));
         }
+        match &job {
+            Job::Unprepare { claim, .. } => leaving(&setup, &claim.uid),
+            Job::Release { uid, .. }
+                if setup
+                    .state
+                    .state()
+                    .claims
+                    .get(uid)
+                    .is_some_and(|c| c.phase != passthrough::state::ClaimPhase::Prepared) =>
+            {
+                leaving(&setup, uid);
+            }
+            _ => {}
+        }
         let mut claims = Claims {
             pt: Passthrough {
                 host: &setup.host,
@@ -485,20 +499,36 @@ fn held(setup: &Setup) {
         );
     }
     if let Some(health) = &setup.health {
-        health.set_prepared(
-            state
-                .claims
-                .values()
-                .filter(|c| {
-                    matches!(
-                        c.phase,
-                        passthrough::state::ClaimPhase::Prepared
-                            | passthrough::state::ClaimPhase::Moved
-                    )
-                })
-                .flat_map(|c| c.devices.iter().map(|d| d.address))
-                .collect(),
-        );
+        health.set_prepared(held_for_vms(setup, None));
+    }
+}
+
+/// The devices of claims prepared or moved early, but those of claim `leaving`.
+fn held_for_vms(setup: &Setup, leaving: Option<&str>) -> std::collections::BTreeSet<PciAddress> {
+    setup
+        .state
+        .state()
+        .claims
+        .iter()
+        .filter(|(uid, c)| {
+            Some(uid.as_str()) != leaving
+                && matches!(
+                    c.phase,
+                    passthrough::state::ClaimPhase::Prepared
+                        | passthrough::state::ClaimPhase::Moved
+                )
+        })
+        .flat_map(|(_, c)| c.devices.iter().map(|d| d.address))
+        .collect()
+}
+
+/// Claim `uid`'s devices are about to go back to their drivers: from now on
+/// their health is judged as devices ready to be prepared, so a device on its
+/// way back (or back already) is not reported unhealthy for not being on vfio.
+/// A give-back that fails puts them back with [`held`].
+fn leaving(setup: &Setup, uid: &str) {
+    if let Some(health) = &setup.health {
+        health.set_prepared(held_for_vms(setup, Some(uid)));
     }
 }
 

@@ -132,12 +132,19 @@ expect_eq "kubelet's peer sees it Healthy again" "$?" 0
 expect_driver "CARD_FN0 on vfio-pci again" "$CARD_FN0" vfio-pci
 
 note "unprepare: back to e1000e"
+logged=$(wc -l <"$DLOG")
 t0=$(_tb_now_ms)
 step "NodeUnprepareResources v1 for vm-card" -- peer unprepare --version v1 --claim "vms/vm-card/$uid_card"
 t1=$(_tb_now_ms)
 note "unprepare took $((t1 - t0)) ms (peer to answer)"
 expect_driver "CARD_FN0 back on e1000e" "$CARD_FN0" e1000e
 expect_driver "CARD_FN1 back on e1000e" "$CARD_FN1" e1000e
+# The node watcher sees the unbind and the probe while the claim is still on its
+# way back: a device where it should be is not reported unhealthy meanwhile.
+sleep 1
+tail -n "+$((logged + 1))" "$DLOG" >/tmp/after-unprepare.log
+expect_not_contains "no device reported unhealthy on its way back to e1000e" \
+    /tmp/after-unprepare.log "device unhealthy"
 step "CDI spec removed" -- sh -c "! test -e '$spec'"
 step "metadata removed" -- sh -c "! test -e '$META/$uid_card'"
 step "unprepare again: done already" -- peer unprepare --version v1 --claim "vms/vm-card/$uid_card"
