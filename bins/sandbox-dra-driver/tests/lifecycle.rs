@@ -122,6 +122,8 @@ async fn the_command_line_explains_itself_and_refuses_bad_starts() {
             "[env: NODE_NAME=]",
             "--owner-lock",
             "--owner-retry-interval",
+            "--manager-state-file",
+            "[env: VFIO_MANAGER_STATE_FILE=]",
             "Exit codes",
         ],
     );

@@ -15,7 +15,7 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kubelet_peer::dra::Version;
+use kubelet_peer::dra::{ClaimRef, Version};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -127,12 +127,11 @@ const MANAGER_STATE: &str = r#"{"version": 1, "devices": {"0000:02:00.0": {
 
 const UID: &str = "5d1f0c4e-8a2b-4c3d-9e7f-0a1b2c3d4e5f";
 
-#[tokio::test]
-async fn a_claim_is_refused_while_vfio_manager_owns_the_node_and_prepared_once_it_lets_go() {
-    let scene = Scene::new();
-    let server = cluster();
+/// A claim for the card on the server, and vfio-manager's `bind` exited leaving
+/// one device of its state file on vfio: the node is vfio-manager's.
+fn manager_holds_one_device(scene: &Scene, server: &fake_apiserver::FakeApiServer) -> ClaimRef {
     let claim = put_claim(
-        &server,
+        server,
         "vm1-card",
         UID,
         Some(&[ours("card", "pci-0000-01-00-0")]),
@@ -147,6 +146,14 @@ async fn a_claim_is_refused_while_vfio_manager_owns_the_node_and_prepared_once_i
         .unwrap();
     let bind_log = std::fs::read_to_string(scene.root().join("bind.log")).unwrap();
     assert!(status.success(), "{bind_log}");
+    claim
+}
+
+#[tokio::test]
+async fn a_claim_is_refused_while_vfio_manager_owns_the_node_and_prepared_once_it_lets_go() {
+    let scene = Scene::new();
+    let server = cluster();
+    let claim = manager_holds_one_device(&scene, &server);
     let record = scene.owner();
     assert_eq!(record["owner"], "vfio-manager", "{record}");
     assert_eq!(record["devices"], 1, "{record}");
@@ -241,21 +248,7 @@ async fn a_deleted_or_garbled_lock_does_not_let_the_driver_take_a_node_vfio_mana
     for tamper in ["deleted", "garbled"] {
         let scene = Scene::new();
         let server = cluster();
-        let claim = put_claim(
-            &server,
-            "vm1-card",
-            UID,
-            Some(&[ours("card", "pci-0000-01-00-0")]),
-            None,
-        );
-        std::fs::create_dir_all(scene.manager_state_file().parent().unwrap()).unwrap();
-        std::fs::write(scene.manager_state_file(), MANAGER_STATE).unwrap();
-        let status = scene
-            .manager("bind.log")
-            .args(["bind", "--all"])
-            .status()
-            .unwrap();
-        assert!(status.success());
+        let claim = manager_holds_one_device(&scene, &server);
         match tamper {
             "deleted" => std::fs::remove_dir_all(scene.owner_lock().parent().unwrap()).unwrap(),
             _ => std::fs::write(scene.owner_lock(), "{\"owner\":\"vfio-ma").unwrap(),
