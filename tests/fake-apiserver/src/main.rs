@@ -87,6 +87,14 @@ enum Command {
         /// The node the pod is scheduled to (default: the first result's pool).
         #[arg(long)]
         node: Option<String>,
+        /// Allocate the existing claim again instead of creating it, as the
+        /// scheduler does after it gave the first allocation up.
+        #[arg(long)]
+        again: bool,
+        /// With --again: write the deallocation first (PostFilter's), so a
+        /// watcher may see the claim unallocated in between.
+        #[arg(long, requires = "again")]
+        deallocate_first: bool,
     },
     /// Wait as kube-scheduler's PreBind does until the claim's binding conditions
     /// are all True (exit 0), a failure condition is True (exit 1) or the binding
@@ -170,12 +178,16 @@ fn request(server: &str, method: &str, path: &str, body: Option<&str>) -> anyhow
     Ok(ok)
 }
 
+/// `again`: allocate the existing claim anew (`Some(true)`: deallocated first),
+/// reading it again after a conflict (another writer, the driver's status
+/// write, came between), as the scheduler's retries do.
 fn claim(
     server: &str,
     claim: &str,
     class: &str,
     results: &[String],
     node: Option<&str>,
+    again: Option<bool>,
 ) -> anyhow::Result<bool> {
     let (ns, name) = split_ref(claim)?;
     let results = results
@@ -185,40 +197,106 @@ fn claim(
                 .ok_or_else(|| anyhow::anyhow!("{r:?} is not REQUEST:DRIVER:POOL:DEVICE"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let body = objects::resource_claim_spec(ns, name, class, &results).to_string();
-    let (ok, created) = exchange(server, "POST", &paths::resourceclaims(ns), Some(&body))?;
-    if !ok {
-        eprintln!("{created}");
-        return Ok(false);
+    let target = Target {
+        server,
+        ns,
+        name,
+        node,
+    };
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match allocate(&target, class, &results, again)? {
+            Allocated::Done(uid) => {
+                println!("{uid}");
+                return Ok(true);
+            }
+            Allocated::Conflict(_) if again.is_some() && tries < 10 => {}
+            Allocated::Conflict(body) | Allocated::Failed(body) => {
+                eprintln!("{body}");
+                return Ok(false);
+            }
+        }
+    }
+}
+
+/// The claim one `claim` command writes.
+struct Target<'a> {
+    server: &'a str,
+    ns: &'a str,
+    name: &'a str,
+    node: Option<&'a str>,
+}
+
+/// How one try of `claim` ended.
+enum Allocated {
+    /// The claim's uid.
+    Done(String),
+    /// A write met a 409: the body.
+    Conflict(String),
+    /// Another failure: the body.
+    Failed(String),
+}
+
+fn allocate(
+    t: &Target<'_>,
+    class: &str,
+    results: &[objects::DeviceResult],
+    again: Option<bool>,
+) -> anyhow::Result<Allocated> {
+    let answer = |ok: bool, body: String| {
+        if ok {
+            None
+        } else if body.contains("\"code\":409") {
+            Some(Allocated::Conflict(body))
+        } else {
+            Some(Allocated::Failed(body))
+        }
+    };
+    let status_path = format!("{}/status", paths::resourceclaim(t.ns, t.name));
+    let (ok, created) = match again {
+        None => {
+            let body = objects::resource_claim_spec(t.ns, t.name, class, results).to_string();
+            exchange(t.server, "POST", &paths::resourceclaims(t.ns), Some(&body))?
+        }
+        Some(deallocate_first) => {
+            let (ok, found) = exchange(t.server, "GET", &paths::resourceclaim(t.ns, t.name), None)?;
+            if !ok || !deallocate_first {
+                (ok, found)
+            } else {
+                let mut object: serde_json::Value = serde_json::from_str(&found)?;
+                scheduler::deallocate(&mut object);
+                exchange(t.server, "PUT", &status_path, Some(&object.to_string()))?
+            }
+        }
+    };
+    if let Some(failed) = answer(ok, created.clone()) {
+        return Ok(failed);
     }
     let mut object: serde_json::Value = serde_json::from_str(&created)?;
     let uid = object["metadata"]["uid"].as_str().unwrap_or("").to_owned();
     if !results.is_empty() {
         let (ok, slices) = exchange(
-            server,
+            t.server,
             "GET",
             "/apis/resource.k8s.io/v1/resourceslices",
             None,
         )?;
         if !ok {
-            eprintln!("{slices}");
-            return Ok(false);
+            return Ok(Allocated::Failed(slices));
         }
         let slices: serde_json::Value = serde_json::from_str(&slices)?;
         let slices = slices["items"].as_array().cloned().unwrap_or_default();
-        let node = node.unwrap_or(&results[0].pool);
+        let node = t.node.unwrap_or(&results[0].pool);
         object["status"] = serde_json::json!({
-            "allocation": scheduler::allocation(&results, &slices, node),
+            "allocation": scheduler::allocation(results, &slices, node),
         });
-        let path = format!("{}/status", paths::resourceclaim(ns, name));
-        let (ok, updated) = exchange(server, "PUT", &path, Some(&object.to_string()))?;
-        if !ok {
-            eprintln!("{updated}");
-            return Ok(false);
+        let (ok, updated) = exchange(t.server, "PUT", &status_path, Some(&object.to_string()))?;
+        if let Some(failed) = answer(ok, updated) {
+            return Ok(failed);
         }
     }
-    println!("{uid}");
-    Ok(true)
+    Ok(Allocated::Done(uid))
 }
 
 fn bind(server: &str, claim: &str, poll: u64, timeout: u64) -> anyhow::Result<ExitCode> {
@@ -310,7 +388,16 @@ fn main() -> ExitCode {
             class,
             results,
             node,
-        } => claim(server, c, class, results, node.as_deref()),
+            again,
+            deallocate_first,
+        } => claim(
+            server,
+            c,
+            class,
+            results,
+            node.as_deref(),
+            (*again).then_some(*deallocate_first),
+        ),
         Command::Bind {
             server,
             claim,

@@ -5,7 +5,9 @@
 # does) is moved whole to vfio-pci at once, the condition appears in the claim's
 # status.devices and `fake-apiserver bind` (PreBind's wait) returns; prepare then
 # only writes files. A claim deleted before its pod started gets its devices
-# back, also when the deletion races the move (10 rounds); a claim on a group
+# back, also when the deletion races the move (10 rounds); a claim re-allocated
+# to another device while its move runs ends on that device, the old one back
+# (10 rounds, at delays, with and without a deallocated step); a claim on a group
 # another claim holds gets the failure condition and is
 # deallocated as PostFilter does. Then kill -9 at every step of the early move
 # (failpoints build: the claim saved, each member recorded, override, unbind,
@@ -106,6 +108,25 @@ while [ $i -lt 10 ]; do
     i=$((i + 1))
 done
 note "$recorded of 10 race rounds had the claim recorded when it was deleted"
+
+note "a claim re-allocated while its move runs (0 to 400 ms after), with and without a deallocated step: it ends ready on its new device, the old one back"
+on_driver() { test "$(basename "$(readlink "/sys/bus/pci/devices/$1/driver")")" = "$2"; }
+for step_between in "" --deallocate-first; do
+    for d in 0 20 60 150 400; do
+        name="vm-re-$d${step_between:+-dealloc}"
+        claim "$name" "$CARD_FN0" >/dev/null
+        usleep $((d * 1000))
+        fake-apiserver claim "vms/$name" --again $step_between \
+            --result "nic:$DRIVER:$NODE:$(dev_name "$SOLO_NIC")" >/dev/null
+        step "$name is ready on its new device" -- prebind "$name"
+        expect_driver "SOLO_NIC on vfio-pci for $name" "$SOLO_NIC" vfio-pci
+        wait_for "CARD_FN0 back on e1000e after $name moved on" 20 -- on_driver "$CARD_FN0" e1000e
+        wait_for "CARD_FN1 back on e1000e after $name moved on" 20 -- on_driver "$CARD_FN1" e1000e
+        delete_claim "$name"
+        wait_for "state: nothing left after $name" 20 -- sh -c "! grep -q '\"claims\"' '$STATE' && grep -q '\"devices\": {}' '$STATE'"
+        expect_driver "SOLO_NIC back on e1000e after $name" "$SOLO_NIC" e1000e
+    done
+done
 
 note "a group another claim holds: the failure condition, and the scheduler gives up"
 uid=$(claim vm-holder "$CARD_FN0")
