@@ -22,6 +22,11 @@ scripts/check-manifests.sh
 step "cargo test"
 # The two fault walks run once, in the next step, where their tallies are printed.
 cargo test --workspace --locked -- --skip every_fault_and_crash_point --skip every_step_of_a_claims_life --skip every_step_of_an_early_move
+step "a quiet watch lives its server timeout: started now, in the background (five idle minutes), its result read after the real-kernel scenarios"
+lifetime="$(cargo test -p sandbox-dra-driver --test watch_lifetime --no-run --locked --message-format=json |
+    grep -o '"executable":"[^"]*"' | sed 's/^"executable":"//; s/"$//' | tail -n1)"
+"$lifetime" --ignored --nocapture >target/watch-lifetime.log 2>&1 &
+lifetime_pid=$!
 step "fault injection: fail and crash at every kernel write, module syscall and state save (a node's VM-mode life; two DRA claims' life, at prepare and moved early)"
 cargo test -p passthrough --test faults --locked -- --nocapture
 cargo test -p sandbox-dra-driver --test claims --locked -- --nocapture
@@ -48,6 +53,12 @@ step "VM harness self-test (stall watchdog, fake QEMU)"
 tests/vm/harness-selftest.sh
 step "real-kernel scenarios (QEMU) on Debian 12 and 13 kernels, and the demo so it cannot rot"
 scripts/vm/run.sh --kernel bookworm,trixie tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
+step "a quiet watch lives its server timeout: the result of the run started before the scenarios"
+if ! wait "$lifetime_pid"; then
+    cat target/watch-lifetime.log
+    exit 1
+fi
+grep -E "lived|test result" target/watch-lifetime.log
 step "the test bed's own kernel: Debian's 6.12 source with IOMMUFD, VFIO_DEVICE_CDEV and virtio_vfio_pci (scripts/build-kernel.sh; cached by its config, rebuilt only when that changes)"
 scripts/build-kernel.sh >/dev/null
 step "the iommufd and VFIO cdev scenario on it (on Debian's kernels it ran above: nothing iommufd offered, nothing fails)"
