@@ -11,10 +11,13 @@
 # source package and version, and this build recipe, in
 # ${VFIO_SANDBOX_CACHE:-$HOME/.cache/vfio-sandbox}/kernel/<key>/, outside the
 # repository so that a fresh clone on the same machine (CI) finds it: the
-# kernel is rebuilt only when one of those changes. Build tools (bc, bison,
-# flex, libelf-dev, libssl-dev, ...) are installed with apt-get when missing.
-# The build time and the load average before and after it are printed and
-# kept in <key>/build-info.
+# kernel is rebuilt only when one of those changes. Build tools (gcc, make,
+# bc, bison, flex, libelf-dev, libssl-dev, xz-utils, kmod, cpio, python3,
+# perl) are installed with apt-get when missing (scripts/lib/packages.sh:
+# without recommended packages, never removing one). The build time and the
+# load average before and after it are printed and kept in <key>/build-info.
+# The download (about 150 MB), the unpacking and the compile (about 9 min on
+# two cores) are silent: a line on stderr every 30 s says how far they are.
 #
 # Usage:  eval "$(scripts/build-kernel.sh)"
 #
@@ -53,18 +56,28 @@ export DEBIAN_FRONTEND=noninteractive
 [[ "$src_suite" =~ ^[a-z][a-z0-9-]*$ ]] || die "bad KERNEL_SRC_SUITE $src_suite"
 [[ "$jobs" =~ ^[1-9][0-9]*$ ]] || die "bad KERNEL_BUILD_JOBS $jobs"
 
+# shellcheck source=scripts/lib/packages.sh
+source "$repo_root/scripts/lib/packages.sh"
+trap progress_stop EXIT
+
 # ensure_build_tools -- install what a kernel build needs, when missing.
 ensure_build_tools() {
-    local spec missing=()
-    for spec in gcc:gcc make:make bc:bc bison:bison flex:flex libelf-dev:/usr/include/libelf.h \
-        libssl-dev:/usr/include/openssl/ssl.h xz-utils:xz kmod:/sbin/depmod cpio:cpio \
-        python3:python3 perl:perl; do
-        command -v "${spec#*:}" >/dev/null 2>&1 || [[ -e "${spec#*:}" ]] || missing+=("${spec%%:*}")
-    done
-    ((${#missing[@]})) || return 0
-    log "installing ${missing[*]}"
-    apt-get update -qq >&2
-    apt-get install -y -qq "${missing[@]}" >&2
+    pkg_ensure build-kernel gcc:gcc make:make bc:bc bison:bison flex:flex \
+        libelf-dev:/usr/include/libelf.h libssl-dev:/usr/include/openssl/ssl.h \
+        xz-utils:xz kmod:depmod cpio:cpio python3:python3 perl:perl ||
+        die "cannot install the kernel build tools"
+}
+
+# kernel_objects DIR [TOTAL] -- how many object files the build in DIR has,
+# "of about TOTAL" when an earlier build said how many it made.
+kernel_objects() {
+    local n
+    n="$(find "$1" -name '*.o' -type f 2>/dev/null | wc -l)"
+    if [[ -n "${2:-}" ]]; then
+        printf '%s of about %s object files\n' "$n" "$2"
+    else
+        printf '%s object files\n' "$n"
+    fi
 }
 
 # shellcheck source=scripts/lib/private-apt.sh
@@ -94,7 +107,8 @@ pkg="${KERNEL_SRC_PKG:-}" ver="${KERNEL_SRC_VERSION:-}"
 if [[ -z "$pkg" || -z "$ver" ]]; then
     if [[ -z "$(find "$apt_dir/lists" -maxdepth 1 -name '*_Packages*' -mtime -1 -print -quit 2>/dev/null)" ]]; then
         log "running apt-get update (private configuration for $src_suite)"
-        apt-get "${apt_opts[@]}" update -qq >&2 || log "warning: apt-get update failed"
+        progress_run "build-kernel: still updating the package lists" -- \
+            apt-get "${apt_opts[@]}" update -qq >&2 || log "warning: apt-get update failed"
     fi
     read -r pkg ver < <(resolve_source || true) || true
 fi
@@ -120,17 +134,20 @@ ensure_build_tools
 # fetch_source -- download and unpack linux-source (kept for rebuilds of
 # other fragments); sets src to the unpacked tree.
 fetch_source() {
-    local srcdir="$cache_root/src/${pkg}_$ver" debdir="$cache_root/debs" deb tmp tarball
+    local srcdir="$cache_root/src/${pkg}_$ver" debdir="$cache_root/debs" deb tmp tarball size
     src="$srcdir/$pkg"
     [[ -f "$srcdir/.complete" ]] && return 0
     mkdir -p "$debdir"
     deb="$debdir/${pkg}_${ver//:/%3a}_all.deb"
     if [[ ! -f "$deb" ]]; then
-        log "downloading $pkg=$ver"
+        size="$(apt-cache "${apt_opts[@]}" show "$pkg=$ver" 2>/dev/null | awk -F': ' '$1 == "Size" { print $2; exit }')"
+        log "downloading $pkg=$ver${size:+ ($((size / 1000000)) MB)}"
         tmp="$(mktemp -d "$debdir/.dl.XXXXXX")"
         if id _apt >/dev/null 2>&1; then chown _apt "$tmp" 2>/dev/null || true; fi
+        progress_start "build-kernel: still downloading $pkg" progress_size_of "$size" "$tmp"
         (cd "$tmp" && apt-get "${apt_opts[@]}" download -q "$pkg=$ver" >&2) ||
-            { rm -rf "$tmp"; die "apt-get download $pkg=$ver failed"; }
+            { progress_stop; rm -rf "$tmp"; die "apt-get download $pkg=$ver failed"; }
+        progress_stop
         mv "$(find "$tmp" -maxdepth 1 -name '*.deb' -print -quit)" "$deb"
         rm -rf "$tmp"
     fi
@@ -139,7 +156,9 @@ fetch_source() {
     mkdir -p "$srcdir"
     tarball="$(dpkg-deb -c "$deb" | awk '{ print $NF }' | grep -m1 '^\./usr/src/linux-source-.*\.tar\.xz$')" ||
         die "no source tarball in $(basename "$deb")"
+    progress_start "build-kernel: still unpacking $(basename "$deb")" progress_size "$srcdir"
     dpkg-deb --fsys-tarfile "$deb" | tar -xO "$tarball" | tar -xJ -C "$srcdir"
+    progress_stop
     [[ -d "$src" ]] || die "$(basename "$deb") did not unpack to $src"
     touch "$srcdir/.complete"
     # One source tree and package at a time: drop the others.
@@ -175,11 +194,18 @@ done < <(grep -E '^CONFIG_[A-Z0-9_]+=' "$fragment")
 # else runs on the machine: on an idle machine the wall time is about it
 # divided by the cores.
 TIMEFORMAT='%U %S'
+# How many object files the newest earlier build made, for the progress line.
+objects_before="$(find "$cache_root" -mindepth 2 -maxdepth 2 -name build-info -printf '%T@ %p\n' 2>/dev/null |
+    sort -rn | head -n 1 | cut -d' ' -f2- | xargs -r sed -n 's/^objects=//p' || true)"
+progress_start "build-kernel: still compiling" kernel_objects "$work/build" "$objects_before"
 if ! { time nice -n 10 make -C "$src" -s O="$work/build" -j"$jobs" vmlinux bzImage modules \
     >"$work/make.log" 2>&1; } 2>"$work/make.time"; then
+    progress_stop
     tail -n 40 "$work/make.log" >&2
     die "kernel build failed (log: $work/make.log)"
 fi
+progress_stop
+objects="$(find "$work/build" -name '*.o' -type f | wc -l)"
 kver="$(make -C "$src" -s O="$work/build" kernelrelease)"
 make -C "$src" -s O="$work/build" INSTALL_MOD_PATH="$work" DEPMOD=true modules_install >&2
 rm -f "$work/lib/modules/$kver/build" "$work/lib/modules/$kver/source"
@@ -195,8 +221,8 @@ log "built $kver in $((t1 - t0)) s on $jobs cores, compile CPU time $cpu s (load
 {
     # A resumed build's times are those of its last part only.
     printf 'source=%s=%s\nfragment=%s\nresumed=%s\n' "$pkg" "$ver" "$frag_sum" "$resumed"
-    printf 'build_seconds=%s\ncompile_cpu_seconds=%s\njobs=%s\nload_before=%s\nload_after=%s\n' \
-        "$((t1 - t0))" "$cpu" "$jobs" "$load_before" "$load_after"
+    printf 'build_seconds=%s\ncompile_cpu_seconds=%s\njobs=%s\nload_before=%s\nload_after=%s\nobjects=%s\n' \
+        "$((t1 - t0))" "$cpu" "$jobs" "$load_before" "$load_after" "$objects"
 } >"$work/build-info"
 pvh=0
 grep -qx 'CONFIG_PVH=y' "$work/config-$kver" && pvh=1

@@ -67,25 +67,23 @@ list="$out_dir/static-bins.list"
 log() { printf 'build-static: %s\n' "$*" >&2; }
 
 command -v cargo >/dev/null || { log "error: cargo not found"; exit 1; }
+# Debian packages, only when missing, without recommended ones, never
+# removing one (scripts/lib/packages.sh).
+# shellcheck source=scripts/lib/packages.sh
+source "$repo_root/scripts/lib/packages.sh"
 apt_install() {
-    command -v apt-get >/dev/null || { log "error: $* missing and no apt-get to install it"; exit 1; }
-    log "installing $*"
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=300 "$@" >&2
+    pkg_ensure build-static "$@" || exit 1
 }
 if [[ "$arch" == "$(uname -m)" ]]; then
     # Static glibc linking needs libc.a (libc6-dev).
     if [[ ! -e "/usr/lib/$arch-linux-gnu/libc.a" ]] && command -v apt-get >/dev/null; then
-        apt_install libc6-dev
+        apt_install "libc6-dev:/usr/lib/$arch-linux-gnu/libc.a"
     fi
 else
     # Cross build: Debian's cross gcc links and compiles C code for the
     # target (ring, with kube-rs/rustls, builds C); its libc.a links statically.
     cross="$arch-linux-gnu"
-    missing=()
-    command -v "$cross-gcc" >/dev/null || missing+=("gcc-$cross")
-    [[ -e "/usr/$cross/lib/libc.a" ]] || missing+=("libc6-dev-$deb_arch-cross")
-    ((${#missing[@]} == 0)) || apt_install "${missing[@]}"
+    apt_install "gcc-$cross:$cross-gcc" "libc6-dev-$deb_arch-cross:/usr/$cross/lib/libc.a"
     tvar="${target//-/_}"
     linker_var="CARGO_TARGET_${tvar^^}_LINKER"
     export "$linker_var=${!linker_var:-$cross-gcc}"
@@ -152,7 +150,7 @@ done
 mv "$list.tmp" "$list"
 
 if [[ -s "$list" ]]; then
-    command -v file >/dev/null || apt_install file
+    apt_install file:file
     while read -r bin; do
         desc="$(file -L "$bin")"
         if ! grep -Eq 'statically linked|static-pie' <<<"$desc"; then

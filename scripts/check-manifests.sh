@@ -44,6 +44,9 @@ kubevirt_api_sha512=NLAmeyDCpIP+RmkZQ1yOYrIj8Cm/yKzOmCiZ7epPs8CtVQ5amp1esiJ7e38o
 
 # shellcheck source=scripts/lib/private-apt.sh
 source "$repo_root/scripts/lib/private-apt.sh"
+# shellcheck source=scripts/lib/packages.sh
+source "$repo_root/scripts/lib/packages.sh"
+trap progress_stop EXIT
 
 log() { printf 'check-manifests: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -67,19 +70,12 @@ check() {
 
 # ---------------------------------------------------------------- tools
 ensure_host_tools() {
-    local missing=()
+    local specs=(shellcheck:shellcheck npm:npm python3:python3)
     if ! command -v apt-get >/dev/null || ! command -v dpkg >/dev/null; then
         die "apt-get/dpkg not found (a Debian-based machine is needed)"
     fi
-    command -v shellcheck >/dev/null || missing+=(shellcheck)
-    python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
-    command -v npm >/dev/null || missing+=(npm)
-    command -v python3 >/dev/null || missing+=(python3)
-    if ((${#missing[@]})); then
-        log "installing ${missing[*]} (Debian packages)"
-        apt-get update -qq >&2
-        apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
-    fi
+    python3 -c 'import ensurepip, venv' 2>/dev/null || specs+=(python3-venv)
+    pkg_ensure check-manifests "${specs[@]}" || die "cannot install the tools above"
 }
 
 # kubectl from Debian 13: kubernetes-client is a transitional package whose
@@ -94,7 +90,8 @@ ensure_kubectl() {
     PRIVATE_APT_OPTS+=(-o "Dir::State::status=$apt_dir/status")
     if [[ -z "$(find "$apt_dir/lists" -maxdepth 1 -name '*_Packages*' -mtime -1 -print -quit)" ]]; then
         log "apt-get update (private configuration for $kubectl_suite)"
-        apt-get "${PRIVATE_APT_OPTS[@]}" update -qq >&2 || log "warning: apt-get update failed"
+        progress_run "check-manifests: still updating the package lists" -- \
+            apt-get "${PRIVATE_APT_OPTS[@]}" update -qq >&2 || log "warning: apt-get update failed"
     fi
     dep="$(apt-cache "${PRIVATE_APT_OPTS[@]}" show --no-all-versions "$kubectl_source_pkg" 2>/dev/null |
         awk -F': ' '$1 == "Depends" { split($2, d, /[ ,(]+/); print d[1]; exit }')"
@@ -114,8 +111,10 @@ ensure_kubectl() {
         mkdir -p "$cache/kubectl"
         tmp="$(mktemp -d "$cache/kubectl/.dl.XXXXXX")"
         if id _apt >/dev/null 2>&1; then chown _apt "$tmp" 2>/dev/null || true; fi
+        progress_start "check-manifests: still downloading $dep" progress_size "$tmp"
         (cd "$tmp" && apt-get "${PRIVATE_APT_OPTS[@]}" download -qq "$dep=$ver" >&2) ||
-            { rm -rf "$tmp"; log "apt-get download $dep=$ver failed"; return 1; }
+            { progress_stop; rm -rf "$tmp"; log "apt-get download $dep=$ver failed"; return 1; }
+        progress_stop
         deb="$(find "$tmp" -maxdepth 1 -name '*.deb' -print -quit)"
         rm -rf "$dest"
         dpkg -x "$deb" "$dest"
@@ -133,7 +132,8 @@ ensure_venv() {
     fi
     if ! cmp -s "$req" "$venv/.requirements" 2>/dev/null; then
         log "installing $(grep -c '==' "$req") pinned packages from PyPI into the venv"
-        "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$req" >&2
+        progress_run "check-manifests: still installing from PyPI" progress_size "$venv" -- \
+            "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$req" >&2
         cp "$req" "$venv/.requirements"
     fi
     py="$venv/bin/python"

@@ -2,7 +2,9 @@
 # Boots the real-kernel test bed (QEMU, emulated IOMMU, stand-in devices) and runs
 # the node lifecycle in it (validator, vfio-manager, device plugin with a kubelet-like
 # peer, restore), printing the guest's console.
-# Installs what it needs (qemu-system-x86, busybox-static, kmod, the kernel package).
+# Installs what it needs (qemu-system-x86, busybox-static, kmod, cpio, xz-utils,
+# libc6-dev, file: only those missing, without recommended packages, never removing
+# one) and downloads Debian 12's kernel package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 status=0

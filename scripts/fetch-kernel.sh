@@ -84,19 +84,19 @@ die() { log "error: $*"; exit 1; }
 
 export DEBIAN_FRONTEND=noninteractive
 
+# Host packages (scripts/lib/packages.sh: only the missing ones, without
+# recommended packages, never a removal) and a line on stderr every 30 s
+# while a download is silent (scripts/lib/progress.sh, sourced by it).
+# shellcheck source=scripts/lib/packages.sh
+source "$repo_root/scripts/lib/packages.sh"
+trap progress_stop EXIT
+
 # Install missing host tools (dpkg-deb is part of dpkg; depmod is in kmod;
 # xz/zstd only matter for compressed modules or packages).
 ensure_tools() {
-    local missing=()
     command -v apt-get >/dev/null || die "apt-get not found (Debian-based host required)"
     command -v dpkg >/dev/null || die "dpkg not found"
-    command -v depmod >/dev/null || [[ -x /sbin/depmod ]] || missing+=(kmod)
-    command -v xz >/dev/null || missing+=(xz-utils)
-    if ((${#missing[@]})); then
-        log "installing ${missing[*]}"
-        apt-get update -qq >&2
-        apt-get install -y -qq "${missing[@]}" >&2
-    fi
+    pkg_ensure fetch-kernel kmod:depmod xz-utils:xz || die "cannot install the tools above"
 }
 
 # The private apt configuration (sources, lists, cache, architecture) for a
@@ -126,7 +126,8 @@ apt_update_once() {
         else
             log "running apt-get update"
         fi
-        apt-get "${apt_opts[@]}" update -qq >&2 || log "warning: apt-get update failed"
+        progress_run "fetch-kernel: still updating the package lists" -- \
+            apt-get "${apt_opts[@]}" update -qq >&2 || log "warning: apt-get update failed"
         apt_updated=1
     fi
 }
@@ -147,6 +148,11 @@ resolve_pkg() {
                 }
             }
         }'
+}
+
+# Print the size in bytes of the .deb of PACKAGE=VERSION (empty when unknown).
+deb_size() {
+    apt-cache "${apt_opts[@]}" show "$1" 2>/dev/null | awk -F': ' '$1 == "Size" { print $2; exit }'
 }
 
 # Print the candidate version apt would install for a package.
@@ -243,11 +249,16 @@ else
             # apt drops privileges to _apt for downloads; let it write here so
             # it does not warn about an unsandboxed download.
             if id _apt >/dev/null 2>&1; then chown _apt "$tmp" 2>/dev/null || true; fi
+            size="$(deb_size "$pkg=$ver")"
+            progress_start "fetch-kernel: still downloading $pkg" progress_size_of "$size" "$tmp"
             if ! (cd "$tmp" && apt-get "${apt_opts[@]}" download -q "$pkg=$ver" >&2); then
+                progress_stop
                 apt_update_once
+                progress_start "fetch-kernel: still downloading $pkg" progress_size_of "$size" "$tmp"
                 (cd "$tmp" && apt-get "${apt_opts[@]}" download -q "$pkg=$ver" >&2) ||
-                    { rm -rf "$tmp"; die "apt-get download $pkg=$ver failed"; }
+                    { progress_stop; rm -rf "$tmp"; die "apt-get download $pkg=$ver failed"; }
             fi
+            progress_stop
             f="$(find "$tmp" -maxdepth 1 -name '*.deb' -print -quit)"
             [[ -n "$f" ]] || { rm -rf "$tmp"; die "download produced no .deb"; }
             deb="$debdir/$(basename "$f")"
@@ -257,7 +268,8 @@ else
         log "unpacking $(basename "$deb")"
         rm -rf "$dest" "$dest.tmp"
         mkdir -p "$dest.tmp"
-        dpkg -x "$deb" "$dest.tmp"
+        progress_run "fetch-kernel: still unpacking $(basename "$deb")" progress_size "$dest.tmp" -- \
+            dpkg -x "$deb" "$dest.tmp"
         mv "$dest.tmp" "$dest"
         # Keep the cache bounded: drop other kernels once this one is complete.
         newdeb="$deb"
@@ -331,8 +343,11 @@ if [[ "$arch" != "$host_arch" ]]; then
         rm -rf "$userland" "$userland.tmp" "$cache_dir/userland-debs"
         mkdir -p "$userland.tmp" "$cache_dir/userland-debs"
         if id _apt >/dev/null 2>&1; then chown _apt "$cache_dir/userland-debs" 2>/dev/null || true; fi
+        size="$(for p in "${upkgs[@]}"; do deb_size "$p"; done | awk '{ s += $1 } END { print s + 0 }')"
+        progress_start "fetch-kernel: still downloading the $arch userland" progress_size_of "$size" "$cache_dir/userland-debs"
         (cd "$cache_dir/userland-debs" && apt-get "${apt_opts[@]}" download -q "${upkgs[@]}" >&2) ||
-            die "apt-get download of the $arch userland failed"
+            { progress_stop; die "apt-get download of the $arch userland failed"; }
+        progress_stop
         for f in "$cache_dir/userland-debs"/*.deb; do
             dpkg -x "$f" "$userland.tmp"
         done

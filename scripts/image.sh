@@ -97,17 +97,14 @@ esac
 revision="$(git -C "$repo_root" rev-parse HEAD 2>/dev/null || echo unknown)"
 host_arch="$(dpkg --print-architecture 2>/dev/null || echo amd64)"
 
+# Debian packages, only when missing, without recommended ones, never
+# removing one (scripts/lib/packages.sh).
+# shellcheck source=scripts/lib/packages.sh
+source "$repo_root/scripts/lib/packages.sh"
 apt_install() {
-    if ((EUID != 0)) || ! command -v apt-get >/dev/null; then
-        die "$* missing (install Debian's $*)"
-    fi
-    log "installing $*"
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq -o DPkg::Lock::Timeout=300 >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        -o DPkg::Lock::Timeout=300 "$@" >&2
+    pkg_ensure image "$@" || die "cannot install what the image build needs (above)"
 }
-command -v buildah >/dev/null || apt_install buildah
-command -v file >/dev/null || apt_install file
+apt_install buildah:buildah file:file
 bh=(buildah --storage-driver "${BUILDAH_STORAGE_DRIVER:-vfs}")
 
 # Debian architecture -> the build-static.sh / QEMU / `file` names.
@@ -121,7 +118,7 @@ qemu_user() {
     for q in "qemu-$(rust_arch "$1")-static" "qemu-$(rust_arch "$1")"; do
         command -v "$q" >/dev/null && { echo "$q"; return; }
     done
-    apt_install qemu-user
+    apt_install "qemu-user:qemu-$(rust_arch "$1")"
     command -v "qemu-$(rust_arch "$1")" >/dev/null || die "qemu-user has no qemu-$(rust_arch "$1")"
     echo "qemu-$(rust_arch "$1")"
 }

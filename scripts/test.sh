@@ -3,16 +3,40 @@
 # then the real-kernel scenarios in QEMU (which install qemu-system-x86,
 # busybox-static, kmod and the Debian kernel package themselves), then the
 # container image built from the same static binaries (which installs buildah).
+# Debian packages are installed only when missing, without recommended ones and
+# never at the price of a removal (scripts/lib/packages.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Each step prints how long the one before it took, and the end the whole run.
+# shellcheck source=scripts/lib/packages.sh
+source scripts/lib/packages.sh
+# Each step prints how long the one before it took; the last line is the verdict:
+#   ==== suite PASSED in N s
+#   ==== suite FAILED (exit code X) in step "<step>" after N s
 step_start=""
+step_name=""
 step() {
     [[ -z "$step_start" ]] || echo "---- $((SECONDS - step_start)) s"
     step_start=$SECONDS
+    step_name="$*"
     echo "==== $*"
 }
-trap 'echo "---- $((SECONDS - ${step_start:-0})) s; the whole suite: $SECONDS s"' EXIT
+lifetime_pid=""
+finish() {
+    local rc=$?
+    progress_stop
+    # The background watch test of a run that stopped early has nothing to report.
+    [[ -z "$lifetime_pid" ]] || kill "$lifetime_pid" 2>/dev/null || true
+    [[ -z "$step_start" ]] || echo "---- $((SECONDS - step_start)) s"
+    if ((rc == 0)); then
+        echo "==== suite PASSED in $SECONDS s"
+    else
+        echo "==== suite FAILED (exit code $rc) in step \"${step_name:-before the first step}\" after $SECONDS s"
+    fi
+    exit "$rc"
+}
+trap finish EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 step "cargo fmt --check"
 cargo fmt --all -- --check
 step "cargo clippy"
@@ -36,7 +60,8 @@ cargo test -p passthrough --test faults --locked -- --nocapture
 cargo test -p sandbox-dra-driver --test claims --locked -- --nocapture
 step "gRPC interop: a grpc-core client (Python grpcio from PyPI) against the device plugin and the DRA driver (registration, DRA v1 and v1beta1, the health stream)"
 python3 -m venv .cache/grpc-venv
-.cache/grpc-venv/bin/pip install --quiet --disable-pip-version-check -r tests/grpc-interop/requirements.txt
+progress_run "test.sh: still installing grpcio and grpcio-tools from PyPI" progress_size .cache/grpc-venv -- \
+    .cache/grpc-venv/bin/pip install --quiet --disable-pip-version-check -r tests/grpc-interop/requirements.txt
 cargo build --locked -p sandbox-device-plugin -p sandbox-dra-driver -p kubelet-peer -p fake-apiserver
 .cache/grpc-venv/bin/python tests/grpc-interop/grpc_core_client.py \
     --plugin target/debug/sandbox-device-plugin --peer target/debug/kubelet-peer
@@ -44,21 +69,19 @@ cargo build --locked -p sandbox-device-plugin -p sandbox-dra-driver -p kubelet-p
     --driver target/debug/sandbox-dra-driver --apiserver target/debug/fake-apiserver \
     --peer target/debug/kubelet-peer
 step "CDI runtime: Debian's podman (runc) runs a container with a prepared claim's CDI devices and sees the PCI_RESOURCE_<NAME> variables, the VFIO nodes and the metadata files"
-missing=()
-for spec in podman:podman runc:runc busybox-static:/bin/busybox; do
-    command -v "${spec#*:}" >/dev/null 2>&1 || missing+=("${spec%%:*}")
-done
-if ((${#missing[@]})); then
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+pkg_ensure test.sh podman:podman runc:runc busybox-static:/bin/busybox
 cargo test -p sandbox-dra-driver --test cdi_runtime --locked -- --ignored --nocapture
 step "VM harness self-test (stall watchdog, fake QEMU)"
 tests/vm/harness-selftest.sh
 step "real-kernel scenarios (QEMU) on Debian 12 and 13 kernels, and the demo so it cannot rot"
 scripts/vm/run.sh --kernel bookworm,trixie tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
 step "a quiet watch lives its server timeout: the result of the run started before the scenarios"
-if ! wait "$lifetime_pid"; then
+progress_start "test.sh: still waiting for the quiet watch (its server timeout is 290 s)"
+lifetime_rc=0
+wait "$lifetime_pid" || lifetime_rc=$?
+lifetime_pid=""
+progress_stop
+if ((lifetime_rc != 0)); then
     cat target/watch-lifetime.log
     exit 1
 fi

@@ -4,23 +4,14 @@
 vm_log() { printf 'vm: %s\n' "$*" >&2; }
 vm_die() { vm_log "error: $*"; exit 2; }
 
+# shellcheck source=scripts/lib/packages.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/packages.sh"
+
 # vm_ensure_packages PKG:COMMAND... -- install the Debian packages whose
-# command is missing (one apt-get update, only when something is missing).
+# command (or file) is missing, only those, without recommended packages and
+# never removing one (scripts/lib/packages.sh).
 vm_ensure_packages() {
-    local spec pkg cmd missing=()
-    for spec in "$@"; do
-        pkg="${spec%%:*}"
-        cmd="${spec#*:}"
-        if ! command -v "$cmd" >/dev/null 2>&1 && [[ ! -x "$cmd" ]] &&
-            [[ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null)" != "install ok installed" ]]; then
-            missing+=("$pkg")
-        fi
-    done
-    ((${#missing[@]})) || return 0
-    command -v apt-get >/dev/null || vm_die "missing ${missing[*]} and no apt-get to install them"
-    vm_log "installing ${missing[*]}"
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2
+    pkg_ensure vm "$@" || vm_die "cannot install what the test bed needs (above)"
 }
 
 # The packages the bed needs on the host, as package:command pairs.
@@ -34,10 +25,13 @@ VM_HOST_PACKAGES=(
 )
 
 # What arm64 kernels (--kernel <suite>-arm64) need in addition: the aarch64
-# system emulator and readelf (the initramfs asks it for kmod's interpreter).
-# The cross toolchain is installed by scripts/build-static.sh.
+# system emulator, the e1000e option ROM it loads for the stand-in NICs
+# (ipxe-qemu: qemu-system-x86 depends on it, qemu-system-arm only recommends
+# it) and readelf (the initramfs asks it for kmod's interpreter). The cross
+# toolchain is installed by scripts/build-static.sh.
 # shellcheck disable=SC2034  # used by run.sh
 VM_HOST_PACKAGES_ARM64=(
     qemu-system-arm:qemu-system-aarch64
+    ipxe-qemu:/usr/lib/ipxe/qemu/efi-e1000e.rom
     binutils:readelf
 )

@@ -51,9 +51,9 @@ fi
 host_busybox=/bin/busybox
 busybox="${KERNEL_BUSYBOX:-$host_busybox}"
 if [[ ! -x "$host_busybox" ]] || ldd "$host_busybox" >/dev/null 2>&1; then
-    # Missing, or the dynamically linked busybox package: install the static one.
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static >&2
+    # Missing, or the dynamically linked busybox package, which busybox-static
+    # replaces: apt would remove it, so pkg_ensure refuses and says so.
+    vm_ensure_packages busybox-static
     ldd "$host_busybox" >/dev/null 2>&1 && vm_die "$host_busybox is not statically linked"
 fi
 [[ -f "$busybox" ]] || vm_die "busybox $busybox not found"
