@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: formatting, lints, unit and CLI tests,
+# then the drivers against the real Kubernetes (v1.34 and v1.37 control plane and
+# kubelet with containerd, built from their Go modules by scripts/build-k8s.sh),
 # then the real-kernel scenarios in QEMU (which install qemu-system-x86,
 # busybox-static, kmod and the Debian kernel package themselves), then the
 # container image built from the same static binaries (which installs buildah).
@@ -71,6 +73,18 @@ cargo build --locked -p sandbox-device-plugin -p sandbox-dra-driver -p kubelet-p
 step "CDI runtime: Debian's podman (runc) runs a container with a prepared claim's CDI devices and sees the PCI_RESOURCE_<NAME> variables, the VFIO nodes and the metadata files"
 pkg_ensure test.sh podman:podman runc:runc busybox-static:/bin/busybox
 cargo test -p sandbox-dra-driver --test cdi_runtime --locked -- --ignored --nocapture
+step "the real Kubernetes, from its Go modules: kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kubectl and etcd of v1.34 and v1.37, and containerd 2 (scripts/build-k8s.sh; cached per module and flags, so a warm machine builds nothing)"
+pkg_ensure test.sh runc:runc busybox-static:/bin/busybox containernetworking-plugins:/usr/lib/cni/loopback \
+    openssl:openssl util-linux:nsenter
+mapfile -t k8s_built < <(scripts/build-k8s.sh v1.34 v1.37 containerd)
+((${#k8s_built[@]} == 3)) || { echo "scripts/build-k8s.sh did not give three build directories" >&2; exit 1; }
+step "the drivers against the real Kubernetes (tests/k8s, real-k8s): v1.34 with the DRA gates on and with its defaults, v1.37 with its defaults; shipped RBAC and DeviceClasses, real kubelet and containerd running busybox pods"
+cargo build --locked -p sandbox-dra-driver -p sandbox-device-plugin -p real-k8s
+for run in "v1.34 features ${k8s_built[0]}" "v1.34 defaults ${k8s_built[0]}" "v1.37 defaults ${k8s_built[1]}"; do
+    read -r release gates bins <<<"$run"
+    target/debug/real-k8s --release "$(awk '$1 == "k8s.io/kubernetes" { print $2 }' "tests/k8s/$release/go.mod")" \
+        --gates "$gates" --k8s-bins "$bins" --containerd-bins "${k8s_built[2]}" --our-bins target/debug
+done
 step "VM harness self-test (stall watchdog, fake QEMU)"
 tests/vm/harness-selftest.sh
 step "real-kernel scenarios (QEMU) on Debian 12 and 13 kernels, and the demo so it cannot rot"

@@ -1,0 +1,331 @@
+//! A one-node control plane on loopback: etcd, kube-apiserver (RBAC and Node
+//! authorization, ServiceAccount tokens), kube-controller-manager (each
+//! controller with its own ServiceAccount, as kubeadm runs it) and
+//! kube-scheduler, from one release's binaries.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+use crate::pki::{kubeconfig, Pki};
+use crate::proc::{free_port, run, wait_for, Proc};
+
+/// Which feature gates the cluster runs with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gates {
+    /// The release's defaults.
+    Defaults,
+    /// The DRA gates this project's features need turned on, where the release
+    /// has them off by default (1.34: binding conditions, device taints,
+    /// extended resources on DRA, device health in pod status).
+    Features,
+}
+
+/// A release, as `v1.<minor>`.
+#[derive(Clone, Copy, Debug)]
+pub struct Release {
+    pub minor: u32,
+}
+
+impl Release {
+    pub fn parse(text: &str) -> Result<Self> {
+        let minor = text
+            .strip_prefix("v1.")
+            .and_then(|m| m.split('.').next())
+            .and_then(|m| m.parse().ok())
+            .with_context(|| format!("release {text:?}: expected v1.<minor>"))?;
+        Ok(Self { minor })
+    }
+}
+
+/// The gates turned on for `gates` on `release`, for the control plane's
+/// components (`control`) or kubelet.
+pub fn feature_gates(release: Release, gates: Gates, kubelet: bool) -> Vec<&'static str> {
+    if gates == Gates::Defaults || release.minor >= 36 {
+        return Vec::new();
+    }
+    if kubelet {
+        vec!["DRAExtendedResource", "ResourceHealthStatus"]
+    } else {
+        vec![
+            "DRADeviceBindingConditions",
+            "DRADeviceTaints",
+            "DRAExtendedResource",
+            "ResourceHealthStatus",
+        ]
+    }
+}
+
+fn gate_flag(names: &[&str]) -> Vec<String> {
+    if names.is_empty() {
+        return Vec::new();
+    }
+    let list: Vec<String> = names.iter().map(|n| format!("{n}=true")).collect();
+    vec![format!("--feature-gates={}", list.join(","))]
+}
+
+/// The static tokens: the harness's admin, the controller manager, the
+/// scheduler and the node's kubelet.
+pub const ADMIN_TOKEN: &str = "admin-token-for-tests";
+const KCM_TOKEN: &str = "kcm-token-for-tests";
+const SCHEDULER_TOKEN: &str = "scheduler-token-for-tests";
+pub const KUBELET_TOKEN: &str = "kubelet-token-for-tests";
+
+pub struct ControlPlane {
+    pub bins: PathBuf,
+    pub dir: PathBuf,
+    pub server: String,
+    pub pki: Pki,
+    pub admin: PathBuf,
+    pub release: Release,
+    pub gates: Gates,
+    pub node: String,
+    // Stopped in reverse order of start (fields drop in declaration order).
+    scheduler: Option<Proc>,
+    kcm: Option<Proc>,
+    apiserver: Proc,
+    etcd: Proc,
+}
+
+impl ControlPlane {
+    pub fn start(
+        bins: &Path,
+        dir: &Path,
+        release: Release,
+        gates: Gates,
+        node: &str,
+    ) -> Result<Self> {
+        let logs = dir.join("logs");
+        std::fs::create_dir_all(&logs)?;
+        let pki = Pki::create(&dir.join("pki"))?;
+
+        let (client, peer) = (free_port()?, free_port()?);
+        let mut etcd = Command::new(bins.join("etcd"));
+        etcd.args(["--name", "default"])
+            .arg(format!("--data-dir={}", dir.join("etcd").display()))
+            .arg(format!("--listen-client-urls=http://127.0.0.1:{client}"))
+            .arg(format!("--advertise-client-urls=http://127.0.0.1:{client}"))
+            .arg(format!("--listen-peer-urls=http://127.0.0.1:{peer}"))
+            .arg(format!(
+                "--initial-advertise-peer-urls=http://127.0.0.1:{peer}"
+            ))
+            .arg(format!("--initial-cluster=default=http://127.0.0.1:{peer}"))
+            .arg("--unsafe-no-fsync")
+            .arg("--log-level=warn");
+        let etcd = Proc::spawn("etcd", etcd, &logs)?;
+
+        let tokens = dir.join("tokens.csv");
+        std::fs::write(
+            &tokens,
+            format!(
+                "{ADMIN_TOKEN},admin,admin,\"system:masters\"\n\
+                 {KCM_TOKEN},system:kube-controller-manager,kcm\n\
+                 {SCHEDULER_TOKEN},system:kube-scheduler,scheduler\n\
+                 {KUBELET_TOKEN},system:node:{node},kubelet,\"system:nodes\"\n"
+            ),
+        )?;
+        // Every request of the drivers' ServiceAccounts, so a refusal names the
+        // verb and resource the shipped RBAC lacks.
+        let audit_policy = dir.join("audit-policy.yaml");
+        std::fs::write(
+            &audit_policy,
+            "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n\
+             - level: Metadata\n  userGroups: [\"system:serviceaccounts:vfio-sandbox-dra\", \"system:serviceaccounts:vfio-sandbox\"]\n\
+             - level: None\n",
+        )?;
+        let port = free_port()?;
+        let server = format!("https://127.0.0.1:{port}");
+        let control_gates = gate_flag(&feature_gates(release, gates, false));
+        let mut apiserver = Command::new(bins.join("kube-apiserver"));
+        apiserver
+            .arg(format!("--etcd-servers=http://127.0.0.1:{client}"))
+            .arg(format!("--cert-dir={}", dir.join("apiserver").display()))
+            .arg(format!("--tls-cert-file={}", pki.serving_cert.display()))
+            .arg(format!(
+                "--tls-private-key-file={}",
+                pki.serving_key.display()
+            ))
+            .arg(format!("--client-ca-file={}", pki.ca.display()))
+            .arg(format!("--secure-port={port}"))
+            .args(["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"])
+            // The `kubernetes` Service's endpoints may not be loopback addresses.
+            .arg("--endpoint-reconciler-type=none")
+            .arg("--service-cluster-ip-range=10.96.0.0/24")
+            .arg("--service-account-issuer=https://kubernetes.default.svc")
+            .arg(format!(
+                "--service-account-key-file={}",
+                pki.sa_pub.display()
+            ))
+            .arg(format!(
+                "--service-account-signing-key-file={}",
+                pki.sa_key.display()
+            ))
+            .arg("--authorization-mode=Node,RBAC")
+            .arg(format!("--token-auth-file={}", tokens.display()))
+            .arg("--anonymous-auth=false")
+            .arg("--allow-privileged=true")
+            .arg(format!("--audit-policy-file={}", audit_policy.display()))
+            .arg(format!(
+                "--audit-log-path={}",
+                dir.join("audit.log").display()
+            ))
+            .arg("--v=1")
+            .args(&control_gates);
+        if !control_gates.is_empty() {
+            // DRADeviceTaints makes the scheduler and the controller manager
+            // watch DeviceTaintRules, an alpha API (resource.k8s.io/v1alpha3)
+            // the server serves only when asked; without it the scheduler
+            // waits for that informer and schedules nothing.
+            apiserver.arg("--runtime-config=resource.k8s.io/v1alpha3=true");
+        }
+        let apiserver = Proc::spawn("kube-apiserver", apiserver, &logs)?;
+
+        let admin = dir.join("admin.kubeconfig");
+        kubeconfig(&admin, &server, &pki.ca, ADMIN_TOKEN)?;
+        let mut plane = Self {
+            bins: bins.to_owned(),
+            dir: dir.to_owned(),
+            server,
+            pki,
+            admin,
+            release,
+            gates,
+            node: node.to_owned(),
+            scheduler: None,
+            kcm: None,
+            apiserver,
+            etcd,
+        };
+        wait_for("kube-apiserver /readyz", Duration::from_secs(90), || {
+            plane.etcd.check()?;
+            plane.apiserver.check()?;
+            Ok(plane
+                .kubectl(&["get", "--raw", "/readyz"])
+                .ok()
+                .filter(|out| out.trim() == "ok"))
+        })?;
+
+        let kcm_config = dir.join("kcm.kubeconfig");
+        kubeconfig(&kcm_config, &plane.server, &plane.pki.ca, KCM_TOKEN)?;
+        let mut kcm = Command::new(bins.join("kube-controller-manager"));
+        kcm.arg(format!("--kubeconfig={}", kcm_config.display()))
+            .arg(format!(
+                "--authentication-kubeconfig={}",
+                kcm_config.display()
+            ))
+            .arg(format!(
+                "--authorization-kubeconfig={}",
+                kcm_config.display()
+            ))
+            .arg("--use-service-account-credentials=true")
+            .arg(format!(
+                "--service-account-private-key-file={}",
+                plane.pki.sa_key.display()
+            ))
+            .arg(format!("--root-ca-file={}", plane.pki.ca.display()))
+            .args(["--bind-address=127.0.0.1", "--secure-port=0"])
+            .arg("--leader-elect=false")
+            .arg("--v=1")
+            .args(&control_gates);
+        plane.kcm = Some(Proc::spawn("kube-controller-manager", kcm, &logs)?);
+
+        let scheduler_config = dir.join("scheduler.kubeconfig");
+        kubeconfig(
+            &scheduler_config,
+            &plane.server,
+            &plane.pki.ca,
+            SCHEDULER_TOKEN,
+        )?;
+        let mut scheduler = Command::new(bins.join("kube-scheduler"));
+        scheduler
+            .arg(format!("--kubeconfig={}", scheduler_config.display()))
+            .arg(format!(
+                "--authentication-kubeconfig={}",
+                scheduler_config.display()
+            ))
+            .arg(format!(
+                "--authorization-kubeconfig={}",
+                scheduler_config.display()
+            ))
+            .args(["--bind-address=127.0.0.1", "--secure-port=0"])
+            .arg("--leader-elect=false")
+            .arg("--v=2")
+            .args(&control_gates);
+        plane.scheduler = Some(Proc::spawn("kube-scheduler", scheduler, &logs)?);
+        // The controller manager's ServiceAccounts (one per controller) and the
+        // default namespace's show that it runs.
+        wait_for(
+            "kube-controller-manager to make the default ServiceAccount",
+            Duration::from_secs(60),
+            || {
+                plane.check()?;
+                Ok(plane
+                    .kubectl(&["get", "serviceaccount", "default", "-n", "default"])
+                    .ok())
+            },
+        )?;
+        Ok(plane)
+    }
+
+    /// Fails if any component has exited.
+    pub fn check(&mut self) -> Result<()> {
+        self.etcd.check()?;
+        self.apiserver.check()?;
+        for p in [&mut self.kcm, &mut self.scheduler].into_iter().flatten() {
+            p.check()?;
+        }
+        Ok(())
+    }
+
+    /// The release's kubectl, as the cluster's admin.
+    pub fn kubectl(&self, args: &[&str]) -> Result<String> {
+        run(Command::new(self.bins.join("kubectl"))
+            .arg(format!("--kubeconfig={}", self.admin.display()))
+            .args(args))
+    }
+
+    /// `kubectl … -o json`, parsed.
+    pub fn get_json(&self, args: &[&str]) -> Result<serde_json::Value> {
+        let out = self.kubectl(&[args, &["-o", "json"]].concat())?;
+        serde_json::from_str(&out).with_context(|| format!("parsing kubectl {args:?}"))
+    }
+
+    /// `kubectl apply` of a manifest given as text.
+    pub fn apply(&self, manifest: &str) -> Result<String> {
+        let path = self.dir.join(format!("apply-{}.yaml", unique()));
+        std::fs::write(&path, manifest)?;
+        self.kubectl(&[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "-f",
+            path_str(&path),
+        ])
+    }
+
+    /// The scheduler's log (its reasons are only there).
+    pub fn scheduler_log(&self) -> String {
+        std::fs::read_to_string(self.logs_dir().join("kube-scheduler.log")).unwrap_or_default()
+    }
+
+    /// The API server's audit log of the drivers' requests.
+    pub fn audit_log(&self) -> PathBuf {
+        self.dir.join("audit.log")
+    }
+
+    pub fn logs_dir(&self) -> PathBuf {
+        self.dir.join("logs")
+    }
+}
+
+pub fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+pub fn path_str(p: &Path) -> &str {
+    p.to_str().unwrap_or_default()
+}

@@ -1,0 +1,207 @@
+//! Our binaries on the node: a fake sysfs holding the devices (their real moves
+//! are the real-kernel scenarios' job), the shipped manifests applied (RBAC,
+//! DeviceClasses), the DRA driver authenticated with its ServiceAccount's token,
+//! the device plugin on kubelet's device-plugin socket.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use sysfs_pci::testing::{FakeDevice, FakeNode};
+
+use crate::control::{path_str, ControlPlane};
+use crate::node::Node;
+use crate::pki::kubeconfig;
+use crate::proc::{wait_for, Proc};
+
+/// The DRA driver's name (the shipped default) and namespace (manifests/dra/driver).
+pub const DRIVER: &str = "vfio-sandbox.rebellions.ai";
+pub const DRIVER_NS: &str = "vfio-sandbox-dra";
+pub const DRIVER_SA: &str = "sandbox-dra-driver";
+/// The resource the `rebellions` preset names Rebellions ATOM CA22 (0x1eff:0x1220).
+pub const CA22: &str = "rebellions.ai/ATOM_CA22_PT";
+pub const CA22_CLASS: &str = "atom-ca22-pt.vfio-sandbox.rebellions.ai";
+
+/// The repository's root (manifests, binaries).
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The fake host: two ATOM CA22 NPUs, each alone in its IOMMU group and on
+/// vfio-pci, with their group nodes as character devices (a runtime creates a
+/// container's device nodes only from real ones).
+pub struct Host {
+    pub dir: PathBuf,
+    pub fake: FakeNode,
+}
+
+/// The NPUs: address and IOMMU group.
+pub const NPUS: &[(&str, u32)] = &[("0000:41:00.0", 21), ("0000:42:00.0", 22)];
+
+impl Host {
+    pub fn create(dir: &Path) -> Result<Self> {
+        let fake = FakeNode::new(dir);
+        fake.add_driver("vfio-pci");
+        for m in ["vfio", "vfio_iommu_type1", "vfio_pci"] {
+            fake.add_module(m);
+        }
+        for (address, group) in NPUS {
+            fake.add_device(
+                &FakeDevice::new(address, 0x1eff, 0x1220, 0x12_0000)
+                    .driver("vfio-pci")
+                    .group(*group)
+                    .numa(0),
+            );
+        }
+        let host = Self {
+            dir: dir.to_owned(),
+            fake,
+        };
+        host.char_devices()?;
+        Ok(host)
+    }
+
+    /// `/dev/vfio/vfio` and each group's node as 1:3 (as `/dev/null`).
+    fn char_devices(&self) -> Result<()> {
+        use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+        let vfio = self.dir.join("dev/vfio");
+        std::fs::create_dir_all(&vfio)?;
+        let mut nodes = vec![vfio.join("vfio")];
+        nodes.extend(NPUS.iter().map(|(_, g)| vfio.join(g.to_string())));
+        for path in nodes {
+            let _ = std::fs::remove_file(&path);
+            mknod(
+                &path,
+                SFlag::S_IFCHR,
+                Mode::from_bits_truncate(0o666),
+                makedev(1, 3),
+            )
+            .with_context(|| format!("mknod {}", path.display()))?;
+        }
+        Ok(())
+    }
+
+    fn common_args(&self, cmd: &mut Command, config: &Path) {
+        cmd.arg(format!("--sysfs-root={}", self.dir.join("sys").display()))
+            .arg(format!("--dev-root={}", self.dir.join("dev").display()))
+            .arg(format!("--config={}", config.display()));
+    }
+}
+
+/// The rendered shipped manifests of the DRA overlay, applied as they are
+/// (the DaemonSet lands on no node: ours does not carry its label).
+pub fn install_dra_manifests(plane: &ControlPlane) -> Result<()> {
+    let rendered = plane.kubectl(&[
+        "kustomize",
+        path_str(&repo().join("manifests/overlays/dra")),
+    ])?;
+    plane
+        .apply(&rendered)
+        .context("applying manifests/overlays/dra")?;
+    Ok(())
+}
+
+/// A running DRA driver.
+pub struct DraDriver {
+    pub proc: Proc,
+    pub state: PathBuf,
+}
+
+/// Where the DRA driver of `node` keeps its files.
+pub fn dra_dir(node: &Node) -> PathBuf {
+    node.dir.join("dra")
+}
+
+/// Starts `sandbox-dra-driver` for the node, as its DaemonSet would: the
+/// kubelet paths of the node, the shipped resource list, and a token of its
+/// ServiceAccount (so the shipped ClusterRole is all it may do).
+pub fn start_dra(
+    plane: &ControlPlane,
+    node: &Node,
+    host: &Host,
+    binary: &Path,
+    extra_env: &[(&str, &str)],
+) -> Result<DraDriver> {
+    let dir = dra_dir(node);
+    std::fs::create_dir_all(&dir)?;
+    let token = plane
+        .kubectl(&[
+            "create",
+            "token",
+            DRIVER_SA,
+            "-n",
+            DRIVER_NS,
+            "--duration=4h",
+        ])?
+        .trim()
+        .to_owned();
+    let config = dir.join("driver.kubeconfig");
+    kubeconfig(&config, &plane.server, &plane.pki.ca, &token)?;
+    let kubelet = node.kubelet_dir();
+    let mut cmd = Command::new(binary);
+    host.common_args(&mut cmd, &repo().join("manifests/dra/driver/config.json"));
+    cmd.env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("KUBECONFIG", &config)
+        .env("NODE_NAME", &node.name)
+        .arg(format!(
+            "--modules-root={}",
+            host.dir.join("lib/modules").display()
+        ))
+        .arg(format!(
+            "--registry-dir={}",
+            kubelet.join("plugins_registry").display()
+        ))
+        .arg(format!(
+            "--plugins-dir={}",
+            kubelet.join("plugins").display()
+        ))
+        .arg(format!("--cdi-dir={}", node.cdi_dir().display()))
+        .arg(format!("--metadata-dir={}", dir.join("metadata").display()))
+        .arg(format!("--state-file={}", dir.join("state.json").display()))
+        .arg(format!("--ready-file={}", dir.join("ready").display()))
+        .arg(format!("--owner-lock={}", dir.join("owner.lock").display()))
+        .arg(format!(
+            "--manager-state-file={}",
+            dir.join("manager-state.json").display()
+        ))
+        .arg("--log-level=info,sandbox_dra_driver=debug");
+    for (k, v) in extra_env {
+        cmd.env(k, v);
+    }
+    let logs = plane.logs_dir();
+    let mut proc = Proc::spawn("sandbox-dra-driver", cmd, &logs)?;
+    let ready = dir.join("ready");
+    wait_for(
+        "the DRA driver's ready file",
+        Duration::from_secs(30),
+        || {
+            proc.check()?;
+            Ok(ready.exists().then_some(()))
+        },
+    )?;
+    Ok(DraDriver {
+        proc,
+        state: dir.join("state.json"),
+    })
+}
+
+/// Starts `sandbox-device-plugin` on kubelet's device-plugin directory with the
+/// shipped resource list.
+pub fn start_device_plugin(
+    plane: &ControlPlane,
+    node: &Node,
+    host: &Host,
+    binary: &Path,
+) -> Result<Proc> {
+    let mut cmd = Command::new(binary);
+    host.common_args(&mut cmd, &repo().join("manifests/base/config.json"));
+    cmd.env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .arg(format!(
+            "--kubelet-dir={}",
+            node.kubelet_dir().join("device-plugins").display()
+        ));
+    Proc::spawn("sandbox-device-plugin", cmd, &plane.logs_dir())
+}

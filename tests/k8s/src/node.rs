@@ -1,0 +1,527 @@
+//! The node: the release's kubelet with containerd 2 (built from its module)
+//! and Debian's runc, in a private mount namespace so that nothing they write
+//! reaches the machine's own `/var/lib`, `/var/log`, `/run` or kernel settings.
+//!
+//! The namespace is held by a `sleep` started with `unshare --mount`; containerd
+//! and kubelet join it with `nsenter`, so either can be restarted or killed
+//! alone. In it:
+//! - `/run`, `/var/lib` and `/var/log` are fresh tmpfs mounts;
+//! - `/var/lib/kubelet` is the scratch directory `<dir>/kubelet` (kubelet's
+//!   device manager listens at the fixed `/var/lib/kubelet/device-plugins/
+//!   kubelet.sock`, so the device plugin outside finds it at
+//!   `<dir>/kubelet/device-plugins/kubelet.sock`);
+//! - `/var/log/pods` is `<dir>/pod-logs`, where the harness reads containers' output;
+//! - `/dev/vfio` is the fake host's (the device plugin hands out `/dev/vfio/...`);
+//! - the kernel settings kubelet would change (`vm.overcommit_memory`,
+//!   `kernel.panic`, …) are files holding the values it wants, so it leaves the
+//!   machine's alone.
+//!
+//! Pods run in the cgroup `/<cgroup_root>` of every hierarchy, which the
+//! teardown empties (killing what is left) and removes. Images are built here
+//! (a static busybox, as the pod image and as the sandbox "pause" image) and
+//! imported into containerd: nothing is pulled.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use crate::control::{feature_gates, ControlPlane, KUBELET_TOKEN};
+use crate::pki::kubeconfig;
+use crate::proc::{free_port, run, wait_for, Proc};
+
+/// The image pods run, and the sandbox image containerd is told to use.
+pub const BUSYBOX: &str = "docker.io/library/busybox:vfio-sandbox-test";
+pub const PAUSE: &str = "registry.k8s.io/pause:vfio-sandbox-test";
+
+/// What the kernel settings kubelet checks at start should read
+/// (pkg/kubelet/cm/container_manager_linux.go, setupKernelTunables).
+const SYSCTLS: &[(&str, &str)] = &[
+    ("vm/overcommit_memory", "1"),
+    ("vm/panic_on_oom", "0"),
+    ("kernel/panic", "10"),
+    ("kernel/panic_on_oops", "1"),
+    ("kernel/keys/root_maxkeys", "1000000"),
+    ("kernel/keys/root_maxbytes", "25000000"),
+];
+
+pub struct Node {
+    pub name: String,
+    pub dir: PathBuf,
+    pub containerd_bins: PathBuf,
+    pub cgroup_root: String,
+    pub kubelet_port: u16,
+    holder: Option<Proc>,
+    containerd: Option<Proc>,
+    kubelet: Option<Proc>,
+}
+
+impl Node {
+    /// The node's scratch directory that kubelet sees as `/var/lib/kubelet`.
+    pub fn kubelet_dir(&self) -> PathBuf {
+        self.dir.join("kubelet")
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("containerd/containerd.sock")
+    }
+
+    pub fn cdi_dir(&self) -> PathBuf {
+        self.dir.join("cdi")
+    }
+
+    /// Starts the namespace, containerd (with the images) and kubelet, and
+    /// waits for the Node to be Ready.
+    pub fn start(
+        plane: &ControlPlane,
+        containerd_bins: &Path,
+        dir: &Path,
+        vfio: &Path,
+    ) -> Result<Self> {
+        for d in [
+            "kubelet",
+            "pod-logs",
+            "containerd",
+            "cni",
+            "cdi",
+            "sysctl/vm",
+            "sysctl/kernel/keys",
+        ] {
+            std::fs::create_dir_all(dir.join(d))?;
+        }
+        let cgroup_root = format!("vfio-sandbox-test-{}", std::process::id());
+        let mut node = Self {
+            name: plane.node.clone(),
+            dir: dir.to_owned(),
+            containerd_bins: containerd_bins.to_owned(),
+            cgroup_root,
+            kubelet_port: free_port()?,
+            holder: None,
+            containerd: None,
+            kubelet: None,
+        };
+        node.make_cgroups()?;
+        node.start_holder(plane, vfio)?;
+        node.start_containerd(plane)?;
+        node.import_images(plane)?;
+        node.write_kubelet_config(plane)?;
+        node.start_kubelet(plane)?;
+        Ok(node)
+    }
+
+    fn logs(plane: &ControlPlane) -> PathBuf {
+        plane.logs_dir()
+    }
+
+    fn start_holder(&mut self, plane: &ControlPlane, vfio: &Path) -> Result<()> {
+        let mut script = String::from(
+            "set -e\n\
+             mount -t tmpfs -o mode=755 tmpfs /run\n\
+             mount -t tmpfs -o mode=755 tmpfs /var/lib\n\
+             mount -t tmpfs -o mode=755 tmpfs /var/log\n\
+             mkdir -p /var/lib/kubelet /var/log/pods\n",
+        );
+        script += &format!(
+            "mount --bind {} /var/lib/kubelet\nmount --bind {} /var/log/pods\n",
+            self.dir.join("kubelet").display(),
+            self.dir.join("pod-logs").display()
+        );
+        for (name, value) in SYSCTLS {
+            let file = self.dir.join("sysctl").join(name);
+            std::fs::write(&file, format!("{value}\n"))?;
+            script += &format!("mount --bind {} /proc/sys/{name}\n", file.display());
+        }
+        // The device plugin hands out /dev/vfio/... as the node's own paths: here
+        // /dev is a copy of the machine's (each entry bound back) with the fake
+        // host's vfio directory as /dev/vfio.
+        script += &format!(
+            "mkdir /run/machine-dev\n\
+             mount --rbind /dev /run/machine-dev\n\
+             mount -t tmpfs -o mode=755 tmpfs /dev\n\
+             for e in /run/machine-dev/* /run/machine-dev/.[!.]*; do\n\
+             \x20 [ -e \"$e\" ] || [ -L \"$e\" ] || continue\n\
+             \x20 n=${{e##*/}}\n\
+             \x20 [ \"$n\" = vfio ] && continue\n\
+             \x20 if [ -L \"$e\" ]; then cp -P \"$e\" \"/dev/$n\"\n\
+             \x20 elif [ -d \"$e\" ]; then mkdir \"/dev/$n\"; mount --rbind \"$e\" \"/dev/$n\"\n\
+             \x20 else touch \"/dev/$n\"; mount --bind \"$e\" \"/dev/$n\"; fi\n\
+             done\n\
+             mkdir /dev/vfio\n\
+             mount --bind {} /dev/vfio\n\
+             umount -l /run/machine-dev\n",
+            vfio.display()
+        );
+        script += "echo namespace-ready\nexec sleep 2147483647\n";
+        let mut cmd = Command::new("unshare");
+        cmd.args(["--mount", "--propagation", "private", "sh", "-c", &script]);
+        let mut holder = Proc::spawn("node-namespace", cmd, &Self::logs(plane))?;
+        let log = holder.log.clone();
+        wait_for(
+            "the node's mount namespace",
+            Duration::from_secs(10),
+            || {
+                holder.check()?;
+                Ok(std::fs::read_to_string(&log)
+                    .unwrap_or_default()
+                    .contains("namespace-ready")
+                    .then_some(()))
+            },
+        )?;
+        self.holder = Some(holder);
+        Ok(())
+    }
+
+    /// A command run inside the node's mount namespace.
+    fn in_namespace(&self, program: &Path) -> Result<Command> {
+        let holder = self.holder.as_ref().context("no node namespace")?;
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--mount=/proc/{}/ns/mnt", holder.child.id()))
+            .arg("--")
+            .arg(program);
+        // containerd finds its shim on PATH; the shim finds runc there.
+        cmd.env(
+            "PATH",
+            format!(
+                "{}:/usr/sbin:/usr/bin:/sbin:/bin",
+                self.containerd_bins.display()
+            ),
+        );
+        Ok(cmd)
+    }
+
+    fn start_containerd(&mut self, plane: &ControlPlane) -> Result<()> {
+        let d = self.dir.join("containerd");
+        // CRI's configuration (containerd 2, version 3): the native snapshotter
+        // (no overlay mounts to clean up), our sandbox image, cgroupfs, CDI
+        // specs from the drivers' directory, and a CNI network of loopback only
+        // (Debian's containernetworking-plugins), which is enough for the
+        // runtime to report its network ready (and so the Node Ready); the
+        // test pods use the host's network, which needs no CNI call. A process
+        // here may not lower its OOM score (no CAP_SYS_RESOURCE), which kubelet
+        // asks for the sandbox (-998): containerd keeps such scores at its own.
+        let config = format!(
+            r#"version = 3
+root = "{root}"
+state = "{state}"
+[grpc]
+  address = "{sock}"
+[ttrpc]
+  address = "{sock}.ttrpc"
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "native"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "{PAUSE}"
+[plugins."io.containerd.cri.v1.runtime"]
+  restrict_oom_score_adj = true
+  cdi_spec_dirs = ["{cdi}"]
+  [plugins."io.containerd.cri.v1.runtime".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+        BinaryName = "/usr/sbin/runc"
+        SystemdCgroup = false
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["/usr/lib/cni"]
+    conf_dir = "{cni}"
+[plugins."io.containerd.grpc.v1.cri"]
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+"#,
+            root = d.join("root").display(),
+            state = d.join("state").display(),
+            sock = self.socket().display(),
+            cdi = self.cdi_dir().display(),
+            cni = self.dir.join("cni").display(),
+        );
+        std::fs::write(d.join("config.toml"), config)?;
+        std::fs::write(
+            self.dir.join("cni/10-loopback.conflist"),
+            r#"{"cniVersion": "1.0.0", "name": "loopback-only", "plugins": [{"type": "loopback"}]}"#,
+        )?;
+        let mut cmd = self.in_namespace(&self.containerd_bins.join("containerd"))?;
+        cmd.arg(format!("--config={}", d.join("config.toml").display()));
+        let mut proc = Proc::spawn("containerd", cmd, &Self::logs(plane))?;
+        let sock = self.socket();
+        wait_for("containerd's socket", Duration::from_secs(30), || {
+            proc.check()?;
+            Ok(sock.exists().then_some(()))
+        })?;
+        self.containerd = Some(proc);
+        Ok(())
+    }
+
+    fn ctr(&self, args: &[&str]) -> Result<String> {
+        run(Command::new(self.containerd_bins.join("ctr"))
+            .arg(format!("--address={}", self.socket().display()))
+            .args(["--namespace", "k8s.io"])
+            .args(args))
+    }
+
+    fn import_images(&self, plane: &ControlPlane) -> Result<()> {
+        let images = plane.dir.join("images");
+        for (name, entrypoint) in [
+            (BUSYBOX, vec!["/bin/sh"]),
+            (PAUSE, vec!["/bin/sleep", "2147483647"]),
+        ] {
+            let archive = crate::image::busybox_archive(&images, name, &entrypoint)?;
+            self.ctr(&[
+                "images",
+                "import",
+                // In the client: the transfer service unpacks only for the
+                // snapshotters of its unpack_config (overlayfs by default).
+                "--local",
+                "--snapshotter",
+                "native",
+                archive.to_str().unwrap_or_default(),
+            ])
+            .with_context(|| format!("importing {name}"))?;
+        }
+        Ok(())
+    }
+
+    fn write_kubelet_config(&self, plane: &ControlPlane) -> Result<()> {
+        kubeconfig(
+            &self.dir.join("kubelet.kubeconfig"),
+            &plane.server,
+            &plane.pki.ca,
+            KUBELET_TOKEN,
+        )?;
+        let gates: serde_json::Map<String, serde_json::Value> =
+            feature_gates(plane.release, plane.gates, true)
+                .into_iter()
+                .map(|g| (g.to_owned(), true.into()))
+                .collect();
+        // KubeletConfiguration (k8s.io/kubelet/config/v1beta1/types.go).
+        let mut config = serde_json::json!({
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": "127.0.0.1",
+            "port": self.kubelet_port,
+            "readOnlyPort": 0,
+            "healthzPort": 0,
+            "authentication": {
+                "anonymous": {"enabled": true},
+                "webhook": {"enabled": false},
+            },
+            "authorization": {"mode": "AlwaysAllow"},
+            "cgroupDriver": "cgroupfs",
+            "cgroupRoot": format!("/{}", self.cgroup_root),
+            "failSwapOn": false,
+            "resolvConf": "",
+            "containerRuntimeEndpoint": format!("unix://{}", self.socket().display()),
+            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
+                             "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "syncFrequency": "5s",
+            "nodeStatusUpdateFrequency": "5s",
+            "featureGates": gates,
+        });
+        // kubelet 1.35+ refuses cgroup v1 unless told not to (the field is there
+        // from 1.31); this machine's cgroups are v1 with the unified hierarchy
+        // beside them.
+        config["failCgroupV1"] = false.into();
+        std::fs::write(
+            self.dir.join("kubelet.json"),
+            serde_json::to_vec_pretty(&config)?,
+        )?;
+        Ok(())
+    }
+
+    /// Starts kubelet and waits for its Node to be Ready.
+    pub fn start_kubelet(&mut self, plane: &ControlPlane) -> Result<()> {
+        let mut cmd = self.in_namespace(&plane.bins.join("kubelet"))?;
+        cmd.arg(format!(
+            "--config={}",
+            self.dir.join("kubelet.json").display()
+        ))
+        .arg(format!(
+            "--kubeconfig={}",
+            self.dir.join("kubelet.kubeconfig").display()
+        ))
+        .arg(format!("--hostname-override={}", self.name))
+        .arg("--node-ip=127.0.0.1")
+        .arg("--root-dir=/var/lib/kubelet")
+        .arg("--v=2");
+        let mut proc = Proc::spawn("kubelet", cmd, &Self::logs(plane))?;
+        let name = self.name.clone();
+        wait_for("the Node to be Ready", Duration::from_secs(90), || {
+            proc.check()?;
+            let node = plane.get_json(&["get", "node", &name])?;
+            Ok(node["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True")
+                .then_some(()))
+        })?;
+        self.kubelet = Some(proc);
+        Ok(())
+    }
+
+    /// kubelet's process, if running.
+    pub fn kubelet(&mut self) -> Option<&mut Proc> {
+        self.kubelet.as_mut()
+    }
+
+    /// Stops kubelet (SIGTERM) or kills it (`kill -9`).
+    pub fn stop_kubelet(&mut self, hard: bool) {
+        if let Some(mut k) = self.kubelet.take() {
+            if hard {
+                k.kill9();
+            } else {
+                k.stop();
+            }
+        }
+    }
+
+    /// kubelet's log so far.
+    pub fn kubelet_log(&self, plane: &ControlPlane) -> String {
+        std::fs::read_to_string(Self::logs(plane).join("kubelet.log")).unwrap_or_default()
+    }
+
+    /// The output of a pod's container (CRI log lines, the content only).
+    pub fn container_output(&self, namespace: &str, pod: &str, container: &str) -> Result<String> {
+        let prefix = format!("{namespace}_{pod}_");
+        let pods = self.dir.join("pod-logs");
+        for entry in std::fs::read_dir(&pods)? {
+            let entry = entry?;
+            if !entry.file_name().to_string_lossy().starts_with(&prefix) {
+                continue;
+            }
+            let dir = entry.path().join(container);
+            let mut text = String::new();
+            let mut files: Vec<_> = std::fs::read_dir(&dir)
+                .with_context(|| format!("reading {}", dir.display()))?
+                .flatten()
+                .map(|e| e.path())
+                .collect();
+            files.sort();
+            for f in files {
+                for line in std::fs::read_to_string(&f)?.lines() {
+                    // <time> <stream> <P|F> <content>
+                    let content = line.splitn(4, ' ').nth(3).unwrap_or_default();
+                    text.push_str(content);
+                    text.push('\n');
+                }
+            }
+            return Ok(text);
+        }
+        bail!(
+            "no log of {namespace}/{pod} container {container} in {}",
+            pods.display()
+        )
+    }
+
+    /// The cgroup hierarchies of the machine (v1 controllers and the unified one).
+    fn hierarchies() -> Vec<PathBuf> {
+        std::fs::read_dir("/sys/fs/cgroup")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_dir() && !p.is_symlink())
+            .collect()
+    }
+
+    /// `/<cgroup_root>` in every hierarchy, the cpuset one filled from its
+    /// parent (a v1 cpuset cgroup starts with no CPUs and takes no task).
+    fn make_cgroups(&self) -> Result<()> {
+        for h in Self::hierarchies() {
+            let dir = h.join(&self.cgroup_root);
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("creating the cgroup {}", dir.display()))?;
+            for f in ["cpuset.cpus", "cpuset.mems"] {
+                if let Ok(v) = std::fs::read_to_string(h.join(f)) {
+                    std::fs::write(dir.join(f), v.trim())?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Kills every process left in the node's cgroups and removes them.
+    fn remove_cgroups(&self) {
+        for _ in 0..50 {
+            let mut left = 0;
+            for h in Self::hierarchies() {
+                for procs in walk_files(&h.join(&self.cgroup_root), "cgroup.procs") {
+                    for pid in std::fs::read_to_string(&procs).unwrap_or_default().lines() {
+                        if let Ok(pid) = pid.trim().parse::<i32>() {
+                            left += 1;
+                            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                        }
+                    }
+                }
+            }
+            if left == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        for h in Self::hierarchies() {
+            let mut dirs = walk_dirs(&h.join(&self.cgroup_root));
+            dirs.sort_by_key(|d| std::cmp::Reverse(d.components().count()));
+            for d in dirs {
+                let _ = std::fs::remove_dir(&d);
+            }
+        }
+    }
+
+    /// Kills containerd's shims of this node (they outlive containerd).
+    fn kill_shims(&self) {
+        let needle = self.socket().display().to_string();
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            if cmdline.contains("containerd-shim") && cmdline.contains(&needle) {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            }
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop_kubelet(false);
+        self.remove_cgroups();
+        if let Some(mut c) = self.containerd.take() {
+            c.stop();
+        }
+        self.kill_shims();
+        self.remove_cgroups();
+        if let Some(mut h) = self.holder.take() {
+            h.kill9();
+        }
+    }
+}
+
+fn walk_dirs(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if !dir.is_dir() {
+        return out;
+    }
+    out.push(dir.to_owned());
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() && !p.is_symlink() {
+            out.extend(walk_dirs(&p));
+        }
+    }
+    out
+}
+
+fn walk_files(dir: &Path, name: &str) -> Vec<PathBuf> {
+    walk_dirs(dir)
+        .into_iter()
+        .map(|d| d.join(name))
+        .filter(|f| f.exists())
+        .collect()
+}

@@ -1,0 +1,175 @@
+//! The processes of a test cluster: each one's output in a log file, each killed
+//! with the harness (the parent-death signal, so a harness that panics or is
+//! killed leaves no component behind), and a way to wait for a condition.
+
+use std::fs::File;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+/// A component process.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// Starts `cmd` with stdin closed and stdout and stderr in `<log_dir>/<name>.log`
+    /// (appended, so a restarted component keeps one log).
+    pub fn spawn(name: &str, mut cmd: Command, log_dir: &Path) -> Result<Self> {
+        let log = log_dir.join(format!("{name}.log"));
+        let out = File::options()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .with_context(|| format!("opening {}", log.display()))?;
+        cmd.stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out);
+        die_with_parent(&mut cmd);
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting {name}: {cmd:?}"))?;
+        Ok(Self {
+            name: name.to_owned(),
+            child,
+            log,
+        })
+    }
+
+    pub fn pid(&self) -> Pid {
+        Pid::from_raw(self.child.id() as i32)
+    }
+
+    /// Whether it still runs.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Fails, with the end of its log, if it has exited.
+    pub fn check(&mut self) -> Result<()> {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            bail!(
+                "{} exited ({status}); the end of {}:\n{}",
+                self.name,
+                self.log.display(),
+                tail(&self.log, 30)
+            );
+        }
+        Ok(())
+    }
+
+    /// Sends `signal` and waits for it to exit (SIGKILL after `grace`).
+    pub fn stop_with(&mut self, signal: Signal, grace: Duration) {
+        if !self.alive() {
+            return;
+        }
+        let _ = kill(self.pid(), signal);
+        let start = Instant::now();
+        while self.alive() {
+            if start.elapsed() > grace {
+                let _ = kill(self.pid(), Signal::SIGKILL);
+                let _ = self.child.wait();
+                return;
+            }
+            sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGTERM, then SIGKILL after 10 s.
+    pub fn stop(&mut self) {
+        self.stop_with(Signal::SIGTERM, Duration::from_secs(10));
+    }
+
+    /// `kill -9`.
+    pub fn kill9(&mut self) {
+        self.stop_with(Signal::SIGKILL, Duration::from_secs(10));
+    }
+
+    /// The last `lines` lines of its log.
+    pub fn tail(&self, lines: usize) -> String {
+        tail(&self.log, lines)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The last `lines` lines of a file.
+pub fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Makes the child die when the harness does. The signal is tied to the thread
+/// that forks: the harness starts every process from its main thread.
+#[allow(unsafe_code)]
+fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: prctl is async-signal-safe, and the closure touches no memory
+    // shared with the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)
+                .map_err(|e| std::io::Error::from_raw_os_error(e as i32))
+        });
+    }
+}
+
+/// Polls `probe` every 200 ms until it returns `Ok(Some(_))`; fails after
+/// `timeout` with what it waited for and the probe's last error.
+pub fn wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    mut probe: impl FnMut() -> Result<Option<T>>,
+) -> Result<T> {
+    let start = Instant::now();
+    let mut last = String::from("(not yet)");
+    loop {
+        match probe() {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last = format!("{e:#}"),
+        }
+        if start.elapsed() > timeout {
+            bail!(
+                "timed out after {} s waiting for {what}; last: {last}",
+                timeout.as_secs()
+            );
+        }
+        sleep(Duration::from_millis(200));
+    }
+}
+
+/// A free TCP port on loopback (bound, then released).
+pub fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Runs a command to its end; fails with its output if it fails.
+pub fn run(cmd: &mut Command) -> Result<String> {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {cmd:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed ({}): {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

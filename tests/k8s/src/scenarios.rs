@@ -1,0 +1,488 @@
+//! The scenarios, in the order they run. Each starts what it needs, checks what
+//! the real components did, and leaves the node as it found it.
+
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use serde_json::Value;
+
+use crate::control::{ControlPlane, Gates};
+use crate::drivers::{self, CA22, CA22_CLASS, DRIVER, NPUS};
+use crate::node::BUSYBOX;
+use crate::proc::wait_for;
+use crate::Ctx;
+
+pub enum Outcome {
+    Passed,
+    /// The scenario cannot apply to this release or gate setting, and why.
+    NotApplicable(String),
+}
+
+type Scenario = fn(&mut Ctx) -> Result<Outcome>;
+
+pub const ALL: &[(&str, Scenario)] = &[
+    ("dra-registers-and-publishes", dra_registers_and_publishes),
+    ("dra-pod-with-claim-template", dra_pod_with_claim_template),
+    ("dra-extended-resource", dra_extended_resource),
+    ("device-plugin-pod", device_plugin_pod),
+];
+
+/// The namespace of the test pods and claims.
+const NS: &str = "vms";
+
+/// Fails naming each request of our drivers' ServiceAccounts that the API
+/// server refused (403): the verb and resource the shipped RBAC lacks.
+pub fn no_forbidden(plane: &ControlPlane) -> Result<()> {
+    let text = std::fs::read_to_string(plane.audit_log()).unwrap_or_default();
+    let mut refused = std::collections::BTreeMap::<String, usize>::new();
+    for line in text.lines() {
+        let Ok(event) = serde_json::from_str::<Value>(line) else {
+            continue;
+        };
+        if event["responseStatus"]["code"] != 403 {
+            continue;
+        }
+        let o = &event["objectRef"];
+        let mut resource = o["resource"].as_str().unwrap_or_default().to_owned();
+        if let Some(sub) = o["subresource"].as_str() {
+            resource = format!("{resource}/{sub}");
+        }
+        if let Some(group) = o["apiGroup"].as_str().filter(|g| !g.is_empty()) {
+            resource = format!("{resource}.{group}");
+        }
+        let key = format!(
+            "{} {resource}{}{} (as {})",
+            event["verb"].as_str().unwrap_or_default(),
+            o["name"]
+                .as_str()
+                .map(|n| format!(" {n}"))
+                .unwrap_or_default(),
+            o["namespace"]
+                .as_str()
+                .map(|n| format!(" in {n}"))
+                .unwrap_or_default(),
+            event["user"]["username"].as_str().unwrap_or_default(),
+        );
+        *refused.entry(key).or_default() += 1;
+    }
+    if refused.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<String> = refused.iter().map(|(k, n)| format!("{k} ×{n}")).collect();
+    bail!(
+        "the API server refused requests the shipped RBAC does not allow: {}",
+        list.join("; ")
+    )
+}
+
+/// The running DRA driver, started on first use.
+fn dra(ctx: &mut Ctx) -> Result<&mut drivers::DraDriver> {
+    if ctx.dra.as_mut().is_some_and(|d| !d.proc.alive()) {
+        let mut dead = ctx.dra.take();
+        if let Some(d) = dead.as_mut() {
+            d.proc.check()?;
+        }
+    }
+    if ctx.dra.is_none() {
+        ctx.dra = Some(drivers::start_dra(
+            &ctx.plane,
+            &ctx.node,
+            &ctx.host,
+            &ctx.dra_binary(),
+            &[],
+        )?);
+    }
+    Ok(ctx.dra.as_mut().expect("started above"))
+}
+
+fn ensure_ns(plane: &ControlPlane, ns: &str) -> Result<()> {
+    plane.apply(&format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {ns}\n"
+    ))?;
+    wait_for(
+        &format!("the default ServiceAccount of {ns}"),
+        Duration::from_secs(30),
+        || {
+            Ok(plane
+                .kubectl(&["get", "serviceaccount", "default", "-n", ns])
+                .ok())
+        },
+    )?;
+    Ok(())
+}
+
+/// The node's ResourceSlices of our driver.
+fn our_slices(plane: &ControlPlane) -> Result<Vec<Value>> {
+    let list = plane.get_json(&[
+        "get",
+        "resourceslices",
+        &format!("--field-selector=spec.driver={DRIVER}"),
+    ])?;
+    Ok(list["items"].as_array().cloned().unwrap_or_default())
+}
+
+fn dra_registers_and_publishes(ctx: &mut Ctx) -> Result<Outcome> {
+    // The ready file is written once kubelet's plugin watcher has called
+    // GetInfo and NotifyRegistrationStatus(registered) on the registration socket.
+    dra(ctx)?;
+    let plane = &ctx.plane;
+    let node = plane.get_json(&["get", "node", &ctx.node.name])?;
+    let node_uid = node["metadata"]["uid"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let slices = wait_for("our ResourceSlice", Duration::from_secs(30), || {
+        let s = our_slices(plane)?;
+        Ok((!s.is_empty()).then_some(s))
+    })?;
+    ensure!(
+        slices.len() == 1,
+        "expected one slice, got {}",
+        slices.len()
+    );
+    let slice = &slices[0];
+    ensure!(
+        slice["spec"]["nodeName"] == ctx.node.name.as_str(),
+        "slice's spec.nodeName is {}",
+        slice["spec"]["nodeName"]
+    );
+    ensure!(
+        slice["spec"]["pool"]["name"] == ctx.node.name.as_str(),
+        "slice's pool is {}",
+        slice["spec"]["pool"]
+    );
+    let owner = &slice["metadata"]["ownerReferences"][0];
+    ensure!(
+        owner["kind"] == "Node"
+            && owner["name"] == ctx.node.name.as_str()
+            && owner["uid"] == node_uid.as_str(),
+        "slice's owner is {owner}, not Node {} ({node_uid})",
+        ctx.node.name
+    );
+    let devices = slice["spec"]["devices"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    ensure!(
+        devices.len() == NPUS.len(),
+        "slice has {} devices, expected {}: {}",
+        devices.len(),
+        NPUS.len(),
+        slice["spec"]["devices"]
+    );
+    for d in &devices {
+        let name = &d["attributes"]["resourceName"]["string"];
+        ensure!(name == CA22, "device {} has resourceName {name}", d["name"]);
+    }
+    // kubelet's DRA manager knows the driver: its log says so at registration.
+    let log = ctx.node.kubelet_log(plane);
+    ensure!(log.contains(DRIVER), "kubelet's log never names {DRIVER}");
+    Ok(Outcome::Passed)
+}
+
+/// A pod manifest: busybox running `script` once, with `extra` spliced into
+/// the container (resources) and the pod spec (`pod_extra`).
+fn pod(name: &str, script: &str, container_extra: &str, pod_extra: &str) -> String {
+    let script = format!("{script}; echo {END}; exec sleep 3600").replace('\'', "''");
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: {NS}\nspec:\n  \
+         restartPolicy: Never\n  terminationGracePeriodSeconds: 1\n  hostNetwork: true\n{pod_extra}  containers:\n  \
+         - name: c\n    image: {BUSYBOX}\n    imagePullPolicy: Never\n    \
+         command: ['/bin/sh', '-c', '{script}']\n{container_extra}"
+    )
+}
+
+/// What the test container prints: the KubeVirt variables, the VFIO nodes it
+/// sees and the metadata files of our driver mounted into it.
+const SHOW: &str = "env | grep ^PCI_RESOURCE | sort; echo nodes: $(ls /dev/vfio | sort); \
+                    for f in $(find / -xdev -name \"*-metadata.json\" 2>/dev/null | sort); do echo file: $f; done";
+
+/// The line the test container prints when it has shown everything; it then
+/// stays, so its claim stays allocated while the harness looks.
+const END: &str = "==shown==";
+
+/// Waits for a pod's container to print [`END`] and returns what it printed
+/// before; fails if the pod ends or the time runs out, with its status and
+/// events.
+fn pod_output(ctx: &Ctx, name: &str, timeout: Duration) -> Result<String> {
+    let plane = &ctx.plane;
+    wait_for(
+        &format!("pod {NS}/{name} to show its devices"),
+        timeout,
+        || {
+            let p = plane.get_json(&["get", "pod", name, "-n", NS])?;
+            let phase = p["status"]["phase"].as_str().unwrap_or_default().to_owned();
+            let out = ctx.node.container_output(NS, name, "c").unwrap_or_default();
+            if matches!(phase.as_str(), "Succeeded" | "Failed") {
+                return Ok(Some(Err(anyhow::anyhow!(
+                    "pod {name} ended ({phase}); output:\n{out}"
+                ))));
+            }
+            Ok(out.contains(END).then_some(Ok(out)))
+        },
+    )
+    .and_then(|r| r)
+    .with_context(|| describe(plane, name))
+}
+
+fn describe(plane: &ControlPlane, name: &str) -> String {
+    let status = plane
+        .get_json(&["get", "pod", name, "-n", NS])
+        .map(|p| p["status"].to_string())
+        .unwrap_or_default();
+    let events = plane
+        .kubectl(&[
+            "get",
+            "events",
+            "-n",
+            NS,
+            "--field-selector",
+            &format!("involvedObject.name={name}"),
+        ])
+        .unwrap_or_default();
+    format!("status: {status}\nevents:\n{events}")
+}
+
+fn delete_pod(plane: &ControlPlane, name: &str) -> Result<()> {
+    plane.kubectl(&[
+        "delete",
+        "pod",
+        name,
+        "-n",
+        NS,
+        "--wait=true",
+        "--timeout=60s",
+    ])?;
+    Ok(())
+}
+
+/// The ResourceClaimTemplate of manifests/examples/dra/vm-npu-dra.yaml.
+fn example_template() -> Result<String> {
+    let path = drivers::repo().join("manifests/examples/dra/vm-npu-dra.yaml");
+    let text = std::fs::read_to_string(&path)?;
+    text.split("\n---\n")
+        .find(|doc| doc.contains("kind: ResourceClaimTemplate"))
+        .map(str::to_owned)
+        .with_context(|| format!("no ResourceClaimTemplate in {}", path.display()))
+}
+
+/// The group of the NPU at `address`.
+fn group_of(address: &str) -> Option<u32> {
+    NPUS.iter().find(|(a, _)| *a == address).map(|(_, g)| *g)
+}
+
+/// Checks a container's output: the variable names exactly `addresses`, it saw
+/// exactly their groups' nodes (and the container node), and the metadata
+/// files (`metadata` of them).
+fn check_output(out: &str, addresses: &[String], metadata: usize) -> Result<()> {
+    let var = CA22.to_uppercase().replace(['/', '.'], "_");
+    let want = format!("PCI_RESOURCE_{var}={}", addresses.join(","));
+    ensure!(
+        out.contains(&want),
+        "the container did not get {want}:\n{out}"
+    );
+    let mut nodes: Vec<String> = addresses
+        .iter()
+        .filter_map(|a| group_of(a))
+        .map(|g| g.to_string())
+        .collect();
+    nodes.push("vfio".into());
+    nodes.sort();
+    let want = format!("nodes: {}", nodes.join(" "));
+    ensure!(
+        out.contains(&want),
+        "the container's /dev/vfio is not exactly [{}]:\n{out}",
+        nodes.join(" ")
+    );
+    let files = out.lines().filter(|l| l.starts_with("file: ")).count();
+    ensure!(
+        files == metadata,
+        "the container has {files} metadata files, expected {metadata}:\n{out}"
+    );
+    Ok(())
+}
+
+fn claim_addresses(plane: &ControlPlane, claim: &str) -> Result<Vec<String>> {
+    let c = plane.get_json(&["get", "resourceclaim", claim, "-n", NS])?;
+    let results = c["status"]["allocation"]["devices"]["results"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let slices = our_slices(plane)?;
+    let mut out = Vec::new();
+    for r in results {
+        let name = r["device"].as_str().unwrap_or_default();
+        let address = slices
+            .iter()
+            .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+            .find(|d| d["name"] == name)
+            .and_then(|d| {
+                d["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+            .with_context(|| format!("device {name} of claim {claim} is in no slice of ours"))?;
+        out.push(address);
+    }
+    Ok(out)
+}
+
+fn dra_pod_with_claim_template(ctx: &mut Ctx) -> Result<Outcome> {
+    dra(ctx)?;
+    let plane = &ctx.plane;
+    ensure_ns(plane, NS)?;
+    let template = example_template()?;
+    let path = plane.dir.join("template.yaml");
+    std::fs::write(&path, template)?;
+    plane.kubectl(&["apply", "-n", NS, "-f", path.to_str().unwrap_or_default()])?;
+    let name = "dra-template";
+    plane.apply(&pod(
+        name,
+        SHOW,
+        "    resources:\n      claims:\n        - name: npus\n",
+        "  resourceClaims:\n    - name: npus\n      resourceClaimTemplateName: one-atom-ca22\n",
+    ))?;
+    let out = pod_output(ctx, name, Duration::from_secs(90))?;
+    let p = plane.get_json(&["get", "pod", name, "-n", NS])?;
+    let claim = p["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        .as_str()
+        .context("the pod has no generated claim")?
+        .to_owned();
+    let addresses = claim_addresses(plane, &claim)?;
+    ensure!(
+        addresses.len() == 1,
+        "claim {claim} has {} devices",
+        addresses.len()
+    );
+    // The metadata file at the standard path and at the legacy one.
+    check_output(&out, &addresses, 2)?;
+    let class = plane.get_json(&["get", "resourceclaim", &claim, "-n", NS])?;
+    ensure!(
+        class["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] == CA22_CLASS,
+        "claim {claim} does not ask for {CA22_CLASS}"
+    );
+    delete_pod(plane, name)?;
+    // The resourceclaim controller deletes the generated claim with its pod,
+    // once kubelet has unprepared it.
+    wait_for(
+        &format!("claim {claim} to be deleted"),
+        Duration::from_secs(60),
+        || {
+            Ok(plane
+                .kubectl(&["get", "resourceclaim", &claim, "-n", NS])
+                .is_err()
+                .then_some(()))
+        },
+    )?;
+    let state = ctx
+        .dra
+        .as_ref()
+        .map(|d| d.state.clone())
+        .unwrap_or_default();
+    let text = std::fs::read_to_string(&state).unwrap_or_default();
+    ensure!(
+        !text.contains(&claim),
+        "the driver's state still records claim {claim}: {text}"
+    );
+    Ok(Outcome::Passed)
+}
+
+fn dra_extended_resource(ctx: &mut Ctx) -> Result<Outcome> {
+    dra(ctx)?;
+    let plane = &ctx.plane;
+    ensure_ns(plane, NS)?;
+    let name = "dra-extended";
+    plane.apply(&pod(
+        name,
+        SHOW,
+        &format!("    resources:\n      limits:\n        {CA22}: 1\n"),
+        "",
+    ))?;
+    let served = plane.release.minor >= 37 || plane.gates == Gates::Features;
+    if !served {
+        // DRAExtendedResource is off: nothing on the node offers the name.
+        let pod = wait_for(
+            "the scheduler to refuse the pod",
+            Duration::from_secs(30),
+            || {
+                let p = plane.get_json(&["get", "pod", name, "-n", NS])?;
+                Ok(p["status"]["conditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c["type"] == "PodScheduled" && c["reason"] == "Unschedulable")
+                    .then_some(p))
+            },
+        )?;
+        delete_pod(plane, name)?;
+        let msg = pod["status"]["conditions"].to_string();
+        ensure!(
+            msg.contains(CA22),
+            "the refusal does not name {CA22}: {msg}"
+        );
+        return Ok(Outcome::NotApplicable(format!(
+            "DRAExtendedResource is off on v1.{}: the pod stays Pending, unschedulable for {CA22}",
+            plane.release.minor
+        )));
+    }
+    let out = pod_output(ctx, name, Duration::from_secs(90))?;
+    let p = plane.get_json(&["get", "pod", name, "-n", NS])?;
+    let claim = p["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+        .as_str()
+        .with_context(|| {
+            format!(
+                "pod {name} has no extendedResourceClaimStatus: {}",
+                p["status"]
+            )
+        })?
+        .to_owned();
+    let addresses = claim_addresses(plane, &claim)?;
+    check_output(&out, &addresses, 2)?;
+    delete_pod(plane, name)?;
+    Ok(Outcome::Passed)
+}
+
+fn device_plugin_pod(ctx: &mut Ctx) -> Result<Outcome> {
+    // One source per node and name: the DRA driver stops first.
+    if let Some(mut d) = ctx.dra.take() {
+        d.proc.stop();
+    }
+    let mut plugin =
+        drivers::start_device_plugin(&ctx.plane, &ctx.node, &ctx.host, &ctx.plugin_binary())?;
+    let plane = &ctx.plane;
+    let node = ctx.node.name.clone();
+    wait_for(
+        "the node to offer the device plugin's resource",
+        Duration::from_secs(30),
+        || {
+            plugin.check()?;
+            let n = plane.get_json(&["get", "node", &node])?;
+            Ok((n["status"]["allocatable"][CA22] == NPUS.len().to_string().as_str()).then_some(()))
+        },
+    )?;
+    ensure_ns(plane, NS)?;
+    let name = "device-plugin";
+    plane.apply(&pod(
+        name,
+        SHOW,
+        &format!("    resources:\n      limits:\n        {CA22}: 1\n"),
+        "",
+    ))?;
+    let out = pod_output(ctx, name, Duration::from_secs(60))?;
+    let address = out
+        .lines()
+        .find_map(|l| {
+            l.split_once('=')
+                .filter(|(k, _)| k.starts_with("PCI_RESOURCE_"))
+                .map(|(_, v)| v.to_owned())
+        })
+        .with_context(|| format!("no PCI_RESOURCE_ variable in the container:\n{out}"))?;
+    ensure!(
+        group_of(&address).is_some(),
+        "the container got {address}, not one of our NPUs"
+    );
+    check_output(&out, &[address], 0)?;
+    delete_pod(plane, name)?;
+    plugin.stop();
+    Ok(Outcome::Passed)
+}
