@@ -58,8 +58,37 @@ impl Host {
             dir: dir.to_owned(),
             fake,
         };
+        for (address, _) in NPUS {
+            host.set_fatal_errors(address, 0)?;
+        }
         host.char_devices()?;
         Ok(host)
+    }
+
+    /// Takes the NPU at `address` off vfio-pci (as a hand-made unbind does), or
+    /// puts it back; its group node goes and comes with it.
+    pub fn set_on_vfio(&self, address: &str, on: bool) -> Result<()> {
+        let a = address.parse().context("an NPU address")?;
+        if on {
+            self.fake.attach(&a, "vfio-pci");
+        } else {
+            self.fake.detach(&a);
+        }
+        self.char_devices()
+    }
+
+    /// Sets the NPU's count of fatal PCIe errors since boot, as the kernel's
+    /// AER driver reports it (`aer_dev_fatal`, drivers/pci/pcie/aer.c).
+    pub fn set_fatal_errors(&self, address: &str, n: u64) -> Result<()> {
+        let a = address.parse().context("an NPU address")?;
+        let text = format!(
+            "Undefined 0\nDLP {n}\nSDES 0\nTLP 0\nFCP 0\nCmpltTO 0\nCmpltAbrt 0\n\
+             UnxCmplt 0\nRxOF 0\nMalfTLP 0\nECRC 0\nUnsupReq 0\nACSViol 0\n\
+             UncorrIntErr 0\nBlockedTLP 0\nAtomicOpBlocked 0\nTLPBlockedErr 0\n\
+             PoisonTLPBlocked 0\nTOTAL_ERR_FATAL {n}\n"
+        );
+        std::fs::write(self.fake.canonical_dir(&a).join("aer_dev_fatal"), text)?;
+        Ok(())
     }
 
     /// `/dev/vfio/vfio` and each group's node as 1:3 (as `/dev/null`).
@@ -68,7 +97,12 @@ impl Host {
         let vfio = self.dir.join("dev/vfio");
         std::fs::create_dir_all(&vfio)?;
         let mut nodes = vec![vfio.join("vfio")];
-        nodes.extend(NPUS.iter().map(|(_, g)| vfio.join(g.to_string())));
+        // The groups whose node the fake kernel made (a member on vfio-pci).
+        nodes.extend(
+            NPUS.iter()
+                .map(|(_, g)| vfio.join(g.to_string()))
+                .filter(|p| p.exists()),
+        );
         for path in nodes {
             let _ = std::fs::remove_file(&path);
             mknod(
@@ -166,10 +200,14 @@ pub fn start_dra(
             "--manager-state-file={}",
             dir.join("manager-state.json").display()
         ))
-        .arg("--log-level=info,sandbox_dra_driver=debug");
+        .arg("--log-level=info,sandbox_dra_driver=debug")
+        // A fake sysfs sends no uevents: a short resync notices its changes.
+        .arg("--resync-interval=1s");
     for (k, v) in extra_env {
         cmd.env(k, v);
     }
+    // A driver killed before leaves its ready file: wait for a new one.
+    let _ = std::fs::remove_file(dir.join("ready"));
     let logs = plane.logs_dir();
     let mut proc = Proc::spawn("sandbox-dra-driver", cmd, &logs)?;
     let ready = dir.join("ready");
@@ -202,6 +240,7 @@ pub fn start_device_plugin(
         .arg(format!(
             "--kubelet-dir={}",
             node.kubelet_dir().join("device-plugins").display()
-        ));
+        ))
+        .arg("--resync-interval=1s");
     Proc::spawn("sandbox-device-plugin", cmd, &plane.logs_dir())
 }

@@ -173,6 +173,7 @@ fn run(cli: &Cli) -> Result<bool> {
             (Err(e), Ok(())) => Err(e),
             (Err(e), Err(refused)) => Err(refused.context(format!("{e:#}"))),
         };
+        scenarios::cleanup(&ctx);
         let secs = t.elapsed().as_secs_f64();
         match result {
             Ok(scenarios::Outcome::Passed) => println!("PASS {name} [{label}] ({secs:.1} s)"),

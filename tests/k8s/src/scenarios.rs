@@ -24,7 +24,14 @@ pub const ALL: &[(&str, Scenario)] = &[
     ("dra-registers-and-publishes", dra_registers_and_publishes),
     ("dra-pod-with-claim-template", dra_pod_with_claim_template),
     ("dra-extended-resource", dra_extended_resource),
+    ("dra-health", dra_health),
+    ("dra-restarts", dra_restarts),
+    ("dra-node-recreated", dra_node_recreated),
     ("device-plugin-pod", device_plugin_pod),
+    (
+        "device-plugin-health-and-restarts",
+        device_plugin_health_and_restarts,
+    ),
 ];
 
 /// The namespace of the test pods and claims.
@@ -483,6 +490,382 @@ fn device_plugin_pod(ctx: &mut Ctx) -> Result<Outcome> {
     );
     check_output(&out, &[address], 0)?;
     delete_pod(plane, name)?;
+    plugin.stop();
+    Ok(Outcome::Passed)
+}
+
+/// Whether the release serves a gate our features need: on by default from
+/// `on_from`, or turned on by the harness.
+fn gate_on(plane: &ControlPlane, on_from: u32) -> bool {
+    plane.release.minor >= on_from || plane.gates == Gates::Features
+}
+
+/// Starts a pod with a claim from the example template and waits for it to
+/// show its devices; returns its claim's name and its devices' addresses.
+fn template_pod(ctx: &Ctx, name: &str) -> Result<(String, Vec<String>)> {
+    let plane = &ctx.plane;
+    ensure_ns(plane, NS)?;
+    let path = plane.dir.join("template.yaml");
+    std::fs::write(&path, example_template()?)?;
+    plane.kubectl(&["apply", "-n", NS, "-f", path.to_str().unwrap_or_default()])?;
+    plane.apply(&pod(
+        name,
+        SHOW,
+        "    resources:\n      claims:\n        - name: npus\n",
+        "  resourceClaims:\n    - name: npus\n      resourceClaimTemplateName: one-atom-ca22\n",
+    ))?;
+    let out = pod_output(ctx, name, Duration::from_secs(90))?;
+    let p = plane.get_json(&["get", "pod", name, "-n", NS])?;
+    let claim = p["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        .as_str()
+        .with_context(|| format!("pod {name} has no generated claim"))?
+        .to_owned();
+    let addresses = claim_addresses(plane, &claim)?;
+    check_output(&out, &addresses, 2)?;
+    Ok((claim, addresses))
+}
+
+/// The device of our slice at `address`, if published.
+fn published(plane: &ControlPlane, address: &str) -> Result<Option<Value>> {
+    Ok(our_slices(plane)?
+        .iter()
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .find(|d| d["attributes"]["resource.kubernetes.io/pciBusID"]["string"] == address))
+}
+
+/// Waits for the pod's status to report `health` for a device
+/// (`allocatedResourcesStatus`, KEP-4680).
+fn wait_pod_health(plane: &ControlPlane, name: &str, health: &str) -> Result<Value> {
+    wait_for(
+        &format!("pod {name}'s status to report a device {health}"),
+        Duration::from_secs(60),
+        || {
+            let p = plane.get_json(&["get", "pod", name, "-n", NS])?;
+            let statuses = &p["status"]["containerStatuses"][0]["allocatedResourcesStatus"];
+            let found = statuses
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|s| s["resources"].as_array().cloned().unwrap_or_default())
+                .any(|r| r["health"] == health);
+            Ok(found.then(|| statuses.clone()))
+        },
+    )
+}
+
+/// Waits for the scheduler to find no room for the pod, naming why.
+fn wait_unschedulable(plane: &ControlPlane, name: &str) -> Result<String> {
+    wait_for(
+        &format!("the scheduler to find no device for pod {name}"),
+        Duration::from_secs(60),
+        || {
+            let p = plane.get_json(&["get", "pod", name, "-n", NS])?;
+            Ok(p["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|c| c["type"] == "PodScheduled" && c["reason"] == "Unschedulable")
+                .map(|c| c["message"].as_str().unwrap_or_default().to_owned()))
+        },
+    )
+}
+
+/// Waits for our slice to show `address` unhealthy for `reason`: tainted
+/// where the server keeps device taints, withdrawn where it drops them.
+fn wait_marked(plane: &ControlPlane, address: &str, reason: &str) -> Result<()> {
+    let taints = gate_on(plane, 37);
+    wait_for(
+        &format!("the slice to mark {address} unhealthy ({reason})"),
+        Duration::from_secs(30),
+        || {
+            Ok(match (published(plane, address)?, taints) {
+                (Some(d), true) => d["taints"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|t| {
+                        t["key"] == format!("{DRIVER}/unhealthy").as_str()
+                            && t["value"] == reason
+                            && t["effect"] == "NoSchedule"
+                    })
+                    .then_some(()),
+                (None, false) => Some(()),
+                _ => None,
+            })
+        },
+    )
+}
+
+/// Waits for our slice to offer `address` with no taint.
+fn wait_clean(plane: &ControlPlane, address: &str) -> Result<()> {
+    wait_for(
+        &format!("the slice to offer {address} healthy"),
+        Duration::from_secs(30),
+        || {
+            Ok(published(plane, address)?
+                .filter(|d| d["taints"].as_array().is_none_or(Vec::is_empty))
+                .map(|_| ()))
+        },
+    )
+}
+
+fn dra_health(ctx: &mut Ctx) -> Result<Outcome> {
+    dra(ctx)?;
+    // A prepared NPU unbound by hand: the driver's health stream says
+    // Unhealthy (kubelet puts it in the pod's status where
+    // ResourceHealthStatus is on) and the slice marks it; bound again, both
+    // say healthy.
+    let (_, held) = template_pod(ctx, "health-a")?;
+    let x = held[0].clone();
+    ctx.host.set_on_vfio(&x, false)?;
+    wait_marked(&ctx.plane, &x, "NotOnVfioDriver")?;
+    // kubelet 1.34 with ResourceHealthStatus on takes the update (its log says
+    // "Sending health update notification for pods") but its pod status shows
+    // no allocatedResourcesStatus for a claim; 1.36 on (beta) does.
+    let pod_health = ctx.plane.release.minor >= 36;
+    if pod_health {
+        wait_pod_health(&ctx.plane, "health-a", "Unhealthy")?;
+    }
+    ctx.host.set_on_vfio(&x, true)?;
+    wait_clean(&ctx.plane, &x)?;
+    if pod_health {
+        wait_pod_health(&ctx.plane, "health-a", "Healthy")?;
+    }
+    delete_pod(&ctx.plane, "health-a")?;
+    // A free NPU with a fatal PCIe error: marked, so the real scheduler gives
+    // the next claim the other NPU and none to a third, which gets it once the
+    // error is gone.
+    ctx.host.set_fatal_errors(&x, 1)?;
+    wait_marked(&ctx.plane, &x, "FatalPCIeError")?;
+    let (_, second) = template_pod(ctx, "health-b")?;
+    ensure!(second[0] != x, "a new claim got the unhealthy NPU {x}");
+    ctx.plane.apply(&pod(
+        "health-c",
+        SHOW,
+        "    resources:\n      claims:\n        - name: npus\n",
+        "  resourceClaims:\n    - name: npus\n      resourceClaimTemplateName: one-atom-ca22\n",
+    ))?;
+    let why = wait_unschedulable(&ctx.plane, "health-c")?;
+    ctx.host.set_fatal_errors(&x, 0)?;
+    let out = pod_output(ctx, "health-c", Duration::from_secs(90))?;
+    ensure!(
+        out.contains(&x),
+        "the waiting pod did not get {x} once it recovered:\n{out}"
+    );
+    for p in ["health-b", "health-c"] {
+        delete_pod(&ctx.plane, p)?;
+    }
+    println!("     (the third pod waited: {why})");
+    Ok(Outcome::Passed)
+}
+
+/// After each scenario, pass or fail: no test pod left, every NPU on vfio-pci.
+pub fn cleanup(ctx: &Ctx) {
+    let _ = ctx.plane.kubectl(&[
+        "delete",
+        "pods",
+        "--all",
+        "-n",
+        NS,
+        "--wait=true",
+        "--timeout=60s",
+    ]);
+    for (address, _) in NPUS {
+        let _ = ctx.host.set_on_vfio(address, true);
+        let _ = ctx.host.set_fatal_errors(address, 0);
+    }
+}
+
+/// The UID of our slice (one slice per node here).
+fn slice_uid(plane: &ControlPlane) -> Result<String> {
+    let slices = our_slices(plane)?;
+    Ok(slices
+        .first()
+        .and_then(|s| s["metadata"]["uid"].as_str())
+        .unwrap_or_default()
+        .to_owned())
+}
+
+/// Waits for our slice to be published with every NPU, owned by the Node
+/// as it is now; returns the slice's UID.
+fn wait_slice_owned(ctx: &Ctx) -> Result<String> {
+    let plane = &ctx.plane;
+    wait_for(
+        "our slice, whole and owned by the Node",
+        Duration::from_secs(60),
+        || {
+            let node = plane.get_json(&["get", "node", &ctx.node.name])?;
+            let uid = node["metadata"]["uid"].clone();
+            let slices = our_slices(plane)?;
+            Ok(slices
+                .iter()
+                .find(|s| {
+                    s["metadata"]["ownerReferences"][0]["uid"] == uid
+                        && s["spec"]["devices"].as_array().map(Vec::len) == Some(NPUS.len())
+                })
+                .map(|s| s["metadata"]["uid"].as_str().unwrap_or_default().to_owned()))
+        },
+    )
+}
+
+fn dra_restarts(ctx: &mut Ctx) -> Result<Outcome> {
+    dra(ctx)?;
+    let mut notes = Vec::new();
+    // kill -9 of the driver: the next one registers again (its ready file
+    // waits for kubelet) and serves claims.
+    if let Some(mut d) = ctx.dra.take() {
+        d.proc.kill9();
+    }
+    dra(ctx)?;
+    wait_slice_owned(ctx)?;
+    template_pod(ctx, "after-driver-kill")?;
+    delete_pod(&ctx.plane, "after-driver-kill")?;
+    // kubelet stopped and started, then killed and started: its plugin watcher
+    // finds the driver's socket again, and the slice is there (restored by the
+    // driver if kubelet wiped it at start).
+    for (how, hard) in [("restart", false), ("kill -9", true)] {
+        let before = slice_uid(&ctx.plane)?;
+        ctx.node.stop_kubelet(hard);
+        ctx.node.start_kubelet(&ctx.plane)?;
+        let after = wait_slice_owned(ctx)?;
+        notes.push(format!(
+            "kubelet {how}: slice {}",
+            if after == before {
+                "kept"
+            } else {
+                "wiped by kubelet and restored"
+            }
+        ));
+        let name = format!("after-kubelet-{}", if hard { "kill" } else { "restart" });
+        template_pod(ctx, &name)?;
+        delete_pod(&ctx.plane, &name)?;
+    }
+    println!("     ({})", notes.join("; "));
+    Ok(Outcome::Passed)
+}
+
+fn dra_node_recreated(ctx: &mut Ctx) -> Result<Outcome> {
+    dra(ctx)?;
+    let plane = &ctx.plane;
+    let old = plane.get_json(&["get", "node", &ctx.node.name])?["metadata"]["uid"].clone();
+    // The Node deleted: the garbage collector deletes the slices it owns.
+    ctx.node.stop_kubelet(false);
+    plane.kubectl(&[
+        "delete",
+        "node",
+        &ctx.node.name,
+        "--wait=true",
+        "--timeout=60s",
+    ])?;
+    wait_for(
+        "the garbage collector to delete the Node's slices",
+        Duration::from_secs(60),
+        || {
+            Ok(our_slices(plane)?
+                .iter()
+                .all(|s| s["metadata"]["ownerReferences"][0]["uid"] != old)
+                .then_some(()))
+        },
+    )?;
+    // kubelet registers the Node again (a new UID): the driver publishes
+    // again, owned by the new Node, and claims work.
+    ctx.node.start_kubelet(&ctx.plane)?;
+    let new = ctx.plane.get_json(&["get", "node", &ctx.node.name])?["metadata"]["uid"].clone();
+    ensure!(new != old, "the Node kept its UID {old}");
+    wait_slice_owned(ctx)?;
+    template_pod(ctx, "after-node-recreated")?;
+    delete_pod(&ctx.plane, "after-node-recreated")?;
+    Ok(Outcome::Passed)
+}
+
+/// The node's allocatable count of the device plugin's resource.
+fn allocatable(plane: &ControlPlane, node: &str) -> Result<String> {
+    let n = plane.get_json(&["get", "node", node])?;
+    Ok(n["status"]["allocatable"][CA22]
+        .as_str()
+        .unwrap_or("0")
+        .to_owned())
+}
+
+fn plugin_pod(ctx: &Ctx, name: &str) -> Result<String> {
+    ctx.plane.apply(&pod(
+        name,
+        SHOW,
+        &format!("    resources:\n      limits:\n        {CA22}: 1\n"),
+        "",
+    ))?;
+    let out = pod_output(ctx, name, Duration::from_secs(90))?;
+    let address = out
+        .lines()
+        .find_map(|l| {
+            l.split_once('=')
+                .filter(|(k, _)| k.starts_with("PCI_RESOURCE_"))
+                .map(|(_, v)| v.to_owned())
+        })
+        .with_context(|| format!("no PCI_RESOURCE_ variable in pod {name}:\n{out}"))?;
+    check_output(&out, std::slice::from_ref(&address), 0)?;
+    Ok(address)
+}
+
+fn device_plugin_health_and_restarts(ctx: &mut Ctx) -> Result<Outcome> {
+    if let Some(mut d) = ctx.dra.take() {
+        d.proc.stop();
+    }
+    let mut plugin =
+        drivers::start_device_plugin(&ctx.plane, &ctx.node, &ctx.host, &ctx.plugin_binary())?;
+    let node = ctx.node.name.clone();
+    let total = NPUS.len().to_string();
+    let wait_allocatable = |ctx: &Ctx, plugin: &mut crate::proc::Proc, want: &str| {
+        wait_for(
+            &format!("the node to offer {want} {CA22}"),
+            Duration::from_secs(60),
+            || {
+                plugin.check()?;
+                Ok((allocatable(&ctx.plane, &node)? == want).then_some(()))
+            },
+        )
+    };
+    wait_allocatable(ctx, &mut plugin, &total)?;
+    ensure_ns(&ctx.plane, NS)?;
+    let sick = plugin_pod(ctx, "plugin-a")?;
+    // A hand-made unbind: Unhealthy to kubelet, one fewer to allocate, and the
+    // pod's status says so where ResourceHealthStatus is on.
+    ctx.host.set_on_vfio(&sick, false)?;
+    wait_allocatable(ctx, &mut plugin, &(NPUS.len() - 1).to_string())?;
+    if gate_on(&ctx.plane, 36) {
+        wait_pod_health(&ctx.plane, "plugin-a", "Unhealthy")?;
+    }
+    ctx.host.set_on_vfio(&sick, true)?;
+    wait_allocatable(ctx, &mut plugin, &total)?;
+    delete_pod(&ctx.plane, "plugin-a")?;
+    // kubelet restarted and killed: the plugin registers again, pods get devices.
+    // The Node's allocatable count is the old kubelet's until the new one
+    // reports: a pod placed before the plugin has registered again and sent
+    // its devices is refused by kubelet's admission (UnexpectedAdmissionError,
+    // seen here), so wait for kubelet's own word that it has them
+    // (pkg/kubelet/cm/devicemanager/manager.go, genericDeviceUpdateCallback).
+    let registrations = |ctx: &Ctx| {
+        ctx.node
+            .kubelet_log(&ctx.plane)
+            .matches("Processed device updates for resource")
+            .count()
+    };
+    for (name, hard) in [("plugin-after-restart", false), ("plugin-after-kill", true)] {
+        let before = registrations(ctx);
+        ctx.node.stop_kubelet(hard);
+        ctx.node.start_kubelet(&ctx.plane)?;
+        wait_for(
+            "the new kubelet to have the device plugin's devices",
+            Duration::from_secs(60),
+            || {
+                plugin.check()?;
+                Ok((registrations(ctx) > before).then_some(()))
+            },
+        )?;
+        wait_allocatable(ctx, &mut plugin, &total)?;
+        plugin_pod(ctx, name)?;
+        delete_pod(&ctx.plane, name)?;
+    }
     plugin.stop();
     Ok(Outcome::Passed)
 }
