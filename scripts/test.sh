@@ -80,11 +80,21 @@ mapfile -t k8s_built < <(scripts/build-k8s.sh v1.34 v1.37 containerd)
 ((${#k8s_built[@]} == 3)) || { echo "scripts/build-k8s.sh did not give three build directories" >&2; exit 1; }
 step "the drivers against the real Kubernetes (tests/k8s, real-k8s): v1.34 with the DRA gates on and with its defaults, v1.37 with its defaults; shipped RBAC and DeviceClasses, real kubelet and containerd running busybox pods"
 cargo build --locked -p sandbox-dra-driver -p sandbox-device-plugin -p real-k8s
+# The three runs are independent (their own ports, scratch, cgroups and mount
+# namespaces) and mostly wait on the components: side by side. Each line they
+# print names its run.
+k8s_runs=()
 for run in "v1.34 features ${k8s_built[0]}" "v1.34 defaults ${k8s_built[0]}" "v1.37 defaults ${k8s_built[1]}"; do
     read -r release gates bins <<<"$run"
     target/debug/real-k8s --release "$(awk '$1 == "k8s.io/kubernetes" { print $2 }' "tests/k8s/$release/go.mod")" \
-        --gates "$gates" --k8s-bins "$bins" --containerd-bins "${k8s_built[2]}" --our-bins target/debug
+        --gates "$gates" --k8s-bins "$bins" --containerd-bins "${k8s_built[2]}" --our-bins target/debug &
+    k8s_runs+=($!)
 done
+k8s_failed=0
+for pid in "${k8s_runs[@]}"; do
+    wait "$pid" || k8s_failed=1
+done
+((k8s_failed == 0)) || { echo "real-k8s: a run failed: its FAIL lines above name the scenario and its logs" >&2; exit 1; }
 step "VM harness self-test (stall watchdog, fake QEMU)"
 tests/vm/harness-selftest.sh
 step "real-kernel scenarios (QEMU) on Debian 12 and 13 kernels, and the demo so it cannot rot"

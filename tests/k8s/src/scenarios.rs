@@ -787,14 +787,49 @@ fn allocatable(plane: &ControlPlane, node: &str) -> Result<String> {
         .to_owned())
 }
 
+/// The reason a pod was refused by kubelet's admission, if it was.
+fn admission_refusal(plane: &ControlPlane, name: &str) -> Option<String> {
+    let p = plane.get_json(&["get", "pod", name, "-n", NS]).ok()?;
+    (p["status"]["reason"] == "UnexpectedAdmissionError").then(|| {
+        p["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    })
+}
+
+/// Runs a pod asking one NPU of the device plugin; returns its address.
+///
+/// Right after kubelet restarts, its device manager still counts the devices
+/// of pods deleted before as allocated (from its checkpoint) until its pod
+/// sources are ready, and refuses a pod at admission (`UnexpectedAdmissionError`,
+/// "Available: 0"), whatever the plugin says: such a pod is made again, at
+/// most three times, and each refusal is printed.
 fn plugin_pod(ctx: &Ctx, name: &str) -> Result<String> {
-    ctx.plane.apply(&pod(
+    let manifest = pod(
         name,
         SHOW,
         &format!("    resources:\n      limits:\n        {CA22}: 1\n"),
         "",
-    ))?;
-    let out = pod_output(ctx, name, Duration::from_secs(90))?;
+    );
+    let mut attempt = 1;
+    let out = loop {
+        ctx.plane.apply(&manifest)?;
+        match pod_output(ctx, name, Duration::from_secs(90)) {
+            Ok(out) => break out,
+            Err(e) => {
+                match admission_refusal(&ctx.plane, name) {
+                    Some(why) if attempt < 3 => {
+                        println!("     (kubelet refused pod {name} at admission, attempt {attempt}: {why})");
+                        delete_pod(&ctx.plane, name)?;
+                        std::thread::sleep(Duration::from_secs(2));
+                        attempt += 1;
+                    }
+                    _ => return Err(e),
+                }
+            }
+        }
+    };
     let address = out
         .lines()
         .find_map(|l| {
