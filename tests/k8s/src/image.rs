@@ -42,12 +42,7 @@ pub fn busybox_archive(dir: &Path, name: &str, entrypoint: &[&str]) -> Result<Pa
     }
 
     let layer = work.join("layer.tar");
-    run(Command::new("tar")
-        .args(["--numeric-owner", "--owner=0", "--group=0", "-C"])
-        .arg(&rootfs)
-        .arg("-cf")
-        .arg(&layer)
-        .arg("."))?;
+    tar(&rootfs, &layer)?;
     let layer_digest = blob(&blobs, &std::fs::read(&layer)?)?;
     let layer_size = std::fs::metadata(&layer)?.len();
 
@@ -99,13 +94,19 @@ pub fn busybox_archive(dir: &Path, name: &str, entrypoint: &[&str]) -> Result<Pa
         r#"{"imageLayoutVersion": "1.0.0"}"#,
     )?;
     let archive = work.join("image.tar");
+    tar(&layout, &archive)?;
+    Ok(archive)
+}
+
+/// Packs the tree under `dir` into the tar file `out`, every entry owned by root.
+fn tar(dir: &Path, out: &Path) -> Result<()> {
     run(Command::new("tar")
         .args(["--numeric-owner", "--owner=0", "--group=0", "-C"])
-        .arg(&layout)
+        .arg(dir)
         .arg("-cf")
-        .arg(&archive)
+        .arg(out)
         .arg("."))?;
-    Ok(archive)
+    Ok(())
 }
 
 /// Stores `bytes` as a blob named by its SHA-256 (hex), which it returns.

@@ -199,6 +199,26 @@ fn pod(name: &str, script: &str, container_extra: &str, pod_extra: &str) -> Stri
     )
 }
 
+/// A pod whose container holds a claim made from the example template.
+fn claim_pod(name: &str) -> String {
+    pod(
+        name,
+        SHOW,
+        "    resources:\n      claims:\n        - name: npus\n",
+        "  resourceClaims:\n    - name: npus\n      resourceClaimTemplateName: one-atom-ca22\n",
+    )
+}
+
+/// A pod whose container asks for one `rebellions.ai/ATOM_CA22_PT`.
+fn npu_limit_pod(name: &str) -> String {
+    pod(
+        name,
+        SHOW,
+        &format!("    resources:\n      limits:\n        {CA22}: 1\n"),
+        "",
+    )
+}
+
 /// What the test container prints: the KubeVirt variables, the VFIO nodes it
 /// sees and the metadata files of our driver mounted into it.
 const SHOW: &str = "env | grep ^PCI_RESOURCE | sort; echo nodes: $(ls /dev/vfio | sort); \
@@ -336,33 +356,16 @@ fn claim_addresses(plane: &ControlPlane, claim: &str) -> Result<Vec<String>> {
 
 fn dra_pod_with_claim_template(ctx: &mut Ctx) -> Result<Outcome> {
     dra(ctx)?;
-    let plane = &ctx.plane;
-    ensure_ns(plane, NS)?;
-    let template = example_template()?;
-    let path = plane.dir.join("template.yaml");
-    std::fs::write(&path, template)?;
-    plane.kubectl(&["apply", "-n", NS, "-f", path.to_str().unwrap_or_default()])?;
     let name = "dra-template";
-    plane.apply(&pod(
-        name,
-        SHOW,
-        "    resources:\n      claims:\n        - name: npus\n",
-        "  resourceClaims:\n    - name: npus\n      resourceClaimTemplateName: one-atom-ca22\n",
-    ))?;
-    let out = pod_output(ctx, name, Duration::from_secs(90))?;
-    let p = plane.get_json(&["get", "pod", name, "-n", NS])?;
-    let claim = p["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
-        .as_str()
-        .context("the pod has no generated claim")?
-        .to_owned();
-    let addresses = claim_addresses(plane, &claim)?;
+    // The variable, the nodes and the metadata file at the standard path and
+    // at the legacy one are checked by template_pod.
+    let (claim, addresses) = template_pod(ctx, name)?;
+    let plane = &ctx.plane;
     ensure!(
         addresses.len() == 1,
         "claim {claim} has {} devices",
         addresses.len()
     );
-    // The metadata file at the standard path and at the legacy one.
-    check_output(&out, &addresses, 2)?;
     let class = plane.get_json(&["get", "resourceclaim", &claim, "-n", NS])?;
     ensure!(
         class["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] == CA22_CLASS,
@@ -399,30 +402,11 @@ fn dra_extended_resource(ctx: &mut Ctx) -> Result<Outcome> {
     let plane = &ctx.plane;
     ensure_ns(plane, NS)?;
     let name = "dra-extended";
-    plane.apply(&pod(
-        name,
-        SHOW,
-        &format!("    resources:\n      limits:\n        {CA22}: 1\n"),
-        "",
-    ))?;
-    let served = plane.release.minor >= 37 || plane.gates == Gates::Features;
-    if !served {
+    plane.apply(&npu_limit_pod(name))?;
+    if !gate_on(plane, 37) {
         // DRAExtendedResource is off: nothing on the node offers the name.
-        let pod = wait_for(
-            "the scheduler to refuse the pod",
-            Duration::from_secs(30),
-            || {
-                let p = plane.get_json(&["get", "pod", name, "-n", NS])?;
-                Ok(p["status"]["conditions"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .any(|c| c["type"] == "PodScheduled" && c["reason"] == "Unschedulable")
-                    .then_some(p))
-            },
-        )?;
+        let msg = wait_unschedulable(plane, name)?;
         delete_pod(plane, name)?;
-        let msg = pod["status"]["conditions"].to_string();
         ensure!(
             msg.contains(CA22),
             "the refusal does not name {CA22}: {msg}"
@@ -456,39 +440,20 @@ fn device_plugin_pod(ctx: &mut Ctx) -> Result<Outcome> {
     }
     let mut plugin =
         drivers::start_device_plugin(&ctx.plane, &ctx.node, &ctx.host, &ctx.plugin_binary())?;
-    let plane = &ctx.plane;
     let node = ctx.node.name.clone();
+    let total = NPUS.len().to_string();
     wait_for(
         "the node to offer the device plugin's resource",
         Duration::from_secs(30),
         || {
             plugin.check()?;
-            let n = plane.get_json(&["get", "node", &node])?;
-            Ok((n["status"]["allocatable"][CA22] == NPUS.len().to_string().as_str()).then_some(()))
+            Ok((allocatable(&ctx.plane, &node)? == total).then_some(()))
         },
     )?;
-    ensure_ns(plane, NS)?;
+    ensure_ns(&ctx.plane, NS)?;
     let name = "device-plugin";
-    plane.apply(&pod(
-        name,
-        SHOW,
-        &format!("    resources:\n      limits:\n        {CA22}: 1\n"),
-        "",
-    ))?;
-    let out = pod_output(ctx, name, Duration::from_secs(60))?;
-    let address = out
-        .lines()
-        .find_map(|l| {
-            l.split_once('=')
-                .filter(|(k, _)| k.starts_with("PCI_RESOURCE_"))
-                .map(|(_, v)| v.to_owned())
-        })
-        .with_context(|| format!("no PCI_RESOURCE_ variable in the container:\n{out}"))?;
-    ensure!(
-        group_of(&address).is_some(),
-        "the container got {address}, not one of our NPUs"
-    );
-    check_output(&out, &[address], 0)?;
+    plugin_pod(ctx, name)?;
+    let plane = &ctx.plane;
     delete_pod(plane, name)?;
     plugin.stop();
     Ok(Outcome::Passed)
@@ -508,12 +473,7 @@ fn template_pod(ctx: &Ctx, name: &str) -> Result<(String, Vec<String>)> {
     let path = plane.dir.join("template.yaml");
     std::fs::write(&path, example_template()?)?;
     plane.kubectl(&["apply", "-n", NS, "-f", path.to_str().unwrap_or_default()])?;
-    plane.apply(&pod(
-        name,
-        SHOW,
-        "    resources:\n      claims:\n        - name: npus\n",
-        "  resourceClaims:\n    - name: npus\n      resourceClaimTemplateName: one-atom-ca22\n",
-    ))?;
+    plane.apply(&claim_pod(name))?;
     let out = pod_output(ctx, name, Duration::from_secs(90))?;
     let p = plane.get_json(&["get", "pod", name, "-n", NS])?;
     let claim = p["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
@@ -639,12 +599,7 @@ fn dra_health(ctx: &mut Ctx) -> Result<Outcome> {
     wait_marked(&ctx.plane, &x, "FatalPCIeError")?;
     let (_, second) = template_pod(ctx, "health-b")?;
     ensure!(second[0] != x, "a new claim got the unhealthy NPU {x}");
-    ctx.plane.apply(&pod(
-        "health-c",
-        SHOW,
-        "    resources:\n      claims:\n        - name: npus\n",
-        "  resourceClaims:\n    - name: npus\n      resourceClaimTemplateName: one-atom-ca22\n",
-    ))?;
+    ctx.plane.apply(&claim_pod("health-c"))?;
     let why = wait_unschedulable(&ctx.plane, "health-c")?;
     ctx.host.set_fatal_errors(&x, 0)?;
     let out = pod_output(ctx, "health-c", Duration::from_secs(90))?;
@@ -806,12 +761,7 @@ fn admission_refusal(plane: &ControlPlane, name: &str) -> Option<String> {
 /// "Available: 0"), whatever the plugin says: such a pod is made again, at
 /// most three times, and each refusal is printed.
 fn plugin_pod(ctx: &Ctx, name: &str) -> Result<String> {
-    let manifest = pod(
-        name,
-        SHOW,
-        &format!("    resources:\n      limits:\n        {CA22}: 1\n"),
-        "",
-    );
+    let manifest = npu_limit_pod(name);
     let mut attempt = 1;
     let out = loop {
         ctx.plane.apply(&manifest)?;
@@ -838,6 +788,10 @@ fn plugin_pod(ctx: &Ctx, name: &str) -> Result<String> {
                 .map(|(_, v)| v.to_owned())
         })
         .with_context(|| format!("no PCI_RESOURCE_ variable in pod {name}:\n{out}"))?;
+    ensure!(
+        group_of(&address).is_some(),
+        "pod {name} got {address}, not one of our NPUs"
+    );
     check_output(&out, std::slice::from_ref(&address), 0)?;
     Ok(address)
 }
