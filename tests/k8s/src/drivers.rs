@@ -5,13 +5,15 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use sysfs_pci::testing::{FakeDevice, FakeNode};
+use sysfs_pci::testing::{FakeDevice, FakeKernel, FakeNode};
 
 use crate::control::{path_str, ControlPlane};
 use crate::node::Node;
+use crate::pcicore::PciCore;
 use crate::pki::kubeconfig;
 use crate::proc::{wait_for, Proc};
 
@@ -30,11 +32,17 @@ pub fn repo() -> PathBuf {
 
 /// The fake host: two ATOM CA22 NPUs, each alone in its IOMMU group and on
 /// vfio-pci, with their group nodes as character devices (a runtime creates a
-/// container's device nodes only from real ones).
+/// container's device nodes only from real ones), their own driver
+/// (`rebellions`) registered, and a PCI core that moves them when a driver
+/// writes the sysfs attributes ([`PciCore`]).
 pub struct Host {
     pub dir: PathBuf,
     pub fake: FakeNode,
+    pub core: PciCore,
 }
+
+/// The NPUs' own kernel driver.
+pub const NATIVE: &str = "rebellions";
 
 /// The NPUs: address and IOMMU group.
 pub const NPUS: &[(&str, u32)] = &[("0000:41:00.0", 21), ("0000:42:00.0", 22)];
@@ -43,6 +51,7 @@ impl Host {
     pub fn create(dir: &Path) -> Result<Self> {
         let fake = FakeNode::new(dir);
         fake.add_driver("vfio-pci");
+        fake.add_driver(NATIVE);
         for m in ["vfio", "vfio_iommu_type1", "vfio_pci"] {
             fake.add_module(m);
         }
@@ -54,27 +63,49 @@ impl Host {
                     .numa(0),
             );
         }
+        char_devices(dir)?;
+        let nodes = dir.to_owned();
+        let core = PciCore::mount(
+            Arc::new(FakeKernel::new(&fake)),
+            Arc::new(move || {
+                if let Err(e) = char_devices(&nodes) {
+                    eprintln!("real-k8s: the fake PCI core: {e:#}");
+                }
+            }),
+        )?;
         let host = Self {
             dir: dir.to_owned(),
             fake,
+            core,
         };
         for (address, _) in NPUS {
             host.set_fatal_errors(address, 0)?;
         }
-        host.char_devices()?;
         Ok(host)
     }
 
     /// Takes the NPU at `address` off vfio-pci (as a hand-made unbind does), or
     /// puts it back; its group node goes and comes with it.
     pub fn set_on_vfio(&self, address: &str, on: bool) -> Result<()> {
+        self.set_driver(address, on.then_some("vfio-pci"))
+    }
+
+    /// Binds the NPU at `address` to `driver` (or to none) behind every
+    /// driver's back, as a hand-made bind does.
+    pub fn set_driver(&self, address: &str, driver: Option<&str>) -> Result<()> {
         let a = address.parse().context("an NPU address")?;
-        if on {
-            self.fake.attach(&a, "vfio-pci");
-        } else {
-            self.fake.detach(&a);
+        match driver {
+            Some(d) => self.fake.attach(&a, d),
+            None => self.fake.detach(&a),
         }
-        self.char_devices()
+        char_devices(&self.dir)
+    }
+
+    /// The driver the NPU at `address` is on.
+    pub fn driver_of(&self, address: &str) -> Result<Option<String>> {
+        Ok(self
+            .fake
+            .driver_of(&address.parse().context("an NPU address")?))
     }
 
     /// Sets the NPU's count of fatal PCIe errors since boot, as the kernel's
@@ -91,36 +122,39 @@ impl Host {
         Ok(())
     }
 
-    /// `/dev/vfio/vfio` and each group's node as 1:3 (as `/dev/null`).
-    fn char_devices(&self) -> Result<()> {
-        use nix::sys::stat::{makedev, mknod, Mode, SFlag};
-        let vfio = self.dir.join("dev/vfio");
-        std::fs::create_dir_all(&vfio)?;
-        let mut nodes = vec![vfio.join("vfio")];
-        // The groups whose node the fake kernel made (a member on vfio-pci).
-        nodes.extend(
-            NPUS.iter()
-                .map(|(_, g)| vfio.join(g.to_string()))
-                .filter(|p| p.exists()),
-        );
-        for path in nodes {
-            let _ = std::fs::remove_file(&path);
-            mknod(
-                &path,
-                SFlag::S_IFCHR,
-                Mode::from_bits_truncate(0o666),
-                makedev(1, 3),
-            )
-            .with_context(|| format!("mknod {}", path.display()))?;
-        }
-        Ok(())
-    }
-
     fn common_args(&self, cmd: &mut Command, config: &Path) {
         cmd.arg(format!("--sysfs-root={}", self.dir.join("sys").display()))
             .arg(format!("--dev-root={}", self.dir.join("dev").display()))
             .arg(format!("--config={}", config.display()));
     }
+}
+
+/// `/dev/vfio/vfio` and the node of each group with a member on vfio-pci as
+/// 1:3 (as `/dev/null`); the fake kernel makes them plain files.
+fn char_devices(dir: &Path) -> Result<()> {
+    use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+    use std::os::unix::fs::FileTypeExt;
+    let vfio = dir.join("dev/vfio");
+    std::fs::create_dir_all(&vfio)?;
+    let mut nodes = vec![vfio.join("vfio")];
+    nodes.extend(NPUS.iter().map(|(_, g)| vfio.join(g.to_string())));
+    for path in nodes {
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) if m.file_type().is_char_device() => continue,
+            Ok(_) => std::fs::remove_file(&path)?,
+            // Only the control node is made where the kernel made none.
+            Err(_) if path.ends_with("vfio") => {}
+            Err(_) => continue,
+        }
+        mknod(
+            &path,
+            SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o666),
+            makedev(1, 3),
+        )
+        .with_context(|| format!("mknod {}", path.display()))?;
+    }
+    Ok(())
 }
 
 /// The rendered shipped manifests of the DRA overlay, applied as they are
@@ -147,6 +181,25 @@ pub fn dra_dir(node: &Node) -> PathBuf {
     node.dir.join("dra")
 }
 
+/// The pod the driver runs as, on `node`, made once: a DaemonSet pod's token
+/// is bound to its pod, and so carries its node's name, which the API server
+/// reads to authorize the driver's writes of `status.devices` on claims
+/// allocated on that node (`associated-node:update` on
+/// `resourceclaims/driver`, `pkg/registry/resource/utils.go`
+/// `AuthorizedForDeviceStatus`). kubelet runs it as a sleeping busybox.
+fn driver_pod(plane: &ControlPlane, node: &Node) -> Result<String> {
+    let name = format!("{DRIVER_SA}-{}", node.name);
+    plane.apply(&format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: {DRIVER_NS}\nspec:\n  \
+         nodeName: {node}\n  serviceAccountName: {DRIVER_SA}\n  hostNetwork: true\n  \
+         terminationGracePeriodSeconds: 1\n  containers:\n  - name: driver\n    image: {image}\n    \
+         imagePullPolicy: Never\n    command: ['/bin/sleep', '1000000']\n",
+        node = node.name,
+        image = crate::node::BUSYBOX,
+    ))?;
+    Ok(name)
+}
+
 /// Starts `sandbox-dra-driver` for the node, as its DaemonSet would: the
 /// kubelet paths of the node, the shipped resource list, and a token of its
 /// ServiceAccount (so the shipped ClusterRole is all it may do).
@@ -159,6 +212,7 @@ pub fn start_dra(
 ) -> Result<DraDriver> {
     let dir = dra_dir(node);
     std::fs::create_dir_all(&dir)?;
+    let pod = driver_pod(plane, node)?;
     let token = plane
         .kubectl(&[
             "create",
@@ -167,6 +221,8 @@ pub fn start_dra(
             "-n",
             DRIVER_NS,
             "--duration=4h",
+            "--bound-object-kind=Pod",
+            &format!("--bound-object-name={pod}"),
         ])?
         .trim()
         .to_owned();

@@ -14,6 +14,7 @@ mod control;
 mod drivers;
 mod image;
 mod node;
+mod pcicore;
 mod pki;
 mod proc;
 mod scenarios;
@@ -87,6 +88,12 @@ impl Ctx {
 
 fn main() {
     let cli = Cli::parse();
+    // A mount namespace of our own before any thread starts: the fake PCI
+    // core's mounts end with the harness, whatever way it ends.
+    if let Err(e) = own_mount_namespace() {
+        eprintln!("real-k8s: {e:#}");
+        std::process::exit(1);
+    }
     match run(&cli) {
         Ok(true) => std::process::exit(0),
         Ok(false) => std::process::exit(1),
@@ -95,6 +102,21 @@ fn main() {
             std::process::exit(1);
         }
     }
+}
+
+fn own_mount_namespace() -> Result<()> {
+    use nix::mount::{mount, MsFlags};
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
+        .context("unshare(CLONE_NEWNS): the harness needs root")?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .context("making / private in the harness's mount namespace")?;
+    Ok(())
 }
 
 fn run(cli: &Cli) -> Result<bool> {

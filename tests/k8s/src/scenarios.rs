@@ -25,6 +25,7 @@ pub const ALL: &[(&str, Scenario)] = &[
     ("dra-pod-with-claim-template", dra_pod_with_claim_template),
     ("dra-extended-resource", dra_extended_resource),
     ("dra-health", dra_health),
+    ("dra-binding-conditions", dra_binding_conditions),
     ("dra-restarts", dra_restarts),
     ("dra-node-recreated", dra_node_recreated),
     ("device-plugin-pod", device_plugin_pod),
@@ -46,7 +47,12 @@ pub fn no_forbidden(plane: &ControlPlane) -> Result<()> {
         let Ok(event) = serde_json::from_str::<Value>(line) else {
             continue;
         };
-        if event["responseStatus"]["code"] != 403 {
+        // A 403, or an authorization refused inside validation (a 422 such as
+        // "changing status.devices requires resource=... permission").
+        let status = &event["responseStatus"];
+        let message = status["message"].as_str().unwrap_or_default();
+        let refused_inside = status["code"] == 422 && message.contains(" is forbidden: User ");
+        if status["code"] != 403 && !refused_inside {
             continue;
         }
         let o = &event["objectRef"];
@@ -56,6 +62,16 @@ pub fn no_forbidden(plane: &ControlPlane) -> Result<()> {
         }
         if let Some(group) = o["apiGroup"].as_str().filter(|g| !g.is_empty()) {
             resource = format!("{resource}.{group}");
+        }
+        if refused_inside {
+            // The check that failed: "cannot <verb> resource \"<r>\"".
+            if let Some(at) = message.find("cannot ") {
+                let what = message[at..]
+                    .split(" in API group")
+                    .next()
+                    .unwrap_or_default();
+                resource = format!("{resource} ({})", what.replace('"', ""));
+            }
         }
         let key = format!(
             "{} {resource}{}{} (as {})",
@@ -201,11 +217,18 @@ fn pod(name: &str, script: &str, container_extra: &str, pod_extra: &str) -> Stri
 
 /// A pod whose container holds a claim made from the example template.
 fn claim_pod(name: &str) -> String {
+    claim_pod_from(name, "one-atom-ca22")
+}
+
+/// A pod whose container holds a claim made from `template`.
+fn claim_pod_from(name: &str, template: &str) -> String {
     pod(
         name,
         SHOW,
         "    resources:\n      claims:\n        - name: npus\n",
-        "  resourceClaims:\n    - name: npus\n      resourceClaimTemplateName: one-atom-ca22\n",
+        &format!(
+            "  resourceClaims:\n    - name: npus\n      resourceClaimTemplateName: {template}\n"
+        ),
     )
 }
 
@@ -614,6 +637,258 @@ fn dra_health(ctx: &mut Ctx) -> Result<Outcome> {
     Ok(Outcome::Passed)
 }
 
+/// A template for one NPU picked by its address, in the example's class.
+fn template_for(name: &str, address: &str) -> String {
+    format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: {name}\n  \
+         namespace: {NS}\nspec:\n  spec:\n    devices:\n      requests:\n      - name: npu\n        \
+         exactly:\n          deviceClassName: {CA22_CLASS}\n          selectors:\n          - cel:\n              \
+         expression: device.attributes[\"resource.kubernetes.io\"].pciBusID == \"{address}\"\n"
+    )
+}
+
+/// The name of the claim generated for `pod`'s first claim, once there is one.
+fn generated_claim(plane: &ControlPlane, pod: &str) -> Result<String> {
+    wait_for(
+        &format!("the claim of pod {pod}"),
+        Duration::from_secs(30),
+        || {
+            let p = plane.get_json(&["get", "pod", pod, "-n", NS])?;
+            Ok(p["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+                .as_str()
+                .map(str::to_owned))
+        },
+    )
+}
+
+/// The events of the object named `name` in the test namespace.
+fn events_of(plane: &ControlPlane, name: &str) -> Result<Vec<Value>> {
+    let list = plane.get_json(&[
+        "get",
+        "events",
+        "-n",
+        NS,
+        "--field-selector",
+        &format!("involvedObject.name={name}"),
+    ])?;
+    Ok(list["items"].as_array().cloned().unwrap_or_default())
+}
+
+/// Waits for the NPU at `address` to be on `driver`.
+fn wait_driver(ctx: &Ctx, address: &str, driver: &str, why: &str) -> Result<()> {
+    wait_for(
+        &format!("{address} to be on {driver} ({why})"),
+        Duration::from_secs(60),
+        || Ok((ctx.host.driver_of(address)?.as_deref() == Some(driver)).then_some(())),
+    )
+}
+
+/// The `status.devices` condition `kind` of our device `device` in `claim`.
+fn device_condition(claim: &Value, device: &str, kind: &str) -> Option<Value> {
+    claim["status"]["devices"]
+        .as_array()?
+        .iter()
+        .find(|e| e["driver"] == DRIVER && e["device"] == device)?["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == kind)
+        .cloned()
+}
+
+/// A kubelet stopped with SIGSTOP until dropped: it prepares nothing meanwhile.
+struct Frozen(nix::unistd::Pid);
+
+impl Frozen {
+    fn kubelet(ctx: &mut Ctx) -> Result<Self> {
+        use nix::sys::signal::{kill, Signal};
+        let pid = ctx.node.kubelet().context("kubelet is not running")?.pid();
+        kill(pid, Signal::SIGSTOP)?;
+        Ok(Self(pid))
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGCONT);
+    }
+}
+
+fn dra_binding_conditions(ctx: &mut Ctx) -> Result<Outcome> {
+    // NPU `a` is on its own driver between claims, as on a node that also
+    // serves containers; the fake PCI core moves it when the driver writes
+    // sysfs, synchronously, as the kernel does.
+    let (a, group) = NPUS[0];
+    ctx.host.core.set_native(a, drivers::NATIVE)?;
+    ctx.host.set_driver(a, Some(drivers::NATIVE))?;
+    dra(ctx)?;
+    let on = gate_on(&ctx.plane, 36);
+    let ready = format!("{DRIVER}/VfioReady");
+    let failed = format!("{DRIVER}/VfioFailed");
+    ensure_ns(&ctx.plane, NS)?;
+    ctx.plane.apply(&template_for("npu-a", a))?;
+    if on {
+        wait_for(
+            &format!("the slice to publish {a} with binding conditions"),
+            Duration::from_secs(30),
+            || {
+                Ok(published(&ctx.plane, a)?.filter(|d| {
+                    d["bindingConditions"] == serde_json::json!([ready])
+                        && d["bindingFailureConditions"] == serde_json::json!([failed])
+                        && d["bindsToNode"] == true
+                }))
+            },
+        )?;
+        let b = published(&ctx.plane, NPUS[1].0)?.context("the other NPU is not published")?;
+        ensure!(
+            b["bindingConditions"].is_null(),
+            "{} is on vfio-pci already but has binding conditions: {b}",
+            NPUS[1].0
+        );
+    }
+
+    // The early move: the scheduler allocates `a`, waits for VfioReady, binds.
+    let plane = &ctx.plane;
+    plane.apply(&claim_pod_from("bc-ready", "npu-a"))?;
+    let out = pod_output(ctx, "bc-ready", Duration::from_secs(90))?;
+    check_output(&out, &[a.to_owned()], 2)?;
+    ensure!(
+        ctx.host.driver_of(a)?.as_deref() == Some("vfio-pci"),
+        "{a} is not on vfio-pci while its pod runs"
+    );
+    let claim_name = generated_claim(plane, "bc-ready")?;
+    let claim = plane.get_json(&["get", "resourceclaim", &claim_name, "-n", NS])?;
+    let result = &claim["status"]["allocation"]["devices"]["results"][0];
+    let device = result["device"].as_str().unwrap_or_default().to_owned();
+    if on {
+        ensure!(
+            result["bindingConditions"] == serde_json::json!([ready]),
+            "the allocation of claim {claim_name} does not wait on {ready}: {result}"
+        );
+        // Accepted by the API server's validation of status.devices.
+        let cond = device_condition(&claim, &device, &ready).with_context(|| {
+            format!(
+                "claim {claim_name} has no {ready} for {device}: {}",
+                claim["status"]
+            )
+        })?;
+        ensure!(
+            cond["status"] == "True",
+            "{ready} of claim {claim_name} is not True: {cond}"
+        );
+        let p = plane.get_json(&["get", "pod", "bc-ready", "-n", NS])?;
+        let scheduled = p["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == "PodScheduled" && c["status"] == "True")
+            .map(|c| {
+                c["lastTransitionTime"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .unwrap_or_default();
+        let moved = cond["lastTransitionTime"].as_str().unwrap_or_default();
+        // RFC 3339 in UTC, one format: ordered as text.
+        ensure!(
+            moved <= scheduled.as_str(),
+            "pod bc-ready was bound at {scheduled}, before {a} was ready at {moved}"
+        );
+    } else {
+        ensure!(
+            result["bindingConditions"].is_null() && claim["status"]["devices"].is_null(),
+            "v1.{} with its defaults kept binding conditions: {}",
+            plane.release.minor,
+            claim["status"]
+        );
+    }
+    delete_pod(plane, "bc-ready")?;
+    wait_driver(
+        ctx,
+        a,
+        drivers::NATIVE,
+        "given back when its claim was unprepared",
+    )?;
+    if !on {
+        return Ok(Outcome::NotApplicable(format!(
+            "DRADeviceBindingConditions is off on v1.{}: the move happens at prepare (proven); \
+             no early move, VfioFailed or give-back before prepare to test",
+            plane.release.minor
+        )));
+    }
+
+    // VfioFailed: the first move fails in the probe; the real scheduler sees
+    // the failure condition, deallocates, allocates again, and the second
+    // move succeeds.
+    ctx.host
+        .core
+        .fail_next("drivers_probe", nix::errno::Errno::EIO);
+    plane.apply(&claim_pod_from("bc-failed", "npu-a"))?;
+    let out = pod_output(ctx, "bc-failed", Duration::from_secs(120))?;
+    check_output(&out, &[a.to_owned()], 2)?;
+    let claim_name = generated_claim(plane, "bc-failed")?;
+    let ours = events_of(plane, &claim_name)?;
+    ensure!(
+        ours.iter().any(
+            |e| e["type"] == "Warning" && e["message"].as_str().unwrap_or_default().contains(a)
+        ),
+        "no Warning Event on claim {claim_name} names the failed move of {a}: {ours:?}"
+    );
+    let theirs = events_of(plane, "bc-failed")?;
+    ensure!(
+        theirs.iter().any(|e| e["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("binding failed")),
+        "the scheduler never reported the failed binding of pod bc-failed: {theirs:?}"
+    );
+    delete_pod(plane, "bc-failed")?;
+    wait_driver(ctx, a, drivers::NATIVE, "given back after its pod")?;
+
+    // Moved early, then deleted before kubelet prepared it: kubelet is
+    // stopped, the pod bound and deleted; the claim goes and the driver gives
+    // `a` back by itself.
+    let frozen = Frozen::kubelet(ctx)?;
+    let plane = &ctx.plane;
+    plane.apply(&claim_pod_from("bc-gone", "npu-a"))?;
+    wait_for("pod bc-gone to be bound", Duration::from_secs(60), || {
+        let p = plane.get_json(&["get", "pod", "bc-gone", "-n", NS])?;
+        Ok(p["spec"]["nodeName"].as_str().map(|_| ()))
+    })?;
+    ensure!(
+        ctx.host.driver_of(a)?.as_deref() == Some("vfio-pci"),
+        "{a} is not on vfio-pci when its pod was bound (group {group})"
+    );
+    let claim_name = generated_claim(plane, "bc-gone")?;
+    plane.kubectl(&[
+        "delete",
+        "pod",
+        "bc-gone",
+        "-n",
+        NS,
+        "--grace-period=0",
+        "--force",
+    ])?;
+    wait_for(
+        &format!("claim {claim_name} to be deleted"),
+        Duration::from_secs(60),
+        || {
+            Ok(plane
+                .kubectl(&["get", "resourceclaim", &claim_name, "-n", NS])
+                .is_err()
+                .then_some(()))
+        },
+    )?;
+    wait_driver(
+        ctx,
+        a,
+        drivers::NATIVE,
+        "given back with no prepare, its claim deleted",
+    )?;
+    drop(frozen);
+    Ok(Outcome::Passed)
+}
+
 /// After each scenario, pass or fail: no test pod left, every NPU on vfio-pci.
 pub fn cleanup(ctx: &Ctx) {
     let _ = ctx.plane.kubectl(&[
@@ -625,7 +900,9 @@ pub fn cleanup(ctx: &Ctx) {
         "--wait=true",
         "--timeout=60s",
     ]);
+    *sysfs_pci::kernel::lock(&ctx.host.core.kernel.fail_on) = None;
     for (address, _) in NPUS {
+        let _ = ctx.host.core.set_native(address, "vfio-pci");
         let _ = ctx.host.set_on_vfio(address, true);
         let _ = ctx.host.set_fatal_errors(address, 0);
     }
