@@ -49,11 +49,10 @@ step "cargo test"
 # The two fault walks run once, in the next step, where their tallies are printed.
 cargo test --workspace --locked -- --skip every_fault_and_crash_point --skip every_step_of_a_claims_life --skip every_step_of_an_early_move
 step "a quiet watch lives its server timeout: started now, in the background (five idle minutes), its result read after the real-kernel scenarios"
-# The workspace's own test build (built in the step above, so nothing is rebuilt);
-# of its artifacts, the test target watch_lifetime.
-lifetime="$(cargo test --workspace --no-run --locked --message-format=json |
-    grep '"name":"watch_lifetime","src_path"' | grep -o '"executable":"[^"]*"' |
-    sed 's/^"executable":"//; s/"$//' | tail -n1)"
+# The test binary the step above built (the newest watch_lifetime-<hash>;
+# asking cargo for it again cost a minute of fingerprint checks and rebuilds).
+lifetime="$(find target/debug/deps -maxdepth 1 -type f -name 'watch_lifetime-*' -executable \
+    -printf '%T@ %p\n' | sort -n | tail -n1 | cut -d' ' -f2-)"
 [[ -x "$lifetime" ]] || { echo "no watch_lifetime test binary in the workspace's test build" >&2; exit 1; }
 "$lifetime" --ignored --nocapture >target/watch-lifetime.log 2>&1 &
 lifetime_pid=$!
