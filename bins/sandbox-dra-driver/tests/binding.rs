@@ -223,66 +223,6 @@ async fn a_failed_move_sets_the_failure_condition_and_the_scheduler_gives_the_cl
     assert!(state_devices(&scene).is_empty());
 }
 
-#[tokio::test]
-async fn an_api_server_without_the_fields_keeps_the_move_at_prepare() {
-    // Either gate off drops the slice fields (upstream needs both).
-    for gate in ["DRADeviceBindingConditions", "DRAResourceClaimDeviceStatus"] {
-        without(gate).await;
-    }
-}
-
-async fn without(gate: &str) {
-    let scene = Scene::new();
-    let server = cluster();
-    match gate {
-        "DRADeviceBindingConditions" => server.drop_binding_conditions(true),
-        _ => server.drop_claim_device_status(true),
-    }
-    let mut driver = scene.start_with(&server, &[ALWAYS]).await;
-    let _reg = register(&scene).await;
-    driver
-        .wait_until("the warning", || {
-            driver_log_has(&scene, "drops the binding conditions")
-        })
-        .await;
-    driver
-        .wait_until("a slice without binding conditions", || {
-            let d = published(&server, "pci-0000-02-00-0");
-            !d.is_null() && d.get("bindingConditions").is_none()
-        })
-        .await;
-    let c = allocate(&server, "vm-a", &[ours("nic", "pci-0000-02-00-0")]);
-    assert_eq!(
-        binding(&server, "vm-a"),
-        Binding::Ready,
-        "nothing to wait for"
-    );
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    assert_eq!(phase(&scene, &c.uid), None, "not moved early");
-    let mut client = scene.client(Version::V1).await;
-    let answers = prepare(&mut client, std::slice::from_ref(&c)).await;
-    assert!(answers[&c.uid].error.is_empty(), "{answers:?}");
-    assert_eq!(phase(&scene, &c.uid).as_deref(), Some("prepared"));
-    let log = driver.log();
-    assert_eq!(
-        log.matches("drops the binding conditions").count(),
-        1,
-        "{gate}: {log}"
-    );
-}
-
-fn driver_log_has(scene: &Scene, text: &str) -> bool {
-    std::fs::read_dir(scene.root())
-        .unwrap()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("driver-"))
-        .any(|e| {
-            std::fs::read_to_string(e.path())
-                .unwrap_or_default()
-                .contains(text)
-        })
-}
-
 /// The status write the scheduler waits on outlasts another writer (409s: it reads
 /// again and keeps the other's change) and an API server failing for a while (it
 /// tries again with a growing pause).

@@ -1,5 +1,15 @@
 //! A stand-in for the Kubernetes API server, over real HTTP/1.1 on loopback.
 //!
+//! What the real kube-apiserver, kube-scheduler and kubelet show is proven
+//! against them (`tests/k8s`, real-k8s): strategies, validation, authorization,
+//! the scheduler's allocation and binding conditions. This stand-in is kept for
+//! what they cannot do for a test: fail or race the next requests on demand
+//! (409 storms, 5xx, hangs, latency), count every request and write, steer
+//! watches (bookmark beat, history, ends), hide an API version, and answer
+//! inside the real-kernel test VM, where no control plane runs (its `claim` and
+//! `bind` commands stand for the scheduler there). It applies no strategy and
+//! no validation of the DRA fields: it stores what a driver writes.
+//!
 //! It stores JSON objects under their REST paths (`/api/v1/nodes/node-a`,
 //! `/apis/resource.k8s.io/v1/resourceslices/s`) and answers the verbs a node agent
 //! uses as the real server does for the resources it serves (Node, Pod, DaemonSet,
@@ -165,27 +175,6 @@ impl FakeApiServer {
     /// resourceVersion); whether there was one.
     pub fn remove(&self, path: &str) -> bool {
         lock(&self.store).objects.remove(path).is_some()
-    }
-
-    /// From now on, ResourceSlice writes lose their devices' taints, as on a server
-    /// without the `DRADeviceTaints` gate (before 1.33, or the gate off); with
-    /// `false`, taints are kept and stamped with `timeAdded`, as with the gate on.
-    pub fn drop_device_taints(&self, drop: bool) {
-        lock(&self.store).objects.gates.no_device_taints = drop;
-    }
-
-    /// Whether ResourceSlice writes lose `bindsToNode`, `bindingConditions` and
-    /// `bindingFailureConditions`, as a server without `DRADeviceBindingConditions`
-    /// drops them.
-    pub fn drop_binding_conditions(&self, drop: bool) {
-        lock(&self.store).objects.gates.no_binding_conditions = drop;
-    }
-
-    /// Whether ResourceClaim status writes lose `status.devices` (and slices their
-    /// binding fields), as a server without `DRAResourceClaimDeviceStatus` drops
-    /// them.
-    pub fn drop_claim_device_status(&self, drop: bool) {
-        lock(&self.store).objects.gates.no_claim_device_status = drop;
     }
 
     /// The store's current resourceVersion (that of the latest change).

@@ -11,10 +11,7 @@ use serde_json::{json, Map, Value};
 use crate::query::{self, Requirement};
 use crate::watch::History;
 
-mod dra;
 mod objects;
-
-pub(crate) use dra::DraGates;
 
 /// A resource the stand-in serves.
 #[derive(Debug)]
@@ -244,8 +241,6 @@ pub(crate) struct Objects {
     pub uids: u64,
     /// The recent changes watches are served from.
     pub history: History,
-    /// The DRA feature gates this server has off ([`DraGates`]).
-    pub gates: DraGates,
 }
 
 /// The field and label requirements of a list or watch.
@@ -292,21 +287,6 @@ fn not_found(kind: &Kind, name: &str) -> Answer {
     )
 }
 
-/// A 422 `Invalid` for `field_error`, worded as the API server words one.
-fn invalid(kind: &Kind, name: &str, field_error: &str) -> Answer {
-    status_about(
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "Invalid",
-        &format!(
-            "{}.{} \"{name}\" is invalid: {field_error}",
-            kind.kind,
-            kind.group()
-        ),
-        kind,
-        name,
-    )
-}
-
 fn conflict(kind: &Kind, name: &str, why: &str) -> Answer {
     status_about(
         StatusCode::CONFLICT,
@@ -341,44 +321,6 @@ fn meta<'v>(object: &'v Value, key: &str) -> Option<&'v str> {
 
 fn meta_mut(object: &mut Value) -> Option<&mut Map<String, Value>> {
     object.get_mut("metadata")?.as_object_mut()
-}
-
-/// The `resource.k8s.io/v1beta1` resources read and deleted through the `v1`
-/// ones: kubelet 1.32 calls `ResourceV1beta1()` (`ResourceClaims().Get` in
-/// `pkg/kubelet/cm/dra/manager.go`, `ResourceSlices().DeleteCollection` in
-/// `pkg/kubelet/cm/dra/plugin/registration.go`), which a 1.34 API server still
-/// serves from the same storage, converting each object. This stand-in does not
-/// convert: the objects keep their `v1` shape under a `v1beta1` label. What kubelet
-/// reads (metadata, `status.allocation.devices.results[].driver`,
-/// `status.reservedFor`) and the slice field selectors are the same in both.
-/// Writes in `v1beta1` are not served.
-const V1BETA1_VIEWS: &[&str] = &["resourceslices", "resourceclaims"];
-
-/// The `v1` path of a `v1beta1` view path.
-fn v1beta1_view(path: &str) -> Option<String> {
-    let rest = path.strip_prefix("/apis/resource.k8s.io/v1beta1/")?;
-    let segs: Vec<&str> = rest.split('/').collect();
-    let plural = match segs.as_slice() {
-        ["namespaces", _, p, ..] => p,
-        [p, ..] => p,
-        [] => return None,
-    };
-    V1BETA1_VIEWS
-        .contains(plural)
-        .then(|| format!("/apis/resource.k8s.io/v1/{rest}"))
-}
-
-/// Labels a `v1` answer (an object or a list) as `v1beta1`.
-fn relabel_v1beta1(answer: &mut Value) {
-    fn one(o: &mut Value) {
-        if o.get("apiVersion").and_then(Value::as_str) == Some("resource.k8s.io/v1") {
-            o["apiVersion"] = "resource.k8s.io/v1beta1".into();
-        }
-    }
-    one(answer);
-    if let Some(items) = answer.get_mut("items").and_then(Value::as_array_mut) {
-        items.iter_mut().for_each(one);
-    }
 }
 
 /// Keeps what a client cannot change by writing the object: uid, creation time,

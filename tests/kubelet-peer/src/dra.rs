@@ -227,29 +227,6 @@ impl KubeletVersion {
                 .unwrap_or_else(|_| crate::grpcgo::LOCALHOST.to_owned()),
         }
     }
-
-    /// The `resource.k8s.io` version its client-go calls: 1.32 `ResourceV1beta1()`
-    /// (`registration.go`, `manager.go`), 1.34 `ResourceV1()`.
-    pub fn resource_api(self) -> &'static str {
-        match self {
-            Self::V1_32 => "resource.k8s.io/v1beta1",
-            Self::V1_34 => "resource.k8s.io/v1",
-        }
-    }
-}
-
-/// Checks `info` as kubelet 1.34 does; the version it would use.
-pub fn check_info(info: &PluginInfo) -> Result<Version, String> {
-    if info.r#type != kubelet_api::DRA_PLUGIN_TYPE {
-        return Err(format!(
-            "no handler registered for plugin type: {}",
-            info.r#type
-        ));
-    }
-    match KubeletVersion::V1_34.choose(&info.name, &info.endpoint, &info.supported_versions)? {
-        Chosen::Speaks(v) => Ok(v),
-        Chosen::V1alpha4 => Err("v1alpha4 is not spoken".into()),
-    }
 }
 
 /// The registration sockets (`*-reg.sock`) in `dir` now, sorted.

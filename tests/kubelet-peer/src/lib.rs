@@ -1,5 +1,13 @@
 //! A kubelet-like peer for device-plugin tests.
 //!
+//! Registration, the DRA manager and the device manager of the real kubelet are
+//! proven in `tests/k8s` (real-k8s, kubelet 1.34 and 1.37). This peer is kept
+//! for what a real kubelet cannot do for a test: restart at a chosen instant or
+//! hang in `Register`, break a stream, dial a DRA driver wrongly on purpose (a
+//! bare path as `:authority`, as grpc-go does for kubelet 1.32), read health
+//! streams for benchmarks, and play kubelet inside the real-kernel test VM and
+//! for the grpc-core interop checks, where no kubelet runs.
+//!
 //! It plays kubelet's side of the device-plugin protocol over real Unix sockets, as
 //! kubelet 1.25+ does:
 //! - on start it deletes every file of the device-plugins directory except
@@ -17,16 +25,11 @@
 //!
 //! The [`dra`] module plays kubelet's side of DRA plugin registration and of the
 //! `DRAPlugin` service, dialing as grpc-go does ([`grpcgo`]: the percent-encoded
-//! socket path as `:authority` where kubelet dials a bare path); [`manager`] runs
-//! it as kubelet's long-lived DRA side (plugin watcher, slice wiping through the
-//! API server ([`api`]), prepare / unprepare for the node's pods with kubelet's
-//! checkpoint), for kubelet 1.32 or 1.34.
+//! socket path as `:authority` where kubelet dials a bare path).
 
-pub mod api;
 pub mod bench;
 pub mod dra;
 pub mod grpcgo;
-pub mod manager;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -11,8 +11,6 @@
 //! kubelet-peer dra register  --registry D [--timeout 10s]          # PluginInfo as JSON
 //! kubelet-peer dra prepare   --registry D [--version v1|v1beta1] --claim NS/NAME/UID...
 //! kubelet-peer dra unprepare --registry D [--version v1|v1beta1] --claim NS/NAME/UID...
-//! kubelet-peer dra kubelet   --registry D --api URL --node N --state-dir S --pods F
-//!                            [--kubelet 1.32|1.34] [--wiping-delay 30s]
 //! ```
 //!
 //! `register`, `prepare` and `unprepare` take `--kubelet 1.32|1.34` (default 1.34):
@@ -130,14 +128,6 @@ enum DraCmd {
     Prepare(Calls),
     /// Register, then NodeUnprepareResources for the claims; print the answer as JSON.
     Unprepare(Calls),
-    /// Run as kubelet's DRA side until killed: wipe this node's ResourceSlices at
-    /// start, register every plugin that appears in the registry (and deregister
-    /// it when its socket goes, wiping its slices after --wiping-delay), prepare
-    /// the claims of each pod listed in --pods and unprepare them when the pod
-    /// leaves the file, keeping kubelet's checkpoint in --state-dir (a restart
-    /// with the same directory re-sends prepare for the listed pods). One line of
-    /// JSON per event on stdout.
-    Kubelet(KubeletArgs),
     /// Register, then read the device health stream as kubelet does (the service
     /// the newest kubelet picks from PluginInfo, on the DRA endpoint, merged into
     /// kubelet's cache): one line of JSON per response (the cache and what
@@ -156,35 +146,6 @@ struct HealthArgs {
     /// How long to wait for them.
     #[arg(long, default_value = "10s", value_parser = node_agent::cli::parse_duration_or_zero)]
     within: Duration,
-}
-
-#[derive(Debug, clap::Args)]
-struct KubeletArgs {
-    /// kubelet's plugin registry directory, watched for `*-reg.sock`.
-    #[arg(long, default_value = kubelet_api::DEFAULT_REGISTRY_DIR)]
-    registry: PathBuf,
-    /// The API server, http://host:port.
-    #[arg(long)]
-    api: String,
-    /// This node's name.
-    #[arg(long)]
-    node: String,
-    /// kubelet's root directory, for its DRA checkpoint (`dra_manager_state`).
-    #[arg(long)]
-    state_dir: PathBuf,
-    /// JSON list of the pods running on the node:
-    /// `[{"uid","namespace","name","claims":[ResourceClaim name...]}]`.
-    #[arg(long)]
-    pods: PathBuf,
-    /// The kubelet release to play (1.32 or 1.34).
-    #[arg(long, default_value = "1.34")]
-    kubelet: KubeletVersion,
-    /// How long after a driver became unusable its slices are wiped (kubelet: 30s).
-    #[arg(long, default_value = "30s", value_parser = node_agent::cli::parse_duration_or_zero)]
-    wiping_delay: Duration,
-    /// How often the registry, the plugins' connections and the pods are looked at.
-    #[arg(long, default_value = "100ms", value_parser = node_agent::cli::parse_duration_or_zero)]
-    poll: Duration,
 }
 
 /// Registers and connects in the requested (or kubelet's) version.
@@ -278,29 +239,6 @@ async fn run_dra(cmd: DraCmd) -> anyhow::Result<bool> {
         DraCmd::Prepare(calls) => {
             let answer = dra_client(&calls).await?.prepare(&calls.claims).await?;
             Ok(report(&answer, &calls.claims))
-        }
-        DraCmd::Kubelet(a) => {
-            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-            let config = kubelet_peer::manager::Config {
-                registry: a.registry,
-                api: a.api,
-                node: a.node,
-                state_dir: a.state_dir,
-                pods: a.pods,
-                kubelet: a.kubelet,
-                wiping_delay: a.wiping_delay,
-                poll: a.poll.max(Duration::from_millis(10)),
-            };
-            let printer = tokio::spawn(async move {
-                while let Some(e) = rx.recv().await {
-                    if let Ok(line) = serde_json::to_string(&e) {
-                        println!("{line}");
-                    }
-                }
-            });
-            let r = kubelet_peer::manager::run(config, tx).await;
-            let _ = printer.await;
-            r.map(|()| true)
         }
         DraCmd::Health(a) => health(a).await,
         DraCmd::Unprepare(calls) => {

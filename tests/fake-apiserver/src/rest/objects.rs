@@ -4,26 +4,6 @@
 use super::*;
 
 impl Objects {
-    /// What the real server's ResourceSlice and ResourceClaim strategies do on
-    /// create and update (see [`super::dra`]); `Err` is a 422's field error.
-    fn prepare_for_write(
-        &self,
-        path: &str,
-        old: Option<&Value>,
-        obj: &mut Value,
-    ) -> Result<(), String> {
-        match Route::parse(path) {
-            Some(r) if r.kind.plural == "resourceslices" && !r.status => {
-                super::dra::slice_for_write(self.gates, obj);
-                Ok(())
-            }
-            Some(r) if r.kind.plural == "resourceclaims" && !r.status => {
-                super::dra::claim_for_write(self.gates, old.unwrap_or(&Value::Null), obj)
-            }
-            _ => Ok(()),
-        }
-    }
-
     fn next_rv(&mut self) -> String {
         self.resource_version += 1;
         self.resource_version.to_string()
@@ -100,16 +80,6 @@ impl Objects {
         if let Some(list) = discovery(path) {
             return match method {
                 &Method::GET => (StatusCode::OK, list),
-                _ => method_not_allowed(method, path),
-            };
-        }
-        if let Some(v1_path) = v1beta1_view(path) {
-            return match *method {
-                Method::GET | Method::DELETE => {
-                    let (code, mut answer) = self.handle(method, &v1_path, query, body);
-                    relabel_v1beta1(&mut answer);
-                    (code, answer)
-                }
                 _ => method_not_allowed(method, path),
             };
         }
@@ -322,9 +292,6 @@ impl Objects {
                 o.remove("status");
             }
         }
-        if let Err(e) = self.prepare_for_write(&path, None, &mut obj) {
-            return invalid(route.kind, &name, &e);
-        }
         (StatusCode::CREATED, self.store(&path, obj))
     }
 
@@ -427,14 +394,7 @@ impl Objects {
 
     /// Stores `new` unless it equals `old` (a no-op write keeps the
     /// resourceVersion, as on a real server).
-    fn commit(&mut self, path: &str, old: &Value, mut new: Value) -> Answer {
-        if let Err(e) = self.prepare_for_write(path, Some(old), &mut new) {
-            let name = meta(old, "name").unwrap_or("").to_owned();
-            return match Route::parse(path) {
-                Some(r) => invalid(r.kind, &name, &e),
-                None => bad_request(&e),
-            };
-        }
+    fn commit(&mut self, path: &str, old: &Value, new: Value) -> Answer {
         let strip = |v: &Value| {
             let mut v = v.clone();
             if let Some(m) = meta_mut(&mut v) {

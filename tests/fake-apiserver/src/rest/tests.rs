@@ -189,46 +189,6 @@ mod verbs {
     }
 
     #[test]
-    fn kubelet_1_32_reads_and_wipes_through_v1beta1() {
-        let mut o = Objects::default();
-        for (n, node, driver) in [("a", "n1", "d"), ("b", "n1", "e"), ("c", "n2", "d")] {
-            o.handle(&Method::POST, SLICES, "", Some(slice(n, node, driver)));
-        }
-        let names = |a: &Answer| -> Vec<String> {
-            a.1["items"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|i| meta(i, "name").unwrap().to_owned())
-                .collect()
-        };
-        let wiped = o.handle(
-            &Method::DELETE,
-            "/apis/resource.k8s.io/v1beta1/resourceslices",
-            "fieldSelector=spec.driver%3Dd%2Cspec.nodeName%3Dn1",
-            Some(json!({"kind": "DeleteOptions", "apiVersion": "resource.k8s.io/v1beta1"})),
-        );
-        assert_eq!(code(&wiped), 200);
-        assert_eq!(names(&wiped), ["a"]);
-        assert_eq!(wiped.1["apiVersion"], "resource.k8s.io/v1beta1");
-        assert_eq!(wiped.1["items"][0]["apiVersion"], "resource.k8s.io/v1beta1");
-        let left = o.handle(
-            &Method::GET,
-            "/apis/resource.k8s.io/v1/resourceslices",
-            "",
-            None,
-        );
-        assert_eq!(names(&left), ["b", "c"]);
-        let put = o.handle(
-            &Method::POST,
-            "/apis/resource.k8s.io/v1beta1/resourceslices",
-            "",
-            Some(slice("x", "n1", "d")),
-        );
-        assert_eq!(code(&put), 405);
-    }
-
-    #[test]
     fn delete_answers_404_and_checks_preconditions() {
         let mut o = Objects::default();
         let (_, created) = o.handle(&Method::POST, SLICES, "", Some(slice("a", "n", "d")));

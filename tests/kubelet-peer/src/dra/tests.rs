@@ -1,32 +1,5 @@
 use super::*;
 
-fn info(kind: &str, versions: &[&str]) -> PluginInfo {
-    PluginInfo {
-        r#type: kind.into(),
-        name: "d".into(),
-        endpoint: "/p/d/dra.sock".into(),
-        supported_versions: versions.iter().map(|v| v.to_string()).collect(),
-    }
-}
-
-#[test]
-fn kubelet_picks_the_first_version_it_knows() {
-    assert_eq!(
-        check_info(&info("DRAPlugin", &["v1.DRAPlugin", "v1beta1.DRAPlugin"])),
-        Ok(Version::V1)
-    );
-    assert_eq!(
-        check_info(&info(
-            "DRAPlugin",
-            &["v2.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAPlugin"]
-        )),
-        Ok(Version::V1beta1)
-    );
-    assert!(check_info(&info("DRAPlugin", &[])).is_err());
-    assert!(check_info(&info("DRAPlugin", &["v1alpha4.DRAPlugin"])).is_err());
-    assert!(check_info(&info("CSIPlugin", &["v1.DRAPlugin"])).is_err());
-}
-
 #[test]
 fn kubelet_1_32_prefers_v1beta1_and_falls_back_to_alpha() {
     let k = KubeletVersion::V1_32;
