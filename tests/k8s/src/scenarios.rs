@@ -508,6 +508,29 @@ fn template_pod(ctx: &Ctx, name: &str) -> Result<(String, Vec<String>)> {
     Ok((claim, addresses))
 }
 
+/// Starts a pod holding the ResourceClaim `claim`, made first (one NPU of the
+/// example's class) and named in the pod as it is named itself; waits for the
+/// pod to show its devices and returns their addresses.
+fn named_claim_pod(ctx: &Ctx, name: &str, claim: &str) -> Result<Vec<String>> {
+    let plane = &ctx.plane;
+    ensure_ns(plane, NS)?;
+    plane.apply(&format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: {claim}\n  \
+         namespace: {NS}\nspec:\n  devices:\n    requests:\n    - name: npu\n      exactly:\n        \
+         deviceClassName: {CA22_CLASS}\n"
+    ))?;
+    plane.apply(&pod(
+        name,
+        SHOW,
+        &format!("    resources:\n      claims:\n        - name: {claim}\n"),
+        &format!("  resourceClaims:\n    - name: {claim}\n      resourceClaimName: {claim}\n"),
+    ))?;
+    let out = pod_output(ctx, name, Duration::from_secs(90))?;
+    let addresses = claim_addresses(plane, claim)?;
+    check_output(&out, &addresses, 2)?;
+    Ok(addresses)
+}
+
 /// The device of our slice at `address`, if published.
 fn published(plane: &ControlPlane, address: &str) -> Result<Option<Value>> {
     Ok(our_slices(plane)?
@@ -598,14 +621,23 @@ fn dra_health(ctx: &mut Ctx) -> Result<Outcome> {
     // Unhealthy (kubelet puts it in the pod's status where
     // ResourceHealthStatus is on) and the slice marks it; bound again, both
     // say healthy.
-    let (_, held) = template_pod(ctx, "health-a")?;
+    //
+    // kubelet 1.34 finds a container's claim for the pod's status only when the
+    // ResourceClaim bears the name the pod gives it
+    // (pkg/kubelet/cm/dra/manager.go, UpdateAllocatedResourcesStatus compares
+    // the two; 1.36 maps one to the other through the pod's
+    // resourceClaimStatuses): there the pod holds a claim made beforehand
+    // under that name, and a generated one would show nothing.
+    let pod_health = gate_on(&ctx.plane, 36);
+    let named = ctx.plane.release.minor < 36;
+    let held = if named {
+        named_claim_pod(ctx, "health-a", "health-npu")?
+    } else {
+        template_pod(ctx, "health-a")?.1
+    };
     let x = held[0].clone();
     ctx.host.set_on_vfio(&x, false)?;
     wait_marked(&ctx.plane, &x, "NotOnVfioDriver")?;
-    // kubelet 1.34 with ResourceHealthStatus on takes the update (its log says
-    // "Sending health update notification for pods") but its pod status shows
-    // no allocatedResourcesStatus for a claim; 1.36 on (beta) does.
-    let pod_health = ctx.plane.release.minor >= 36;
     if pod_health {
         wait_pod_health(&ctx.plane, "health-a", "Unhealthy")?;
     }
@@ -615,6 +647,17 @@ fn dra_health(ctx: &mut Ctx) -> Result<Outcome> {
         wait_pod_health(&ctx.plane, "health-a", "Healthy")?;
     }
     delete_pod(&ctx.plane, "health-a")?;
+    if named {
+        ctx.plane.kubectl(&[
+            "delete",
+            "resourceclaim",
+            "health-npu",
+            "-n",
+            NS,
+            "--wait=true",
+            "--timeout=60s",
+        ])?;
+    }
     // A free NPU with a fatal PCIe error: marked, so the real scheduler gives
     // the next claim the other NPU and none to a third, which gets it once the
     // error is gone.
