@@ -397,16 +397,7 @@ fn dra_pod_with_claim_template(ctx: &mut Ctx) -> Result<Outcome> {
     delete_pod(plane, name)?;
     // The resourceclaim controller deletes the generated claim with its pod,
     // once kubelet has unprepared it.
-    wait_for(
-        &format!("claim {claim} to be deleted"),
-        Duration::from_secs(60),
-        || {
-            Ok(plane
-                .kubectl(&["get", "resourceclaim", &claim, "-n", NS])
-                .is_err()
-                .then_some(()))
-        },
-    )?;
+    wait_claim_gone(plane, &claim)?;
     let state = ctx
         .dra
         .as_ref()
@@ -690,6 +681,20 @@ fn template_for(name: &str, address: &str) -> String {
     )
 }
 
+/// Waits for the ResourceClaim `claim` of the test namespace to be gone.
+fn wait_claim_gone(plane: &ControlPlane, claim: &str) -> Result<()> {
+    wait_for(
+        &format!("claim {claim} to be deleted"),
+        Duration::from_secs(60),
+        || {
+            Ok(plane
+                .kubectl(&["get", "resourceclaim", claim, "-n", NS])
+                .is_err()
+                .then_some(()))
+        },
+    )
+}
+
 /// The name of the claim generated for `pod`'s first claim, once there is one.
 fn generated_claim(plane: &ControlPlane, pod: &str) -> Result<String> {
     wait_for(
@@ -912,16 +917,7 @@ fn dra_binding_conditions(ctx: &mut Ctx) -> Result<Outcome> {
         "--grace-period=0",
         "--force",
     ])?;
-    wait_for(
-        &format!("claim {claim_name} to be deleted"),
-        Duration::from_secs(60),
-        || {
-            Ok(plane
-                .kubectl(&["get", "resourceclaim", &claim_name, "-n", NS])
-                .is_err()
-                .then_some(()))
-        },
-    )?;
+    wait_claim_gone(plane, &claim_name)?;
     wait_driver(
         ctx,
         a,
