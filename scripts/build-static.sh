@@ -102,22 +102,28 @@ trap 'rm -f "$json"' EXIT
 rc=0
 # vfio-manager and sandbox-dra-driver with their failpoints armed (FAILPOINTS env,
 # `fail` crate), for the crash scenarios only, shipped as <name>-failpoints. Built
-# first: the normal build below puts the shipped binaries back in place (cargo keeps
-# both variants cached).
+# first, with exactly the packages of the normal build below, so cargo resolves
+# the same features for every dependency and the second build compiles only the
+# two binaries' own crates again (the libraries take no feature for it, see
+# sysfs_pci::failpoint); it also puts the shipped binaries back in place (cargo
+# keeps both variants cached).
 fp_bins=()
 package_args=(--workspace)
 for p in $packages; do
     [[ "${package_args[0]}" == --workspace ]] && package_args=()
     package_args+=(-p "$p")
 done
+build() {
+    (
+        cd "$repo_root"
+        RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C target-feature=+crt-static" \
+            cargo build --profile "$profile" --target "$target" "${package_args[@]}" --bins --keep-going \
+            --message-format=json-render-diagnostics "$@"
+    ) >"$json"
+}
 if [[ -n "$packages" ]]; then
     : # only the packages asked for: no failpoints variants
-elif (
-    cd "$repo_root"
-    RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C target-feature=+crt-static" \
-        cargo build --profile "$profile" --target "$target" -p vfio-manager -p sandbox-dra-driver \
-        --features failpoints --message-format=json-render-diagnostics
-) >"$json"; then
+elif build --features vfio-manager/failpoints,sandbox-dra-driver/failpoints; then
     for name in vfio-manager sandbox-dra-driver; do
         exe="$(grep -o "\"executable\":\"[^\"]*/$name\"" "$json" | tail -n1 | sed 's/^"executable":"//; s/"$//')"
         fp_bin="$out_dir/$name-failpoints"
@@ -129,16 +135,11 @@ elif (
         fi
     done
 else
-    log "error: vfio-manager and sandbox-dra-driver --features failpoints did not build"
+    log "error: the build with vfio-manager's and sandbox-dra-driver's failpoints failed"
     rm -f "$out_dir/vfio-manager-failpoints" "$out_dir/sandbox-dra-driver-failpoints"
     rc=1
 fi
-(
-    cd "$repo_root"
-    RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C target-feature=+crt-static" \
-        cargo build --profile "$profile" --target "$target" "${package_args[@]}" --bins --keep-going \
-        --message-format=json-render-diagnostics
-) >"$json" || rc=$?
+build || rc=$?
 
 # Every compiler-artifact message with an "executable" is a binary that is
 # current for this build (fresh or rebuilt).

@@ -207,8 +207,16 @@ fn main() -> ExitCode {
         };
     }
     cli.common.init_logging();
+    // Test variant only: stop at the steps named in FAILPOINTS (sysfs_pci::failpoint).
     #[cfg(feature = "failpoints")]
-    let _failpoints = fail::FailScenario::setup();
+    let _failpoints = {
+        let scenario = fail::FailScenario::setup();
+        sysfs_pci::failpoint::install(|step| {
+            fail::fail_point!(step, |_| true);
+            false
+        });
+        scenario
+    };
     let node_name = cli.node_name.clone().unwrap_or_default();
     if node_name.trim().is_empty() {
         return fail(

@@ -161,9 +161,16 @@ impl Context {
 pub struct UsageError(pub String);
 
 fn main() -> ExitCode {
-    // Test builds only: arm the steps named in FAILPOINTS (see sysfs_pci::failpoint).
+    // Test variant only: stop at the steps named in FAILPOINTS (sysfs_pci::failpoint).
     #[cfg(feature = "failpoints")]
-    let _failpoints = fail::FailScenario::setup();
+    let _failpoints = {
+        let scenario = fail::FailScenario::setup();
+        sysfs_pci::failpoint::install(|step| {
+            fail::fail_point!(step, |_| true);
+            false
+        });
+        scenario
+    };
     let cli = Cli::parse();
     cli.common.init_logging();
     let mut host = cli.common.host();
