@@ -41,13 +41,26 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 step "cargo fmt --check"
 cargo fmt --all -- --check
-step "cargo clippy"
-cargo clippy --workspace --all-targets --locked -- -D warnings
+# The debug builds of the workspace, linted as they compile: clippy-driver is the
+# compiler of the workspace's own crates (what `cargo clippy` runs, here with code
+# generation) and warnings are errors, so this one build gives what `cargo clippy
+# --workspace --all-targets -- -D warnings` gives and the tests' binaries, without
+# a second compile of every dependency. Incremental compilation only costs time in
+# a build from scratch. Every debug cargo command below uses it, so none of them
+# compiles again.
+clippy_driver="$(command -v clippy-driver)" ||
+    { echo "test.sh: clippy-driver not found (rustup component add clippy)" >&2; exit 1; }
+lint_cargo() {
+    RUSTC_WORKSPACE_WRAPPER="$clippy_driver" RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-D warnings" \
+        CARGO_INCREMENTAL=0 cargo "$@"
+}
+step "cargo clippy (warnings denied) and the test build, in one compile"
+lint_cargo test --workspace --all-targets --locked --no-run
 step "manifests: render, validate (Kubernetes, KubeVirt), coexistence, shellcheck, yamllint, hadolint"
 scripts/check-manifests.sh
-step "cargo test"
+step "cargo test: unit, CLI and integration tests"
 # The two fault walks run once, in the next step, where their tallies are printed.
-cargo test --workspace --locked -- --skip every_fault_and_crash_point --skip every_step_of_a_claims_life --skip every_step_of_an_early_move
+lint_cargo test --workspace --locked -- --skip every_fault_and_crash_point --skip every_step_of_a_claims_life --skip every_step_of_an_early_move
 step "a quiet watch lives its server timeout: started now, in the background (five idle minutes), its result read after the real-kernel scenarios"
 # The test binary the step above built (the newest watch_lifetime-<hash>;
 # asking cargo for it again cost a minute of fingerprint checks and rebuilds).
@@ -57,13 +70,18 @@ lifetime="$(find target/debug/deps -maxdepth 1 -type f -name 'watch_lifetime-*' 
 "$lifetime" --ignored --nocapture >target/watch-lifetime.log 2>&1 &
 lifetime_pid=$!
 step "fault injection: fail and crash at every kernel write, module syscall and state save (a node's VM-mode life; two DRA claims' life, at prepare and moved early)"
-cargo test -p passthrough --test faults --locked -- --nocapture
-cargo test -p sandbox-dra-driver --test claims --locked -- --nocapture
+# --workspace, like the step above: the same features, so nothing is compiled again.
+lint_cargo test --workspace --test faults --test claims --locked -- --nocapture
 step "gRPC interop: a grpc-core client (Python grpcio from PyPI) against the device plugin and the DRA driver (registration, DRA v1 and v1beta1, the health stream)"
 python3 -m venv .cache/grpc-venv
 progress_run "test.sh: still installing grpcio and grpcio-tools from PyPI" progress_size .cache/grpc-venv -- \
     .cache/grpc-venv/bin/pip install --quiet --disable-pip-version-check -r tests/grpc-interop/requirements.txt
-cargo build --locked -p sandbox-device-plugin -p sandbox-dra-driver -p kubelet-peer -p fake-apiserver
+# The binaries the test build built for its integration tests (each package
+# used here has some); a build of only these packages would resolve other
+# features and compile much of the workspace again.
+for b in sandbox-device-plugin sandbox-dra-driver kubelet-peer fake-apiserver real-k8s; do
+    [[ -x "target/debug/$b" ]] || { echo "no target/debug/$b from the test build" >&2; exit 1; }
+done
 .cache/grpc-venv/bin/python tests/grpc-interop/grpc_core_client.py \
     --plugin target/debug/sandbox-device-plugin --peer target/debug/kubelet-peer
 .cache/grpc-venv/bin/python tests/grpc-interop/grpc_core_dra_client.py \
@@ -71,14 +89,13 @@ cargo build --locked -p sandbox-device-plugin -p sandbox-dra-driver -p kubelet-p
     --peer target/debug/kubelet-peer
 step "CDI runtime: Debian's podman (runc) runs a container with a prepared claim's CDI devices and sees the PCI_RESOURCE_<NAME> variables, the VFIO nodes and the metadata files"
 pkg_ensure test.sh podman:podman runc:runc busybox-static:/bin/busybox
-cargo test -p sandbox-dra-driver --test cdi_runtime --locked -- --ignored --nocapture
+lint_cargo test -p sandbox-dra-driver --test cdi_runtime --locked -- --ignored --nocapture
 step "the real Kubernetes, from its Go modules: kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kubectl and etcd of v1.34 and v1.37, and containerd 2 (scripts/build-k8s.sh; cached per module and flags, so a warm machine builds nothing)"
 pkg_ensure test.sh runc:runc busybox-static:/bin/busybox containernetworking-plugins:/usr/lib/cni/loopback \
     openssl:openssl util-linux:nsenter
 mapfile -t k8s_built < <(scripts/build-k8s.sh v1.34 v1.37 containerd)
 ((${#k8s_built[@]} == 3)) || { echo "scripts/build-k8s.sh did not give three build directories" >&2; exit 1; }
 step "the drivers against the real Kubernetes (tests/k8s, real-k8s): v1.34 with the DRA gates on and with its defaults, v1.37 with its defaults; shipped RBAC and DeviceClasses, real kubelet and containerd running busybox pods"
-cargo build --locked -p sandbox-dra-driver -p sandbox-device-plugin -p real-k8s
 # The three runs are independent (their own ports, scratch, cgroups and mount
 # namespaces) and mostly wait on the components: side by side. Each line they
 # print names its run.
@@ -114,7 +131,7 @@ scripts/build-kernel.sh >/dev/null
 step "the iommufd and VFIO cdev scenario on it (on Debian's kernels it ran above: nothing iommufd offered, nothing fails)"
 scripts/vm/run.sh --no-build --kernel iommufd iommufd-cdev
 step "no test fakes in the shipped binaries (symbols of the test bed's x86 static build; the sysfs-pci unit tests as the control)"
-control="$(cargo test -p sysfs-pci --lib --no-run --locked --message-format=json |
+control="$(lint_cargo test -p sysfs-pci --lib --no-run --locked --message-format=json |
     grep -o '"executable":"[^"]*"' | sed 's/^"executable":"//; s/"$//' | tail -n1)"
 shipped=()
 for b in vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver; do

@@ -73,6 +73,16 @@ const KCM_TOKEN: &str = "kcm-token-for-tests";
 const SCHEDULER_TOKEN: &str = "scheduler-token-for-tests";
 pub const KUBELET_TOKEN: &str = "kubelet-token-for-tests";
 
+/// The release's binaries the run needs, in `--k8s-bins`.
+pub const BINARIES: [&str; 6] = [
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubelet",
+    "kubectl",
+];
+
 pub struct ControlPlane {
     pub bins: PathBuf,
     pub dir: PathBuf,

@@ -19,6 +19,7 @@ mod pki;
 mod proc;
 mod scenarios;
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -88,6 +89,10 @@ impl Ctx {
 
 fn main() {
     let cli = Cli::parse();
+    if let Err(e) = check_inputs(&cli) {
+        eprintln!("real-k8s: {e:#}");
+        std::process::exit(2);
+    }
     // A mount namespace of our own before any thread starts: the fake PCI
     // core's mounts end with the harness, whatever way it ends.
     if let Err(e) = own_mount_namespace() {
@@ -102,6 +107,60 @@ fn main() {
             std::process::exit(1);
         }
     }
+}
+
+/// Refuses, before anything starts, a release that does not parse, a scenario
+/// filter that matches no scenario (a run of nothing would pass) and a binary
+/// the run needs that is not there, naming each.
+fn check_inputs(cli: &Cli) -> Result<()> {
+    Release::parse(&cli.release)?;
+    let unknown: Vec<&str> = cli
+        .scenarios
+        .iter()
+        .filter(|f| {
+            !scenarios::ALL
+                .iter()
+                .any(|(name, _)| name.contains(f.as_str()))
+        })
+        .map(String::as_str)
+        .collect();
+    if !unknown.is_empty() {
+        let known: Vec<&str> = scenarios::ALL.iter().map(|(name, _)| *name).collect();
+        bail!(
+            "no scenario matches {}; the scenarios are: {}",
+            unknown.join(", "),
+            known.join(", ")
+        );
+    }
+    let needed = [
+        (&cli.k8s_bins, "--k8s-bins", &control::BINARIES[..]),
+        (
+            &cli.containerd_bins,
+            "--containerd-bins",
+            &node::CONTAINERD_BINARIES[..],
+        ),
+        (
+            &cli.our_bins,
+            "--our-bins",
+            &["sandbox-dra-driver", "sandbox-device-plugin"][..],
+        ),
+    ];
+    let mut missing = Vec::new();
+    for (dir, flag, names) in needed {
+        for name in names {
+            let path = dir.join(name);
+            let runnable = std::fs::metadata(&path)
+                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+                .unwrap_or(false);
+            if !runnable {
+                missing.push(format!("{} ({flag})", path.display()));
+            }
+        }
+    }
+    if !missing.is_empty() {
+        bail!("no executable {}", missing.join(", "));
+    }
+    Ok(())
 }
 
 fn own_mount_namespace() -> Result<()> {

@@ -37,6 +37,10 @@ use crate::proc::{free_port, run, wait_for, Proc};
 pub const BUSYBOX: &str = "docker.io/library/busybox:vfio-sandbox-test";
 pub const PAUSE: &str = "registry.k8s.io/pause:vfio-sandbox-test";
 
+/// containerd's binaries the run needs, in `--containerd-bins` (containerd finds
+/// its shim there, on PATH).
+pub const CONTAINERD_BINARIES: [&str; 3] = ["containerd", "containerd-shim-runc-v2", "ctr"];
+
 /// What the kernel settings kubelet checks at start should read
 /// (pkg/kubelet/cm/container_manager_linux.go, setupKernelTunables).
 const SYSCTLS: &[(&str, &str)] = &[
