@@ -89,7 +89,7 @@ done
     --peer target/debug/kubelet-peer
 step "CDI runtime: Debian's podman (runc) runs a container with a prepared claim's CDI devices and sees the PCI_RESOURCE_<NAME> variables, the VFIO nodes and the metadata files"
 pkg_ensure test.sh podman:podman runc:runc busybox-static:/bin/busybox
-lint_cargo test -p sandbox-dra-driver --test cdi_runtime --locked -- --ignored --nocapture
+lint_cargo test --workspace --test cdi_runtime --locked -- --ignored --nocapture
 step "the real Kubernetes, from its Go modules: kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kubectl and etcd of v1.34 and v1.37, and containerd 2 (scripts/build-k8s.sh; cached per module and flags, so a warm machine builds nothing)"
 pkg_ensure test.sh runc:runc busybox-static:/bin/busybox containernetworking-plugins:/usr/lib/cni/loopback \
     openssl:openssl util-linux:nsenter
@@ -131,8 +131,11 @@ scripts/build-kernel.sh >/dev/null
 step "the iommufd and VFIO cdev scenario on it (on Debian's kernels it ran above: nothing iommufd offered, nothing fails)"
 scripts/vm/run.sh --no-build --kernel iommufd iommufd-cdev
 step "no test fakes in the shipped binaries (symbols of the test bed's x86 static build; the sysfs-pci unit tests as the control)"
-control="$(lint_cargo test -p sysfs-pci --lib --no-run --locked --message-format=json |
-    grep -o '"executable":"[^"]*"' | sed 's/^"executable":"//; s/"$//' | tail -n1)"
+# --workspace (as built above, nothing compiles again); the control is sysfs-pci's
+# own unit-test binary.
+control="$(lint_cargo test --workspace --lib --no-run --locked --message-format=json |
+    grep -o '"executable":"[^"]*/sysfs_pci-[0-9a-f]*"' | sed 's/^"executable":"//; s/"$//' | tail -n1)"
+[[ -x "$control" ]] || { echo "no unit-test binary of sysfs-pci in the test build" >&2; exit 1; }
 shipped=()
 for b in vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver; do
     shipped+=("target/x86_64-unknown-linux-gnu/testbed/$b")
