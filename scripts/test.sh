@@ -55,7 +55,10 @@ lint_cargo() {
         CARGO_INCREMENTAL=0 cargo "$@"
 }
 step "cargo clippy (warnings denied) and the test build, in one compile"
-lint_cargo test --workspace --all-targets --locked --no-run
+# The targets of the plain `cargo test` below (libraries, binaries, tests, examples;
+# the workspace has no benches), so that step compiles nothing again: with
+# --all-targets it compiled three crates again.
+lint_cargo test --workspace --locked --no-run
 step "manifests: render, validate (Kubernetes, KubeVirt), coexistence, shellcheck, yamllint, hadolint"
 scripts/check-manifests.sh
 step "cargo test: unit, CLI and integration tests"
