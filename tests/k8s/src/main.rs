@@ -89,17 +89,20 @@ impl Ctx {
 
 fn main() {
     let cli = Cli::parse();
-    if let Err(e) = check_inputs(&cli) {
-        eprintln!("real-k8s: {e:#}");
-        std::process::exit(2);
-    }
+    let release = match check_inputs(&cli) {
+        Ok(release) => release,
+        Err(e) => {
+            eprintln!("real-k8s: {e:#}");
+            std::process::exit(2);
+        }
+    };
     // A mount namespace of our own before any thread starts: the fake PCI
     // core's mounts end with the harness, whatever way it ends.
     if let Err(e) = own_mount_namespace() {
         eprintln!("real-k8s: {e:#}");
         std::process::exit(1);
     }
-    match run(&cli) {
+    match run(&cli, release) {
         Ok(true) => std::process::exit(0),
         Ok(false) => std::process::exit(1),
         Err(e) => {
@@ -111,9 +114,9 @@ fn main() {
 
 /// Refuses, before anything starts, a release that does not parse, a scenario
 /// filter that matches no scenario (a run of nothing would pass) and a binary
-/// the run needs that is not there, naming each.
-fn check_inputs(cli: &Cli) -> Result<()> {
-    Release::parse(&cli.release)?;
+/// the run needs that is not there, naming each. Gives the parsed release.
+fn check_inputs(cli: &Cli) -> Result<Release> {
+    let release = Release::parse(&cli.release)?;
     let unknown: Vec<&str> = cli
         .scenarios
         .iter()
@@ -160,7 +163,7 @@ fn check_inputs(cli: &Cli) -> Result<()> {
     if !missing.is_empty() {
         bail!("no executable {}", missing.join(", "));
     }
-    Ok(())
+    Ok(release)
 }
 
 fn own_mount_namespace() -> Result<()> {
@@ -178,8 +181,7 @@ fn own_mount_namespace() -> Result<()> {
     Ok(())
 }
 
-fn run(cli: &Cli) -> Result<bool> {
-    let release = Release::parse(&cli.release)?;
+fn run(cli: &Cli, release: Release) -> Result<bool> {
     let gates = if cli.gates == "features" {
         Gates::Features
     } else {
