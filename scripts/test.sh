@@ -54,21 +54,54 @@ lint_cargo() {
     RUSTC_WORKSPACE_WRAPPER="$clippy_driver" RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-D warnings" \
         CARGO_INCREMENTAL=0 cargo "$@"
 }
+# Cargo's intermediate artifacts (every compiled dependency of the debug, x86
+# and arm64 builds) are kept outside the checkout, one cache per checkout path,
+# so a warm machine compiles only the workspace's own crates: a fresh clone's
+# files are newer than anything cached, so they compile again, and nothing of
+# another checkout is taken for them. The binaries still land in target/.
+# Caches of checkouts that no longer exist are removed.
+if [[ -z "${CARGO_BUILD_BUILD_DIR:-}" ]]; then
+    cargo_caches="${XDG_CACHE_HOME:-$HOME/.cache}/vfio-sandbox/cargo"
+    checkout="$(pwd -P)"
+    CARGO_BUILD_BUILD_DIR="$cargo_caches/$(printf '%s' "$checkout" | sha256sum | cut -c1-16)"
+    export CARGO_BUILD_BUILD_DIR
+    for cache in "$cargo_caches"/*/; do
+        [[ -f "$cache/checkout" && "$cache" != "$CARGO_BUILD_BUILD_DIR/" ]] || continue
+        [[ -d "$(cat "$cache/checkout")" ]] || rm -rf "$cache"
+    done
+    mkdir -p "$CARGO_BUILD_BUILD_DIR"
+    printf '%s\n' "$checkout" >"$CARGO_BUILD_BUILD_DIR/checkout"
+fi
+echo "cargo's build cache: $CARGO_BUILD_BUILD_DIR ($(du -sh "$CARGO_BUILD_BUILD_DIR" | cut -f1))"
 step "cargo clippy (warnings denied) and the test build, in one compile"
 # The targets of the plain `cargo test` below (libraries, binaries, tests, examples;
 # the workspace has no benches), so that step compiles nothing again: with
-# --all-targets it compiled three crates again.
-lint_cargo test --workspace --locked --no-run
+# --all-targets it compiled three crates again. Cargo's messages name every
+# test binary it made, for the steps that run one directly.
+test_build=target/test-build.json
+mkdir -p target
+pkg_ensure test.sh jq:jq
+lint_cargo test --workspace --locked --no-run --message-format=json-render-diagnostics >"$test_build"
+# test_binary <target name> [lib]: the test binary the build above made for that
+# test target (or, with lib, for that package's unit tests).
+test_binary() {
+    jq -r --arg name "$1" --arg kind "${2:-test}" 'select(.reason == "compiler-artifact"
+        and .target.name == $name and .profile.test and any(.target.kind[]; . == $kind)
+        and .executable != null) | .executable' "$test_build" | tail -n1
+}
+# The dra driver's tests start vfio-manager: this build's, not one built again
+# with that package's own features (bins/sandbox-dra-driver/tests/common).
+export VFIO_MANAGER_BINARY="$PWD/target/debug/vfio-manager"
+[[ -x "$VFIO_MANAGER_BINARY" ]] || { echo "no target/debug/vfio-manager from the test build" >&2; exit 1; }
 step "manifests: render, validate (Kubernetes, KubeVirt), coexistence, shellcheck, yamllint, hadolint"
 scripts/check-manifests.sh
 step "cargo test: unit, CLI and integration tests"
 # The two fault walks run once, in the next step, where their tallies are printed.
 lint_cargo test --workspace --locked -- --skip every_fault_and_crash_point --skip every_step_of_a_claims_life --skip every_step_of_an_early_move
 step "a quiet watch lives its server timeout: started now, in the background (five idle minutes), its result read after the real-kernel scenarios"
-# The test binary the step above built (the newest watch_lifetime-<hash>;
-# asking cargo for it again cost a minute of fingerprint checks and rebuilds).
-lifetime="$(find target/debug/deps -maxdepth 1 -type f -name 'watch_lifetime-*' -executable \
-    -printf '%T@ %p\n' | sort -n | tail -n1 | cut -d' ' -f2-)"
+# The test binary the test build made (asking cargo for it again cost a minute
+# of fingerprint checks and rebuilds).
+lifetime="$(test_binary watch_lifetime)"
 [[ -x "$lifetime" ]] || { echo "no watch_lifetime test binary in the workspace's test build" >&2; exit 1; }
 "$lifetime" --ignored --nocapture >target/watch-lifetime.log 2>&1 &
 lifetime_pid=$!
@@ -134,10 +167,8 @@ scripts/build-kernel.sh >/dev/null
 step "the iommufd and VFIO cdev scenario on it (on Debian's kernels it ran above: nothing iommufd offered, nothing fails)"
 scripts/vm/run.sh --no-build --kernel iommufd iommufd-cdev
 step "no test fakes in the shipped binaries (symbols of the test bed's x86 static build; the sysfs-pci unit tests as the control)"
-# --workspace (as built above, nothing compiles again); the control is sysfs-pci's
-# own unit-test binary.
-control="$(lint_cargo test --workspace --lib --no-run --locked --message-format=json |
-    grep -o '"executable":"[^"]*/sysfs_pci-[0-9a-f]*"' | sed 's/^"executable":"//; s/"$//' | tail -n1)"
+# The control is sysfs-pci's own unit-test binary, from the test build.
+control="$(test_binary sysfs_pci lib)"
 [[ -x "$control" ]] || { echo "no unit-test binary of sysfs-pci in the test build" >&2; exit 1; }
 shipped=()
 for b in vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver; do

@@ -247,11 +247,23 @@ impl Scene {
 }
 
 /// The `vfio-manager` binary beside ours, built once per test binary: Cargo
-/// builds only this package's binaries for its tests.
+/// builds only this package's binaries for its tests. `VFIO_MANAGER_BINARY`
+/// names one already built instead: scripts/test.sh passes the one its
+/// workspace build made, since `cargo build -p vfio-manager` resolves that
+/// package's own features and compiles two dozen crates again.
 pub fn vfio_manager_binary() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
+            if let Some(given) = std::env::var_os("VFIO_MANAGER_BINARY") {
+                let path = PathBuf::from(given);
+                assert!(
+                    path.is_file(),
+                    "VFIO_MANAGER_BINARY={} is not a file",
+                    path.display()
+                );
+                return path;
+            }
             let ours = Path::new(env!("CARGO_BIN_EXE_sandbox-dra-driver"));
             let dir = ours.parent().unwrap();
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
