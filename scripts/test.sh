@@ -11,14 +11,31 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib/packages.sh
 source scripts/lib/packages.sh
-# Each step prints how long the one before it took; the last line is the verdict:
-#   ==== suite PASSED in N s
-#   ==== suite FAILED (exit code X) in step "<step>" after N s
+# Each step prints how long the one before it took, in seconds of the clock and
+# of CPU (user and system time of every process it started and waited for: what
+# the step costs a machine whose cores are busy with other work); the last line
+# is the verdict:
+#   ==== suite PASSED in N s (CPU N s)
+#   ==== suite FAILED (exit code X) in step "<step>" after N s (CPU N s)
+clock_ticks="$(getconf CLK_TCK)"
+# cpu_ticks: this shell's and its reaped children's CPU time so far, in clock
+# ticks (/proc/<pid>/stat fields 14 to 17, counted after the command name).
+cpu_ticks() {
+    local stat
+    stat="$(</proc/$$/stat)"
+    read -r -a stat <<<"${stat##*) }"
+    echo $((stat[11] + stat[12] + stat[13] + stat[14]))
+}
 step_start=""
+step_cpu=""
 step_name=""
+step_took() {
+    echo "---- $((SECONDS - step_start)) s (CPU $((($(cpu_ticks) - step_cpu) / clock_ticks)) s)"
+}
 step() {
-    [[ -z "$step_start" ]] || echo "---- $((SECONDS - step_start)) s"
+    [[ -z "$step_start" ]] || step_took
     step_start=$SECONDS
+    step_cpu="$(cpu_ticks)"
     step_name="$*"
     echo "==== $*"
 }
@@ -28,11 +45,12 @@ finish() {
     progress_stop
     # The background watch test of a run that stopped early has nothing to report.
     [[ -z "$lifetime_pid" ]] || kill "$lifetime_pid" 2>/dev/null || true
-    [[ -z "$step_start" ]] || echo "---- $((SECONDS - step_start)) s"
+    [[ -z "$step_start" ]] || step_took
+    local total="$SECONDS s (CPU $(($(cpu_ticks) / clock_ticks)) s)"
     if ((rc == 0)); then
-        echo "==== suite PASSED in $SECONDS s"
+        echo "==== suite PASSED in $total"
     else
-        echo "==== suite FAILED (exit code $rc) in step \"${step_name:-before the first step}\" after $SECONDS s"
+        echo "==== suite FAILED (exit code $rc) in step \"${step_name:-before the first step}\" after $total"
     fi
     exit "$rc"
 }
@@ -109,18 +127,28 @@ step "fault injection: fail and crash at every kernel write, module syscall and 
 # --workspace, like the step above: the same features, so nothing is compiled again.
 lint_cargo test --workspace --test faults --test claims --locked -- --nocapture
 step "gRPC interop: a grpc-core client (Python grpcio from PyPI) against the device plugin and the DRA driver (registration, DRA v1 and v1beta1, the health stream)"
-python3 -m venv .cache/grpc-venv
-progress_run "test.sh: still installing grpcio and grpcio-tools from PyPI" progress_size .cache/grpc-venv -- \
-    .cache/grpc-venv/bin/pip install --quiet --disable-pip-version-check -r tests/grpc-interop/requirements.txt
+# Its venv is the machine's (a fresh clone spent most of this step installing it
+# again), filled under a lock by one checkout at a time.
+grpc_venv="${VFIO_SANDBOX_CACHE:-$HOME/.cache/vfio-sandbox}/grpc-venv"
+mkdir -p "$grpc_venv"
+(
+    flock 9
+    [[ -x "$grpc_venv/bin/python" ]] || python3 -m venv "$grpc_venv"
+    if ! cmp -s tests/grpc-interop/requirements.txt "$grpc_venv/.requirements"; then
+        progress_run "test.sh: still installing grpcio and grpcio-tools from PyPI" progress_size "$grpc_venv" -- \
+            "$grpc_venv/bin/pip" install --quiet --disable-pip-version-check -r tests/grpc-interop/requirements.txt
+        cp tests/grpc-interop/requirements.txt "$grpc_venv/.requirements"
+    fi
+) 9>"$grpc_venv.lock"
 # The binaries the test build built for its integration tests (each package
 # used here has some); a build of only these packages would resolve other
 # features and compile much of the workspace again.
 for b in sandbox-device-plugin sandbox-dra-driver kubelet-peer fake-apiserver real-k8s; do
     [[ -x "target/debug/$b" ]] || { echo "no target/debug/$b from the test build" >&2; exit 1; }
 done
-.cache/grpc-venv/bin/python tests/grpc-interop/grpc_core_client.py \
+"$grpc_venv/bin/python" tests/grpc-interop/grpc_core_client.py \
     --plugin target/debug/sandbox-device-plugin --peer target/debug/kubelet-peer
-.cache/grpc-venv/bin/python tests/grpc-interop/grpc_core_dra_client.py \
+"$grpc_venv/bin/python" tests/grpc-interop/grpc_core_dra_client.py \
     --driver target/debug/sandbox-dra-driver --apiserver target/debug/fake-apiserver \
     --peer target/debug/kubelet-peer
 step "CDI runtime: Debian's podman (runc) runs a container with a prepared claim's CDI devices and sees the PCI_RESOURCE_<NAME> variables, the VFIO nodes and the metadata files"

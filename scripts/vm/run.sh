@@ -36,6 +36,10 @@
 #                again, once (default: VM_STALL_TIMEOUT or 90); a second
 #                stall, or any stall after the scenario started, fails
 #
+# Every timeout is also multiplied by a load factor, measured before the first
+# boot (1 on an idle machine, 3 on two cores beside two busy processes; see
+# measure_load_factor) or set by VM_LOAD_FACTOR.
+#
 # VM_LOG_DIR moves the console logs elsewhere (default target/vm-logs).
 #
 # Each scenario's serial console goes to target/vm-logs/<kernel>/<scenario>.log.
@@ -311,9 +315,10 @@ run_scenario() {
         return 0
     fi
 
-    # An emulated aarch64 guest runs slower under TCG: scale its timeouts.
-    # The local stall_timeout is the one boot_vm and the report below see.
-    local factor="${k_factor[$kernel]}"
+    # An emulated aarch64 guest runs slower under TCG, and every guest on a
+    # loaded machine: scale its timeouts. The local stall_timeout is the one
+    # boot_vm and the report below see.
+    local factor=$((k_factor[$kernel] * load_factor))
     local stall_timeout=$((stall_timeout * factor))
     [[ "$timeout" =~ ^[1-9][0-9]*$ ]] && timeout=$((timeout * factor))
 
@@ -507,9 +512,52 @@ for f in "${scenarios[@]}"; do
     names+=("$n")
 done
 
+# ---- load --------------------------------------------------------------------
+# A guest under TCG takes as long as the CPU time it gets, so beside other busy
+# processes every timeout must grow as much, or a slow guest is reported as a
+# hung one. $jobs busy loops (one per VM at a time) run side by side for a
+# second; the load factor is that second over the CPU time the slowest of them
+# got, times 0.9, rounded up, at most 4: 1 on an idle machine with a core per
+# VM, 3 on two cores beside two busy processes. VM_LOAD_FACTOR sets it.
+measure_load_factor() {
+    local dir i ticks min=""
+    dir="$(mktemp -d)"
+    for ((i = 0; i < jobs; i++)); do
+        # shellcheck disable=SC2016 # expanded by the busy loop's own shell
+        bash -c 'end=$((${EPOCHREALTIME/./} + 1000000))
+            while ((${EPOCHREALTIME/./} < end)); do :; done
+            read -r -a s </proc/self/stat
+            echo $((s[13] + s[14]))' >"$dir/$i" &
+    done
+    wait
+    for ((i = 0; i < jobs; i++)); do
+        ticks="$(cat "$dir/$i")"
+        [[ -z "$min" ]] || ((ticks >= min)) || min="$ticks"
+        [[ -n "$min" ]] || min="$ticks"
+    done
+    rm -rf "$dir"
+    local hz
+    hz="$(getconf CLK_TCK)"
+    if ((min <= 0)); then
+        echo 4
+    else
+        i=$(((9 * hz + 10 * min - 1) / (10 * min)))
+        echo $((i < 1 ? 1 : i > 4 ? 4 : i))
+    fi
+}
+if [[ -n "${VM_LOAD_FACTOR:-}" ]]; then
+    [[ "$VM_LOAD_FACTOR" =~ ^[1-9][0-9]*$ ]] || vm_die "VM_LOAD_FACTOR wants a positive number, got '$VM_LOAD_FACTOR'"
+    load_factor="$VM_LOAD_FACTOR"
+    load_note="VM_LOAD_FACTOR"
+else
+    load_factor="$(measure_load_factor)"
+    load_note="measured: $jobs busy loops side by side"
+fi
+
 kernel_desc=()
 for k in "${kernels[@]}"; do kernel_desc+=("$k (${k_version[$k]})"); done
 vm_log "running ${#scenarios[@]} scenario(s) on ${#kernels[@]} kernel(s), up to $jobs at a time: ${kernel_desc[*]}"
+vm_log "timeouts times $load_factor for the machine's load ($load_note)"
 run_t0=$(date +%s.%N)
 # reap_while_more_than N -- collect finished scenarios until at most N run.
 reap_while_more_than() {
