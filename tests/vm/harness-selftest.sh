@@ -15,7 +15,10 @@
 # retry messages and the totals. Then runs stall-once and stall-after-start
 # once more on the arm64 kernel (trixie-arm64, fake qemu-system-aarch64),
 # whose timeouts run.sh doubles: the stall bound becomes 6 s, the hard
-# timeout 16 s. Takes about 30 s.
+# timeout 16 s. Then stall-once with VM_LOAD_FACTOR=2 (the load factor
+# multiplies the bounds like the arm64 one: 6 s) and a refused VM_LOAD_FACTOR=0.
+# The other runs set the load factor to 1: a fake guest needs no CPU time.
+# Takes about 40 s.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -89,7 +92,7 @@ KERNEL_SUITE=trixie KERNEL_ARCH=arm64 "$repo_root/scripts/fetch-kernel.sh" >/dev
 
 echo "selftest: running scripts/vm/run.sh with a fake QEMU (stall timeout 3 s)"
 rc=0
-PATH="$tmp/bin:$PATH" FAKE_QEMU_STATE="$tmp/state" VM_LOG_DIR="$tmp/logs" \
+PATH="$tmp/bin:$PATH" FAKE_QEMU_STATE="$tmp/state" VM_LOG_DIR="$tmp/logs" VM_LOAD_FACTOR=1 \
     "$repo_root/scripts/vm/run.sh" --no-build --kernel bookworm --stall-timeout 3 -j 4 \
     "$tmp"/scenarios/*.sh >"$tmp/out" 2>"$tmp/err" || rc=$?
 check "run.sh fails (two scenarios must fail)" "$([[ $rc != 0 ]]; echo $?)"
@@ -129,7 +132,7 @@ check "final total" "$([[ $(tail -n 1 "$tmp/out") == "vm: 3 passed, 3 failed" ]]
 echo "selftest: the same watchdog on the arm64 kernel (timeouts doubled: stall 6 s, hard 16 s)"
 mkdir -p "$tmp/state-arm64"
 rc=0
-PATH="$tmp/bin:$PATH" FAKE_QEMU_STATE="$tmp/state-arm64" VM_LOG_DIR="$tmp/logs" \
+PATH="$tmp/bin:$PATH" FAKE_QEMU_STATE="$tmp/state-arm64" VM_LOG_DIR="$tmp/logs" VM_LOAD_FACTOR=1 \
     "$repo_root/scripts/vm/run.sh" --no-build --kernel trixie-arm64 --stall-timeout 3 -j 2 \
     "$tmp"/scenarios/stall-once.sh "$tmp"/scenarios/stall-after-start.sh >"$tmp/out-arm64" 2>"$tmp/err-arm64" || rc=$?
 check "arm64: run.sh fails (stall-after-start must fail)" "$([[ $rc != 0 ]]; echo $?)"
@@ -146,11 +149,28 @@ check "arm64 per-kernel total" "$(has "$(cat "$tmp/out-arm64")" "vm[trixie-arm64
 check "arm64: the guest is qemu-system-aarch64 with an SMMUv3" \
     "$(grep -q '^# qemu-system-aarch64 -machine virt,accel=tcg,iommu=smmuv3 ' "$tmp/logs/trixie-arm64/stall-once.log"; echo $?)"
 
+echo "selftest: the load factor multiplies the bounds too (VM_LOAD_FACTOR=2: stall 6 s); a bad one is refused"
+mkdir -p "$tmp/state-load"
+rc=0
+PATH="$tmp/bin:$PATH" FAKE_QEMU_STATE="$tmp/state-load" VM_LOG_DIR="$tmp/logs-load" VM_LOAD_FACTOR=2 \
+    "$repo_root/scripts/vm/run.sh" --no-build --kernel bookworm --stall-timeout 3 \
+    "$tmp"/scenarios/stall-once.sh >"$tmp/out-load" 2>"$tmp/err-load" || rc=$?
+check "load: run.sh passes" "$([[ $rc == 0 ]]; echo $?)"
+check "load: the factor is announced" \
+    "$(has "$(cat "$tmp/err-load")" "timeouts times 2 for the machine's load (VM_LOAD_FACTOR)")"
+check "load: stall-once retried after the doubled stall bound" \
+    "$(has "$(section stall-once bookworm "$tmp/out-load")" "RETRY no progress for 6 s before the scenario started; booted again once")"
+rc=0
+VM_LOAD_FACTOR=0 "$repo_root/scripts/vm/run.sh" --no-build --kernel bookworm "$tmp"/scenarios/stall-once.sh \
+    >/dev/null 2>"$tmp/err-bad" || rc=$?
+check "load: VM_LOAD_FACTOR=0 is refused, naming it" \
+    "$([[ $rc != 0 ]] && grep -q "VM_LOAD_FACTOR wants a positive number, got '0'" "$tmp/err-bad"; echo $?)"
+
 if ((failures)); then
     # The run's own output, to see what went wrong (it shows expected FAIL
     # lines too, so it is only printed when a check failed).
     echo "selftest: output of run.sh:"
-    sed 's/^/  | /' "$tmp/out" "$tmp/err" "$tmp/out-arm64" "$tmp/err-arm64"
+    sed 's/^/  | /' "$tmp/out" "$tmp/err" "$tmp/out-arm64" "$tmp/err-arm64" "$tmp/out-load" "$tmp/err-load"
     echo "selftest: $failures check(s) failed"
     exit 1
 fi
