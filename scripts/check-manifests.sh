@@ -130,18 +130,8 @@ ensure_kubectl() {
 }
 
 ensure_venv() {
-    local venv="$tools/venv" req="$repo_root/scripts/manifests/requirements.txt"
-    if [[ ! -x "$venv/bin/python" ]]; then
-        log "creating $venv"
-        python3 -m venv "$venv"
-    fi
-    if ! cmp -s "$req" "$venv/.requirements" 2>/dev/null; then
-        log "installing $(grep -c '==' "$req") pinned packages from PyPI into the venv"
-        progress_run "check-manifests: still installing from PyPI" progress_size "$venv" -- \
-            "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$req" >&2
-        cp "$req" "$venv/.requirements"
-    fi
-    py="$venv/bin/python"
+    venv_ensure check-manifests "$tools/venv" "$repo_root/scripts/manifests/requirements.txt"
+    py="$tools/venv/bin/python"
 }
 
 # KubeVirt's API schema from @kubevirt-ui/kubevirt-api, checked against

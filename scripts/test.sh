@@ -128,18 +128,9 @@ step "fault injection: fail and crash at every kernel write, module syscall and 
 lint_cargo test --workspace --test faults --test claims --locked -- --nocapture
 step "gRPC interop: a grpc-core client (Python grpcio from PyPI) against the device plugin and the DRA driver (registration, DRA v1 and v1beta1, the health stream)"
 # Its venv is the machine's (a fresh clone spent most of this step installing it
-# again), filled under a lock by one checkout at a time.
+# again; scripts/lib/packages.sh).
 grpc_venv="${VFIO_SANDBOX_CACHE:-$HOME/.cache/vfio-sandbox}/grpc-venv"
-mkdir -p "$grpc_venv"
-(
-    flock 9
-    [[ -x "$grpc_venv/bin/python" ]] || python3 -m venv "$grpc_venv"
-    if ! cmp -s tests/grpc-interop/requirements.txt "$grpc_venv/.requirements"; then
-        progress_run "test.sh: still installing grpcio and grpcio-tools from PyPI" progress_size "$grpc_venv" -- \
-            "$grpc_venv/bin/pip" install --quiet --disable-pip-version-check -r tests/grpc-interop/requirements.txt
-        cp tests/grpc-interop/requirements.txt "$grpc_venv/.requirements"
-    fi
-) 9>"$grpc_venv.lock"
+venv_ensure test.sh "$grpc_venv" tests/grpc-interop/requirements.txt
 # The binaries the test build built for its integration tests (each package
 # used here has some); a build of only these packages would resolve other
 # features and compile much of the workspace again.

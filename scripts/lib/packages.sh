@@ -90,3 +90,26 @@ pkg_ensure() {
         return 1
     fi
 }
+
+# venv_ensure WHO DIR REQUIREMENTS -- a Python venv at DIR with the pinned
+# packages of the file REQUIREMENTS installed from PyPI; installs only when
+# the file differs from the one the venv was last filled from, under a lock
+# (DIR.lock) so two checkouts sharing a machine-wide venv do not race. WHO
+# prefixes the messages.
+venv_ensure() {
+    local who="$1" venv="$2" req="$3"
+    mkdir -p "$(dirname "$venv")"
+    (
+        flock 9
+        if [[ ! -x "$venv/bin/python" ]]; then
+            printf '%s: creating %s\n' "$who" "$venv" >&2
+            python3 -m venv "$venv"
+        fi
+        if ! cmp -s "$req" "$venv/.requirements" 2>/dev/null; then
+            printf '%s: installing %s packages from PyPI into %s\n' "$who" "$(grep -cEv '^[[:space:]]*(#|$)' "$req")" "$venv" >&2
+            progress_run "$who: still installing from PyPI" progress_size "$venv" -- \
+                "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$req" >&2
+            cp "$req" "$venv/.requirements"
+        fi
+    ) 9>"$venv.lock"
+}
