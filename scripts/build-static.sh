@@ -105,7 +105,7 @@ rc=0
 # first, with exactly the packages of the normal build below, so cargo resolves
 # the same features for every dependency and the second build compiles only the
 # two binaries' own crates again (the libraries take no feature for it, see
-# sysfs_pci::failpoint); it also puts the shipped binaries back in place (cargo
+# support::failpoint); it also puts the shipped binaries back in place (cargo
 # keeps both variants cached).
 fp_bins=()
 package_args=(--workspace)

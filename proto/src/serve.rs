@@ -3,7 +3,9 @@
 //! Every server we run goes through [`listen`] and [`spawn`]: the socket's directory
 //! is made, a stale socket is replaced (anything else at the path is refused, never
 //! deleted), the [`SocketFile`] we bound is told apart from a replacement (so we only
-//! ever remove our own socket, and notice when kubelet deleted it), and each accepted connection goes through [`AuthorityFix`], so requests
+//! ever remove our own socket, and notice when kubelet deleted it), [`DirEvents`]
+//! tells at once when a socket file or its directory goes, and each accepted
+//! connection goes through [`AuthorityFix`], so requests
 //! whose `:authority` is the socket path — what kubelet's plugin watcher and DRA
 //! client send — reach the service instead of being reset by the HTTP/2 layer.
 //!
@@ -17,8 +19,12 @@
 //! # Ok(()) }
 //! ```
 
+use std::ffi::OsString;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
+
+use inotify::Inotify;
+pub use inotify::{Event, EventMask, WatchMask};
 
 use tokio::net::UnixListener;
 use tokio::sync::oneshot;
@@ -176,6 +182,45 @@ pub fn spawn(
         }
     });
     tx
+}
+
+/// What happens to the files of some directories (kubelet's plugin and
+/// device-plugin directories, where our sockets live): one inotify stream.
+pub struct DirEvents(
+    std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = std::io::Result<inotify::Event<OsString>>> + Send>,
+    >,
+);
+
+impl DirEvents {
+    /// Watches `dirs` for `mask` (and for the directories themselves going away).
+    /// Needs a tokio runtime.
+    pub fn open(dirs: &[PathBuf], mask: WatchMask) -> std::io::Result<Self> {
+        let inotify = Inotify::init()?;
+        for d in dirs {
+            inotify
+                .watches()
+                .add(d, mask | WatchMask::DELETE_SELF | WatchMask::MOVE_SELF)?;
+        }
+        let stream = inotify.into_event_stream(vec![0u8; 4096])?;
+        Ok(Self(Box::pin(stream)))
+    }
+
+    /// The next event; `None` when the stream ended or a watched directory went
+    /// away (the caller watches again once it is back).
+    pub async fn next(&mut self) -> Option<inotify::Event<OsString>> {
+        use tokio_stream::StreamExt as _;
+        match self.0.next().await {
+            Some(Ok(ev))
+                if !ev.mask.intersects(
+                    EventMask::IGNORED | EventMask::DELETE_SELF | EventMask::MOVE_SELF,
+                ) =>
+            {
+                Some(ev)
+            }
+            _ => None,
+        }
+    }
 }
 
 #[cfg(test)]

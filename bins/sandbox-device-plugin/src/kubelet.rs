@@ -368,7 +368,7 @@ fn start_server(
     let (listener, file) = match kubelet_api::serve::listen(path) {
         Ok(served) => served,
         Err(e) => {
-            tracing::error!(error = %sysfs_pci::error_chain(&e), "cannot serve; retrying");
+            tracing::error!(error = %support::error_chain(&e), "cannot serve; retrying");
             return None;
         }
     };
@@ -441,7 +441,7 @@ async fn register_once(
             anyhow::anyhow!(
                 "Register on {}: {}",
                 socket.display(),
-                sysfs_pci::error_chain(e.as_ref())
+                support::error_chain(e.as_ref())
             )
         })
 }

@@ -8,10 +8,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use node_agent::watch::{AsyncNodeWatch, Changes, DirEvents, EventMask, Options, WatchMask};
+use kubelet_api::serve::{DirEvents, EventMask, WatchMask};
+use node_agent::watch::{AsyncNodeWatch, Changes, Options};
 use passthrough::config::{ResourceList, ResourceName};
+use support::error_chain;
 use sysfs_pci::device::DeviceError;
-use sysfs_pci::{error_chain, Host};
+use sysfs_pci::Host;
 use tokio::sync::{mpsc, watch};
 
 use crate::devices::{Changed, Snapshot, Tracker};

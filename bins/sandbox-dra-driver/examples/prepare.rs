@@ -27,13 +27,15 @@ use std::num::NonZeroUsize;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use kubelet_plugin::{AllocatedDevice, ClaimRef};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use passthrough::state::StateFile;
 use passthrough::{Passthrough, DEFAULT_BIND_JOBS};
-use sandbox_dra_driver::claims::{device_name, Allocation, ClaimRef, Claims, Files};
+use sandbox_dra_driver::{device_name, Claims, Files};
+use support::error_chain;
 use sysfs_pci::testing::{BenchArgs, FakeKernel};
-use sysfs_pci::{error_chain, PciAddress};
+use sysfs_pci::PciAddress;
 
 const LIST: &str =
     r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
@@ -84,12 +86,13 @@ fn prepare_and_unprepare(
         namespace: "vms".into(),
         name: "bench".into(),
     };
-    let allocations: Vec<Allocation> = devices
+    let allocations: Vec<AllocatedDevice> = devices
         .iter()
-        .map(|a| Allocation {
+        .map(|a| AllocatedDevice {
             request_names: vec!["npu".into()],
             pool: POOL.into(),
             device: device_name(a),
+            admin_access: false,
         })
         .collect();
     let mut state = StateFile::load(

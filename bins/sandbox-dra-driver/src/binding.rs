@@ -66,7 +66,7 @@ pub struct Homes(Mutex<BTreeMap<PciAddress, Option<String>>>);
 impl Homes {
     /// Replaces what is known.
     pub fn set(&self, homes: BTreeMap<PciAddress, Option<String>>) {
-        *sysfs_pci::kernel::lock(&self.0) = homes;
+        *support::lock(&self.0) = homes;
     }
 
     /// The driver `entry` is on between claims: the recorded one, else its own.
@@ -83,7 +83,7 @@ impl Homes {
 
     /// The selected devices that get binding conditions under `mode`.
     pub fn marked(&self, inv: &Inventory, mode: Mode) -> BTreeSet<PciAddress> {
-        let homes = sysfs_pci::kernel::lock(&self.0);
+        let homes = support::lock(&self.0);
         inv.selected()
             .filter(|e| match mode {
                 Mode::Off => false,

@@ -66,7 +66,7 @@
 //!   `…/resourceclaimtemplates/<pod claim name>/<request>/<driver>-metadata.json` for
 //!   a claim made from a template; the pod claim name
 //!   (`pod.spec.resourceClaims[].name`) is the claim's
-//!   [`POD_CLAIM_NAME_ANNOTATION`]. `<request>` is the top-level request: a
+//!   [`kubelet_plugin::POD_CLAIM_NAME_ANNOTATION`]. `<request>` is the top-level request: a
 //!   `request/subrequest` reference loses its `/subrequest` in the path but keeps
 //!   it in `requests[].name`.
 //! - Content: a stream of `DeviceMetadata` objects, one per API version, newest first;
@@ -105,7 +105,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::claims::{parse_device_name, ClaimRef};
+use crate::model::parse_device_name;
+use kubelet_plugin::slices::PCI_BUS_ID;
+use kubelet_plugin::ClaimRef;
 use sysfs_pci::PciAddress;
 
 mod names;
@@ -125,10 +127,6 @@ pub const CONTAINER_METADATA_DIR: &str = "/var/run/kubernetes.io/dra-device-attr
 pub const LEGACY_CONTAINER_METADATA_DIR: &str = "/var/run/dra-device-attributes";
 /// The only metadata API version KubeVirt reads, and the one we write.
 pub const METADATA_API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
-/// The standard attribute holding a PCI function's address.
-pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
-/// The annotation a claim made from a template carries: the pod's name for it.
-pub const POD_CLAIM_NAME_ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
 
 /// Permissions of every device node, as in the device plugin's `Allocate`.
 const PERMISSIONS: &str = "mrw";
@@ -461,7 +459,7 @@ fn metadata_text(
 
 /// The CDI spec, the metadata files and the CDI ids for a prepared claim.
 ///
-/// `pod_claim_name` is the claim's [`POD_CLAIM_NAME_ANNOTATION`] (a claim made from
+/// `pod_claim_name` is the claim's [`kubelet_plugin::POD_CLAIM_NAME_ANNOTATION`] (a claim made from
 /// a template), which decides the container path of the metadata. Device order does
 /// not matter: devices and requests are written sorted by name, so the same claim
 /// always gives the same bytes.

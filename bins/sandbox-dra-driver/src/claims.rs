@@ -22,6 +22,9 @@
 //! `preparing` claim back and finishes an `unpreparing` one, so a later unprepare still
 //! restores the original drivers. A group belongs to at most one claim.
 //!
+//! Its failpoints ([`support::failpoint`]): `prepare-after-save`, `early-after-save`
+//! and `early-after-moved`, `unprepare-after-save`.
+//!
 //! A little over 600 lines: prepare and unprepare, each step of which this file
 //! shows in order; the errors (`claims/error.rs`) and a restart's recovery
 //! (`claims/recovery.rs`) sit beside it.
@@ -30,114 +33,24 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 
-use crate::cdi::{self, AttributeValue, PCI_BUS_ID};
+use crate::cdi::{self, AttributeValue};
+use crate::model::{parse_device_name, recorded_claim};
+use kubelet_plugin::slices::PCI_BUS_ID;
+use kubelet_plugin::{AllocatedDevice, ClaimRef, PreparedDevice};
 use passthrough::inventory::{Inventory, Role};
 use passthrough::state::StateError;
 use passthrough::state::{ClaimDevice, ClaimPhase, ClaimRecord};
 use passthrough::{target_drivers, Passthrough, PassthroughError};
-use sysfs_pci::io::IoError;
+use support::error_chain;
+use support::io::IoError;
 use sysfs_pci::module::ModuleError;
-use sysfs_pci::{error_chain, Host, PciAddress};
+use sysfs_pci::{Host, PciAddress};
 
 mod error;
 mod recovery;
 
 use error::boxed;
-pub use error::{ClaimError, Failure, StepError};
-
-/// A claim as kubelet names it in `NodePrepareResources`.
-#[derive(
-    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
-pub struct ClaimRef {
-    /// The claim's UID.
-    pub uid: String,
-    /// Its namespace.
-    pub namespace: String,
-    /// Its name.
-    pub name: String,
-}
-
-impl ClaimRef {
-    /// The claim `uid` as its record names it.
-    pub fn recorded(uid: &str, record: &ClaimRecord) -> Self {
-        Self {
-            uid: uid.to_owned(),
-            namespace: record.namespace.clone(),
-            name: record.name.clone(),
-        }
-    }
-
-    /// Where an Event about this claim goes (its namespace, where `kubectl describe
-    /// resourceclaim` and the pod's owner look), and how an error names the post.
-    pub fn event_target(
-        &self,
-        reason: &str,
-    ) -> (k8s_openapi::api::core::v1::ObjectReference, String) {
-        let reference = k8s_openapi::api::core::v1::ObjectReference {
-            api_version: Some("resource.k8s.io/v1".into()),
-            kind: Some("ResourceClaim".into()),
-            name: Some(self.name.clone()),
-            namespace: Some(self.namespace.clone()),
-            uid: Some(self.uid.clone()),
-            ..Default::default()
-        };
-        let what = format!(
-            "post Event {reason} on ResourceClaim {}/{}",
-            self.namespace, self.name
-        );
-        (reference, what)
-    }
-}
-
-/// One device the scheduler allocated to a claim, for this driver on this node.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Allocation {
-    /// The request(s) of the claim this device satisfies.
-    pub request_names: Vec<String>,
-    /// The pool (the node's name).
-    pub pool: String,
-    /// The device's name in the ResourceSlice ([`device_name`]).
-    pub device: String,
-}
-
-/// What prepare gives back for one device.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct PreparedDevice {
-    /// The request(s) it satisfies.
-    pub request_names: Vec<String>,
-    /// Its pool.
-    pub pool_name: String,
-    /// Its name in the ResourceSlice.
-    pub device_name: String,
-    /// The fully qualified CDI device ids the container runtime applies.
-    pub cdi_device_ids: Vec<String>,
-}
-
-/// The ResourceSlice device name of a PCI function: a DNS label derived from its
-/// address, `0000:01:00.0` → `pci-0000-01-00-0`.
-pub fn device_name(address: &PciAddress) -> String {
-    let s = address.to_string().replace([':', '.'], "-");
-    format!("pci-{s}")
-}
-
-/// The PCI address a [`device_name`] stands for, if it is one.
-pub fn parse_device_name(name: &str) -> Option<PciAddress> {
-    let rest = name.strip_prefix("pci-")?;
-    let parts: Vec<&str> = rest.split('-').collect();
-    let [domain, bus, dev, func] = parts.as_slice() else {
-        return None;
-    };
-    let text = format!("{domain}:{bus}:{dev}.{func}");
-    let address: PciAddress = text.parse().ok()?;
-    (device_name(&address) == name).then_some(address)
-}
-
-impl std::fmt::Display for ClaimRef {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{} (uid {})", self.namespace, self.name, self.uid)
-    }
-}
+pub use error::{ClaimError, DriverError, Failure, StepError};
 
 /// Where a claim's files go, and how devices are handed to containers.
 #[derive(Debug, Clone)]
@@ -192,7 +105,7 @@ impl Claims<'_> {
         &mut self,
         claim: &ClaimRef,
         pod_claim_name: Option<&str>,
-        allocations: &[Allocation],
+        allocations: &[AllocatedDevice],
         inv: &Inventory,
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
         let devices = self.resolve(claim, allocations, inv)?;
@@ -239,7 +152,7 @@ impl Claims<'_> {
                         boxed(e),
                     )
                 })?;
-            sysfs_pci::failpoint::step("prepare-after-save");
+            support::failpoint::step("prepare-after-save");
         }
         let groups = record.groups();
         // After an early move this only checks the groups are still whole on vfio
@@ -300,7 +213,7 @@ impl Claims<'_> {
     pub fn move_early(
         &mut self,
         claim: &ClaimRef,
-        allocations: &[Allocation],
+        allocations: &[AllocatedDevice],
         inv: &Inventory,
     ) -> Result<(), ClaimError> {
         let devices = self.resolve(claim, allocations, inv)?;
@@ -346,7 +259,7 @@ impl Claims<'_> {
                     boxed(e),
                 )
             })?;
-        sysfs_pci::failpoint::step("early-after-save");
+        support::failpoint::step("early-after-save");
         if let Err((step, source)) = self.move_groups(inv, &record.groups()) {
             let undo = self.undo(&claim.uid, &record);
             return Err(fail(step, Some(undo), source));
@@ -359,7 +272,7 @@ impl Claims<'_> {
             let undo = self.undo(&claim.uid, &record);
             return Err(fail("saving the moved claim", Some(undo), boxed(e)));
         }
-        sysfs_pci::failpoint::step("early-after-moved");
+        support::failpoint::step("early-after-moved");
         Ok(())
     }
 
@@ -371,7 +284,7 @@ impl Claims<'_> {
         match self.pt.state.state().claims.get(uid) {
             Some(r) if matches!(r.phase, ClaimPhase::Moved | ClaimPhase::Unpreparing) => {
                 let record = r.clone();
-                let claim = ClaimRef::recorded(uid, &record);
+                let claim = recorded_claim(uid, &record);
                 self.finish_unprepare(&claim, record).map(|()| true)
             }
             _ => Ok(false),
@@ -386,7 +299,7 @@ impl Claims<'_> {
             .claims
             .iter()
             .filter(|(_, r)| r.phase == ClaimPhase::Moved)
-            .map(|(uid, r)| ClaimRef::recorded(uid, r))
+            .map(|(uid, r)| recorded_claim(uid, r))
             .collect()
     }
 
@@ -459,7 +372,7 @@ impl Claims<'_> {
         let Some(record) = self.pt.state.state().claims.get(&claim.uid).cloned() else {
             return Ok(());
         };
-        let shown = ClaimRef::recorded(&claim.uid, &record);
+        let shown = recorded_claim(&claim.uid, &record);
         let held: Vec<u32> = record
             .groups()
             .into_iter()
@@ -483,7 +396,7 @@ impl Claims<'_> {
     fn resolve(
         &self,
         claim: &ClaimRef,
-        allocations: &[Allocation],
+        allocations: &[AllocatedDevice],
         inv: &Inventory,
     ) -> Result<Vec<ClaimDevice>, ClaimError> {
         let refuse = |reason: String| ClaimError::Refused {
@@ -504,6 +417,13 @@ impl Claims<'_> {
         }
         let mut devices = Vec::with_capacity(allocations.len());
         for a in allocations {
+            if a.admin_access {
+                return Err(refuse(format!(
+                    "device {} of request {} is allocated with admin access, which this driver does not give (moving it to vfio-pci would take it from its user)",
+                    a.device,
+                    a.request_names.join(", ")
+                )));
+            }
             if a.pool != self.pool {
                 return Err(not_ours(format!(
                     "device {} is in pool {:?}, not this node's pool {:?}",
@@ -656,7 +576,7 @@ impl Claims<'_> {
     /// Puts a half-prepared claim back: its files removed, its groups restored, the
     /// claim forgotten once nothing of it is left on vfio. Says what happened.
     fn undo(&mut self, uid: &str, record: &ClaimRecord) -> String {
-        let claim = ClaimRef::recorded(uid, record);
+        let claim = recorded_claim(uid, record);
         match self.finish_unprepare(&claim, record.clone()) {
             Ok(()) => "its devices were put back".into(),
             Err(e) => format!(
@@ -688,7 +608,7 @@ impl Claims<'_> {
                 .set_claim(self.pt.kernel, &claim.uid, next)
                 .map_err(|e| fail("saving the claim before giving its devices back", boxed(e)))?;
         }
-        sysfs_pci::failpoint::step("unprepare-after-save");
+        support::failpoint::step("unprepare-after-save");
         self.remove_files(claim)
             .map_err(|e| fail("removing its files", boxed(e)))?;
         let groups = record.groups();
@@ -725,7 +645,7 @@ impl Claims<'_> {
         let f = &self.files;
         // A uid no file can be named after never had files.
         if let Ok(spec) = cdi::cdi_spec_path(&f.driver, &f.cdi_dir, &claim.uid) {
-            sysfs_pci::io::remove_if_present(&spec)?;
+            support::io::remove_if_present(&spec)?;
         }
         if let Ok(dir) = cdi::metadata_claim_dir(&f.driver, &f.metadata_dir, &claim.uid) {
             match std::fs::remove_dir_all(&dir) {
@@ -763,6 +683,3 @@ fn device_list(devices: &[ClaimDevice]) -> String {
         .collect();
     names.join(", ")
 }
-
-#[cfg(test)]
-mod tests;

@@ -1,27 +1,15 @@
-//! Device health for kubelet (KEP-4680, the DRA part): the `DRAResourceHealth`
-//! stream kubelet reads from our endpoint socket, and the board behind it.
+//! Device health for kubelet (KEP-4680, the DRA part): the board that judges each
+//! device, whose reports [`kubelet_plugin`] streams to kubelet (`DRAResourceHealth`)
+//! and whose reasons taint the devices in the slice.
 //!
-//! # What kubelet does with it
-//!
-//! (kubernetes `pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go`, `manager.go`,
-//! `healthinfo.go`; proto `staging/src/k8s.io/kubelet/pkg/apis/dra-health/{v1alpha1,v1}`.)
-//! With the `ResourceHealthStatus` gate on, kubelet opens `NodeWatchResources` on
-//! the connection it already has to `dra.sock`, right after the driver registers,
-//! and keeps it open (no deadline). Newer kubelets only do so when the driver lists
-//! `v1.DRAResourceHealth` or `v1alpha1.DRAResourceHealth` in its supported
-//! versions (v1 preferred); 1.36 re-dials every 5 s whatever the outcome. Each
-//! response is merged device by device (`pool/device`): kubelet stamps it with its
-//! own clock, and a device no later response mentions turns `Unknown` after its
-//! `health_check_timeout_seconds` (default 30 s). When the stream ends, every device
-//! of the driver reads `Unknown`. Kubelet shows the result in
+//! kubelet shows the result in
 //! `pod.status.containerStatuses[].allocatedResourcesStatus[].resources[]`
-//! (`resourceID` = the device's first CDI id, `health`, `message`).
+//! (`resourceID` = the device's first CDI id, `health`, `message`); what it does
+//! with the stream is in [`kubelet_plugin::health`].
 //!
 //! # What we send
 //!
-//! Every device the driver has seen selected on this node, by its slice name, at
-//! once when the stream opens, again within moments of any change, and at least
-//! every [`RESEND`] (well inside our [`TIMEOUT`]):
+//! Every device the driver has seen selected on this node, by its slice name:
 //! - **Unhealthy** when it is gone from the PCI bus, cannot be read, cannot be
 //!   prepared (withdrawn from the slice: no IOMMU group, a group member with VFs
 //!   enabled), has had a fatal PCIe error since the driver started (`aer_dev_fatal`,
@@ -39,58 +27,26 @@
 //! server.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use kubelet_api::dra_health::{v1, v1alpha1};
+use kubelet_plugin::health::truncate;
+use kubelet_plugin::{DeviceHealth, Health, HealthReports};
 use node_agent::watch::Changes;
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use sysfs_pci::deadline::StuckList;
 use sysfs_pci::{Host, PciAddress};
-use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::Stream;
-use tonic::{Request, Response, Status};
+use tokio::sync::watch;
 
-use crate::claims::device_name;
+use crate::model::device_name;
 
-/// How long kubelet keeps one of our reports (`health_check_timeout_seconds`).
-pub const TIMEOUT: Duration = Duration::from_secs(60);
-/// The whole list is sent again at least this often, so no report times out.
-pub const RESEND: Duration = Duration::from_secs(20);
-/// The longest message kubelet keeps whole.
-const MESSAGE_MAX: usize = 1024;
-
-/// A device's health, as the proto's `HealthStatus`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub enum Health {
-    /// Usable.
-    Healthy,
-    /// Not usable; the message says why.
-    Unhealthy,
+/// One device's report, and why it should get no new claim (the value of its
+/// taint in the slice), if so.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Known {
+    report: DeviceHealth,
+    reason: Option<&'static str>,
 }
-
-/// One device's report.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct DeviceReport {
-    /// Its slice name (`pci-0000-01-00-0`).
-    pub device: String,
-    /// Its address.
-    pub address: PciAddress,
-    /// Healthy or not.
-    pub health: Health,
-    /// Why not, or what it is.
-    pub message: String,
-    /// Why not, in one word (the value of the device's taint in the slice).
-    pub reason: Option<&'static str>,
-    /// Unix seconds of the last change of `health` or `message`.
-    pub since: i64,
-}
-
-/// The reports of every device, sorted by address.
-pub type Reports = Arc<Vec<DeviceReport>>;
 
 /// Keeps each device's health and hands it to every open stream.
 pub struct HealthBoard {
@@ -99,13 +55,13 @@ pub struct HealthBoard {
     list: ResourceList,
     stuck: StuckList,
     inner: Mutex<Inner>,
-    tx: watch::Sender<Reports>,
+    tx: watch::Sender<HealthReports>,
 }
 
 #[derive(Default)]
 struct Inner {
     /// Every device seen selected, with its last report.
-    known: BTreeMap<PciAddress, DeviceReport>,
+    known: BTreeMap<PciAddress, Known>,
     /// The IOMMU group each known device was last seen in.
     groups: BTreeMap<PciAddress, Option<u32>>,
     /// Devices of prepared claims.
@@ -145,15 +101,15 @@ impl HealthBoard {
 
     /// The devices that should get no new claim now, with their reasons.
     pub fn unhealthy(&self) -> BTreeMap<PciAddress, &'static str> {
-        self.tx
-            .borrow()
+        support::lock(&self.inner)
+            .known
             .iter()
-            .filter_map(|r| r.reason.map(|why| (r.address, why)))
+            .filter_map(|(a, k)| k.reason.map(|why| (*a, why)))
             .collect()
     }
 
     /// Every report now, and each change after.
-    pub fn subscribe(&self) -> watch::Receiver<Reports> {
+    pub fn subscribe(&self) -> watch::Receiver<HealthReports> {
         self.tx.subscribe()
     }
 
@@ -163,7 +119,7 @@ impl HealthBoard {
         match Inventory::scan(&self.host, &self.list) {
             Ok(inv) => self.update(&inv, None),
             Err(e) => {
-                tracing::warn!(error = %sysfs_pci::error_chain(&e), "cannot read the node for device health; keeping the last reports")
+                tracing::warn!(error = %support::error_chain(&e), "cannot read the node for device health; keeping the last reports")
             }
         }
     }
@@ -177,7 +133,7 @@ impl HealthBoard {
         }
         let mut groups = changes.groups.clone();
         {
-            let inner = sysfs_pci::kernel::lock(&self.inner);
+            let inner = support::lock(&self.inner);
             for a in &changes.addresses {
                 groups.extend(inner.groups.get(a).copied().flatten());
             }
@@ -199,7 +155,7 @@ impl HealthBoard {
             }
         }
         {
-            let inner = sysfs_pci::kernel::lock(&self.inner);
+            let inner = support::lock(&self.inner);
             scope.extend(
                 inner
                     .groups
@@ -223,7 +179,7 @@ impl HealthBoard {
     pub fn check_stuck(&self) {
         let now: BTreeSet<PciAddress> = self.stuck.get().into_keys().collect();
         let moved: BTreeSet<PciAddress> = {
-            let inner = sysfs_pci::kernel::lock(&self.inner);
+            let inner = support::lock(&self.inner);
             inner.stuck.symmetric_difference(&now).copied().collect()
         };
         if !moved.is_empty() {
@@ -235,7 +191,7 @@ impl HealthBoard {
     /// joined or left, with their groups.
     pub fn set_prepared(&self, prepared: BTreeSet<PciAddress>) {
         let (moved, groups) = {
-            let mut inner = sysfs_pci::kernel::lock(&self.inner);
+            let mut inner = support::lock(&self.inner);
             let moved: BTreeSet<PciAddress> = inner
                 .prepared
                 .symmetric_difference(&prepared)
@@ -256,9 +212,9 @@ impl HealthBoard {
     /// Takes a scan of the devices in `scope` (every device when `None`) into the
     /// reports; sends them when one changed.
     pub fn update(&self, inv: &Inventory, scope: Option<&BTreeSet<PciAddress>>) {
-        let now = unix_now();
-        let mut inner = sysfs_pci::kernel::lock(&self.inner);
-        let withdrawn: BTreeMap<PciAddress, String> = crate::slices::withdrawn(inv)
+        let now = support::time::unix_now();
+        let mut inner = support::lock(&self.inner);
+        let withdrawn: BTreeMap<PciAddress, String> = crate::devices::withdrawn(inv)
             .into_iter()
             .map(|w| (w.address, w.reason))
             .collect();
@@ -295,34 +251,32 @@ impl HealthBoard {
                 ),
             };
             let message = truncate(message);
-            let report = match inner.known.get(&address) {
-                Some(old) if old.health == health && old.message == message => continue,
-                _ => DeviceReport {
-                    device: device_name(&address),
-                    address,
-                    health,
-                    message,
-                    reason,
-                    since: now,
-                },
-            };
-            if let Some(old) = inner.known.get(&address) {
-                if old.health != report.health {
-                    match report.health {
-                        Health::Healthy => tracing::info!(bdf = %address, "device healthy again"),
-                        Health::Unhealthy => {
-                            tracing::warn!(bdf = %address, why = %report.message, "device unhealthy")
-                        }
-                    }
-                }
-            } else if report.health == Health::Unhealthy {
-                tracing::warn!(bdf = %address, why = %report.message, "device unhealthy");
+            let old = inner.known.get(&address).map(|k| &k.report);
+            if old.is_some_and(|old| old.health == health && old.message == message) {
+                continue;
             }
-            inner.known.insert(address, report);
+            let was = old.map(|old| old.health);
+            let report = DeviceHealth {
+                pool: self.pool.clone(),
+                device: device_name(&address),
+                health,
+                message,
+                since: now,
+            };
+            match (was, health) {
+                (Some(was), Health::Healthy) if was != Health::Healthy => {
+                    tracing::info!(bdf = %address, "device healthy again")
+                }
+                (w, Health::Unhealthy) if w != Some(Health::Unhealthy) => {
+                    tracing::warn!(bdf = %address, why = %report.message, "device unhealthy")
+                }
+                _ => {}
+            }
+            inner.known.insert(address, Known { report, reason });
             changed = true;
         }
         if changed {
-            let all: Vec<DeviceReport> = inner.known.values().cloned().collect();
+            let all: Vec<DeviceHealth> = inner.known.values().map(|k| k.report.clone()).collect();
             self.tx.send_replace(Arc::new(all));
         }
     }
@@ -406,126 +360,4 @@ fn assess(
             entry.device.driver.as_deref().unwrap_or("no driver")
         ),
     )
-}
-
-/// At most [`MESSAGE_MAX`] characters: 1021 and `...`, as kubelet cuts them.
-fn truncate(message: String) -> String {
-    if message.chars().count() <= MESSAGE_MAX {
-        return message;
-    }
-    let mut cut: String = message.chars().take(MESSAGE_MAX - 3).collect();
-    cut.push_str("...");
-    cut
-}
-
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-}
-
-/// The v1 response for `reports` in `pool`.
-pub fn v1_response(pool: &str, reports: &[DeviceReport]) -> v1::NodeWatchResourcesResponse {
-    v1::NodeWatchResourcesResponse {
-        devices: reports
-            .iter()
-            .map(|r| v1::DeviceHealth {
-                device: Some(v1::DeviceIdentifier {
-                    pool_name: pool.to_owned(),
-                    device_name: r.device.clone(),
-                }),
-                health: match r.health {
-                    Health::Healthy => v1::HealthStatus::Healthy,
-                    Health::Unhealthy => v1::HealthStatus::Unhealthy,
-                } as i32,
-                last_updated_time: r.since,
-                health_check_timeout_seconds: i64::try_from(TIMEOUT.as_secs()).unwrap_or(60),
-                message: r.message.clone(),
-            })
-            .collect(),
-    }
-}
-
-/// The same response in v1alpha1 (field for field the same message).
-fn v1alpha1_response(r: v1::NodeWatchResourcesResponse) -> v1alpha1::NodeWatchResourcesResponse {
-    v1alpha1::NodeWatchResourcesResponse {
-        devices: r
-            .devices
-            .into_iter()
-            .map(|d| v1alpha1::DeviceHealth {
-                device: d.device.map(|i| v1alpha1::DeviceIdentifier {
-                    pool_name: i.pool_name,
-                    device_name: i.device_name,
-                }),
-                health: d.health,
-                last_updated_time: d.last_updated_time,
-                health_check_timeout_seconds: d.health_check_timeout_seconds,
-                message: d.message,
-            })
-            .collect(),
-    }
-}
-
-/// A stream of responses: the whole list now, after every change, and at least
-/// every [`RESEND`]; it ends when kubelet goes away.
-fn watch_stream<T: Send + 'static>(
-    board: &HealthBoard,
-    convert: fn(v1::NodeWatchResourcesResponse) -> T,
-) -> ReceiverStream<Result<T, Status>> {
-    let mut rx = board.subscribe();
-    let pool = board.pool.clone();
-    let (tx, out) = mpsc::channel(4);
-    tokio::spawn(async move {
-        loop {
-            let reports = rx.borrow_and_update().clone();
-            if tx
-                .send(Ok(convert(v1_response(&pool, &reports))))
-                .await
-                .is_err()
-            {
-                return;
-            }
-            tokio::select! {
-                r = rx.changed() => if r.is_err() { return },
-                () = tokio::time::sleep(RESEND) => {}
-                () = tx.closed() => return,
-            }
-        }
-    });
-    ReceiverStream::new(out)
-}
-
-/// `DRAResourceHealth` in both versions, on the DRA endpoint.
-#[derive(Clone)]
-pub struct HealthService(pub Arc<HealthBoard>);
-
-type Boxed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl v1::dra_resource_health_server::DraResourceHealth for HealthService {
-    type NodeWatchResourcesStream = Boxed<v1::NodeWatchResourcesResponse>;
-
-    async fn node_watch_resources(
-        &self,
-        _: Request<v1::NodeWatchResourcesRequest>,
-    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-        tracing::debug!("kubelet watches device health (v1)");
-        Ok(Response::new(Box::pin(watch_stream(&self.0, |r| r))))
-    }
-}
-
-#[tonic::async_trait]
-impl v1alpha1::dra_resource_health_server::DraResourceHealth for HealthService {
-    type NodeWatchResourcesStream = Boxed<v1alpha1::NodeWatchResourcesResponse>;
-
-    async fn node_watch_resources(
-        &self,
-        _: Request<v1alpha1::NodeWatchResourcesRequest>,
-    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-        tracing::debug!("kubelet watches device health (v1alpha1)");
-        Ok(Response::new(Box::pin(watch_stream(
-            &self.0,
-            v1alpha1_response,
-        ))))
-    }
 }

@@ -1,21 +1,30 @@
-//! The pieces of `sandbox-dra-driver`, a library so its tests drive them directly:
-//! the DRA-only model (claims and their records, CDI specs, ResourceSlices and
-//! allocations), the kubelet-facing gRPC servers, the service behind them, the
-//! thread that changes the node, the ResourceSlice publisher, the wait for the
-//! node's owner lock, and the driver's metrics and readiness.
+//! `sandbox-dra-driver` as a library, so its tests drive the parts directly: VFIO
+//! passthrough per ResourceClaim on top of [`kubelet_plugin`], which serves it to
+//! kubelet and publishes its devices.
 //!
-//! Whole-group binding and restoring is not here: it is the passthrough engine's
-//! (`passthrough` crate), shared with vfio-manager.
+//! The driver's own knowledge: claims and their records ([`Claims`]), their CDI
+//! specs and metadata files ([`cdi`]), the devices it offers ([`devices`]), the
+//! thread that changes the node ([`Worker`]), the early move before a pod binds
+//! ([`binding`]), device health ([`HealthBoard`]), the wait for the node's owner
+//! lock ([`owner`]) and its metrics. Whole-group binding and restoring is the
+//! passthrough engine's (`passthrough` crate), shared with vfio-manager.
 
-pub mod binding;
+mod binding;
 pub mod cdi;
-pub mod claims;
-pub mod grpc;
-pub mod health;
-pub mod metrics;
+mod claims;
+mod devices;
+mod driver;
+mod health;
+mod metrics;
+mod model;
 pub mod owner;
-pub mod publish;
-pub mod ready;
-pub mod service;
-pub mod slices;
-pub mod worker;
+mod worker;
+
+pub use binding::{follow_claims, Follow, Homes, Mode};
+pub use claims::{ClaimError, Claims, DriverError, Failure, Files, Recovery, StepError};
+pub use devices::{marked_devices, pcie_root, slice_devices, taint_key, withdrawn, Withdrawn};
+pub use driver::{follow_node, VfioDriver};
+pub use health::{reason, HealthBoard};
+pub use metrics::Metrics;
+pub use model::{device_name, parse_device_name, DEFAULT_DRIVER_NAME};
+pub use worker::{prepared_claims, Setup, Worker};

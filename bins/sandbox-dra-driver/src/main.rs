@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use kubelet_plugin::{Clients, Plugin, KUBELET_CALL_TIMEOUT};
 use node_agent::cli::{fail, parse_duration, CommonArgs, WriteArgs, EXIT_NOT_READY, EXIT_USAGE};
 use node_agent::cluster::{Cluster, Identity, Verdict};
 use node_agent::metrics::{self as endpoint, ListenAddress};
@@ -16,22 +17,19 @@ use passthrough::owner::{Program, DEFAULT_OWNER_LOCK};
 use passthrough::state::{StateFile, DEFAULT_DRA_STATE_FILE, DEFAULT_STATE_FILE};
 use passthrough::Passthrough;
 use sandbox_dra_driver::cdi::{DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
-use sandbox_dra_driver::claims::{Claims, Files};
+use sandbox_dra_driver::{
+    owner, prepared_claims, Claims, Files, HealthBoard, Homes, Metrics, Mode, VfioDriver, Worker,
+    DEFAULT_DRIVER_NAME,
+};
+use support::error_chain;
 use sysfs_pci::host::DEFAULT_MODULES_ROOT;
-use sysfs_pci::{error_chain, module};
+use sysfs_pci::module;
 use tokio::signal::unix::{signal, SignalKind};
-
-use sandbox_dra_driver::metrics::Metrics;
-use sandbox_dra_driver::ready::{self, Readiness, DEFAULT_READY_FILE};
-use sandbox_dra_driver::{grpc, owner, publish, service, worker};
 
 const PROGRAM: &str = "sandbox-dra-driver";
 
-/// How long kubelet waits for a DRA call (`defaultClientCallTimeout`,
-/// `pkg/kubelet/cm/dra/plugin`).
-const KUBELET_CALL_TIMEOUT: Duration = Duration::from_secs(45);
-
-use sandbox_dra_driver::slices::DEFAULT_DRIVER_NAME;
+/// The default ready file.
+const DEFAULT_READY_FILE: &str = "/run/sandbox-dra-driver/ready";
 
 const LONG_ABOUT: &str = "\
 A Dynamic Resource Allocation (DRA) driver for VFIO passthrough, one claim at a time.
@@ -168,7 +166,7 @@ struct Cli {
         default_value = "auto",
         value_name = "MODE"
     )]
-    binding_conditions: sandbox_dra_driver::binding::Mode,
+    binding_conditions: Mode,
     /// Also give containers /dev/iommu and /dev/vfio/devices/vfioN (iommufd).
     #[arg(long, env = "VFIO_SANDBOX_IOMMUFD")]
     iommufd: bool,
@@ -195,23 +193,23 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Some(Command::Ready) = cli.command {
-        return match ready::probe(&cli.ready_file) {
+        return match kubelet_plugin::probe(&cli.ready_file) {
             Ok(what) => {
-                sysfs_pci::outln!("ready: {what}");
+                support::outln!("ready: {what}");
                 ExitCode::SUCCESS
             }
             Err(why) => {
-                sysfs_pci::outln!("not ready: {why}");
+                support::outln!("not ready: {why}");
                 ExitCode::from(EXIT_NOT_READY)
             }
         };
     }
     cli.common.init_logging();
-    // Test variant only: stop at the steps named in FAILPOINTS (sysfs_pci::failpoint).
+    // Test variant only: stop at the steps named in FAILPOINTS (support::failpoint).
     #[cfg(feature = "failpoints")]
     let _failpoints = {
         let scenario = fail::FailScenario::setup();
-        sysfs_pci::failpoint::install(|step| {
+        support::failpoint::install(|step| {
             fail::fail_point!(step, |_| true);
             false
         });
@@ -242,20 +240,47 @@ fn main() -> ExitCode {
         Ok(l) => l,
         Err(e) => return fail(PROGRAM, &e, EXIT_USAGE),
     };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
+    };
+    runtime.block_on(start(cli, node_name, list))
+}
+
+/// Connects, takes the node, recovers what a killed predecessor left, and serves.
+async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceList) -> ExitCode {
+    let identity = Identity {
+        node: node_name.clone(),
+        pod: cli.pod_namespace.clone().zip(cli.pod_name.clone()),
+        controller: PROGRAM.into(),
+        restore_label: None,
+    };
+    let cluster = match Cluster::connect(identity).await {
+        Ok(c) => c,
+        Err(e) => {
+            let e = anyhow::anyhow!("cannot set up the API server client: {}", error_chain(&e));
+            return fail(PROGRAM, e.as_ref(), EXIT_NOT_READY);
+        }
+    };
     // Not ready until this process is registered and has published: a ready file
     // left by a killed predecessor goes before anything else.
-    let readiness = Arc::new(Readiness::new(
-        cli.ready_file.clone(),
-        grpc_config(&cli).sockets(),
-    ));
+    let plugin = match Plugin::new(plugin_config(&cli, &node_name), clients(&cluster)) {
+        Ok(p) => p,
+        Err(e) => return fail(PROGRAM, &e, EXIT_USAGE),
+    };
     // The node first: nothing below moves a device before it is ours.
     let owner = match owner::take_or_wait(
         &cli.owner_lock,
         cli.owner_retry_interval,
-        grpc_config(&cli),
+        &plugin,
         &cli.state_file,
         &cli.manager_state_file,
-    ) {
+    )
+    .await
+    {
         Ok(Some(owner)) => owner,
         Ok(None) => return ExitCode::SUCCESS,
         Err(e) => return fail(PROGRAM, e.as_ref(), EXIT_NOT_READY),
@@ -309,7 +334,7 @@ fn main() -> ExitCode {
     }
     let prepared = state.state().claims.len();
     // Which devices need a rebind is known before the first slice is published.
-    let homes = Arc::new(sandbox_dra_driver::binding::Homes::default());
+    let homes = Arc::new(Homes::default());
     homes.set(
         state
             .state()
@@ -320,14 +345,14 @@ fn main() -> ExitCode {
     );
     let mut registry = endpoint::registry();
     let metrics = Arc::new(Metrics::new(&mut registry));
-    let health = Arc::new(sandbox_dra_driver::health::HealthBoard::new(
+    let health = Arc::new(HealthBoard::new(
         &node_name,
         host.clone(),
         list.clone(),
         kernel.stuck_list(),
     ));
-    let worker = match worker::Worker::start(
-        worker::Setup {
+    let worker = match Worker::start(
+        sandbox_dra_driver::Setup {
             host: host.clone(),
             list: list.clone(),
             state,
@@ -343,7 +368,7 @@ fn main() -> ExitCode {
         cli.prepare_timeout,
     ) {
         Ok(w) => w,
-        Err(e) => return fail(PROGRAM, e.as_ref(), EXIT_NOT_READY),
+        Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
     };
     if prepared > 0 {
         tracing::info!(
@@ -351,25 +376,17 @@ fn main() -> ExitCode {
             "claims prepared before this start are kept"
         );
     }
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
-    };
-    let setup = Serve {
-        node_name,
+    let driver = Arc::new(VfioDriver {
+        cluster: cluster.clone(),
+        driver_name: cli.driver_name.clone(),
         host,
         list,
         worker,
-        registry,
         metrics,
-        readiness,
-        health,
-        homes,
-    };
-    match runtime.block_on(run(cli, setup)) {
+        health: Some(health),
+        binding: Some((cli.binding_conditions, homes)),
+    });
+    match run(&cli, &plugin, &cluster, driver, registry).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(PROGRAM, e.as_ref(), EXIT_NOT_READY),
     }
@@ -387,36 +404,35 @@ impl std::fmt::Display for Usage {
 
 impl std::error::Error for Usage {}
 
-/// Where kubelet finds the driver's sockets.
-fn grpc_config(cli: &Cli) -> grpc::GrpcConfig {
-    grpc::GrpcConfig::new(&cli.driver_name, &cli.registry_dir, &cli.plugins_dir)
+/// The kubelet plugin's settings.
+fn plugin_config(cli: &Cli, node_name: &str) -> kubelet_plugin::Config {
+    kubelet_plugin::Config {
+        driver_name: cli.driver_name.clone(),
+        node_name: node_name.to_owned(),
+        registry_dir: cli.registry_dir.clone(),
+        plugins_dir: cli.plugins_dir.clone(),
+        ready_file: Some(cli.ready_file.clone()),
+        call_timeout: cli.prepare_timeout,
+        max_retry: cli.resync_interval,
+    }
 }
 
-/// What serving needs beside the command line.
-struct Serve {
-    node_name: String,
-    host: sysfs_pci::Host,
-    list: passthrough::config::ResourceList,
-    worker: worker::Worker,
+/// The plugin's connections: the agent's client, and its watch client and settings.
+fn clients(cluster: &Cluster) -> Clients {
+    Clients {
+        client: cluster.kube_client(),
+        watch_client: cluster.watch_client(),
+        watch_config: node_agent::cluster::watch_config(),
+    }
+}
+
+async fn run(
+    cli: &Cli,
+    plugin: &Plugin,
+    cluster: &Cluster,
+    driver: Arc<VfioDriver>,
     registry: endpoint::Registry,
-    metrics: Arc<Metrics>,
-    readiness: Arc<Readiness>,
-    health: Arc<sandbox_dra_driver::health::HealthBoard>,
-    homes: Arc<sandbox_dra_driver::binding::Homes>,
-}
-
-async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
-    let Serve {
-        node_name,
-        host,
-        list,
-        worker,
-        registry,
-        metrics,
-        readiness,
-        health,
-        homes,
-    } = setup;
+) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sighup = signal(SignalKind::hangup())?;
@@ -425,93 +441,57 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
         tracing::info!(address = %listener.local_addr()?, "serving metrics at /metrics");
         tokio::spawn(endpoint::serve(listener, Arc::new(registry)));
     }
-    let grpc_config = grpc_config(&cli);
-    let identity = Identity {
-        node: node_name.clone(),
-        pod: cli.pod_namespace.clone().zip(cli.pod_name.clone()),
-        controller: PROGRAM.into(),
-        restore_label: None,
-    };
-    let cluster = Cluster::connect(identity)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot set up the API server client: {}", error_chain(&e)))?;
-    match sandbox_dra_driver::slices::resource_api_served(&cluster.kube_client()).await {
+    let api = kubelet_plugin::slices::RESOURCE_API;
+    match kubelet_plugin::slices::resource_api_served(&cluster.kube_client()).await {
         Ok(true) => {}
         Ok(false) => {
             return Err(anyhow::anyhow!(
-                "the API server does not serve {} with ResourceSlices and ResourceClaims, which this driver reads and writes: it needs Kubernetes 1.34 or newer (kubelet 1.32 or newer, within the version skew policy)",
-                sandbox_dra_driver::slices::RESOURCE_API
+                "the API server does not serve {api} with ResourceSlices and ResourceClaims, which this driver reads and writes: it needs Kubernetes 1.34 or newer (kubelet 1.32 or newer, within the version skew policy)"
             ))
         }
         Err(e) => tracing::warn!(
             error = %error_chain(&e),
-            "cannot tell whether the API server serves {}; going on (publishing retries)",
-            sandbox_dra_driver::slices::RESOURCE_API
+            "cannot tell whether the API server serves {api}; going on (publishing retries)"
         ),
     }
-    let publisher = publish::Publisher::new(
-        cluster.clone(),
-        cli.driver_name.clone(),
-        node_name.clone(),
-        host,
-        list,
+    let following_node = tokio::spawn(sandbox_dra_driver::follow_node(
+        driver.host.clone(),
         cli.resync_interval,
-        publish::Reports {
-            readiness: readiness.clone(),
-            metrics: metrics.clone(),
-            health: Some(health.clone()),
-            binding: Some((cli.binding_conditions, homes)),
-        },
-    );
-    let registered = Arc::new(tokio::sync::Notify::new());
-    let publishing = tokio::spawn(publisher.clone().run(registered.clone()));
-    let following = (cli.binding_conditions != sandbox_dra_driver::binding::Mode::Off).then(|| {
-        tokio::spawn(sandbox_dra_driver::binding::follow_claims(
-            sandbox_dra_driver::binding::Follow {
+        driver.health.clone(),
+        plugin.republish(),
+    ));
+    let following_claims = (cli.binding_conditions != Mode::Off).then(|| {
+        tokio::spawn(sandbox_dra_driver::follow_claims(
+            sandbox_dra_driver::Follow {
                 cluster: cluster.clone(),
                 driver: cli.driver_name.clone(),
-                pool: node_name.clone(),
-                worker: worker.clone(),
-                metrics: metrics.clone(),
+                pool: plugin.config().node_name.clone(),
+                worker: driver.worker.clone(),
+                metrics: driver.metrics.clone(),
             },
         ))
     });
-    let driver = Arc::new(service::Service::new(
-        cluster.clone(),
-        cli.driver_name.clone(),
-        node_name.clone(),
-        worker,
-        service::Reporting {
-            registered,
-            readiness: readiness.clone(),
-            metrics,
-            health: Some(health),
-        },
-    ));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(grpc::serve(grpc_config, driver, async move {
+    let serving = plugin.run(driver, async move {
         let _ = stop_rx.await;
-    }));
+    });
     tokio::pin!(serving);
     let result = tokio::select! {
         _ = sigterm.recv() => { tracing::info!(signal = "SIGTERM", "stopping"); Ok(()) }
         _ = sigint.recv() => { tracing::info!(signal = "SIGINT", "stopping"); Ok(()) }
         _ = sighup.recv() => { tracing::info!(signal = "SIGHUP", "stopping"); Ok(()) }
         r = &mut serving => match r {
-            Ok(Ok(())) => Err(anyhow::anyhow!("the kubelet API server stopped")),
-            Ok(Err(e)) => Err(e),
-            Err(e) => Err(anyhow::anyhow!("the kubelet API server task failed: {e}")),
+            Ok(()) => Err(anyhow::anyhow!("the kubelet API server stopped")),
+            Err(e) => Err(e.into()),
         },
     };
-    readiness.clear();
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(5), &mut serving).await;
-    publishing.abort();
-    if let Some(f) = following {
+    following_node.abort();
+    if let Some(f) = following_claims {
         f.abort();
     }
-    readiness.clear();
-    let claims = worker::prepared_claims(&cli.state_file);
+    let claims = prepared_claims(&cli.state_file);
     if !claims.is_empty() {
         tracing::info!(claims = %claims.join(", "), "prepared claims keep their devices on vfio until kubelet unprepares them");
     }
@@ -525,8 +505,8 @@ async fn run(cli: Cli, setup: Serve) -> anyhow::Result<()> {
         }
         Ok(Verdict::Restore(why)) => {
             tracing::info!(reason = %why, "the driver leaves this node; deleting its ResourceSlice");
-            if let Err(e) = publisher.delete_all().await {
-                tracing::warn!(error = %sysfs_pci::error_chain(&e), "could not delete this node's ResourceSlice");
+            if let Err(e) = plugin.delete_slices().await {
+                tracing::warn!(error = %error_chain(&e), "could not delete this node's ResourceSlice");
             }
         }
         Err(why) => tracing::warn!(

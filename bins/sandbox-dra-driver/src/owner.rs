@@ -7,27 +7,27 @@
 //! tries the lock again every `--owner-retry-interval`; once taken, the caller
 //! recovers and starts as usual.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::claims::{ClaimRef, PreparedDevice};
+use k8s_openapi::api::resource::v1::Device;
+use kubelet_plugin::{Answers, Claim, ClaimRef, Fields, Plugin, PreparedDevice};
 use passthrough::owner::{Owner, OwnerError, Program};
 use passthrough::state::StateFile;
-use sysfs_pci::error_chain;
+use support::error_chain;
 use tokio::signal::unix::{signal, SignalKind};
 
-use crate::grpc::{self, GrpcConfig};
+use crate::claims::DriverError;
 
 /// Takes the node's owner lock at `lock`. While vfio-manager owns the node, serves
-/// kubelet with every prepare refused (see the module doc) and tries again every
-/// `retry`. `None`: a stop signal came first. Another sandbox-dra-driver holding the
-/// lock, or a lock that cannot be used, is an error.
-pub fn take_or_wait(
+/// kubelet through `plugin` with every prepare refused (see the module doc) and
+/// tries again every `retry`. `None`: a stop signal came first. Another
+/// sandbox-dra-driver holding the lock, or a lock that cannot be used, is an error.
+pub async fn take_or_wait(
     lock: &Path,
     retry: Duration,
-    grpc: GrpcConfig,
+    plugin: &Plugin,
     state_file: &Path,
     manager_state: &Path,
 ) -> anyhow::Result<Option<Owner>> {
@@ -41,26 +41,13 @@ pub fn take_or_wait(
         refusal: Mutex::new(refusal),
         state_file: state_file.to_owned(),
     });
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(wait(lock, manager_state, retry, grpc, refusing))
-}
-
-async fn wait(
-    lock: &Path,
-    manager_state: &Path,
-    retry: Duration,
-    grpc: GrpcConfig,
-    refusing: Arc<Refusing>,
-) -> anyhow::Result<Option<Owner>> {
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sighup = signal(SignalKind::hangup())?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(grpc::serve(grpc, refusing.clone(), async move {
+    let serving = plugin.serve(refusing.clone(), async move {
         let _ = stop_rx.await;
-    }));
+    });
     tokio::pin!(serving);
     let result = loop {
         tokio::select! {
@@ -68,9 +55,8 @@ async fn wait(
             _ = sigint.recv() => break Ok(None),
             _ = sighup.recv() => break Ok(None),
             r = &mut serving => break Err(match r {
-                Ok(Ok(())) => anyhow::anyhow!("the kubelet API server stopped"),
-                Ok(Err(e)) => e,
-                Err(e) => anyhow::anyhow!("the kubelet API server task failed: {e}"),
+                Ok(()) => anyhow::anyhow!("the kubelet API server stopped"),
+                Err(e) => e.into(),
             }),
             _ = tokio::time::sleep(retry) => match Owner::take(lock, Program::DraDriver, manager_state) {
                 Ok(owner) => break Ok(Some(owner)),
@@ -96,13 +82,13 @@ struct Refusing {
 
 impl Refusing {
     fn refusal(&self) -> String {
-        sysfs_pci::kernel::lock(&self.refusal).clone()
+        support::lock(&self.refusal).clone()
     }
 
     /// A retry failed: says so when the reason changed.
     fn still_refused(&self, e: &OwnerError) {
         let now = error_chain(e);
-        let mut refusal = sysfs_pci::kernel::lock(&self.refusal);
+        let mut refusal = support::lock(&self.refusal);
         if *refusal != now {
             tracing::error!(error = %now, "the node is still not ours");
             *refusal = now;
@@ -111,41 +97,63 @@ impl Refusing {
 }
 
 #[tonic::async_trait]
-impl grpc::Driver for Refusing {
+impl kubelet_plugin::Driver for Refusing {
+    type Error = DriverError;
+
+    /// Every claim is refused before it is read: the API server is not asked.
+    fn admit(&self, claim: &ClaimRef) -> Result<(), DriverError> {
+        tracing::warn!(claim = %claim, "prepare refused: the node is not ours");
+        Err(DriverError::NotOwner {
+            claim: claim.to_string(),
+            action: "prepared",
+            owner: self.refusal(),
+        })
+    }
+
+    /// Never asked: every claim is refused at [`Self::admit`].
     async fn prepare(
         &self,
-        claims: Vec<ClaimRef>,
-    ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>> {
-        let refusal = self.refusal();
+        claims: Vec<Claim>,
+        _deadline: tokio::time::Instant,
+    ) -> Answers<Vec<PreparedDevice>, DriverError> {
         claims
             .into_iter()
             .map(|c| {
-                tracing::warn!(claim = %c, "prepare refused: the node is not ours");
-                let why = format!("claim {c}: not prepared: {refusal}");
-                (c.uid, Err(why))
+                let e = self.admit(&c.reference).err();
+                (c.reference.uid, e.map_or(Ok(Vec::new()), Err))
             })
             .collect()
     }
 
     /// A claim this driver never prepared is done already (kubelet's unprepare is
     /// idempotent); one our state file records waits for the node.
-    async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
-        let recorded = StateFile::load(
-            &self.state_file,
-            false,
-            passthrough::owner::Program::DraDriver,
-        )
-        .map(|s| s.state().claims.keys().cloned().collect::<Vec<_>>());
+    async fn unprepare(
+        &self,
+        claims: Vec<ClaimRef>,
+        _deadline: tokio::time::Instant,
+    ) -> Answers<(), DriverError> {
+        let recorded = StateFile::load(&self.state_file, false, Program::DraDriver)
+            .map(|s| s.state().claims.keys().cloned().collect::<Vec<_>>());
         claims
             .into_iter()
             .map(|c| {
-                let answer = match &recorded {
-                    Ok(uids) if !uids.contains(&c.uid) => Ok(()),
-                    Ok(_) => Err(format!("claim {c}: not unprepared: {}", self.refusal())),
-                    Err(e) => Err(format!("claim {c}: not unprepared: {}", error_chain(e))),
+                let owner = match &recorded {
+                    Ok(uids) if !uids.contains(&c.uid) => return (c.uid, Ok(())),
+                    Ok(_) => self.refusal(),
+                    Err(e) => error_chain(e),
                 };
-                (c.uid, answer)
+                let e = DriverError::NotOwner {
+                    claim: c.to_string(),
+                    action: "unprepared",
+                    owner,
+                };
+                (c.uid, Err(e))
             })
             .collect()
+    }
+
+    /// Never asked: nothing is published while the node is not ours.
+    fn devices(&self, _fields: Fields) -> Result<Vec<Device>, DriverError> {
+        Ok(Vec::new())
     }
 }

@@ -1,84 +1,37 @@
 //! The one thread that changes the node: it owns the state file (and its lock) and
-//! runs each prepare and unprepare to the end, one at a time, on a fresh scan.
+//! runs each job — a prepare, an unprepare, an early move, a give-back — to the
+//! end, one at a time, on a fresh scan.
 //!
-//! RPC handlers hand it jobs and wait for the answers until the call's deadline. An
+//! Callers hand it jobs and wait for the answers until the call's deadline. An
 //! unbind that blocks in a native driver holds this thread, not the RPC: the caller
 //! times out with a message naming what the thread is doing, and kubelet's retry
 //! finds the claim prepared (or gets the error) once the step ends.
 //!
-//! A prepare takes a [`Ticket`] when its RPC arrives, before its claim is read from
-//! the API server. An unprepare that answers OK marks the claim; a prepare whose
-//! ticket is older than that mark is refused when its turn comes. So a claim whose
-//! unprepare kubelet saw succeed never becomes prepared by a prepare that was
-//! already in flight (its claim read slow, its RPC given up by kubelet).
+//! A prepare carries the [`Ticket`] of its call's arrival, taken before its claim
+//! was read from the API server. An unprepare that answers OK marks the claim; a
+//! prepare whose ticket is older than that mark is refused when its turn comes. So
+//! a claim whose unprepare kubelet saw succeed never becomes prepared by a prepare
+//! that was already in flight (its claim read slow, its RPC given up by kubelet).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::claims::{Allocation, ClaimRef, Claims, Failure, Files, PreparedDevice};
+use kubelet_plugin::{AllocatedDevice, Claim, ClaimRef, PreparedDevice, Ticket};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
-use passthrough::state::StateFile;
+use passthrough::state::{ClaimPhase, StateFile};
 use passthrough::Passthrough;
+use support::error_chain;
 use sysfs_pci::deadline::Bounded;
 use sysfs_pci::kernel::SysKernel;
-use sysfs_pci::{error_chain, Host, PciAddress};
+use sysfs_pci::{Host, PciAddress};
 use tokio::sync::oneshot;
 
+use crate::claims::{Claims, DriverError, Files};
 use crate::metrics::Metrics;
-
-/// Why a claim was not prepared or unprepared: the message kubelet gets, and the
-/// reason in one word for metrics and Events.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Failed {
-    /// Why, in one word.
-    pub failure: Failure,
-    /// What kubelet gets.
-    pub message: String,
-}
-
-impl Failed {
-    /// A failure for `failure`, said as `message`.
-    pub fn new(failure: Failure, message: String) -> Self {
-        Self { failure, message }
-    }
-}
-
-impl From<crate::claims::ClaimError> for Failed {
-    fn from(e: crate::claims::ClaimError) -> Self {
-        Self::new(e.failure(), error_chain(&e))
-    }
-}
-
-enum Job {
-    Prepare {
-        claim: ClaimRef,
-        ticket: Ticket,
-        pod_claim_name: Option<String>,
-        allocations: Vec<Allocation>,
-        reply: oneshot::Sender<Result<Vec<PreparedDevice>, Failed>>,
-    },
-    Unprepare {
-        claim: ClaimRef,
-        reply: oneshot::Sender<Result<(), Failed>>,
-    },
-    MoveEarly {
-        claim: ClaimRef,
-        allocations: Vec<Allocation>,
-        reply: oneshot::Sender<Result<(), Failed>>,
-    },
-    Release {
-        uid: String,
-        reply: oneshot::Sender<Result<Option<ClaimRef>, Failed>>,
-    },
-    MovedEarly {
-        reply: oneshot::Sender<Result<Vec<ClaimRef>, Failed>>,
-    },
-}
 
 /// What the thread needs.
 pub struct Setup {
@@ -108,29 +61,18 @@ pub struct Setup {
     pub homes: Option<Arc<crate::binding::Homes>>,
 }
 
-/// When a prepare's RPC arrived, in the order of [`Worker`]'s events.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Ticket(u64);
-
-/// Unprepares that answered OK, by claim uid: the event count at the time.
+/// Unprepares that answered OK, by claim uid: the ticket of the time.
 #[derive(Default)]
-struct Unprepared {
-    clock: AtomicU64,
-    marks: Mutex<(HashMap<String, u64>, BTreeMap<u64, String>)>,
-}
+struct Unprepared(Mutex<(HashMap<String, Ticket>, BTreeMap<Ticket, String>)>);
 
 /// Marks kept; older ones are forgotten. Unprepares run on the claims thread, so
 /// this many cannot pass while one prepare waits there.
 const MARKS: usize = 4096;
 
 impl Unprepared {
-    fn tick(&self) -> u64 {
-        self.clock.fetch_add(1, Ordering::SeqCst)
-    }
-
     fn mark(&self, uid: &str) {
-        let now = self.tick();
-        let mut m = sysfs_pci::kernel::lock(&self.marks);
+        let now = Ticket::now();
+        let mut m = support::lock(&self.0);
         let (by_uid, by_time) = &mut *m;
         if let Some(old) = by_uid.insert(uid.to_owned(), now) {
             by_time.remove(&old);
@@ -145,9 +87,54 @@ impl Unprepared {
 
     /// True when `uid` was unprepared after `ticket` was taken.
     fn since(&self, uid: &str, ticket: Ticket) -> bool {
-        let m = sysfs_pci::kernel::lock(&self.marks);
-        m.0.get(uid).is_some_and(|t| *t > ticket.0)
+        support::lock(&self.0)
+            .0
+            .get(uid)
+            .is_some_and(|t| *t > ticket)
     }
+}
+
+/// What a job works on: the thread's setup and the unprepare marks.
+struct Node {
+    setup: Setup,
+    unprepared: Unprepared,
+}
+
+impl Node {
+    /// The claims, on the engine and the state file.
+    fn claims(&mut self) -> Claims<'_> {
+        let s = &mut self.setup;
+        Claims {
+            pt: Passthrough {
+                host: &s.host,
+                kernel: &s.kernel,
+                state: &mut s.state,
+                release: s.release.clone(),
+            },
+            pool: &s.pool,
+            files: &s.files,
+            jobs: s.jobs,
+        }
+    }
+
+    /// A fresh scan of the node for a job on `claim`.
+    fn scan(&self, claim: &ClaimRef) -> Result<Inventory, DriverError> {
+        Inventory::scan(&self.setup.host, &self.setup.list).map_err(|source| DriverError::Scan {
+            claim: claim.to_string(),
+            source,
+        })
+    }
+
+    /// The phase claim `uid` is recorded in.
+    fn phase(&self, uid: &str) -> Option<ClaimPhase> {
+        self.setup.state.state().claims.get(uid).map(|c| c.phase)
+    }
+}
+
+/// One job: what it is, for people, and the work, which answers its caller.
+struct Job {
+    what: String,
+    work: Box<dyn FnOnce(&mut Node) + Send>,
 }
 
 /// Handle of the worker thread.
@@ -156,93 +143,153 @@ pub struct Worker {
     tx: std_mpsc::Sender<Job>,
     busy: Arc<Mutex<Option<(String, Instant)>>>,
     timeout: Duration,
-    unprepared: Arc<Unprepared>,
 }
 
 impl Worker {
-    /// Starts the thread. A call waits at most `timeout` for all its answers.
-    pub fn start(setup: Setup, timeout: Duration) -> anyhow::Result<Self> {
+    /// Starts the thread. A call waits at most `timeout` for its answers.
+    pub fn start(setup: Setup, timeout: Duration) -> std::io::Result<Self> {
         let (tx, rx) = std_mpsc::channel();
         let busy = Arc::new(Mutex::new(None));
         let shown = busy.clone();
-        let unprepared = Arc::new(Unprepared::default());
-        let marks = unprepared.clone();
+        let node = Node {
+            setup,
+            unprepared: Unprepared::default(),
+        };
         std::thread::Builder::new()
             .name("claims".into())
-            .spawn(move || work(setup, rx, shown, &marks))?;
-        Ok(Self {
-            tx,
-            busy,
-            timeout,
-            unprepared,
-        })
+            .spawn(move || work(node, rx, &shown))?;
+        Ok(Self { tx, busy, timeout })
     }
 
-    /// The deadline of a call that starts now: the whole call, claim reads
-    /// included, answers by then.
+    /// The deadline of a job queued now (a claim watcher's; kubelet's calls bring
+    /// their own).
     pub fn deadline(&self) -> tokio::time::Instant {
         tokio::time::Instant::now() + self.timeout
     }
 
-    /// A ticket for a prepare whose RPC arrives now; take it before reading the claim.
-    pub fn ticket(&self) -> Ticket {
-        Ticket(self.unprepared.tick())
-    }
-
     /// Queues the preparation of one claim; [`Self::answer`] waits for it.
-    pub fn prepare(
-        &self,
-        claim: ClaimRef,
-        ticket: Ticket,
-        pod_claim_name: Option<String>,
-        allocations: Vec<Allocation>,
-    ) -> Pending<Vec<PreparedDevice>> {
-        let (reply, rx) = oneshot::channel();
-        self.send(
-            Job::Prepare {
-                claim,
-                ticket,
-                pod_claim_name,
-                allocations,
-                reply,
-            },
-            rx,
-        )
+    pub fn prepare(&self, claim: Claim) -> Pending<Vec<PreparedDevice>> {
+        let what = format!("preparing claim {}", claim.reference);
+        self.submit(what, move |node| {
+            let c = &claim.reference;
+            let started = Instant::now();
+            if node.unprepared.since(&c.uid, claim.arrived) {
+                let e = DriverError::Unprepared {
+                    claim: c.to_string(),
+                };
+                tracing::warn!(claim = %c, "{e}");
+                return Err(e);
+            }
+            let mut prepare = || -> Result<Vec<PreparedDevice>, DriverError> {
+                node.claims().settle(c)?;
+                let inv = node.scan(c)?;
+                let devices =
+                    node.claims()
+                        .prepare(c, claim.pod_claim_name(), &claim.devices, &inv)?;
+                Ok(devices)
+            };
+            let answer = prepare();
+            match &answer {
+                Ok(devices) => {
+                    tracing::info!(claim = %c, devices = devices.len(), took = ?started.elapsed(), "prepared")
+                }
+                Err(e) => tracing::warn!(claim = %c, error = %error_chain(e), "prepare failed"),
+            }
+            answer
+        })
     }
 
     /// Queues the unpreparation of one claim; [`Self::answer`] waits for it.
     pub fn unprepare(&self, claim: ClaimRef) -> Pending<()> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Job::Unprepare { claim, reply }, rx)
+        let what = format!("unpreparing claim {claim}");
+        self.submit(what, move |node| {
+            let started = Instant::now();
+            leaving(&node.setup, &claim.uid);
+            let answer = node.claims().unprepare(&claim);
+            match &answer {
+                Ok(()) => {
+                    node.unprepared.mark(&claim.uid);
+                    tracing::info!(claim = %claim, took = ?started.elapsed(), "unprepared");
+                }
+                Err(e) => {
+                    tracing::warn!(claim = %claim, error = %error_chain(e), "unprepare failed")
+                }
+            }
+            Ok(answer?)
+        })
     }
 
     /// Queues the early move of one claim's groups (its pod not yet bound).
-    pub fn move_early(&self, claim: ClaimRef, allocations: Vec<Allocation>) -> Pending<()> {
-        let (reply, rx) = oneshot::channel();
-        self.send(
-            Job::MoveEarly {
-                claim,
-                allocations,
-                reply,
-            },
-            rx,
-        )
+    pub fn move_early(&self, claim: ClaimRef, devices: Vec<AllocatedDevice>) -> Pending<()> {
+        let what = format!("moving claim {claim} early");
+        self.submit(what, move |node| {
+            let started = Instant::now();
+            let mut move_early = || -> Result<(), DriverError> {
+                node.claims().settle(&claim)?;
+                let inv = node.scan(&claim)?;
+                node.claims().move_early(&claim, &devices, &inv)?;
+                Ok(())
+            };
+            let answer = move_early();
+            match &answer {
+                Ok(()) => {
+                    tracing::info!(claim = %claim, took = ?started.elapsed(), "moved to vfio before its pod is bound")
+                }
+                Err(e) => tracing::warn!(claim = %claim, error = %error_chain(e), "early move failed"),
+            }
+            answer
+        })
     }
 
     /// Queues giving back the devices of claim `uid` if they were moved early and
     /// never prepared; the claim, if they were.
     pub fn release(&self, uid: String) -> Pending<Option<ClaimRef>> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Job::Release { uid, reply }, rx)
+        let what = format!("giving back claim uid {uid}");
+        self.submit(what, move |node| {
+            if node.phase(&uid).is_some_and(|p| p != ClaimPhase::Prepared) {
+                leaving(&node.setup, &uid);
+            }
+            let shown = node.claims().moved_early().into_iter().find(|c| c.uid == uid);
+            let answer = node
+                .claims()
+                .release(&uid)
+                .map(|released| released.then_some(shown).flatten());
+            match &answer {
+                Ok(Some(claim)) => {
+                    tracing::info!(claim = %claim, "gave back the devices of a claim that lost its allocation before its pod started")
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(uid = %uid, error = %error_chain(e), "cannot give back the devices of a claim moved early")
+                }
+            }
+            Ok(answer?)
+        })
     }
 
     /// Asks which claims are moved early and not prepared.
     pub fn moved_early(&self) -> Pending<Vec<ClaimRef>> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Job::MovedEarly { reply }, rx)
+        self.submit("listing claims moved early".into(), |node| {
+            Ok(node.claims().moved_early())
+        })
     }
 
-    fn send<T>(&self, job: Job, rx: oneshot::Receiver<Result<T, Failed>>) -> Pending<T> {
+    /// Queues `work`. Its answer goes to the caller after the gauges are set, so
+    /// whoever reads them after the answer sees it.
+    fn submit<T: Send + 'static>(
+        &self,
+        what: String,
+        work: impl FnOnce(&mut Node) -> Result<T, DriverError> + Send + 'static,
+    ) -> Pending<T> {
+        let (reply, rx) = oneshot::channel();
+        let job = Job {
+            what,
+            work: Box::new(move |node| {
+                let answer = work(node);
+                held(&node.setup);
+                let _ = reply.send(answer);
+            }),
+        };
         match self.tx.send(job) {
             Ok(()) => Pending(Some(rx)),
             Err(_) => Pending(None),
@@ -254,25 +301,16 @@ impl Worker {
         &self,
         pending: Pending<T>,
         deadline: tokio::time::Instant,
-    ) -> Result<T, Failed> {
-        let stopped = |what: &str| Failed::new(Failure::Failed, what.to_owned());
-        let rx = pending
-            .0
-            .ok_or_else(|| stopped("the claims thread has stopped"))?;
+    ) -> Result<T, DriverError> {
+        let rx = pending.0.ok_or(DriverError::Stopped("has stopped"))?;
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(answer)) => answer,
-            Ok(Err(_)) => Err(stopped("the claims thread stopped before answering")),
-            Err(_) => Err(Failed::new(Failure::Timeout, self.late())),
+            Ok(Err(_)) => Err(DriverError::Stopped("stopped before answering")),
+            Err(_) => Err(DriverError::Late {
+                within: self.timeout,
+                doing: self.doing(),
+            }),
         }
-    }
-
-    /// Why a call ran out of time, naming what the thread is doing.
-    pub fn late(&self) -> String {
-        format!(
-            "not done within {:?} ({}); the work goes on and a retry gets its result",
-            self.timeout,
-            self.doing()
-        )
     }
 
     /// What the thread is doing now, for people.
@@ -285,164 +323,23 @@ impl Worker {
 }
 
 /// A job handed to the claims thread, its answer to come.
-pub struct Pending<T>(Option<oneshot::Receiver<Result<T, Failed>>>);
+pub struct Pending<T>(Option<oneshot::Receiver<Result<T, DriverError>>>);
 
-fn work(
-    mut setup: Setup,
-    rx: std_mpsc::Receiver<Job>,
-    busy: Arc<Mutex<Option<(String, Instant)>>>,
-    unprepared: &Unprepared,
-) {
-    held(&setup);
+fn work(mut node: Node, rx: std_mpsc::Receiver<Job>, busy: &Mutex<Option<(String, Instant)>>) {
+    held(&node.setup);
     let mut owner_lost: Option<String> = None;
     loop {
         let job = match rx.recv_timeout(OWNER_CHECK) {
             Ok(job) => job,
             Err(std_mpsc::RecvTimeoutError::Timeout) => {
-                check_owner(&mut setup.state, &mut owner_lost);
+                check_owner(&mut node.setup.state, &mut owner_lost);
                 continue;
             }
             Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
         };
-        let what = match &job {
-            Job::Prepare { claim, .. } => format!("preparing claim {claim}"),
-            Job::Unprepare { claim, .. } => format!("unpreparing claim {claim}"),
-            Job::MoveEarly { claim, .. } => format!("moving claim {claim} early"),
-            Job::Release { uid, .. } => format!("giving back claim uid {uid}"),
-            Job::MovedEarly { .. } => "listing claims moved early".into(),
-        };
-        if let Ok(mut b) = busy.lock() {
-            *b = Some((what, Instant::now()));
-        }
-        match &job {
-            Job::Unprepare { claim, .. } => leaving(&setup, &claim.uid),
-            Job::Release { uid, .. }
-                if setup
-                    .state
-                    .state()
-                    .claims
-                    .get(uid)
-                    .is_some_and(|c| c.phase != passthrough::state::ClaimPhase::Prepared) =>
-            {
-                leaving(&setup, uid);
-            }
-            _ => {}
-        }
-        let mut claims = Claims {
-            pt: Passthrough {
-                host: &setup.host,
-                kernel: &setup.kernel,
-                state: &mut setup.state,
-                release: setup.release.clone(),
-            },
-            pool: &setup.pool,
-            files: &setup.files,
-            jobs: setup.jobs,
-        };
-        match job {
-            Job::Prepare {
-                claim,
-                ticket,
-                pod_claim_name,
-                allocations,
-                reply,
-            } => {
-                let started = Instant::now();
-                if unprepared.since(&claim.uid, ticket) {
-                    let why = format!("claim {claim}: kubelet unprepared it while this prepare was on its way; not preparing it (a new prepare will)");
-                    tracing::warn!(claim = %claim, "{why}");
-                    let _ = reply.send(Err(Failed::new(Failure::Unprepared, why)));
-                    continue_after(&busy);
-                    continue;
-                }
-                let answer = claims
-                    .settle(&claim)
-                    .map_err(Failed::from)
-                    .and_then(|()| scan(&setup.host, &setup.list, &claim))
-                    .and_then(|inv| {
-                        claims
-                            .prepare(&claim, pod_claim_name.as_deref(), &allocations, &inv)
-                            .map_err(Failed::from)
-                    });
-                match &answer {
-                    Ok(devices) => {
-                        tracing::info!(claim = %claim, devices = devices.len(), took = ?started.elapsed(), "prepared")
-                    }
-                    Err(e) => {
-                        tracing::warn!(claim = %claim, error = %e.message, "prepare failed")
-                    }
-                }
-                // The gauges first: whoever reads them after the answer sees it.
-                held(&setup);
-                let _ = reply.send(answer);
-            }
-            Job::Unprepare { claim, reply } => {
-                let started = Instant::now();
-                let answer = claims.unprepare(&claim).map_err(Failed::from);
-                if answer.is_ok() {
-                    unprepared.mark(&claim.uid);
-                }
-                match &answer {
-                    Ok(()) => {
-                        tracing::info!(claim = %claim, took = ?started.elapsed(), "unprepared")
-                    }
-                    Err(e) => {
-                        tracing::warn!(claim = %claim, error = %e.message, "unprepare failed")
-                    }
-                }
-                // The gauges first: whoever reads them after the answer sees it.
-                held(&setup);
-                let _ = reply.send(answer);
-            }
-            Job::MoveEarly {
-                claim,
-                allocations,
-                reply,
-            } => {
-                let started = Instant::now();
-                let answer = claims
-                    .settle(&claim)
-                    .map_err(Failed::from)
-                    .and_then(|()| scan(&setup.host, &setup.list, &claim))
-                    .and_then(|inv| {
-                        claims
-                            .move_early(&claim, &allocations, &inv)
-                            .map_err(Failed::from)
-                    });
-                match &answer {
-                    Ok(()) => {
-                        tracing::info!(claim = %claim, took = ?started.elapsed(), "moved to vfio before its pod is bound")
-                    }
-                    Err(e) => {
-                        tracing::warn!(claim = %claim, error = %e.message, "early move failed")
-                    }
-                }
-                held(&setup);
-                let _ = reply.send(answer);
-            }
-            Job::Release { uid, reply } => {
-                let shown = claims.moved_early().into_iter().find(|c| c.uid == uid);
-                let answer = claims
-                    .release(&uid)
-                    .map(|released| released.then_some(shown).flatten())
-                    .map_err(Failed::from);
-                match &answer {
-                    Ok(Some(claim)) => {
-                        tracing::info!(claim = %claim, "gave back the devices of a claim that lost its allocation before its pod started")
-                    }
-                    Ok(None) => {}
-                    Err(e) => {
-                        tracing::warn!(uid = %uid, error = %e.message, "cannot give back the devices of a claim moved early")
-                    }
-                }
-                held(&setup);
-                let _ = reply.send(answer);
-            }
-            Job::MovedEarly { reply } => {
-                let _ = reply.send(Ok(claims.moved_early()));
-            }
-        }
-        continue_after(&busy);
+        *support::lock(busy) = Some((job.what, Instant::now()));
+        (job.work)(&mut node);
+        *support::lock(busy) = None;
     }
 }
 
@@ -471,19 +368,6 @@ fn check_owner(state: &mut StateFile, lost: &mut Option<String>) {
     }
 }
 
-/// A fresh scan of the node for a job on `claim`.
-fn scan(host: &Host, list: &ResourceList, claim: &ClaimRef) -> Result<Inventory, Failed> {
-    Inventory::scan(host, list).map_err(|e| {
-        Failed::new(
-            Failure::Failed,
-            format!(
-                "claim {claim}: cannot scan the node's PCI devices: {}",
-                error_chain(&e)
-            ),
-        )
-    })
-}
-
 /// Sets the device gauges from the state file.
 fn held(setup: &Setup) {
     let state = setup.state.state();
@@ -504,7 +388,7 @@ fn held(setup: &Setup) {
 }
 
 /// The devices of claims prepared or moved early, but those of claim `leaving`.
-fn held_for_vms(setup: &Setup, leaving: Option<&str>) -> std::collections::BTreeSet<PciAddress> {
+fn held_for_vms(setup: &Setup, leaving: Option<&str>) -> BTreeSet<PciAddress> {
     setup
         .state
         .state()
@@ -512,11 +396,7 @@ fn held_for_vms(setup: &Setup, leaving: Option<&str>) -> std::collections::BTree
         .iter()
         .filter(|(uid, c)| {
             Some(uid.as_str()) != leaving
-                && matches!(
-                    c.phase,
-                    passthrough::state::ClaimPhase::Prepared
-                        | passthrough::state::ClaimPhase::Moved
-                )
+                && matches!(c.phase, ClaimPhase::Prepared | ClaimPhase::Moved)
         })
         .flat_map(|(_, c)| c.devices.iter().map(|d| d.address))
         .collect()
@@ -529,13 +409,6 @@ fn held_for_vms(setup: &Setup, leaving: Option<&str>) -> std::collections::BTree
 fn leaving(setup: &Setup, uid: &str) {
     if let Some(health) = &setup.health {
         health.set_prepared(held_for_vms(setup, Some(uid)));
-    }
-}
-
-/// The thread is idle again.
-fn continue_after(busy: &Mutex<Option<(String, Instant)>>) {
-    if let Ok(mut b) = busy.lock() {
-        *b = None;
     }
 }
 

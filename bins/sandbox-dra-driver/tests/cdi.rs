@@ -7,11 +7,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use kubelet_plugin::ClaimRef;
 use sandbox_dra_driver::cdi::{
     cdi_spec_path, claim_files, metadata_claim_dir, AttributeValue, CdiError, ClaimFiles,
     SpecDevice,
 };
-use sandbox_dra_driver::claims::{device_name, ClaimRef};
+use sandbox_dra_driver::device_name;
 use serde::Deserialize;
 
 const DRIVER: &str = "vfio-sandbox.rebellions.ai";

@@ -16,14 +16,16 @@ use std::fs;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
+use kubelet_plugin::{AllocatedDevice, ClaimRef};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use passthrough::state::{ClaimPhase, StateFile};
 use passthrough::Passthrough;
-use sandbox_dra_driver::claims::{device_name, Allocation, ClaimError, ClaimRef, Claims, Files};
+use sandbox_dra_driver::{device_name, ClaimError, Claims, Files};
+use support::error_chain;
 use sysfs_pci::kernel::Kernel;
 use sysfs_pci::testing::{Crashed, FakeDevice, FakeKernel, FakeNode, Fault, FaultKernel, Point};
-use sysfs_pci::{error_chain, PciAddress};
+use sysfs_pci::PciAddress;
 
 const LIST: &str =
     r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
@@ -94,12 +96,13 @@ fn claim(name: &str) -> ClaimRef {
     }
 }
 
-fn alloc(bdfs: &[&str]) -> Vec<Allocation> {
+fn alloc(bdfs: &[&str]) -> Vec<AllocatedDevice> {
     bdfs.iter()
-        .map(|b| Allocation {
+        .map(|b| AllocatedDevice {
             request_names: vec!["npu".into()],
             pool: POOL.into(),
             device: device_name(&addr(b)),
+            admin_access: false,
         })
         .collect()
 }
@@ -311,16 +314,17 @@ fn a_held_group_is_not_given_back_until_the_vm_lets_go() {
 fn hostile_claims_are_refused_without_touching_the_node() {
     let n = node();
     let before = n.snapshot();
-    let bad = |c: ClaimRef, allocs: Vec<Allocation>| {
+    let bad = |c: ClaimRef, allocs: Vec<AllocatedDevice>| {
         n.process(&n.kernel, |cl, inv| cl.prepare(&c, None, &allocs, inv))
             .map(|_| ())
             .map_err(|e| error_chain(&e))
             .unwrap_err()
     };
-    let dev = |d: &str, pool: &str| Allocation {
+    let dev = |d: &str, pool: &str| AllocatedDevice {
         request_names: vec!["r".into()],
         pool: pool.into(),
         device: d.into(),
+        admin_access: false,
     };
     let cases = [
         (claim("x"), vec![], "no device of this driver"),
@@ -338,6 +342,14 @@ fn hostile_claims_are_refused_without_touching_the_node() {
             claim("x"),
             vec![dev("pci-0000-09-00-0", POOL)],
             "does not select it",
+        ),
+        (
+            claim("x"),
+            vec![AllocatedDevice {
+                admin_access: true,
+                ..alloc(&A)[0].clone()
+            }],
+            "allocated with admin access, which this driver does not give",
         ),
         (
             claim("x"),
@@ -366,7 +378,7 @@ fn hostile_claims_are_refused_without_touching_the_node() {
         assert!(err.contains(want), "{err} (wanted {want})");
     }
     // A thousand allocations, none of them ours.
-    let many: Vec<Allocation> = (0..1000)
+    let many: Vec<AllocatedDevice> = (0..1000)
         .map(|i| dev(&format!("pci-ffff-{i:02x}-00-0"), POOL))
         .collect();
     assert!(bad(claim("x"), many).contains("does not select it"));

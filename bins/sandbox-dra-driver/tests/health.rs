@@ -239,8 +239,9 @@ async fn a_flapping_device_costs_the_api_server_a_few_writes_a_second() {
 /// write ends without any event, so the board looks again when asked.
 #[test]
 fn a_write_stuck_in_the_kernel_makes_the_device_unhealthy_until_it_returns() {
+    use kubelet_plugin::Health;
     use passthrough::config::ResourceList;
-    use sandbox_dra_driver::health::{reason, Health, HealthBoard};
+    use sandbox_dra_driver::{reason, HealthBoard};
     use std::sync::Arc;
     use sysfs_pci::deadline::Bounded;
     use sysfs_pci::kernel::Kernel;
@@ -269,12 +270,13 @@ fn a_write_stuck_in_the_kernel_makes_the_device_unhealthy_until_it_returns() {
         .device_dir(&"0000:01:00.0".parse().unwrap())
         .join("driver/unbind");
     let e = kernel.write(&unbind, "0000:01:00.0").unwrap_err();
-    let e = sysfs_pci::error_chain(&e);
+    let e = support::error_chain(&e);
     assert!(e.contains("did not return within"), "{e}");
     board.check_stuck();
     let r = reports.borrow()[0].clone();
+    let address = "0000:01:00.0".parse().unwrap();
     assert_eq!(
-        (r.health, r.reason),
+        (r.health, board.unhealthy().get(&address).copied()),
         (Health::Unhealthy, Some(reason::STUCK))
     );
     assert!(

@@ -8,10 +8,11 @@ use std::path::Path;
 use passthrough::config::ResourceList;
 use passthrough::inventory::{Inventory, Role};
 use passthrough::VFIO_MODULES;
+use support::error_chain;
 use sysfs_pci::cdev::{kernel_has_vfio_cdev, vfio_cdev_name};
 use sysfs_pci::group::iommu_enabled;
 use sysfs_pci::module::is_loaded;
-use sysfs_pci::{error_chain, Host};
+use sysfs_pci::Host;
 
 /// One check's outcome.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

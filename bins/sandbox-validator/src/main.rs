@@ -11,7 +11,7 @@ use node_agent::cli::{
     fail, parse_duration, parse_duration_or_zero, CommonArgs, OutputFormat, EXIT_NOT_READY,
     EXIT_USAGE,
 };
-use sysfs_pci::io::write_atomic;
+use support::io::write_atomic;
 
 mod checks;
 
@@ -87,7 +87,7 @@ fn main() -> ExitCode {
         print_changes(&cli, shown.as_ref(), &report, done, start.elapsed());
         if done {
             if cli.wait && !passed {
-                sysfs_pci::errln!("sandbox-validator: still failing after {:?}", cli.timeout);
+                support::errln!("sandbox-validator: still failing after {:?}", cli.timeout);
             }
             return if passed {
                 ExitCode::SUCCESS
@@ -106,10 +106,7 @@ fn main() -> ExitCode {
 /// Writes the ready file on success, removes it otherwise.
 fn publish(ready: &Path, report: &Report) -> anyhow::Result<()> {
     if report.passed() {
-        let time = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0);
+        let time = support::time::unix_now();
         let doc = serde_json::json!({
             "devices": report.devices,
             "groups": report.groups,
@@ -118,7 +115,7 @@ fn publish(ready: &Path, report: &Report) -> anyhow::Result<()> {
         });
         write_atomic(ready, format!("{doc:#}\n").as_bytes())?;
     } else {
-        sysfs_pci::io::remove_if_present(ready)?;
+        support::io::remove_if_present(ready)?;
     }
     Ok(())
 }
@@ -140,7 +137,7 @@ fn print_changes(
                 "devices": report.devices,
                 "groups": report.groups,
             });
-            sysfs_pci::outln!("{doc}");
+            support::outln!("{doc}");
         }
         return;
     }
@@ -154,18 +151,18 @@ fn print_changes(
     };
     if !changed.is_empty() {
         if before.is_some() {
-            sysfs_pci::outln!("-- changed after {:.1}s:", elapsed.as_secs_f64());
+            support::outln!("-- changed after {:.1}s:", elapsed.as_secs_f64());
         }
         print_table(&changed);
     }
     if done {
         let failed = report.checks.iter().filter(|c| !c.passed).count();
         match failed {
-            0 => sysfs_pci::outln!(
+            0 => support::outln!(
                 "node is ready for VFIO passthrough ({} device(s))",
                 report.devices.len()
             ),
-            n => sysfs_pci::outln!("node is NOT ready: {n} check(s) failed"),
+            n => support::outln!("node is NOT ready: {n} check(s) failed"),
         }
     }
 }
@@ -173,12 +170,12 @@ fn print_changes(
 fn print_table(checks: &[&checks::Check]) {
     // Fixed to the longest check name, so updates line up with the first table.
     let width = "vfio-container".len();
-    sysfs_pci::outln!("{:<width$}  RESULT  DETAIL", "CHECK");
+    support::outln!("{:<width$}  RESULT  DETAIL", "CHECK");
     for c in checks {
         let result = if c.passed { "ok" } else { "FAIL" };
-        sysfs_pci::outln!("{:<width$}  {result:<6}  {}", c.name, c.reason);
+        support::outln!("{:<width$}  {result:<6}  {}", c.name, c.reason);
         if let Some(h) = &c.hint {
-            sysfs_pci::outln!("{:<width$}          hint: {h}", "");
+            support::outln!("{:<width$}          hint: {h}", "");
         }
     }
 }

@@ -161,11 +161,11 @@ impl Context {
 pub struct UsageError(pub String);
 
 fn main() -> ExitCode {
-    // Test variant only: stop at the steps named in FAILPOINTS (sysfs_pci::failpoint).
+    // Test variant only: stop at the steps named in FAILPOINTS (support::failpoint).
     #[cfg(feature = "failpoints")]
     let _failpoints = {
         let scenario = fail::FailScenario::setup();
-        sysfs_pci::failpoint::install(|step| {
+        support::failpoint::install(|step| {
             fail::fail_point!(step, |_| true);
             false
         });

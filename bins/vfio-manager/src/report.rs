@@ -1,22 +1,22 @@
 //! Turning library reports into lines for people.
 
 use passthrough::{BindReport, RestoreReport};
-use sysfs_pci::error_chain as chain;
+use support::error_chain as chain;
 
 /// Prints a bind report (of a dry run when `dry`); true when nothing failed.
 pub fn print_bind(report: &BindReport, dry: bool) -> bool {
     for (addr, previous) in &report.bound {
         let from = previous.as_deref().unwrap_or("no driver");
         match dry {
-            true => sysfs_pci::outln!("would bind {addr} (now on {from})"),
-            false => sysfs_pci::outln!("bound {addr} (was on {from})"),
+            true => support::outln!("would bind {addr} (now on {from})"),
+            false => support::outln!("bound {addr} (was on {from})"),
         }
     }
     for addr in &report.already {
-        sysfs_pci::outln!("already bound {addr}");
+        support::outln!("already bound {addr}");
     }
     for e in &report.failed {
-        sysfs_pci::errln!("vfio-manager: error: {}", chain(e));
+        support::errln!("vfio-manager: error: {}", chain(e));
     }
     report.failed.is_empty()
 }
@@ -26,28 +26,28 @@ pub fn print_bind(report: &BindReport, dry: bool) -> bool {
 pub fn print_restore(report: &RestoreReport, dry: bool) -> bool {
     let verb = if dry { "would restore" } else { "restored" };
     for m in &report.reloaded {
-        sysfs_pci::outln!(
+        support::outln!(
             "{} module {m}",
             if dry { "would reload" } else { "reloaded" }
         );
     }
     for (addr, driver) in &report.restored {
-        sysfs_pci::outln!(
+        support::outln!(
             "{verb} {addr} to {}",
             driver.as_deref().unwrap_or("no driver")
         );
     }
     for (addr, group) in &report.in_use {
-        sysfs_pci::errln!(
+        support::errln!(
             "vfio-manager: warning: skipped {addr}: /dev/vfio/{group} is open (a VM holds the group); \
              its record is kept, run unbind again once the VM has stopped"
         );
     }
     for addr in &report.gone {
-        sysfs_pci::errln!("vfio-manager: warning: {addr} no longer exists; dropped its record");
+        support::errln!("vfio-manager: warning: {addr} no longer exists; dropped its record");
     }
     for e in &report.failed {
-        sysfs_pci::errln!("vfio-manager: error: {}", chain(e));
+        support::errln!("vfio-manager: error: {}", chain(e));
     }
     report.failed.is_empty() && report.in_use.is_empty()
 }

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use node_agent::cluster::{Check, Cluster, Identity, Verdict, STOP_LOOKUP_TIMEOUT};
 use node_agent::metrics::{self as endpoint, ListenAddress, Registry};
-use sysfs_pci::error_chain;
+use support::error_chain;
 use tokio::sync::mpsc;
 
 /// An Event about the Node.

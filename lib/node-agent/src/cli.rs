@@ -111,7 +111,7 @@ impl CommonArgs {
 /// Prints `PROGRAM: error: <error and its sources>` to stderr and returns `code` as
 /// the process exit code.
 pub fn fail(program: &str, error: &dyn std::error::Error, code: u8) -> std::process::ExitCode {
-    sysfs_pci::errln!("{program}: error: {}", sysfs_pci::error_chain(error));
+    support::errln!("{program}: error: {}", support::error_chain(error));
     std::process::ExitCode::from(code)
 }
 

@@ -23,13 +23,12 @@
 //! (the device plugin and the DRA driver).
 
 use std::collections::BTreeSet;
-use std::ffi::OsString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use inotify::Inotify;
-pub use inotify::{Event, EventMask, WatchMask};
+use inotify::{EventMask, WatchMask};
 use sysfs_pci::{uevent, Host, PciAddress};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -404,45 +403,6 @@ async fn readable<T: AsRawFd>(fd: Option<&AsyncFd<T>>) {
     match fd.readable().await {
         Ok(mut guard) => guard.clear_ready(),
         Err(_) => std::future::pending().await,
-    }
-}
-
-/// What happens to the files of some directories (kubelet's plugin and
-/// device-plugin directories, where our sockets live): one inotify stream.
-pub struct DirEvents(
-    std::pin::Pin<
-        Box<dyn tokio_stream::Stream<Item = std::io::Result<inotify::Event<OsString>>> + Send>,
-    >,
-);
-
-impl DirEvents {
-    /// Watches `dirs` for `mask` (and for the directories themselves going away).
-    /// Needs a tokio runtime.
-    pub fn open(dirs: &[PathBuf], mask: WatchMask) -> std::io::Result<Self> {
-        let inotify = Inotify::init()?;
-        for d in dirs {
-            inotify
-                .watches()
-                .add(d, mask | WatchMask::DELETE_SELF | WatchMask::MOVE_SELF)?;
-        }
-        let stream = inotify.into_event_stream(vec![0u8; 4096])?;
-        Ok(Self(Box::pin(stream)))
-    }
-
-    /// The next event; `None` when the stream ended or a watched directory went
-    /// away (the caller watches again once it is back).
-    pub async fn next(&mut self) -> Option<inotify::Event<OsString>> {
-        use tokio_stream::StreamExt as _;
-        match self.0.next().await {
-            Some(Ok(ev))
-                if !ev.mask.intersects(
-                    EventMask::IGNORED | EventMask::DELETE_SELF | EventMask::MOVE_SELF,
-                ) =>
-            {
-                Some(ev)
-            }
-            _ => None,
-        }
     }
 }
 

@@ -26,8 +26,9 @@ use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use passthrough::state::StateFile;
 use passthrough::{target_drivers, Passthrough, DEFAULT_BIND_JOBS};
+use support::error_chain;
 use sysfs_pci::testing::FakeKernel;
-use sysfs_pci::{error_chain, PciAddress};
+use sysfs_pci::PciAddress;
 
 const LIST: &str =
     r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;

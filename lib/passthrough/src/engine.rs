@@ -32,12 +32,13 @@ use binder::{for_each_bounded, Binder};
 
 use crate::inventory::{Entry, Inventory, Role, COMPANION_DRIVER};
 use crate::state::{Record, StateError, StateFile};
+use support::error_chain;
 use sysfs_pci::bind::{self, DriverError};
 use sysfs_pci::group::STUB_DRIVER;
 use sysfs_pci::kernel::Kernel;
 use sysfs_pci::module::{self, ModuleError};
 use sysfs_pci::vfio_driver::is_vfio_driver;
-use sysfs_pci::{error_chain, Host, PciAddress};
+use sysfs_pci::{Host, PciAddress};
 
 /// The modules a node needs for passthrough besides the drivers' own.
 pub const VFIO_MODULES: [&str; 3] = ["vfio", "vfio_iommu_type1", "vfio_pci"];

@@ -8,12 +8,14 @@
 use std::collections::BTreeMap;
 
 use crate::config::{DriverRule, ResourceList, ResourceName};
+use support::error_chain;
+use support::io::IoError;
+use sysfs_pci::attribute::read_attribute;
 use sysfs_pci::device::{
     iommu_group_of, list_addresses, parse_hex, Detail, DeviceError, PciDevice,
 };
 use sysfs_pci::group::{judge, Viability};
-use sysfs_pci::io::{read_attribute, IoError};
-use sysfs_pci::{error_chain, Host, PciAddress};
+use sysfs_pci::{Host, PciAddress};
 
 mod auto;
 use auto::AutoResolver;

@@ -52,7 +52,7 @@ use std::path::{Path, PathBuf};
 
 use nix::fcntl::{Flock, FlockArg};
 
-use sysfs_pci::io::{Action, IoError, WrapIo};
+use support::io::{Action, IoError, WrapIo};
 
 /// Default node-wide owner lock (a hostPath shared by both DaemonSets).
 pub const DEFAULT_OWNER_LOCK: &str = "/run/vfio-sandbox/owner/owner.lock";
@@ -328,7 +328,7 @@ impl Owner {
             record: OwnerRecord {
                 owner: program,
                 pid: std::process::id(),
-                since: rfc3339(std::time::SystemTime::now()),
+                since: support::time::now_rfc3339(),
                 devices,
             },
             other_state: other_state.to_owned(),
@@ -581,7 +581,7 @@ fn busy(lock: &Path, program: Program, file: &File, errno: nix::errno::Errno) ->
     let record = match read_record(file, lock) {
         Ok(r) => r,
         Err(e) => {
-            tracing::debug!(error = %sysfs_pci::error_chain(&e), "owner record not readable");
+            tracing::debug!(error = %support::error_chain(&e), "owner record not readable");
             None
         }
     };
@@ -614,43 +614,9 @@ fn read_record(file: &File, lock: &Path) -> Result<Option<OwnerRecord>, OwnerErr
     }
 }
 
-/// `t` as RFC 3339 in UTC, to the second (`2025-01-31T12:00:00Z`).
-pub fn rfc3339(t: std::time::SystemTime) -> String {
-    let secs = t
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's `civil_from_days`).
-    let z = days + 719_468;
-    let era = z / 146_097;
-    let doe = z % 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + u64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::{Duration, UNIX_EPOCH};
-
-    #[test]
-    fn dates_are_rfc3339_utc() {
-        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00Z");
-        let t = UNIX_EPOCH + Duration::from_secs(951_782_400 + 3661); // 2000-02-29
-        assert_eq!(rfc3339(t), "2000-02-29T01:01:01Z");
-        let t = UNIX_EPOCH + Duration::from_secs(1_738_324_800);
-        assert_eq!(rfc3339(t), "2025-01-31T12:00:00Z");
-    }
 
     #[test]
     fn the_holder_of_a_flock_is_read_from_proc_locks() {

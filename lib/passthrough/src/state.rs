@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::owner::{Owner, OwnerError, Program};
-use sysfs_pci::io::{read_optional, IoError};
+use support::io::{read_optional, IoError};
 use sysfs_pci::kernel::Kernel;
 use sysfs_pci::PciAddress;
 
@@ -335,7 +335,7 @@ pub fn lock_path(path: &Path) -> PathBuf {
 /// with `O_NOFOLLOW`: a symlink planted there is refused, never followed.
 fn lock(path: &Path, program: Program) -> Result<nix::fcntl::Flock<std::fs::File>, StateError> {
     use std::os::unix::fs::OpenOptionsExt;
-    use sysfs_pci::io::{Action, WrapIo};
+    use support::io::{Action, WrapIo};
     let lock_path = lock_path(path);
     if let Some(dir) = lock_path.parent() {
         std::fs::create_dir_all(dir).wrap(Action::Create, dir)?;
@@ -515,7 +515,7 @@ impl StateFile {
                 if after > before {
                     return Err(e.into());
                 }
-                tracing::warn!(error = %sysfs_pci::error_chain(&e), devices = after, "the owner record still counts more devices than are held");
+                tracing::warn!(error = %support::error_chain(&e), devices = after, "the owner record still counts more devices than are held");
             }
         }
         self.state = next;

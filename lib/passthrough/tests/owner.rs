@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use passthrough::owner::{Owner, OwnerError, OwnerRecord, Program};
 use passthrough::state::{ClaimDevice, ClaimPhase, ClaimRecord, Record, RecordedRole, StateFile};
-use sysfs_pci::error_chain;
+use support::error_chain;
 use sysfs_pci::kernel::SysKernel;
 
 fn scratch() -> (tempfile::TempDir, PathBuf) {

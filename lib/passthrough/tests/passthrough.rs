@@ -12,7 +12,7 @@ use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use passthrough::state::StateFile;
 use passthrough::Passthrough;
-use sysfs_pci::error_chain;
+use support::error_chain;
 use sysfs_pci::testing::{FakeDevice, FakeKernel, FakeNode, Fault, FaultKernel, Point};
 use sysfs_pci::PciAddress;
 

@@ -18,10 +18,11 @@ use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use passthrough::state::StateFile;
 use passthrough::Passthrough;
+use support::error_chain;
 use sysfs_pci::deadline::Bounded;
 use sysfs_pci::kernel::Kernel;
 use sysfs_pci::testing::{FakeDevice, FakeKernel, FakeNode, Gate};
-use sysfs_pci::{error_chain, PciAddress};
+use sysfs_pci::PciAddress;
 
 const LIST: &str =
     r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;

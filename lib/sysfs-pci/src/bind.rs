@@ -1,6 +1,11 @@
 //! Moving one PCI function between drivers, following the kernel contract:
 //! `driver_override` first, then `driver/unbind`, then `drivers_probe` — never `new_id`.
 //!
+//! Its failpoints ([`support::failpoint`]): `bind-after-override`,
+//! `bind-after-unbind` and `bind-after-probe` while binding, and
+//! `restore-after-override`, `restore-after-unbind` and `restore-after-probe`
+//! while putting a device back.
+//!
 //! ```no_run
 //! use sysfs_pci::{bind, kernel::SysKernel, Host, PciDevice};
 //! let host = Host::default();
@@ -13,10 +18,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::device::{DeviceError, PciDevice};
-use crate::io::IoError;
 use crate::kernel::Kernel;
 use crate::vfio_driver::is_vfio_driver;
 use crate::{Host, PciAddress};
+use support::io::IoError;
 
 /// Why a device could not be moved.
 #[derive(Debug, thiserror::Error)]
@@ -167,13 +172,13 @@ pub fn bind(
     let dir = host.device_dir(&address);
     let write = writer(kernel, address, "bind");
     write(dir.join("driver_override"), driver)?;
-    crate::failpoint::step("bind-after-override");
+    support::failpoint::step("bind-after-override");
     if dev.driver.is_some() {
         write(dir.join("driver/unbind"), &bdf)?;
-        crate::failpoint::step("bind-after-unbind");
+        support::failpoint::step("bind-after-unbind");
     }
     write(host.drivers_probe(), &bdf)?;
-    crate::failpoint::step("bind-after-probe");
+    support::failpoint::step("bind-after-probe");
     if !kernel.is_dry_run() {
         confirm_driver(host, &address, Some(driver), "bind")?;
         if is_vfio_driver(driver) {
@@ -227,15 +232,15 @@ pub fn restore(
         dir.join("driver_override"),
         original_override.unwrap_or("\n"),
     )?;
-    crate::failpoint::step("restore-after-override");
+    support::failpoint::step("restore-after-override");
     if dev.driver.is_some() && dev.driver.as_deref() != original_driver {
         write(dir.join("driver/unbind"), &bdf)?;
-        crate::failpoint::step("restore-after-unbind");
+        support::failpoint::step("restore-after-unbind");
     }
     if original_driver.is_some() && dev.driver.as_deref() != original_driver {
         write(host.drivers_probe(), &bdf)?;
     }
-    crate::failpoint::step("restore-after-probe");
+    support::failpoint::step("restore-after-probe");
     if !kernel.is_dry_run() {
         confirm_driver(host, &address, original_driver, "restore")?;
     }
@@ -432,7 +437,7 @@ mod tests {
         *kernel.fail_on.lock().unwrap() = Some(("driver/unbind".into(), 16));
         let dev = PciDevice::read(&node.host, &addr("0000:01:00.0")).unwrap();
         let err = bind(&node.host, &kernel, &dev, "vfio-pci").unwrap_err();
-        let chain = crate::error_chain(&err);
+        let chain = support::error_chain(&err);
         assert!(
             chain.starts_with("cannot bind 0000:01:00.0: failed to write 0000:01:00.0 to "),
             "{chain}"

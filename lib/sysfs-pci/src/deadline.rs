@@ -29,9 +29,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::io::{Action, IoError};
-use crate::kernel::{lock, Kernel, SyscallError};
+use crate::kernel::{Kernel, SyscallError};
 use crate::PciAddress;
+use support::io::{Action, IoError};
+use support::lock;
 
 /// A write that has not returned within the deadline.
 #[derive(Debug, Clone, PartialEq, Eq)]

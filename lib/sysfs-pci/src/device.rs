@@ -12,8 +12,9 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::io::{read_attribute, read_optional_attribute, Action, IoError, WrapIo};
+use crate::attribute::{read_attribute, read_optional_attribute};
 use crate::{Host, PciAddress};
+use support::io::{Action, IoError, WrapIo};
 
 /// A malformed sysfs attribute.
 #[derive(Debug, thiserror::Error)]
@@ -537,7 +538,7 @@ mod tests {
                 match PciDevice::read(&node.host, &address) {
                     Ok(d) => prop_assert_eq!(d.address, address),
                     Err(e) => {
-                        let message = crate::error_chain(&e);
+                        let message = support::error_chain(&e);
                         prop_assert!(message.contains(&path.display().to_string()), "{}", message);
                         prop_assert!(message.len() < 1024, "{}", message);
                     }

@@ -4,9 +4,9 @@
 //! vfio driver, on `pci-stub`, or has no driver ("viable").
 
 use crate::device::{DeviceError, PciDevice};
-use crate::io::{Action, IoError, WrapIo};
 use crate::vfio_driver::is_vfio_driver;
 use crate::{Host, PciAddress};
+use support::io::{Action, IoError, WrapIo};
 
 /// The drivers that keep a group viable besides vfio drivers.
 pub const STUB_DRIVER: &str = "pci-stub";

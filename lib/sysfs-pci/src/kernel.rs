@@ -9,9 +9,11 @@
 
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::Mutex;
 
-use crate::io::{Action, IoError, WrapIo};
+use support::lock;
+
+use support::io::{Action, IoError, WrapIo};
 
 /// Why a module syscall failed.
 #[derive(Debug, thiserror::Error)]
@@ -55,7 +57,7 @@ pub trait Kernel: Sync {
     /// Replaces `path` with `data` atomically (write a temporary file, fsync, rename).
     /// Used for the state file, so that its saves are steps like any other.
     fn replace_file(&self, path: &Path, data: &[u8]) -> Result<(), IoError> {
-        crate::io::write_atomic(path, data)
+        support::io::write_atomic(path, data)
     }
     /// True when the VFIO group node is held open by someone (a VM): opening it gives
     /// `EBUSY`. `false` when the node does not exist.
@@ -171,13 +173,6 @@ pub struct DryRun {
     modules: Mutex<Vec<String>>,
 }
 
-/// Locks `m`, taking the data of a poisoned lock as it is: every value kept behind
-/// these locks is whole between statements (a push, a clone), so a thread that
-/// panicked while holding one cannot have left it half-changed.
-pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 impl DryRun {
     /// A dry run that prints each planned change to stdout as it is planned.
     pub fn new() -> Self {
@@ -190,7 +185,7 @@ impl DryRun {
     }
 
     fn plan(&self, line: String) {
-        crate::outln!("{line}");
+        support::outln!("{line}");
         lock(&self.log).push(line);
     }
 }

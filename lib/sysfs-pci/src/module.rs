@@ -15,9 +15,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use crate::io::{read_trimmed, IoError};
 use crate::kernel::{Kernel, SyscallError};
 use crate::Host;
+use support::io::{read_trimmed, IoError};
 
 /// Why a module could not be loaded or unloaded.
 #[derive(Debug, thiserror::Error)]

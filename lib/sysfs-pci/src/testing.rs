@@ -24,10 +24,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use crate::io::{Action, IoError};
-use crate::kernel::{lock, Kernel, SyscallError, Write};
+use crate::kernel::{Kernel, SyscallError, Write};
 use crate::vfio_driver::is_vfio_driver;
 use crate::{Host, PciAddress};
+use support::io::{Action, IoError};
+use support::lock;
 
 mod faults;
 

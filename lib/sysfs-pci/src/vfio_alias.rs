@@ -44,9 +44,10 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use crate::io::{read_optional_attribute, read_small_bytes, IoError, SmallFileError};
+use crate::attribute::read_optional_attribute;
 use crate::vfio_driver::{is_vfio_driver, VFIO_PCI};
 use crate::{Host, PciAddress};
+use support::io::{read_small_bytes, IoError, SmallFileError};
 
 /// The start of every line this module reads from `modules.alias` (as depmod writes it).
 pub const ALIAS_PREFIX: &str = "alias vfio_pci:";
@@ -236,10 +237,10 @@ pub fn device_modalias(host: &Host, address: &PciAddress) -> Result<String, IoEr
     }
     let hex = |name: &str| -> Result<u32, IoError> {
         let path = dir.join(name);
-        let text = crate::io::read_attribute(&path)?;
+        let text = crate::attribute::read_attribute(&path)?;
         crate::device::parse_hex(&text).ok_or_else(|| {
             IoError::new(
-                crate::io::Action::Read,
+                support::io::Action::Read,
                 path,
                 std::io::Error::new(
                     std::io::ErrorKind::InvalidData,

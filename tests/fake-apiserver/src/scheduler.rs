@@ -65,7 +65,7 @@ pub fn allocation(results: &[DeviceResult], slices: &[Value], node: &str) -> Val
         ]}]});
     }
     if waits {
-        allocation["allocationTimestamp"] = crate::now_rfc3339().into();
+        allocation["allocationTimestamp"] = support::time::now_rfc3339().into();
     }
     allocation
 }

@@ -73,7 +73,7 @@ impl AttrFs {
     fn text(&self) -> String {
         match &self.attr {
             Attr::Action => String::new(),
-            Attr::Override(v) => match &*sysfs_pci::kernel::lock(v) {
+            Attr::Override(v) => match &*support::lock(v) {
                 Some(d) => format!("{d}\n"),
                 None => "(null)\n".into(),
             },
@@ -152,7 +152,7 @@ impl Filesystem for AttrFs {
                 // drivers/pci/pci-sysfs.c driver_override_store: the value up
                 // to the first newline; an empty one clears the override.
                 let value = text.split('\n').next().unwrap_or_default();
-                *sysfs_pci::kernel::lock(v) = (!value.is_empty()).then(|| value.to_owned());
+                *support::lock(v) = (!value.is_empty()).then(|| value.to_owned());
             }
             Attr::Action => {
                 if let Err(e) = self.kernel.write(&self.path, text) {
@@ -233,13 +233,13 @@ impl PciCore {
     /// The device's native driver: what a probe with no override binds.
     pub fn set_native(&self, address: &str, driver: &str) -> Result<()> {
         let a = address.parse().context("a PCI address")?;
-        sysfs_pci::kernel::lock(&self.kernel.native).insert(a, driver.to_owned());
+        support::lock(&self.kernel.native).insert(a, driver.to_owned());
         Ok(())
     }
 
     /// The next write whose path ends with `suffix` fails with `errno`, as a
     /// driver's probe that fails does.
     pub fn fail_next(&self, suffix: &str, errno: nix::errno::Errno) {
-        *sysfs_pci::kernel::lock(&self.kernel.fail_on) = Some((suffix.to_owned(), errno as i32));
+        *support::lock(&self.kernel.fail_on) = Some((suffix.to_owned(), errno as i32));
     }
 }

@@ -939,7 +939,7 @@ pub fn cleanup(ctx: &Ctx) {
         "--wait=true",
         "--timeout=60s",
     ]);
-    *sysfs_pci::kernel::lock(&ctx.host.core.kernel.fail_on) = None;
+    *support::lock(&ctx.host.core.kernel.fail_on) = None;
     for (address, _) in NPUS {
         let _ = ctx.host.core.set_native(address, "vfio-pci");
         let _ = ctx.host.set_on_vfio(address, true);

@@ -13,13 +13,15 @@ use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::Api;
 use node_agent::cluster::Cluster;
-use sysfs_pci::error_chain;
+use support::error_chain;
 use tokio_stream::StreamExt;
 
-use crate::claims::ClaimRef;
+use kubelet_plugin::slices::{ATTEMPTS, REQUEST_TIMEOUT};
+use kubelet_plugin::{allocated_devices, AllocatedDevice, ClaimRef};
+
+use crate::claims::DriverError;
 use crate::metrics::Operation;
-use crate::slices::{self, ATTEMPTS, REQUEST_TIMEOUT};
-use crate::worker::{Failed, Worker};
+use crate::worker::Worker;
 
 /// How long the watcher waits for a move: the scheduler gives a claim up 10
 /// minutes after its allocation (`DynamicResourcesBindingTimeoutDefault`).
@@ -53,7 +55,7 @@ pub struct Follow {
 /// replacing the older, and acted on as soon as that task ends: the claim's latest
 /// state is what counts, and no event is lost.
 #[derive(Default)]
-struct Seen {
+struct Tracked {
     /// Claims allocated to our devices with our binding condition: the ones whose
     /// loss of allocation may have to give devices back.
     ours: HashSet<String>,
@@ -71,7 +73,7 @@ struct Seen {
 struct Waiting {
     claim: ClaimRef,
     generation: Option<i64>,
-    allocations: Vec<crate::claims::Allocation>,
+    allocations: Vec<AllocatedDevice>,
     /// Our condition is already `True` (ready) or the failure one is (failed).
     settled: bool,
 }
@@ -127,13 +129,13 @@ pub async fn follow_claims(follow: Follow) {
 /// The watcher's memory and a bell its tasks hear when a busy claim changes.
 #[derive(Default)]
 struct Shared {
-    seen: Mutex<Seen>,
+    tracked: Mutex<Tracked>,
     changed: tokio::sync::Notify,
 }
 
 impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Seen> {
-        sysfs_pci::kernel::lock(&self.seen)
+    fn lock(&self) -> std::sync::MutexGuard<'_, Tracked> {
+        support::lock(&self.tracked)
     }
 
     /// True when an event for busy claim `uid` came in since its task started.
@@ -208,12 +210,7 @@ impl Follow {
     /// shows that same allocation without the condition came in before the write
     /// (another writer's change): the write's own event follows, so it is not
     /// moved and written again.
-    fn done(
-        &self,
-        seen: &Arc<Shared>,
-        uid: String,
-        written: Option<Vec<crate::claims::Allocation>>,
-    ) {
+    fn done(&self, seen: &Arc<Shared>, uid: String, written: Option<Vec<AllocatedDevice>>) {
         let next = {
             let mut s = seen.lock();
             s.busy.remove(&uid);
@@ -240,7 +237,7 @@ impl Follow {
             namespace: claim.metadata.namespace.clone()?,
             name: claim.metadata.name.clone()?,
         };
-        let allocations = slices::allocation_of(claim, &cref, &self.driver, &self.pool).ok()?;
+        let allocations = allocated_devices(claim, &cref, &self.driver, &self.pool).ok()?;
         let ready = super::ready_condition(&self.driver);
         let failed = super::failed_condition(&self.driver);
         let status = claim.status.as_ref()?;
@@ -304,7 +301,7 @@ impl Follow {
                     seen.lock().ours.remove(uid);
                     return;
                 }
-                Err(f) => self.metrics.claim(op, Some(f.failure)),
+                Err(e) => self.metrics.claim(op, Some(e.failure())),
             }
             if seen.pause_unless_changed(uid, GIVE_BACK_RETRY).await {
                 return;
@@ -323,7 +320,7 @@ impl Follow {
         {
             Ok(m) => m,
             Err(e) => {
-                tracing::warn!(error = %e.message, "cannot list the claims moved early");
+                tracing::warn!(error = %error_chain(&e), "cannot list the claims moved early");
                 return;
             }
         };
@@ -353,10 +350,16 @@ impl Follow {
             .call(Operation::MoveEarly, started.elapsed().as_secs_f64());
         self.metrics.claim(
             Operation::MoveEarly,
-            outcome.as_ref().err().map(|f| f.failure),
+            outcome.as_ref().err().map(DriverError::failure),
         );
-        if let Err(f) = &outcome {
-            self.post_failure(&w.claim, f);
+        if let Err(e) = &outcome {
+            crate::driver::post_warning(
+                &self.cluster,
+                &w.claim,
+                e.failure(),
+                "MoveBeforeBinding",
+                error_chain(e),
+            );
         }
         let devices: Vec<String> = w.allocations.iter().map(|a| a.device.clone()).collect();
         // The scheduler waits on this write: an API server that cannot take it
@@ -387,23 +390,6 @@ impl Follow {
         }
     }
 
-    /// A Warning Event on the claim, in the background.
-    fn post_failure(&self, claim: &ClaimRef, failed: &Failed) {
-        let cluster = self.cluster.clone();
-        let claim = claim.clone();
-        let reason = failed.failure.event_reason();
-        let note = failed.message.clone();
-        tokio::spawn(async move {
-            let (reference, what) = claim.event_target(reason);
-            if let Err(e) = cluster
-                .event(&reference, &what, true, reason, "MoveBeforeBinding", &note)
-                .await
-            {
-                tracing::debug!(claim = %claim, error = %error_chain(&e), "cannot post an Event on the claim");
-            }
-        });
-    }
-
     /// Sets our condition on each of `devices` in the claim's `status.devices`,
     /// read fresh, with an update of the status subresource that keeps every other
     /// entry and condition (a 409 reads again), as upstream's own tests and drivers
@@ -413,7 +399,7 @@ impl Follow {
         &self,
         w: &Waiting,
         devices: &[String],
-        outcome: &Result<(), Failed>,
+        outcome: &Result<(), DriverError>,
     ) -> Result<Written, String> {
         let api: Api<ResourceClaim> =
             Api::namespaced(self.cluster.kube_client(), &w.claim.namespace);
@@ -427,10 +413,10 @@ impl Follow {
                     self.pool
                 ),
             ),
-            Err(f) => (
+            Err(e) => (
                 super::failed_condition(&self.driver),
                 "MoveFailed",
-                f.message.clone(),
+                error_chain(e),
             ),
         };
         let mut last = String::new();

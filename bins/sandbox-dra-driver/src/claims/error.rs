@@ -209,3 +209,64 @@ pub(super) fn group_nodes(groups: &[u32]) -> String {
     let nodes: Vec<String> = groups.iter().map(|g| format!("/dev/vfio/{g}")).collect();
     nodes.join(", ")
 }
+
+/// Why the driver did not prepare, unprepare, move or give back a claim: what
+/// kubelet (or the claim's status) is told, up to the gRPC edge.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    /// A step of the claim's change, or a check before it.
+    #[error(transparent)]
+    Claim(#[from] ClaimError),
+    /// The node's PCI devices could not be read for the claim's job.
+    #[error("claim {claim}: cannot scan the node's PCI devices")]
+    Scan {
+        /// The claim.
+        claim: String,
+        /// Why.
+        #[source]
+        source: sysfs_pci::device::DeviceError,
+    },
+    /// The node's PCI devices could not be read for a publication.
+    #[error("cannot scan the node's PCI devices")]
+    NodeScan(#[source] sysfs_pci::device::DeviceError),
+    /// kubelet unprepared the claim while this prepare was on its way.
+    #[error("claim {claim}: kubelet unprepared it while this prepare was on its way; not preparing it (a new prepare will)")]
+    Unprepared {
+        /// The claim.
+        claim: String,
+    },
+    /// The call's deadline came first; the work goes on.
+    #[error("not done within {within:?} ({doing}); the work goes on and a retry gets its result")]
+    Late {
+        /// The call's time limit.
+        within: std::time::Duration,
+        /// What the claims thread is doing.
+        doing: String,
+    },
+    /// The claims thread is gone.
+    #[error("the claims thread {0}")]
+    Stopped(&'static str),
+    /// The node is not this driver's (vfio-manager owns it).
+    #[error("claim {claim}: not {action}: {owner}")]
+    NotOwner {
+        /// The claim.
+        claim: String,
+        /// `prepared`, `unprepared`.
+        action: &'static str,
+        /// Who owns the node, and what to do (the owner lock's refusal).
+        owner: String,
+    },
+}
+
+impl DriverError {
+    /// Why, in one word.
+    pub fn failure(&self) -> Failure {
+        match self {
+            Self::Claim(e) => e.failure(),
+            Self::Scan { .. } | Self::NodeScan(_) | Self::Stopped(_) => Failure::Failed,
+            Self::Unprepared { .. } => Failure::Unprepared,
+            Self::Late { .. } => Failure::Timeout,
+            Self::NotOwner { .. } => Failure::Refused,
+        }
+    }
+}

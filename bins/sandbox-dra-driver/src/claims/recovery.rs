@@ -69,7 +69,7 @@ impl Claims<'_> {
         self.quarantine_foreign(&mut out);
         let claims = self.pt.state.state().claims.clone();
         for (uid, record) in &claims {
-            let claim = ClaimRef::recorded(uid, record);
+            let claim = crate::model::recorded_claim(uid, record);
             match record.phase {
                 // A moved claim waits for its prepare, or for the claim watcher to
                 // find it lost its allocation.

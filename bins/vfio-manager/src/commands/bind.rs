@@ -18,7 +18,7 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
     let skipped_ok = !args.which.all || inv.skipped.is_empty();
     if args.which.all {
         for s in &inv.skipped {
-            sysfs_pci::errln!("vfio-manager: error: not binding {s}");
+            support::errln!("vfio-manager: error: not binding {s}");
         }
     }
     if inv.entries.is_empty() {
@@ -48,7 +48,7 @@ fn print_driver_choices(inv: &Inventory, groups: &[u32], dry_run: bool) {
             continue;
         };
         if dry_run {
-            sysfs_pci::outln!("driver for {}: {choice}", entry.device.address);
+            support::outln!("driver for {}: {choice}", entry.device.address);
         } else {
             tracing::info!(bdf = %entry.device.address, choice = %choice, "driver auto");
         }

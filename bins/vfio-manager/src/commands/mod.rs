@@ -73,7 +73,7 @@ pub fn groups_for(ctx: &Context, inv: &Inventory, which: &Which) -> anyhow::Resu
         }
         let Some(entry) = inv.get(addr) else {
             let dev = PciDevice::read(&ctx.host, addr).map_err(|e| {
-                UsageError(format!("--device {addr}: {}", sysfs_pci::error_chain(&e)))
+                UsageError(format!("--device {addr}: {}", support::error_chain(&e)))
             })?;
             return Err(UsageError(format!(
                 "--device {addr} ({:04x}:{:04x}) is not selected by the resource list ({}); \

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use node_agent::cli::EXIT_NOT_READY;
 use passthrough::inventory::Inventory;
-use sysfs_pci::io::{read_small_file, SmallFileError};
+use support::io::{read_small_file, SmallFileError};
 use sysfs_pci::PciAddress;
 
 use crate::Context;
@@ -18,7 +18,7 @@ const MAX_READY_FILE: u64 = 1 << 20;
 pub fn run(ctx: &Context) -> anyhow::Result<ExitCode> {
     let path = &ctx.ready_file;
     let not_ready = |why: String| {
-        sysfs_pci::outln!("not ready: {why}");
+        support::outln!("not ready: {why}");
         Ok(ExitCode::from(EXIT_NOT_READY))
     };
     let text = match read_small_file(path, MAX_READY_FILE) {
@@ -72,7 +72,7 @@ pub fn run(ctx: &Context) -> anyhow::Result<ExitCode> {
             e.target_driver
         ));
     }
-    sysfs_pci::outln!(
+    support::outln!(
         "ready: {} device(s) bound ({})",
         listed.len(),
         path.display()

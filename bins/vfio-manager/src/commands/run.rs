@@ -33,10 +33,11 @@ use node_agent::cluster::{Identity, Verdict};
 use node_agent::watch::{NodeWatch, Options};
 use passthrough::inventory::{Inventory, SkipLog};
 use passthrough::{target_drivers, Passthrough};
+use support::error_chain;
+use support::io::{remove_if_present, write_atomic};
 use sysfs_pci::deadline::StuckWrite;
-use sysfs_pci::io::{remove_if_present, write_atomic};
 use sysfs_pci::module::kernel_release;
-use sysfs_pci::{error_chain, PciAddress};
+use sysfs_pci::PciAddress;
 
 use crate::metrics::Metrics;
 use crate::side::{NodeEvent, Side};
@@ -555,7 +556,7 @@ impl Pass<'_> {
             let doc = serde_json::json!({
                 "devices": devices,
                 "groups": inv.groups.keys().collect::<Vec<_>>(),
-                "time": unix_now(),
+                "time": support::time::unix_now(),
             });
             write_atomic(self.ready_file, format!("{doc}\n").as_bytes())?;
             if !self.converged {
@@ -596,7 +597,7 @@ impl Pass<'_> {
             remove_if_present(&file)?;
         } else if now != self.stuck {
             let lines: Vec<String> = stuck.iter().map(ToString::to_string).collect();
-            let doc = serde_json::json!({ "stuck": lines, "time": unix_now() });
+            let doc = serde_json::json!({ "stuck": lines, "time": support::time::unix_now() });
             write_atomic(&file, format!("{doc}\n").as_bytes())?;
         }
         self.stuck = now;
@@ -608,13 +609,6 @@ impl Pass<'_> {
 /// beside its ready file.
 pub fn stuck_file(ready_file: &std::path::Path) -> std::path::PathBuf {
     ready_file.with_file_name("stuck.json")
-}
-
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 fn block_signals() -> anyhow::Result<SignalFd> {

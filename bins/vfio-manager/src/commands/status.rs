@@ -95,7 +95,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
             let groups: Vec<_> = inv.groups.values().collect();
             let skipped: Vec<SkippedRow> = inv.skipped.iter().map(SkippedRow::from).collect();
             let doc = serde_json::json!({ "devices": rows, "groups": groups, "skipped": skipped });
-            sysfs_pci::outln!("{}", serde_json::to_string_pretty(&doc)?);
+            support::outln!("{}", serde_json::to_string_pretty(&doc)?);
         }
         OutputFormat::Table => print_table(&ctx.host, &rows, &inv),
     }
@@ -125,7 +125,7 @@ impl<'a> From<&'a Skipped> for SkippedRow<'a> {
 
 fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
     if rows.is_empty() && inv.skipped.is_empty() {
-        sysfs_pci::outln!("no devices selected by the resource list");
+        support::outln!("no devices selected by the resource list");
         return;
     }
     let dash = || "-".to_string();
@@ -200,7 +200,7 @@ fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
                 s.push_str(&format!("{c:<w$}  ", w = widths[i]));
             }
         }
-        sysfs_pci::outln!("{}", s.trim_end());
+        support::outln!("{}", s.trim_end());
     };
     line(&header.map(String::from));
     for r in &table {
@@ -208,12 +208,12 @@ fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
     }
     for r in rows {
         if let Some(choice) = &r.driver_choice {
-            sysfs_pci::outln!("driver for {}: {choice}", r.bdf);
+            support::outln!("driver for {}: {choice}", r.bdf);
         }
     }
     for v in inv.groups.values().filter(|v| !v.is_viable()) {
         for b in &v.blockers {
-            sysfs_pci::outln!(
+            support::outln!(
                 "group {} is not viable: {} is on {} (must be on a vfio driver, pci-stub or none)",
                 v.group,
                 b.address,
@@ -222,6 +222,6 @@ fn print_table(host: &Host, rows: &[Row], inv: &Inventory) {
         }
     }
     for s in &inv.skipped {
-        sysfs_pci::outln!("skipped {s}");
+        support::outln!("skipped {s}");
     }
 }

@@ -19,10 +19,10 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .filter(|a| !recorded.contains_key(a))
         {
-            sysfs_pci::outln!("{addr} is not in {path}; nothing to restore");
+            support::outln!("{addr} is not in {path}; nothing to restore");
         }
         if recorded.is_empty() {
-            sysfs_pci::outln!("nothing recorded in {path}; no device to restore");
+            support::outln!("nothing recorded in {path}; no device to restore");
         } else if !args.dry_run {
             // Devices leave vfio: the validator's verdict on the node no longer holds.
             super::run::clear_validator_ready_file(ctx);

@@ -65,7 +65,7 @@ async fn a_taken_port_is_an_error_naming_the_address_and_flag() {
     let first = bind(&parse_address("127.0.0.1:0").unwrap()).await.unwrap();
     let taken = first.local_addr().unwrap().to_string();
     let e = bind(&parse_address(&taken).unwrap()).await.unwrap_err();
-    let message = sysfs_pci::error_chain(&e);
+    let message = support::error_chain(&e);
     assert!(message.contains(&taken), "{message}");
     assert!(message.contains("--metrics-address"), "{message}");
     assert!(message.contains("in use"), "{message}");

@@ -15,7 +15,7 @@ use super::*;
 /// Reads a resource list file, refusing anything but a regular file of at most
 /// [`MAX_FILE_BYTES`] before reading a byte of it.
 pub(super) fn read_file(path: &Path) -> Result<String, ConfigError> {
-    use sysfs_pci::io::{read_small_file, SmallFileError};
+    use support::io::{read_small_file, SmallFileError};
     read_small_file(path, MAX_FILE_BYTES).map_err(|e| match e {
         SmallFileError::Io(source) => ConfigError::ReadFile {
             path: path.to_owned(),

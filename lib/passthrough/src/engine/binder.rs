@@ -8,6 +8,9 @@
 //!
 //! [`for_each_bounded`] runs the groups on up to `jobs` threads and hands the
 //! results back in the groups' order, so reports never depend on thread timing.
+//!
+//! Its failpoint ([`support::failpoint`]): `bind-after-record`, once a device's
+//! record is on disk and before it is touched.
 
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -16,11 +19,13 @@ use std::sync::Mutex;
 use super::{Move, PassthroughError, RestoreReport, StepError};
 use crate::inventory::Role;
 use crate::state::{self, Record, StateError, StateFile};
+use support::error_chain;
+use support::lock;
 use sysfs_pci::bind::{self, BindOutcome, DriverError};
 use sysfs_pci::device::DeviceError;
-use sysfs_pci::kernel::{lock, Kernel};
+use sysfs_pci::kernel::Kernel;
 use sysfs_pci::module;
-use sysfs_pci::{error_chain, Host, PciAddress, PciDevice};
+use sysfs_pci::{Host, PciAddress, PciDevice};
 
 /// Moves groups to their vfio drivers, recording each member first.
 pub(super) struct Binder<'b, 's> {
@@ -52,7 +57,7 @@ impl Binder<'_, '_> {
                 group,
             },
         )?;
-        sysfs_pci::failpoint::step("bind-after-record");
+        support::failpoint::step("bind-after-record");
         Ok(())
     }
 

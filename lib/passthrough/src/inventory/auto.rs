@@ -12,7 +12,7 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use sysfs_pci::error_chain;
+use support::error_chain;
 use sysfs_pci::vfio_alias::{device_modalias, AliasTable, VfioAlias};
 use sysfs_pci::vfio_driver::{is_vfio_driver, VFIO_PCI};
 use sysfs_pci::{Host, PciDevice};

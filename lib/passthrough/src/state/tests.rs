@@ -100,7 +100,7 @@ impl Kernel for FullDisk {
     }
     fn replace_file(&self, path: &Path, _: &[u8]) -> Result<(), IoError> {
         Err(IoError::new(
-            sysfs_pci::io::Action::Rename,
+            support::io::Action::Rename,
             path,
             std::io::Error::from_raw_os_error(nix::libc::ENOSPC),
         ))
@@ -147,7 +147,7 @@ fn an_unknown_version_is_refused_and_the_file_is_left_alone() {
     let path = dir.path().join("state.json");
     let text = r#"{"version":2,"devices":{},"unloaded_modules":[],"future":true}"#;
     std::fs::write(&path, text).unwrap();
-    let msg = sysfs_pci::error_chain(
+    let msg = support::error_chain(
         &StateFile::load(&path, true, crate::owner::Program::VfioManager).unwrap_err(),
     );
     assert!(msg.contains("format version 2"), "{msg}");
@@ -184,7 +184,7 @@ fn a_symlinked_lock_file_is_refused_not_followed() {
     let victim = dir.path().join("victim");
     std::fs::write(&victim, "keep").unwrap();
     std::os::unix::fs::symlink(&victim, lock_path(&path)).unwrap();
-    let msg = sysfs_pci::error_chain(
+    let msg = support::error_chain(
         &StateFile::load(&path, true, crate::owner::Program::VfioManager).unwrap_err(),
     );
     assert!(msg.contains("must be a regular file"), "{msg}");

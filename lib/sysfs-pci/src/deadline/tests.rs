@@ -74,7 +74,7 @@ fn a_write_that_never_returns_names_device_file_and_driver_and_marks_it_stuck() 
     let n = node();
     let k = Bounded::new(n.fake.clone(), Duration::from_millis(200));
     let err = bind_to_vfio(&n, &k, "0000:01:00.0").unwrap_err();
-    let text = crate::error_chain(&err);
+    let text = support::error_chain(&err);
     for part in [
         "0000:01:00.0",
         "driver/unbind",
@@ -99,7 +99,7 @@ fn no_second_write_starts_on_a_stuck_device_and_others_go_on() {
     let writes_before = n.fake.write_log().len();
     // Another bind of the stuck device is refused before anything reaches the kernel.
     let err = bind_to_vfio(&n, &k, "0000:01:00.0").unwrap_err();
-    let text = crate::error_chain(&err);
+    let text = support::error_chain(&err);
     assert!(text.contains("an earlier write to 0000:01:00.0"), "{text}");
     assert_eq!(
         n.fake.write_log().len(),
@@ -146,7 +146,7 @@ fn a_write_within_the_deadline_keeps_its_own_result() {
     *n.fake.fail_on.lock().unwrap() = Some(("drivers_probe".into(), 22));
     let k = Bounded::new(n.fake.clone(), Duration::from_secs(30));
     let err = bind_to_vfio(&n, &k, "0000:02:00.0").unwrap_err();
-    let text = crate::error_chain(&err);
+    let text = support::error_chain(&err);
     assert!(
         text.contains("drivers_probe") && text.contains("Invalid argument"),
         "{text}"

@@ -323,8 +323,8 @@ fn the_modalias_is_read_or_built_as_the_kernel_prints_it() {
     std::fs::remove_file(dev.join("modalias")).unwrap();
     let err = device_modalias(&host, &addr).unwrap_err();
     assert!(
-        crate::error_chain(&err).contains("class"),
+        support::error_chain(&err).contains("class"),
         "{}",
-        crate::error_chain(&err)
+        support::error_chain(&err)
     );
 }

@@ -23,7 +23,7 @@ impl Objects {
             m.insert("resourceVersion".into(), rv.into());
             m.entry("uid").or_insert_with(|| uid.into());
             m.entry("creationTimestamp")
-                .or_insert_with(|| crate::now_rfc3339().into());
+                .or_insert_with(|| support::time::now_rfc3339().into());
         }
         let prev = self.map.insert(path.to_owned(), object.clone());
         self.record(path, Some(object.clone()), prev);
@@ -284,7 +284,10 @@ impl Objects {
             }
             // The server owns these, whatever the client sent.
             m.insert("uid".into(), uid.into());
-            m.insert("creationTimestamp".into(), crate::now_rfc3339().into());
+            m.insert(
+                "creationTimestamp".into(),
+                support::time::now_rfc3339().into(),
+            );
             m.remove("deletionTimestamp");
         }
         if route.kind.status {

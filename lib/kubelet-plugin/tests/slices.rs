@@ -1,4 +1,4 @@
-//! The DRA driver's API-server side against a stand-in API server, over real HTTP,
+//! The plugin's API-server side against a stand-in API server, over real HTTP,
 //! through the real kube-rs client: the node's ResourceSlice is created, updated
 //! with a new pool generation, left alone when nothing changed, rewritten after a
 //! conflict, cleaned of strays and deleted on uninstall; a ResourceClaim's
@@ -9,21 +9,18 @@
 
 #![allow(clippy::unwrap_used)]
 
+use std::collections::BTreeMap;
+
 use fake_apiserver::objects::{self, DeviceResult};
 use fake_apiserver::{paths, FakeApiServer};
-use k8s_openapi::api::resource::v1::Device;
-use passthrough::config::ResourceList;
-use passthrough::inventory::Inventory;
-use sandbox_dra_driver::claims::ClaimRef;
-use sandbox_dra_driver::slices::{self, slice_names, Action, AllocationError, SliceError, Slices};
+use k8s_openapi::api::resource::v1::{Device, DeviceAttribute};
+use kubelet_plugin::slices::{slice_names, Action, SliceError, Slices};
+use kubelet_plugin::{read_claim, AllocatedDevice, ClaimRef, ReadError, Ticket};
 use serde_json::{json, Value};
-use sysfs_pci::testing::{FakeDevice, FakeNode};
 
 const NODE: &str = "node-a";
-const DRIVER: &str = slices::DEFAULT_DRIVER_NAME;
+const DRIVER: &str = "vfio-sandbox.rebellions.ai";
 const SLICE: &str = "node-a-vfio-sandbox-rebellions-ai";
-const LIST: &str =
-    r#"{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]}]}"#;
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -35,7 +32,7 @@ fn rt() -> tokio::runtime::Runtime {
 /// A client on `rt` (its connection worker runs on that runtime).
 fn client(rt: &tokio::runtime::Runtime, s: &FakeApiServer) -> kube::Client {
     let _in = rt.enter();
-    node_agent::cluster::client(kube::Config::new(s.url().parse().unwrap())).unwrap()
+    kube::Client::try_from(kube::Config::new(s.url().parse().unwrap())).unwrap()
 }
 
 fn server() -> FakeApiServer {
@@ -44,29 +41,46 @@ fn server() -> FakeApiServer {
     s
 }
 
-/// The card (two functions, one group, behind a root port) and one more NIC.
-fn devices(with_second: bool) -> Vec<Device> {
-    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
-    let node = FakeNode::new(dir.path());
-    node.add_device(&FakeDevice::new("0000:00:01.0", 0x8086, 0x7c10, 0x06_0400).group(5));
-    node.add_device(
-        &FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000)
-            .parent("0000:00:01.0")
-            .driver("e1000e")
-            .group(6)
-            .numa(0),
-    );
-    node.add_device(
-        &FakeDevice::new("0000:01:00.1", 0x8086, 0x10d4, 0x02_0000)
-            .parent("0000:00:01.0")
-            .driver("e1000e")
-            .group(6),
-    );
-    if with_second {
-        node.add_device(&FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000).group(7));
+fn string(s: &str) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(s.into()),
+        ..DeviceAttribute::default()
     }
-    let inv = Inventory::scan(&node.host, &ResourceList::parse(LIST).unwrap()).unwrap();
-    slices::slice_devices(&inv)
+}
+
+fn int(i: i64) -> DeviceAttribute {
+    DeviceAttribute {
+        int: Some(i),
+        ..DeviceAttribute::default()
+    }
+}
+
+/// A NIC as a passthrough driver offers it, and one more.
+fn devices(with_second: bool) -> Vec<Device> {
+    let nic = |name: &str, bdf: &str, group: i64| Device {
+        name: name.into(),
+        attributes: Some(BTreeMap::from([
+            ("deviceID".into(), string("0x10d3")),
+            ("iommuGroup".into(), int(group)),
+            ("resource.kubernetes.io/pciBusID".into(), string(bdf)),
+            (
+                "resource.kubernetes.io/pcieRoot".into(),
+                string("pci0000:00"),
+            ),
+            ("resourceName".into(), string("example.com/NIC_PT")),
+            ("vendorID".into(), string("0x8086")),
+        ])),
+        ..Device::default()
+    };
+    let mut first = nic("pci-0000-01-00-0", "0000:01:00.0", 6);
+    if let Some(a) = first.attributes.as_mut() {
+        a.insert("numaNode".into(), int(0));
+    }
+    let mut all = vec![first];
+    if with_second {
+        all.push(nic("pci-0000-02-00-0", "0000:02:00.0", 7));
+    }
+    all
 }
 
 fn ours(s: &FakeApiServer) -> Vec<Value> {
@@ -120,7 +134,7 @@ fn reconcile_creates_the_node_slice_with_pool_owner_and_attributes() {
                 "vendorID": {"string": "0x8086"},
             },
         }]),
-        "one device per selected function; the companion 01:00.1 is not offered"
+        "the devices as given"
     );
     let listed: Vec<String> = s
         .requests()
@@ -320,7 +334,7 @@ fn failures_name_the_action_and_a_missing_node_is_refused() {
     rt.block_on(slices.reconcile(&devices(false))).unwrap();
     s.fail_next_on("PUT", 1, 403);
     let e = rt.block_on(slices.reconcile(&devices(true))).unwrap_err();
-    let chain = sysfs_pci::error_chain(&e);
+    let chain = support::error_chain(&e);
     assert!(
         chain.starts_with(&format!("failed to update ResourceSlice {SLICE}: ")),
         "{chain}"
@@ -466,20 +480,17 @@ fn claim_ref(name: &str, uid: &str) -> ClaimRef {
     }
 }
 
-fn read(
-    s: &FakeApiServer,
-    name: &str,
-    uid: &str,
-) -> Result<Vec<sandbox_dra_driver::claims::Allocation>, AllocationError> {
+fn read(s: &FakeApiServer, name: &str, uid: &str) -> Result<Vec<AllocatedDevice>, ReadError> {
     let rt = rt();
     let c = client(&rt, s);
-    rt.block_on(slices::claim_allocation(
+    rt.block_on(read_claim(
         &c,
         &claim_ref(name, uid),
+        Ticket::now(),
         DRIVER,
         NODE,
     ))
-    .map(|a| a.allocations)
+    .map(|c| c.devices)
 }
 
 fn with_claim(name: &str, results: Option<&[DeviceResult]>) -> FakeApiServer {
@@ -529,15 +540,16 @@ fn a_template_claim_carries_its_pod_claim_name() {
     let rt = rt();
     let c = client(&rt, &s);
     let got = rt
-        .block_on(slices::claim_allocation(
+        .block_on(read_claim(
             &c,
             &claim_ref("vm-a-npu-x7k2", UID),
+            Ticket::now(),
             DRIVER,
             NODE,
         ))
         .unwrap();
-    assert_eq!(got.pod_claim_name.as_deref(), Some("npu"));
-    assert_eq!(got.allocations.len(), 1);
+    assert_eq!(got.pod_claim_name(), Some("npu"));
+    assert_eq!(got.devices.len(), 1);
     // A claim made by hand has none.
     let s = with_claim(
         "vm-b",
@@ -545,21 +557,22 @@ fn a_template_claim_carries_its_pod_claim_name() {
     );
     let c = client(&rt, &s);
     let got = rt
-        .block_on(slices::claim_allocation(
+        .block_on(read_claim(
             &c,
             &claim_ref("vm-b", UID),
+            Ticket::now(),
             DRIVER,
             NODE,
         ))
         .unwrap();
-    assert_eq!(got.pod_claim_name, None);
+    assert_eq!(got.pod_claim_name(), None);
 }
 
 #[test]
 fn claim_errors_name_the_claim_and_the_reason() {
     let s = with_claim("vm-a", None);
     let e = read(&s, "gone", UID).unwrap_err();
-    assert!(matches!(e, AllocationError::NotFound { .. }));
+    assert!(matches!(e, ReadError::NotFound { .. }));
     assert_eq!(e.to_string(), "ResourceClaim vms/gone is not found");
 
     let e = read(&s, "vm-a", "other-uid").unwrap_err();
@@ -580,7 +593,7 @@ fn claim_errors_name_the_claim_and_the_reason() {
         ]),
     );
     let e = read(&s, "vm-b", UID).unwrap_err();
-    assert!(matches!(e, AllocationError::OtherPool { .. }), "{e}");
+    assert!(matches!(e, ReadError::OtherPool { .. }), "{e}");
     assert!(e.to_string().contains("node-b/pci-0000-05-00-0"), "{e}");
 
     let s = with_claim(
@@ -601,8 +614,11 @@ fn claim_errors_name_the_claim_and_the_reason() {
     );
     claim["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = json!(true);
     s.put(&paths::resourceclaim(NS, "vm-d"), claim);
-    let e = read(&s, "vm-d", UID).unwrap_err();
-    assert!(matches!(e, AllocationError::AdminAccess { .. }), "{e}");
+    let got = read(&s, "vm-d", UID).unwrap();
+    assert!(
+        got[0].admin_access,
+        "the driver decides what admin access means"
+    );
 
     let s = FakeApiServer::start().unwrap();
     s.fail_next(1, 500);

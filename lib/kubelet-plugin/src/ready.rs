@@ -1,42 +1,40 @@
-//! Readiness: the driver is ready when kubelet has accepted its registration and
+//! Readiness: a driver is ready when kubelet has accepted its registration and
 //! this node's ResourceSlices are published. The serving process keeps a ready file
-//! (JSON) while both hold; `sandbox-dra-driver ready`, the readiness probe, checks
-//! the file and that the sockets it names are still there.
+//! (JSON) while both hold; [`probe`], a readiness probe's check, reads the file and
+//! checks that the sockets it names are still there.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use serde_json::json;
-use sysfs_pci::io::{read_small_file, remove_if_present, write_atomic, SmallFileError};
-
-/// The default ready file.
-pub const DEFAULT_READY_FILE: &str = "/run/sandbox-dra-driver/ready";
+use support::io::{read_small_file, remove_if_present, write_atomic, SmallFileError};
 
 /// The ready file is small JSON; anything bigger is not ours.
 const MAX_READY_FILE: u64 = 1 << 20;
 
 #[derive(Default)]
-struct Seen {
+struct Status {
     registered: bool,
     /// The slices of the last successful publish; `None` after a failed one.
     slices: Option<Vec<String>>,
 }
 
 /// What the serving process knows, and the file it keeps.
-pub struct Readiness {
-    file: PathBuf,
+pub(crate) struct Readiness {
+    /// The ready file, if one is kept.
+    file: Option<PathBuf>,
     sockets: Vec<PathBuf>,
-    seen: Mutex<Seen>,
+    status: Mutex<Status>,
 }
 
 impl Readiness {
     /// Readiness kept in `file`, naming the `sockets` kubelet dials. A file left by
     /// an earlier process is removed: this one is not registered yet.
-    pub fn new(file: PathBuf, sockets: Vec<PathBuf>) -> Self {
+    pub fn new(file: Option<PathBuf>, sockets: Vec<PathBuf>) -> Self {
         let r = Self {
             file,
             sockets,
-            seen: Mutex::default(),
+            status: Mutex::default(),
         };
         r.clear();
         r
@@ -52,27 +50,35 @@ impl Readiness {
         self.update(|s| s.slices = slices);
     }
 
-    /// Not ready any more (at stop).
-    pub fn clear(&self) {
-        if let Err(e) = remove_if_present(&self.file) {
-            tracing::warn!(file = %self.file.display(), error = %e, "cannot remove the ready file");
+    /// Not registered, nothing published, no ready file: serving stopped.
+    pub fn reset(&self) {
+        *support::lock(&self.status) = Status::default();
+        self.clear();
+    }
+
+    /// No ready file.
+    fn clear(&self) {
+        let Some(file) = &self.file else { return };
+        if let Err(e) = remove_if_present(file) {
+            tracing::warn!(file = %file.display(), error = %e, "cannot remove the ready file");
         }
     }
 
-    fn update(&self, change: impl FnOnce(&mut Seen)) {
-        let mut seen = sysfs_pci::kernel::lock(&self.seen);
+    fn update(&self, change: impl FnOnce(&mut Status)) {
+        let mut seen = support::lock(&self.status);
         let was = is_ready(&seen);
         change(&mut seen);
         let now = is_ready(&seen);
-        match (&seen.slices, seen.registered) {
-            (Some(slices), true) => {
+        match (&seen.slices, seen.registered, &self.file) {
+            (_, _, None) => {}
+            (Some(slices), true, Some(file)) => {
                 let doc = json!({
                     "registered": true,
                     "slices": slices,
                     "sockets": self.sockets,
                 });
-                if let Err(e) = write_atomic(&self.file, format!("{doc}\n").as_bytes()) {
-                    tracing::warn!(file = %self.file.display(), error = %e, "cannot write the ready file");
+                if let Err(e) = write_atomic(file, format!("{doc}\n").as_bytes()) {
+                    tracing::warn!(file = %file.display(), error = %e, "cannot write the ready file");
                 }
             }
             _ => self.clear(),
@@ -88,7 +94,7 @@ impl Readiness {
     }
 }
 
-fn is_ready(s: &Seen) -> bool {
+fn is_ready(s: &Status) -> bool {
     s.registered && s.slices.is_some()
 }
 

@@ -1,58 +1,28 @@
-//! The DRA driver's view of the cluster (kube-rs): ResourceSlices and ResourceClaims.
-//!
-//! - [`slice_devices`] turns the inventory into the devices this node offers: one
-//!   per selected PCI function, named by [`claims::device_name`], with the standard
-//!   `resource.kubernetes.io/pciBusID` and `resource.kubernetes.io/pcieRoot`
-//!   attributes and our own (`vendorID`, `deviceID`, `resourceName`, `numaNode`,
-//!   `iommuGroup`). Companions and bridges are never offered: they travel with
-//!   their group. A device that prepare could never hand over is withdrawn
-//!   ([`withdrawn`]).
-//! - [`Slices`] publishes them as one pool per node (pool = node name, in as many
-//!   ResourceSlices of at most 128 devices as it needs, `spec.nodeName` set, owned
-//!   by the Node so they die with it), writing only when something changed and
-//!   retrying conflicts.
-//! - [`claim_allocation`] reads a ResourceClaim kubelet asks to prepare and keeps
-//!   the devices allocated to this driver in this node's pool.
+//! This node's ResourceSlices: one pool per node (pool = node name), in as many
+//! ResourceSlices of at most 128 devices as it needs, `spec.nodeName` set, owned by
+//! the Node so they die with it, written only when something changed and retrying
+//! conflicts ([`Slices`]).
 //!
 //! ```no_run
-//! # async fn f(inv: &passthrough::inventory::Inventory) -> Result<(), Box<dyn std::error::Error>> {
-//! use node_agent::cluster;
-//! use sandbox_dra_driver::slices;
-//! let client = cluster::client(cluster::infer_config().await?)?;
-//! let mut slices = slices::Slices::new(client, slices::DEFAULT_DRIVER_NAME, "node-a");
-//! let report = slices.reconcile(&slices::slice_devices(inv)).await?;
+//! # async fn f(client: kube::Client, devices: Vec<k8s_openapi::api::resource::v1::Device>) -> Result<(), Box<dyn std::error::Error>> {
+//! use kubelet_plugin::slices::Slices;
+//! let mut slices = Slices::new(client, "gpu.example.com", "node-a");
+//! let report = slices.reconcile(&devices).await?;
 //! println!("{:?} generation {}", report.action, report.generation);
 //! # Ok(()) }
 //! ```
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{
-    Device, DeviceAttribute, DeviceTaint, ResourceClaim, ResourcePool, ResourceSlice,
-    ResourceSliceSpec,
-};
+use k8s_openapi::api::resource::v1::{Device, ResourcePool, ResourceSlice, ResourceSliceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions};
 use kube::Client;
 
-use crate::cdi::PCI_BUS_ID;
-use crate::claims::{self, Allocation, ClaimRef};
-use passthrough::inventory::{Entry, Inventory};
-use sysfs_pci::{PciAddress, PciDevice};
-
-mod allocation;
-mod devices;
-
-pub use allocation::{allocation_of, claim_allocation, AllocationError, ClaimAllocation};
-pub use devices::{
-    marked_devices, pcie_root, slice_devices, taint_key, withdrawn, BindingMarks, Withdrawn,
-};
-
-/// The driver name when `--driver-name` is not given.
-pub const DEFAULT_DRIVER_NAME: &str = "vfio-sandbox.rebellions.ai";
-/// Standard attribute: the PCIe root complex above the function (`pci0000:00`).
+/// Standard attribute: the PCI address of a device (`0000:01:00.0`).
+pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
+/// Standard attribute: the PCIe root complex above a device (`pci0000:00`).
 pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
 /// The most devices one ResourceSlice may hold (API validation); a larger pool is
 /// published as several slices.
@@ -634,4 +604,61 @@ impl Slices {
 }
 
 #[cfg(test)]
-mod tests;
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slice_names_are_dns_subdomains_of_bounded_length() {
+        assert_eq!(
+            slice_name("node-a", "vfio-sandbox.rebellions.ai"),
+            "node-a-vfio-sandbox-rebellions-ai"
+        );
+        let long = slice_name(&"n".repeat(252), "vfio-sandbox.rebellions.ai");
+        assert_eq!(
+            long.len(),
+            252,
+            "cut to 253, then the trailing dash dropped"
+        );
+        assert!(!long.ends_with('-'));
+    }
+
+    #[test]
+    fn fields_the_server_drops_are_noticed() {
+        let sent = vec![
+            Device {
+                name: "a".into(),
+                binding_conditions: Some(vec!["d.example.com/VfioReady".into()]),
+                binding_failure_conditions: Some(vec!["d.example.com/VfioFailed".into()]),
+                binds_to_node: Some(true),
+                taints: Some(vec![k8s_openapi::api::resource::v1::DeviceTaint {
+                    key: "d.example.com/unhealthy".into(),
+                    value: Some("Gone".into()),
+                    effect: "NoSchedule".into(),
+                    time_added: None,
+                }]),
+                ..Device::default()
+            },
+            Device {
+                name: "b".into(),
+                ..Device::default()
+            },
+        ];
+        let mut back = ResourceSlice {
+            metadata: Default::default(),
+            spec: ResourceSliceSpec {
+                devices: Some(sent.clone()),
+                ..Default::default()
+            },
+        };
+        assert!(!binding_dropped(&sent, &back));
+        assert!(!taints_dropped(&sent, &back));
+        for d in back.spec.devices.iter_mut().flatten() {
+            d.binding_conditions = None;
+            d.binding_failure_conditions = None;
+            d.binds_to_node = None;
+            d.taints = None;
+        }
+        assert!(binding_dropped(&sent, &back));
+        assert!(taints_dropped(&sent, &back));
+    }
+}

@@ -1,21 +1,22 @@
-//! The kubelet-facing gRPC side over real Unix sockets: the kubelet-like peer
-//! registers the driver and calls both DRA versions; the driver behind the service
-//! is a recording double (the engine is tested on its own).
+//! The kubelet-facing side over real Unix sockets: the kubelet-like peer registers
+//! the plugin and calls both DRA versions; the claims are read from a stand-in API
+//! server; the driver behind the plugin is a recording double.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kubelet_peer::dra::{self, Dra, Version};
-use kubelet_peer::dra::{ClaimRef, PreparedDevice};
-use sandbox_dra_driver::claims;
-use sandbox_dra_driver::grpc::{self, Driver, GrpcConfig};
+use fake_apiserver::objects::{self, DeviceResult};
+use fake_apiserver::{paths, FakeApiServer};
+use k8s_openapi::api::resource::v1::Device;
+use kubelet_peer::dra::{self, ClaimRef, Dra, PreparedDevice, Version};
+use kubelet_plugin::{Answers, Claim, Clients, Config, Fields, Plugin, ServeError};
 use tokio::sync::oneshot;
 
 const DRIVER: &str = "vfio-sandbox.rebellions.ai";
+const NODE: &str = "node-a";
 const WAIT: Duration = Duration::from_secs(5);
 
 /// Prepares a claim into one device named after it; a claim whose name starts with
@@ -26,10 +27,15 @@ struct Recorder {
     unprepared: Mutex<Vec<Vec<ClaimRef>>>,
 }
 
+/// The recorder's refusal, said as is.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Refusal(String);
+
 fn device(c: &ClaimRef) -> PreparedDevice {
     PreparedDevice {
         request_names: vec!["vm".into()],
-        pool_name: "node-a".into(),
+        pool_name: NODE.into(),
         device_name: format!("pci-0000-01-00-{}", c.name.len() % 8),
         cdi_device_ids: vec![
             format!("rebellions.ai/vfio={}", c.uid),
@@ -38,8 +44,8 @@ fn device(c: &ClaimRef) -> PreparedDevice {
     }
 }
 
-/// The claim as the peer (kubelet) names it, from the driver's own type.
-fn as_sent(c: &claims::ClaimRef) -> ClaimRef {
+/// The claim as the peer (kubelet) names it, from the plugin's own type.
+fn as_sent(c: &kubelet_plugin::ClaimRef) -> ClaimRef {
     ClaimRef {
         uid: c.uid.clone(),
         namespace: c.namespace.clone(),
@@ -48,23 +54,30 @@ fn as_sent(c: &claims::ClaimRef) -> ClaimRef {
 }
 
 #[tonic::async_trait]
-impl Driver for Recorder {
+impl kubelet_plugin::Driver for Recorder {
+    type Error = Refusal;
+
     async fn prepare(
         &self,
-        claims: Vec<claims::ClaimRef>,
-    ) -> BTreeMap<String, Result<Vec<claims::PreparedDevice>, String>> {
+        claims: Vec<Claim>,
+        _deadline: tokio::time::Instant,
+    ) -> Answers<Vec<kubelet_plugin::PreparedDevice>, Refusal> {
         self.prepared
             .lock()
             .unwrap()
-            .push(claims.iter().map(as_sent).collect());
+            .push(claims.iter().map(|c| as_sent(&c.reference)).collect());
         claims
             .iter()
             .map(|c| {
+                let c = &c.reference;
                 let r = if c.name.starts_with("fail") {
-                    Err(format!("cannot prepare {}/{}", c.namespace, c.name))
+                    Err(Refusal(format!(
+                        "cannot prepare {}/{}",
+                        c.namespace, c.name
+                    )))
                 } else {
                     let d = device(&as_sent(c));
-                    Ok(vec![claims::PreparedDevice {
+                    Ok(vec![kubelet_plugin::PreparedDevice {
                         request_names: d.request_names,
                         pool_name: d.pool_name,
                         device_name: d.device_name,
@@ -78,8 +91,9 @@ impl Driver for Recorder {
 
     async fn unprepare(
         &self,
-        claims: Vec<claims::ClaimRef>,
-    ) -> BTreeMap<String, Result<(), String>> {
+        claims: Vec<kubelet_plugin::ClaimRef>,
+        _deadline: tokio::time::Instant,
+    ) -> Answers<(), Refusal> {
         self.unprepared
             .lock()
             .unwrap()
@@ -88,7 +102,7 @@ impl Driver for Recorder {
             .iter()
             .map(|c| {
                 let r = if c.name.starts_with("fail") {
-                    Err(format!("/dev/vfio/5 of {} is still open", c.name))
+                    Err(Refusal(format!("/dev/vfio/5 of {} is still open", c.name)))
                 } else {
                     Ok(())
                 };
@@ -96,33 +110,68 @@ impl Driver for Recorder {
             })
             .collect()
     }
+
+    fn devices(&self, _fields: Fields) -> Result<Vec<Device>, Refusal> {
+        Ok(Vec::new())
+    }
+}
+
+/// Stores each claim on the server, allocated one device of ours on this node.
+fn put(server: &FakeApiServer, claims: &[ClaimRef]) {
+    for c in claims.iter().filter(|c| !c.uid.is_empty()) {
+        let results = [DeviceResult::new("vm", DRIVER, NODE, "pci-0000-01-00-0")];
+        server.put(
+            &paths::resourceclaim(&c.namespace, &c.name),
+            objects::resource_claim(&c.namespace, &c.name, &c.uid, Some(&results)),
+        );
+    }
+}
+
+/// The plugin's settings in `dir`.
+fn config(dir: &Path) -> Config {
+    Config {
+        registry_dir: dir.join("plugins_registry"),
+        plugins_dir: dir.join("plugins"),
+        ..Config::new(DRIVER, NODE)
+    }
+}
+
+/// A plugin on `server`.
+fn plugin(cfg: Config, server: &FakeApiServer) -> Plugin {
+    let client = kube::Client::try_from(kube::Config::new(server.url().parse().unwrap())).unwrap();
+    Plugin::new(cfg, Clients::new(client)).unwrap()
 }
 
 /// A served driver in a scratch directory.
 struct Served {
     _dir: tempfile::TempDir,
-    cfg: GrpcConfig,
+    server: FakeApiServer,
+    cfg: Config,
     driver: Arc<Recorder>,
     stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    task: tokio::task::JoinHandle<Result<(), ServeError>>,
 }
 
 impl Served {
     async fn start() -> Self {
-        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
-        let cfg = GrpcConfig::new(
-            DRIVER,
-            dir.path().join("plugins_registry"),
-            dir.path().join("plugins"),
-        );
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path());
+        let server = FakeApiServer::start().unwrap();
+        let plugin = plugin(cfg.clone(), &server);
         let driver = Arc::new(Recorder::default());
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(grpc::serve(cfg.clone(), driver.clone(), async {
-            let _ = stopped.await;
-        }));
+        let serving = driver.clone();
+        let task = tokio::spawn(async move {
+            plugin
+                .serve(serving, async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
         wait_for(&cfg.registration_socket(), WAIT).await;
         Served {
             _dir: dir,
+            server,
             cfg,
             driver,
             stop: Some(stop),
@@ -136,7 +185,7 @@ impl Served {
             .unwrap()
     }
 
-    async fn stop(mut self) -> anyhow::Result<()> {
+    async fn stop(mut self) -> Result<(), ServeError> {
         let _ = self.stop.take().unwrap().send(());
         tokio::time::timeout(WAIT, &mut self.task)
             .await
@@ -230,6 +279,7 @@ async fn calls_carrying_the_socket_path_as_authority_reach_every_service() {
         .await
         .unwrap();
     let c = claim("ns", "c1", "uid-1");
+    put(&s.server, std::slice::from_ref(&c));
     let r = v1::dra_plugin_client::DraPluginClient::new(channel.clone())
         .node_prepare_resources(v1::NodePrepareResourcesRequest {
             claims: vec![v1::Claim {
@@ -270,6 +320,7 @@ async fn prepare_and_unprepare_come_back_intact_over_both_versions() {
             ok.clone(),
             claim("vms", "nouid", ""),
         ];
+        put(&s.server, &asked);
         let mut client = Dra::connect(&r.endpoint_path(), version).await.unwrap();
         assert_eq!(client.version(), version);
 
@@ -343,6 +394,7 @@ async fn a_thousand_claims_in_one_call_each_get_their_answer() {
             claim("ns", &format!("{name}-{i}"), &format!("uid-{i:04}"))
         })
         .collect();
+    put(&s.server, &claims);
     for version in Version::ALL {
         let mut client = s.client(version).await;
         let answer = client.prepare(&claims).await.unwrap();
@@ -388,6 +440,7 @@ async fn deleted_sockets_are_served_again_within_a_second() {
         "service socket back after {took:?}"
     );
     let c = claim("ns", "vm", "uid-1");
+    put(&s.server, std::slice::from_ref(&c));
     let answer = s
         .client(Version::V1)
         .await
@@ -433,37 +486,41 @@ async fn shutdown_removes_our_sockets() {
 
 #[tokio::test]
 async fn a_stale_socket_is_replaced_and_anything_else_refused() {
-    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
-    let cfg = GrpcConfig::new(DRIVER, dir.path().join("reg"), dir.path().join("plugins"));
-    let driver: Arc<dyn Driver> = Arc::new(Recorder::default());
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path());
+    let server = FakeApiServer::start().unwrap();
+    let plugin = plugin(cfg.clone(), &server);
+    let driver = Arc::new(Recorder::default());
 
     // A socket left behind by a killed instance: replaced.
     std::fs::create_dir_all(&cfg.registry_dir).unwrap();
     drop(std::os::unix::net::UnixListener::bind(cfg.registration_socket()).unwrap());
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(grpc::serve(cfg.clone(), driver.clone(), async {
+    let serving = plugin.serve(driver.clone(), async {
         let _ = stopped.await;
-    }));
-    let r = tokio::time::timeout(WAIT, async {
-        loop {
-            if let Ok(r) = dra::register_socket(&cfg.registration_socket()).await {
-                break r;
+    });
+    let registering = async {
+        let r = tokio::time::timeout(WAIT, async {
+            loop {
+                if let Ok(r) = dra::register_socket(&cfg.registration_socket()).await {
+                    break r;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("registers over the replaced stale socket");
+        })
+        .await
+        .expect("registers over the replaced stale socket");
+        stop.send(()).unwrap();
+        r
+    };
+    let (served, r) = tokio::join!(serving, registering);
+    served.unwrap();
     assert_eq!(r.name, DRIVER);
-    stop.send(()).unwrap();
-    task.await.unwrap().unwrap();
 
     // A regular file where a socket goes: refused, with the path, and kept.
     std::fs::write(cfg.registration_socket(), "not a socket").unwrap();
-    let err = grpc::serve(cfg.clone(), driver.clone(), async {})
-        .await
-        .unwrap_err();
-    let msg = format!("{err:#}");
+    let err = plugin.serve(driver.clone(), async {}).await.unwrap_err();
+    let msg = support::error_chain(&err);
     assert!(msg.contains("not a socket"), "{msg}");
     assert!(msg.contains("a regular file"), "{msg}");
     assert!(
@@ -482,23 +539,33 @@ async fn a_stale_socket_is_replaced_and_anything_else_refused() {
 
     // A directory at the service socket path.
     std::fs::create_dir_all(cfg.service_socket()).unwrap();
-    let err = grpc::serve(cfg.clone(), driver.clone(), async {})
-        .await
-        .unwrap_err();
-    assert!(
-        format!("{err:#}").contains("a directory, not a socket"),
-        "{err:#}"
-    );
+    let err = plugin.serve(driver, async {}).await.unwrap_err();
+    let msg = support::error_chain(&err);
+    assert!(msg.contains("a directory, not a socket"), "{msg}");
     assert!(cfg.service_socket().is_dir());
+}
 
-    // A driver name that is not one path component.
-    let bad = GrpcConfig::new(
-        "../escape",
-        dir.path().join("reg"),
-        dir.path().join("plugins"),
+#[test]
+fn a_driver_name_must_be_one_path_component_and_a_node_named() {
+    for bad in ["", ".", "..", "a/b", "x\0", "../escape"] {
+        let e = Config::new(bad, NODE).check().unwrap_err();
+        assert!(e.to_string().contains("one path component"), "{bad:?}: {e}");
+    }
+    assert!(Config::new(DRIVER, " ").check().is_err());
+    let cfg = Config {
+        registry_dir: "/r".into(),
+        plugins_dir: "/p".into(),
+        ..Config::new(DRIVER, NODE)
+    };
+    cfg.check().expect("valid");
+    assert_eq!(
+        cfg.registration_socket(),
+        Path::new("/r/vfio-sandbox.rebellions.ai-reg.sock")
     );
-    let err = grpc::serve(bad, driver, async {}).await.unwrap_err();
-    assert!(format!("{err:#}").contains("one path component"), "{err:#}");
+    assert_eq!(
+        cfg.service_socket(),
+        Path::new("/p/vfio-sandbox.rebellions.ai/dra.sock")
+    );
 }
 
 /// Not a NodePrepareResourcesRequest: field 1 holds bytes that do not decode as a
@@ -539,6 +606,7 @@ async fn a_request_that_is_not_protobuf_gets_a_grpc_error_and_the_server_lives_o
     }
     assert!(s.driver.prepared.lock().unwrap().is_empty());
     let c = claim("ns", "vm", "uid-after");
+    put(&s.server, std::slice::from_ref(&c));
     let answer = s
         .client(Version::V1)
         .await

@@ -1,147 +1,54 @@
-//! The kubelet-facing gRPC side: plugin registration and the `DRAPlugin` service.
+//! The kubelet-facing sockets: plugin registration and the `DRAPlugin` service.
 //!
-//! Two sockets, both ours for the life of the process:
+//! Two sockets, both the plugin's for the life of its serving:
 //! - `<registry-dir>/<driver>-reg.sock` serves `pluginregistration.Registration`.
 //!   kubelet's plugin watcher finds it (on start, and whenever it appears), calls
 //!   `GetInfo` and answers with `NotifyRegistrationStatus`;
 //! - `<plugins-dir>/<driver>/dra.sock` serves `DRAPlugin` in both versions kubelet
-//!   speaks (`k8s.io.kubelet.pkg.apis.dra.v1` and `.v1beta1`), mapped onto one
-//!   [`Driver`].
+//!   speaks (`k8s.io.kubelet.pkg.apis.dra.v1` and `.v1beta1`), and
+//!   `DRAResourceHealth` when the driver reports health.
 //!
 //! A kubelet restart needs nothing from us: its watcher rediscovers the sockets in
 //! the registry directory. What does need us is a socket file that disappears (an
 //! operator or a cleanup empties the directory): inotify on both directories tells
 //! us at once, a slow resync catches what inotify cannot see, and a missing socket
 //! is bound again, which makes kubelet register the driver anew.
-//!
-//! ```no_run
-//! # use sandbox_dra_driver::grpc::{serve, Driver, GrpcConfig};
-//! # async fn example(driver: std::sync::Arc<dyn Driver>) -> anyhow::Result<()> {
-//! let cfg = GrpcConfig::new("vfio-sandbox.rebellions.ai", "/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins");
-//! serve(cfg, driver, async { let _ = tokio::signal::ctrl_c().await; }).await
-//! # }
-//! ```
 
-use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsString;
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::claims::{ClaimRef, PreparedDevice};
+use crate::claim::ClaimRef;
+use crate::driver::{HealthReports, PreparedDevice};
+use crate::plugin::Config;
 use kubelet_api::dra::{v1, v1beta1};
 use kubelet_api::pluginregistration::registration_server::{Registration, RegistrationServer};
 use kubelet_api::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
-use kubelet_api::serve::{SocketFile, SocketState};
-use node_agent::watch::{DirEvents, WatchMask};
+use kubelet_api::serve::{DirEvents, WatchMask};
+use kubelet_api::serve::{ListenError, SocketFile, SocketState};
 use tokio::net::UnixListener;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
-/// What the gRPC side asks of the driver. Both calls are idempotent (kubelet
-/// retries) and answer for every claim they are given.
+/// kubelet's answers, by claim uid: devices, or the error kubelet is told.
+pub(crate) type WireAnswers<T> = std::collections::BTreeMap<String, Result<T, String>>;
+
+/// What the sockets serve: kubelet's calls, answered for every claim they name.
 #[tonic::async_trait]
-pub trait Driver: Send + Sync + 'static {
-    /// Prepares each claim; one entry per claim uid: the devices, or an error message.
-    async fn prepare(
-        &self,
-        claims: Vec<ClaimRef>,
-    ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>>;
-    /// Unprepares each claim; one entry per claim uid.
-    async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>>;
-    /// kubelet's verdict on a registration (`NotifyRegistrationStatus`). kubelet's
-    /// wipe of the driver's ResourceSlices (at its start, and 30 s after the
-    /// driver's last registration went away) can land just before or after a
-    /// registration, so a driver republishes them on `true`.
-    fn registration_status(&self, _registered: bool) {}
-    /// The device health board whose reports `DRAResourceHealth` streams to
-    /// kubelet; `None` serves no health service and advertises none.
-    fn health(&self) -> Option<Arc<crate::health::HealthBoard>> {
-        None
-    }
-}
-
-/// Where to serve, and under which driver name.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GrpcConfig {
-    /// The DRA driver name (`PluginInfo.name`, and part of both socket paths).
-    pub driver_name: String,
-    /// kubelet's plugin registry directory (`/var/lib/kubelet/plugins_registry`).
-    pub registry_dir: PathBuf,
-    /// kubelet's plugins directory (`/var/lib/kubelet/plugins`).
-    pub plugins_dir: PathBuf,
-}
-
-impl GrpcConfig {
-    /// A configuration for `driver_name` with the given directories.
-    pub fn new(
-        driver_name: impl Into<String>,
-        registry_dir: impl Into<PathBuf>,
-        plugins_dir: impl Into<PathBuf>,
-    ) -> Self {
-        Self {
-            driver_name: driver_name.into(),
-            registry_dir: registry_dir.into(),
-            plugins_dir: plugins_dir.into(),
-        }
-    }
-
-    /// `<registry-dir>/<driver>-reg.sock`.
-    pub fn registration_socket(&self) -> PathBuf {
-        self.registry_dir.join(format!(
-            "{}{}",
-            self.driver_name,
-            kubelet_api::DRA_REGISTRATION_SUFFIX
-        ))
-    }
-
-    /// `<plugins-dir>/<driver>/dra.sock`, the endpoint kubelet calls.
-    pub fn service_socket(&self) -> PathBuf {
-        self.plugins_dir
-            .join(&self.driver_name)
-            .join(kubelet_api::DRA_SERVICE_SOCKET)
-    }
-
-    /// Both sockets kubelet dials.
-    pub fn sockets(&self) -> Vec<PathBuf> {
-        vec![self.registration_socket(), self.service_socket()]
-    }
-
-    /// What `GetInfo` answers: type `DRAPlugin`, the driver name, the service
-    /// socket, and both versions, v1 first (kubelet picks the first it knows);
-    /// with `health`, both versions of `DRAResourceHealth` after them (kubelet 1.34
-    /// skips names it does not know, 1.32 looks for `v1beta1.DRAPlugin` alone, and
-    /// newer kubelets open the health stream only when it is listed).
-    pub fn plugin_info(&self, health: bool) -> PluginInfo {
-        let mut supported_versions = vec![
-            kubelet_api::DRA_V1_SERVICE.to_owned(),
-            kubelet_api::DRA_V1BETA1_SERVICE.to_owned(),
-        ];
-        if health {
-            supported_versions.push(kubelet_api::DRA_HEALTH_V1_SERVICE.to_owned());
-            supported_versions.push(kubelet_api::DRA_HEALTH_V1ALPHA1_SERVICE.to_owned());
-        }
-        PluginInfo {
-            r#type: kubelet_api::DRA_PLUGIN_TYPE.into(),
-            name: self.driver_name.clone(),
-            endpoint: self.service_socket().to_string_lossy().into_owned(),
-            supported_versions,
-        }
-    }
-
-    /// The driver name must be one path component (it names a socket and a directory).
-    fn check(&self) -> anyhow::Result<()> {
-        let n = &self.driver_name;
-        anyhow::ensure!(
-            !n.is_empty() && n != "." && n != ".." && !n.contains(['/', '\0']),
-            "driver name {n:?} cannot name a socket: it must be one path component"
-        );
-        Ok(())
-    }
+pub(crate) trait Calls: Send + Sync + 'static {
+    /// `NodePrepareResources`.
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> WireAnswers<Vec<PreparedDevice>>;
+    /// `NodeUnprepareResources`.
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> WireAnswers<()>;
+    /// kubelet's verdict on a registration (`NotifyRegistrationStatus`).
+    fn registration_status(&self, registered: bool);
+    /// The health reports `DRAResourceHealth` streams; `None` serves none.
+    fn health(&self) -> Option<watch::Receiver<HealthReports>>;
 }
 
 /// Events that arrive together are handled as one check.
@@ -156,12 +63,11 @@ const RESYNC: (Duration, Duration) = (Duration::from_secs(5), Duration::from_mil
 /// Errors when a socket cannot be bound at start (a directory that cannot be made,
 /// a file that is not a socket at a socket path); later failures to bind again are
 /// logged and retried.
-pub async fn serve(
-    cfg: GrpcConfig,
-    driver: Arc<dyn Driver>,
+pub(crate) async fn serve(
+    cfg: Arc<Config>,
+    driver: Arc<dyn Calls>,
     shutdown: impl Future<Output = ()>,
-) -> anyhow::Result<()> {
-    cfg.check()?;
+) -> Result<(), ListenError> {
     let dirs = [
         cfg.registry_dir.clone(),
         cfg.plugins_dir.join(&cfg.driver_name),
@@ -205,10 +111,10 @@ pub async fn serve(
 /// What a socket serves.
 enum Kind {
     /// Both DRAPlugin versions.
-    Dra(Arc<dyn Driver>),
+    Dra(Arc<dyn Calls>),
     /// Registration, answering with this configuration's PluginInfo and telling
-    /// the driver kubelet's verdict.
-    Registration(GrpcConfig, Arc<dyn Driver>),
+    /// the plugin kubelet's verdict.
+    Registration(Arc<Config>, Arc<dyn Calls>),
 }
 
 /// One socket we serve, and the server behind it.
@@ -242,7 +148,7 @@ impl Socket {
 
     /// Binds a fresh socket at the path and serves it; the previous server (if any)
     /// finishes its calls in flight and stops.
-    fn bind(&mut self) -> anyhow::Result<()> {
+    fn bind(&mut self) -> Result<(), ListenError> {
         let (listener, file) = kubelet_api::serve::listen(&self.path)?;
         self.bound = Some(file);
         self.warned = false;
@@ -284,7 +190,7 @@ impl Socket {
                 match self.bind() {
                     Ok(()) => true,
                     Err(e) => {
-                        tracing::error!(socket = %self.path.display(), error = %format!("{e:#}"), "cannot serve {} again; retrying", self.what());
+                        tracing::error!(socket = %self.path.display(), error = %support::error_chain(&e), "cannot serve {} again; retrying", self.what());
                         false
                     }
                 }
@@ -310,7 +216,7 @@ impl Socket {
     }
 }
 
-fn spawn_dra(listener: UnixListener, driver: Arc<dyn Driver>) -> oneshot::Sender<()> {
+fn spawn_dra(listener: UnixListener, driver: Arc<dyn Calls>) -> oneshot::Sender<()> {
     use kubelet_api::dra_health;
     let health = driver.health().map(crate::health::HealthService);
     let service = DraService { driver };
@@ -332,7 +238,7 @@ fn spawn_dra(listener: UnixListener, driver: Arc<dyn Driver>) -> oneshot::Sender
 fn spawn_registration(
     listener: UnixListener,
     info: PluginInfo,
-    driver: Arc<dyn Driver>,
+    driver: Arc<dyn Calls>,
 ) -> oneshot::Sender<()> {
     let router = Server::builder().add_service(RegistrationServer::new(RegistrationService {
         info,
@@ -344,7 +250,7 @@ fn spawn_registration(
 /// `pluginregistration.Registration`.
 struct RegistrationService {
     info: PluginInfo,
-    driver: Arc<dyn Driver>,
+    driver: Arc<dyn Calls>,
 }
 
 #[tonic::async_trait]
@@ -369,135 +275,10 @@ impl Registration for RegistrationService {
     }
 }
 
-/// The claims of one request, checked: each uid once for the driver, and the
-/// answers already settled without it.
-#[derive(Debug, Default, PartialEq, Eq)]
-struct Batch {
-    claims: Vec<ClaimRef>,
-    refused: BTreeMap<String, String>,
-}
-
-/// Sorts a request's claims: an empty uid is refused, a uid repeated with the same
-/// namespace and name counts once, a uid repeated with another namespace or name
-/// is refused (which of them would the answer be for?).
-fn batch(claims: impl IntoIterator<Item = ClaimRef>) -> Batch {
-    let mut seen: HashMap<String, ClaimRef> = HashMap::new();
-    let mut order = Vec::new();
-    let mut refused = BTreeMap::new();
-    for c in claims {
-        if c.uid.is_empty() {
-            refused.insert(
-                String::new(),
-                format!("claim {}/{} has no uid", c.namespace, c.name),
-            );
-            continue;
-        }
-        match seen.get(&c.uid) {
-            None => {
-                order.push(c.uid.clone());
-                seen.insert(c.uid.clone(), c);
-            }
-            Some(first) if *first == c => {}
-            Some(first) => {
-                refused.insert(
-                    c.uid.clone(),
-                    format!(
-                        "claim uid {} is named twice in one request, as {}/{} and {}/{}",
-                        c.uid, first.namespace, first.name, c.namespace, c.name
-                    ),
-                );
-            }
-        }
-    }
-    let claims = order
-        .into_iter()
-        .filter(|uid| !refused.contains_key(uid))
-        .filter_map(|uid| seen.remove(&uid))
-        .collect();
-    Batch { claims, refused }
-}
-
-type Answers<T> = BTreeMap<String, Result<T, String>>;
-
-/// Runs the driver on a batch and completes its answers: one per requested uid,
-/// none for a uid kubelet did not ask about (kubelet fails the whole call on
-/// either). The driver runs in its own task, so a call kubelet gives up on does
-/// not cut a prepare or unprepare off halfway.
-async fn answer<T, F>(batch: Batch, call: impl FnOnce(Vec<ClaimRef>) -> F) -> Answers<T>
-where
-    T: Send + 'static,
-    F: Future<Output = Answers<T>> + Send + 'static,
-{
-    let Batch { claims, refused } = batch;
-    let asked: HashSet<String> = claims.iter().map(|c| c.uid.clone()).collect();
-    let mut answers = if claims.is_empty() {
-        BTreeMap::new()
-    } else {
-        match tokio::spawn(call(claims)).await {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::error!(error = %e, "the driver failed on a request");
-                BTreeMap::new()
-            }
-        }
-    };
-    answers.retain(|uid, _| {
-        let keep = asked.contains(uid);
-        if !keep {
-            tracing::warn!(uid = %uid, "the driver answered for a claim not asked about; dropped");
-        }
-        keep
-    });
-    for uid in asked {
-        answers
-            .entry(uid)
-            .or_insert_with(|| Err("the driver gave no answer for this claim".into()));
-    }
-    answers.extend(refused.into_iter().map(|(uid, e)| (uid, Err(e))));
-    answers
-}
-
-/// `DRAPlugin`, both versions, on one [`Driver`].
+/// `DRAPlugin`, both versions, on the plugin's calls.
 #[derive(Clone)]
 struct DraService {
-    driver: Arc<dyn Driver>,
-}
-
-impl DraService {
-    async fn prepare(&self, claims: Vec<ClaimRef>) -> Answers<Vec<PreparedDevice>> {
-        let n = claims.len();
-        let driver = self.driver.clone();
-        let answers = answer(
-            batch(claims),
-            move |c| async move { driver.prepare(c).await },
-        )
-        .await;
-        log_answers("NodePrepareResources", n, &answers);
-        answers
-    }
-
-    async fn unprepare(&self, claims: Vec<ClaimRef>) -> Answers<()> {
-        let n = claims.len();
-        let driver = self.driver.clone();
-        let answers = answer(
-            batch(claims),
-            move |c| async move { driver.unprepare(c).await },
-        )
-        .await;
-        log_answers("NodeUnprepareResources", n, &answers);
-        answers
-    }
-}
-
-fn log_answers<T>(call: &str, asked: usize, answers: &Answers<T>) {
-    let failed = answers.values().filter(|a| a.is_err()).count();
-    tracing::info!(claims = asked, failed, "{call}");
-    for (uid, e) in answers
-        .iter()
-        .filter_map(|(u, a)| a.as_ref().err().map(|e| (u, e)))
-    {
-        tracing::warn!(uid = %uid, error = %e, "{call}: claim failed");
-    }
+    driver: Arc<dyn Calls>,
 }
 
 /// The same service for each generated version: the messages are field for field
@@ -515,7 +296,7 @@ macro_rules! dra_version {
                     namespace: c.namespace,
                     name: c.name,
                 });
-                let answers = self.prepare(claims.collect()).await;
+                let answers = self.driver.prepare(claims.collect()).await;
                 let claims = answers
                     .into_iter()
                     .map(|(uid, a)| {
@@ -552,7 +333,7 @@ macro_rules! dra_version {
                     namespace: c.namespace,
                     name: c.name,
                 });
-                let answers = self.unprepare(claims.collect()).await;
+                let answers = self.driver.unprepare(claims.collect()).await;
                 let claims = answers
                     .into_iter()
                     .map(|(uid, a)| {
@@ -592,12 +373,9 @@ fn dir_events(dirs: &[PathBuf]) -> Option<DirEvents> {
 
 /// The next event; `None` when the stream ended or a watched directory went away;
 /// never without a watch.
-async fn next_event(events: &mut Option<DirEvents>) -> Option<node_agent::watch::Event<OsString>> {
+async fn next_event(events: &mut Option<DirEvents>) -> Option<kubelet_api::serve::Event<OsString>> {
     match events {
         Some(events) => events.next().await,
         None => std::future::pending().await,
     }
 }
-
-#[cfg(test)]
-mod tests;

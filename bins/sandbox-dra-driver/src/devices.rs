@@ -1,7 +1,14 @@
 //! The devices this node offers: one per selected PCI function, with the standard
 //! and our own attributes; devices prepare could never hand over are withdrawn.
 
-use super::*;
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, DeviceTaint};
+use kubelet_plugin::slices::{PCIE_ROOT, PCI_BUS_ID};
+use passthrough::inventory::{Entry, Inventory};
+use sysfs_pci::{PciAddress, PciDevice};
+
+use crate::model::device_name;
 
 /// The root bus of `dev`'s PCIe hierarchy as sysfs names it (`pciDDDD:BB`): the
 /// bus of the topmost function on its canonical path (the root port, or the
@@ -92,7 +99,7 @@ fn slice_device(entry: &Entry) -> Option<Device> {
         attributes.insert("iommuGroup".into(), int(group));
     }
     Some(Device {
-        name: claims::device_name(&d.address),
+        name: device_name(&d.address),
         attributes: Some(attributes),
         ..Device::default()
     })
@@ -167,3 +174,6 @@ pub fn marked_devices(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests;

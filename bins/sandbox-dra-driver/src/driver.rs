@@ -1,0 +1,242 @@
+//! The passthrough driver as [`kubelet_plugin`] serves it: each claim's job runs on
+//! the claims thread; the devices are the node's selected functions, marked by
+//! their health and binding conditions; every answer is counted, and a failed
+//! prepare is posted as a Warning Event on its ResourceClaim.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::resource::v1::Device;
+use kubelet_plugin::{
+    Answers, Call, CallKind, Claim, ClaimError, ClaimRef, Fields, HealthReports, PreparedDevice,
+    PublishError, Published, Republish,
+};
+use node_agent::cluster::Cluster;
+use node_agent::watch::{AsyncNodeWatch, Options};
+use passthrough::config::ResourceList;
+use passthrough::inventory::Inventory;
+use support::error_chain;
+use sysfs_pci::Host;
+use tokio::sync::watch;
+
+use crate::binding::{Homes, Mode};
+use crate::claims::{DriverError, Failure};
+use crate::devices::{marked_devices, BindingMarks};
+use crate::health::HealthBoard;
+use crate::metrics::{Metrics, Operation};
+use crate::worker::Worker;
+
+/// How often device health looks at the writes stuck in the kernel.
+const STUCK_CHECK: Duration = Duration::from_secs(5);
+
+/// VFIO passthrough per claim, on this node.
+pub struct VfioDriver {
+    /// For Events on claims.
+    pub cluster: Cluster,
+    /// The driver name.
+    pub driver_name: String,
+    /// The node's roots.
+    pub host: Host,
+    /// The resource list.
+    pub list: ResourceList,
+    /// The claims thread.
+    pub worker: Worker,
+    /// Calls, claims and slice writes, counted.
+    pub metrics: Arc<Metrics>,
+    /// Device health.
+    pub health: Option<Arc<HealthBoard>>,
+    /// Which devices carry binding conditions, and the drivers devices are on
+    /// between claims; `None` publishes none.
+    pub binding: Option<(Mode, Arc<Homes>)>,
+}
+
+#[tonic::async_trait]
+impl kubelet_plugin::Driver for VfioDriver {
+    type Error = DriverError;
+
+    /// Each claim's job is queued at once; work left at the deadline goes on and
+    /// kubelet's retry gets its result.
+    async fn prepare(
+        &self,
+        claims: Vec<Claim>,
+        deadline: tokio::time::Instant,
+    ) -> Answers<Vec<PreparedDevice>, DriverError> {
+        let pending: Vec<_> = claims
+            .into_iter()
+            .map(|c| (c.reference.uid.clone(), self.worker.prepare(c)))
+            .collect();
+        let mut out = BTreeMap::new();
+        for (uid, job) in pending {
+            out.insert(uid, self.worker.answer(job, deadline).await);
+        }
+        out
+    }
+
+    async fn unprepare(
+        &self,
+        claims: Vec<ClaimRef>,
+        deadline: tokio::time::Instant,
+    ) -> Answers<(), DriverError> {
+        let pending: Vec<_> = claims
+            .into_iter()
+            .map(|c| (c.uid.clone(), self.worker.unprepare(c)))
+            .collect();
+        let mut out = BTreeMap::new();
+        for (uid, job) in pending {
+            out.insert(uid, self.worker.answer(job, deadline).await);
+        }
+        out
+    }
+
+    /// One device per selected function; one that should get no new claim (its
+    /// health, or unpreparable) carries a taint, or is left out where the API server
+    /// drops taints; one whose group leaves a native driver carries the binding
+    /// conditions, where kept.
+    fn devices(&self, fields: Fields) -> Result<Vec<Device>, DriverError> {
+        let inv = Inventory::scan(&self.host, &self.list).map_err(DriverError::NodeScan)?;
+        let unhealthy = self
+            .health
+            .as_ref()
+            .map(|h| h.unhealthy())
+            .unwrap_or_default();
+        let marked = match &self.binding {
+            Some((mode, homes)) if fields.binding_conditions => homes.marked(&inv, *mode),
+            _ => Default::default(),
+        };
+        let binding = (!marked.is_empty()).then_some(BindingMarks {
+            driver: &self.driver_name,
+            devices: &marked,
+        });
+        let taints = fields.taints.then_some(self.driver_name.as_str());
+        Ok(marked_devices(&inv, &unhealthy, taints, binding))
+    }
+
+    fn health(&self) -> Option<watch::Receiver<HealthReports>> {
+        self.health.as_ref().map(|h| h.subscribe())
+    }
+
+    /// Counts each answer and posts a Warning Event on each claim whose prepare
+    /// failed (in the background: kubelet's answer does not wait for it).
+    fn answered(&self, call: &Call<'_, DriverError>) {
+        let op = match call.kind {
+            CallKind::Prepare => Operation::Prepare,
+            CallKind::Unprepare => Operation::Unprepare,
+        };
+        self.metrics.call(op, call.took.as_secs_f64());
+        for (claim, error) in &call.claims {
+            self.metrics.claim(op, error.map(failure));
+            if let (Some(e), Operation::Prepare) = (error, op) {
+                post_warning(
+                    &self.cluster,
+                    claim,
+                    failure(e),
+                    "PrepareResources",
+                    error_chain(*e),
+                );
+            }
+        }
+    }
+
+    fn published(&self, outcome: Result<&Published, &PublishError<DriverError>>) {
+        match outcome {
+            Ok(p) => self.metrics.published(p.devices, &p.report),
+            Err(_) => self.metrics.publish_failed(),
+        }
+    }
+}
+
+/// Why a claim failed, in one word.
+fn failure(e: &ClaimError<DriverError>) -> Failure {
+    match e {
+        ClaimError::Request(_) => Failure::Refused,
+        ClaimError::Read(r) if r.is_api_server() => Failure::ApiServer,
+        ClaimError::Read(kubelet_plugin::ReadError::Deadline { .. }) => Failure::Timeout,
+        ClaimError::Read(_) => Failure::NotOurs,
+        ClaimError::Driver(e) => e.failure(),
+        ClaimError::NoAnswer => Failure::Failed,
+    }
+}
+
+/// Posts a Warning Event on `claim` in its namespace (where `kubectl describe
+/// resourceclaim` and the pod's owner look), in the background: `failure` gives its
+/// reason, `action` says what failed (`PrepareResources`, `MoveBeforeBinding`),
+/// `note` why.
+pub(crate) fn post_warning(
+    cluster: &Cluster,
+    claim: &ClaimRef,
+    failure: Failure,
+    action: &'static str,
+    note: String,
+) {
+    let cluster = cluster.clone();
+    let claim = claim.clone();
+    let reason = failure.event_reason();
+    tokio::spawn(async move {
+        let what = format!(
+            "post Event {reason} on ResourceClaim {}/{}",
+            claim.namespace, claim.name
+        );
+        let reference = claim.object_reference();
+        if let Err(e) = cluster
+            .event(&reference, &what, true, reason, action, &note)
+            .await
+        {
+            tracing::debug!(claim = %claim, error = %error_chain(&e), "cannot post an Event on the claim");
+        }
+    });
+}
+
+/// Follows the node (PCI uevents, `/dev/vfio`, and a resync every `resync`): on
+/// every batch, reads device health again (when kept) and asks for a publication;
+/// a health change asks for one too (it changes a taint).
+pub async fn follow_node(
+    host: Host,
+    resync: Duration,
+    health: Option<Arc<HealthBoard>>,
+    republish: Republish,
+) {
+    let mut node = AsyncNodeWatch::open(
+        &host,
+        Options {
+            resync: Some(resync),
+            ..Options::default()
+        },
+    );
+    if let Some(h) = &health {
+        let h = h.clone();
+        let _ = tokio::task::spawn_blocking(move || h.refresh()).await;
+    }
+    let mut reports = health.as_ref().map(|h| h.subscribe());
+    // A stuck write ends without any event: look at them every few seconds.
+    let mut stuck_check = tokio::time::interval(STUCK_CHECK);
+    stuck_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            changes = node.next() => {
+                if let Some(h) = &health {
+                    h.refresh_changes(&changes);
+                }
+                republish.now();
+            }
+            _ = stuck_check.tick() => {
+                if let Some(h) = &health {
+                    h.check_stuck();
+                }
+            }
+            () = health_changed(reports.as_mut()) => republish.now(),
+        }
+    }
+}
+
+/// Resolves when the health reports change; never without a board.
+async fn health_changed(rx: Option<&mut watch::Receiver<HealthReports>>) {
+    match rx {
+        Some(rx) => {
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,358 @@
+//! Claims as kubelet names them, and as the API server holds them when a prepare
+//! reads them.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::{Api, Client};
+use tokio::sync::Semaphore;
+
+/// The annotation the ResourceClaim controller puts on a claim made from a
+/// template: the claim's name in the pod's `spec.resourceClaims`.
+pub const POD_CLAIM_NAME_ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
+
+/// Upper bound for one claim read.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// At most this many ResourceClaims are read from the API server at once.
+const PARALLEL_READS: usize = 8;
+
+/// A ResourceClaim as kubelet names it in `NodePrepareResources` and
+/// `NodeUnprepareResources`.
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+pub struct ClaimRef {
+    /// The claim's UID.
+    pub uid: String,
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+}
+
+impl std::fmt::Display for ClaimRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{} (uid {})", self.namespace, self.name, self.uid)
+    }
+}
+
+impl ClaimRef {
+    /// The claim as the object an Event about it is posted on (in its namespace,
+    /// where `kubectl describe resourceclaim` and the pod's owner look).
+    pub fn object_reference(&self) -> ObjectReference {
+        ObjectReference {
+            api_version: Some("resource.k8s.io/v1".into()),
+            kind: Some("ResourceClaim".into()),
+            name: Some(self.name.clone()),
+            namespace: Some(self.namespace.clone()),
+            uid: Some(self.uid.clone()),
+            ..Default::default()
+        }
+    }
+}
+
+/// When a call reached the plugin, in the order of every call it serves: a
+/// prepare's ticket is older than the ticket of any unprepare that arrives after
+/// it. A driver that runs its work in order can refuse a prepare that arrived
+/// before an unprepare of the same claim it already answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Ticket(u64);
+
+static CLOCK: AtomicU64 = AtomicU64::new(0);
+
+impl Ticket {
+    /// A ticket for now, later than every ticket taken before.
+    pub fn now() -> Self {
+        Self(CLOCK.fetch_add(1, Ordering::SeqCst))
+    }
+}
+
+/// One device of this driver in this node's pool that the scheduler allocated to
+/// a claim (a result of the claim's `status.allocation.devices`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AllocatedDevice {
+    /// The request(s) of the claim this device satisfies.
+    pub request_names: Vec<String>,
+    /// Its pool.
+    pub pool: String,
+    /// Its name in the pool's ResourceSlices.
+    pub device: String,
+    /// Allocated with admin access (`adminAccess: true`): shared with its user.
+    pub admin_access: bool,
+}
+
+/// A claim kubelet asked to prepare, read from the API server for this call.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    /// The claim as kubelet named it (the uid checked against the server's).
+    pub reference: ClaimRef,
+    /// When kubelet's call arrived (taken before the read).
+    pub arrived: Ticket,
+    /// Its devices of this driver in this node's pool, in result order; never empty.
+    pub devices: Vec<AllocatedDevice>,
+    /// The claim as read.
+    pub object: ResourceClaim,
+}
+
+impl Claim {
+    /// Its [`POD_CLAIM_NAME_ANNOTATION`]: set when the claim was made from a template.
+    pub fn pod_claim_name(&self) -> Option<&str> {
+        self.object
+            .metadata
+            .annotations
+            .as_ref()?
+            .get(POD_CLAIM_NAME_ANNOTATION)
+            .map(String::as_str)
+    }
+}
+
+/// Why a claim kubelet asked to prepare could not be read, or is not this node's.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The claim does not exist.
+    #[error("ResourceClaim {claim} is not found")]
+    NotFound {
+        /// `namespace/name`.
+        claim: String,
+    },
+    /// The claim under that name is another one than kubelet asked for.
+    #[error("ResourceClaim {claim} has uid {have}, kubelet asked for {want} (the claim was deleted and made again)")]
+    UidMismatch {
+        /// `namespace/name`.
+        claim: String,
+        /// The uid the server has.
+        have: String,
+        /// The uid kubelet gave.
+        want: String,
+    },
+    /// The scheduler has not allocated it.
+    #[error("ResourceClaim {claim} is not allocated")]
+    NotAllocated {
+        /// `namespace/name`.
+        claim: String,
+    },
+    /// Devices of this driver were allocated from other pools (other nodes).
+    #[error("ResourceClaim {claim} has devices of driver {driver} from other pools than {pool}, so not on this node: {others}")]
+    OtherPool {
+        /// `namespace/name`.
+        claim: String,
+        /// Our driver.
+        driver: String,
+        /// Our pool.
+        pool: String,
+        /// `pool/device`, the first few.
+        others: String,
+    },
+    /// Nothing of this driver in this pool.
+    #[error("ResourceClaim {claim} has no device of driver {driver} in pool {pool}")]
+    NoDevices {
+        /// `namespace/name`.
+        claim: String,
+        /// Our driver.
+        driver: String,
+        /// Our pool.
+        pool: String,
+    },
+    /// The read failed.
+    #[error("failed to get ResourceClaim {claim}")]
+    Request {
+        /// `namespace/name`.
+        claim: String,
+        /// The client's error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The read took longer than [`READ_TIMEOUT`].
+    #[error("get ResourceClaim {claim} timed out after {after:?}")]
+    Timeout {
+        /// `namespace/name`.
+        claim: String,
+        /// The limit.
+        after: Duration,
+    },
+    /// The call's deadline came before the read was done.
+    #[error(
+        "claim {claim}: reading it from the API server took too long: not done within {after:?}; a retry reads it again"
+    )]
+    Deadline {
+        /// The claim.
+        claim: ClaimRef,
+        /// The call's time limit.
+        after: Duration,
+    },
+}
+
+impl ReadError {
+    /// True when the API server did not answer (or not in time); false when it
+    /// answered that the claim is not this node's to prepare.
+    pub fn is_api_server(&self) -> bool {
+        matches!(self, Self::Request { .. } | Self::Timeout { .. })
+    }
+
+    /// True when asking again may give another answer (the API server was not
+    /// reached, or the claim may yet be written); kubelet retries every error, so
+    /// this only tunes what is logged.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            Self::Request { .. }
+                | Self::Timeout { .. }
+                | Self::NotFound { .. }
+                | Self::NotAllocated { .. }
+                | Self::Deadline { .. }
+        )
+    }
+}
+
+/// At most five names, then how many more.
+fn first_few(names: &[String]) -> String {
+    let mut s = names.iter().take(5).cloned().collect::<Vec<_>>().join(", ");
+    if names.len() > 5 {
+        s.push_str(&format!(" and {} more", names.len() - 5));
+    }
+    s
+}
+
+/// ResourceClaim `claim` read from the API server now, with its devices of
+/// `driver` in `pool`.
+///
+/// The claim must be the one kubelet named (same uid) and allocated; results of
+/// other drivers are left to them. Like upstream's kubelet plugin helper this does
+/// not look at `status.reservedFor`: kubelet checked that the pod is a consumer
+/// before asking, and the list may change under a running pod.
+pub async fn read_claim(
+    client: &Client,
+    claim: &ClaimRef,
+    arrived: Ticket,
+    driver: &str,
+    pool: &str,
+) -> Result<Claim, ReadError> {
+    let id = format!("{}/{}", claim.namespace, claim.name);
+    let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &claim.namespace);
+    let object = tokio::time::timeout(READ_TIMEOUT, api.get_opt(&claim.name))
+        .await
+        .map_err(|_| ReadError::Timeout {
+            claim: id.clone(),
+            after: READ_TIMEOUT,
+        })?
+        .map_err(|source| ReadError::Request {
+            claim: id.clone(),
+            source,
+        })?
+        .ok_or_else(|| ReadError::NotFound { claim: id })?;
+    Ok(Claim {
+        devices: allocated_devices(&object, claim, driver, pool)?,
+        reference: claim.clone(),
+        arrived,
+        object,
+    })
+}
+
+/// The devices of `driver` in `pool` that claim `object` (kubelet's `claim`) is
+/// allocated; an error when it is another claim, not allocated, or has none of
+/// them here.
+pub fn allocated_devices(
+    object: &ResourceClaim,
+    claim: &ClaimRef,
+    driver: &str,
+    pool: &str,
+) -> Result<Vec<AllocatedDevice>, ReadError> {
+    let id = format!("{}/{}", claim.namespace, claim.name);
+    let have = object.metadata.uid.clone().unwrap_or_default();
+    if have != claim.uid {
+        return Err(ReadError::UidMismatch {
+            claim: id,
+            have,
+            want: claim.uid.clone(),
+        });
+    }
+    let Some(allocation) = object.status.as_ref().and_then(|s| s.allocation.as_ref()) else {
+        return Err(ReadError::NotAllocated { claim: id });
+    };
+    let results = allocation
+        .devices
+        .as_ref()
+        .and_then(|d| d.results.as_deref())
+        .unwrap_or(&[]);
+    let ours: Vec<_> = results.iter().filter(|r| r.driver == driver).collect();
+    let others: Vec<String> = ours
+        .iter()
+        .filter(|r| r.pool != pool)
+        .map(|r| format!("{}/{}", r.pool, r.device))
+        .collect();
+    if !others.is_empty() {
+        return Err(ReadError::OtherPool {
+            claim: id,
+            driver: driver.to_owned(),
+            pool: pool.to_owned(),
+            others: first_few(&others),
+        });
+    }
+    if ours.is_empty() {
+        return Err(ReadError::NoDevices {
+            claim: id,
+            driver: driver.to_owned(),
+            pool: pool.to_owned(),
+        });
+    }
+    Ok(ours
+        .into_iter()
+        .map(|r| AllocatedDevice {
+            request_names: vec![r.request.clone()],
+            pool: r.pool.clone(),
+            device: r.device.clone(),
+            admin_access: r.admin_access == Some(true),
+        })
+        .collect())
+}
+
+/// Reads `claims` ([`read_claim`]), [`PARALLEL_READS`] at a time, until
+/// `deadline`: one result per claim, in the order given; a read still running at
+/// the deadline is a [`ReadError::Deadline`].
+pub(crate) async fn read_claims(
+    client: &Client,
+    claims: Vec<(ClaimRef, Ticket)>,
+    driver: &str,
+    pool: &str,
+    deadline: tokio::time::Instant,
+    limit: Duration,
+) -> Vec<(ClaimRef, Result<Claim, ReadError>)> {
+    let permits = Arc::new(Semaphore::new(PARALLEL_READS));
+    let mut reads = tokio::task::JoinSet::new();
+    for (i, (claim, arrived)) in claims.iter().cloned().enumerate() {
+        let (client, driver, pool) = (client.clone(), driver.to_owned(), pool.to_owned());
+        let permits = permits.clone();
+        reads.spawn(async move {
+            let _permit = permits.acquire().await;
+            (
+                i,
+                read_claim(&client, &claim, arrived, &driver, &pool).await,
+            )
+        });
+    }
+    let mut done = BTreeMap::new();
+    while let Ok(Some(joined)) = tokio::time::timeout_at(deadline, reads.join_next()).await {
+        if let Ok((i, read)) = joined {
+            done.insert(i, read);
+        }
+    }
+    reads.abort_all();
+    claims
+        .into_iter()
+        .enumerate()
+        .map(|(i, (claim, _))| {
+            let read = done.remove(&i).unwrap_or_else(|| {
+                Err(ReadError::Deadline {
+                    claim: claim.clone(),
+                    after: limit,
+                })
+            });
+            (claim, read)
+        })
+        .collect()
+}

@@ -1,0 +1,434 @@
+//! The plugin: a [`Driver`] served to kubelet, its devices published.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kube::runtime::watcher;
+use kubelet_api::pluginregistration::PluginInfo;
+use kubelet_api::serve::ListenError;
+use support::error_chain;
+use tokio::sync::{watch, Notify};
+
+use crate::batch::{batch, complete};
+use crate::claim::{read_claims, ClaimRef, Ticket};
+use crate::driver::{Answers, Call, CallKind, ClaimError, Driver, HealthReports, PreparedDevice};
+use crate::grpc::{self, Calls, WireAnswers};
+use crate::publish::{AbortOnDrop, Publisher, Republish};
+use crate::ready::Readiness;
+use crate::slices::{SliceError, Slices};
+
+/// kubelet's plugin registry directory.
+pub const DEFAULT_REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
+/// kubelet's plugins directory.
+pub const DEFAULT_PLUGINS_DIR: &str = "/var/lib/kubelet/plugins";
+/// How long kubelet waits for a DRA call (`defaultClientCallTimeout`,
+/// `pkg/kubelet/cm/dra/plugin`).
+pub const KUBELET_CALL_TIMEOUT: Duration = Duration::from_secs(45);
+
+/// Where and how the plugin serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// The DRA driver name (a DNS subdomain): `PluginInfo.name`, the ResourceSlices'
+    /// driver, and part of both socket paths.
+    pub driver_name: String,
+    /// This node's name: its pool, and its ResourceSlices' node.
+    pub node_name: String,
+    /// kubelet's plugin registry directory ([`DEFAULT_REGISTRY_DIR`]).
+    pub registry_dir: PathBuf,
+    /// kubelet's plugins directory ([`DEFAULT_PLUGINS_DIR`]).
+    pub plugins_dir: PathBuf,
+    /// Kept (JSON) while kubelet has accepted the registration and the
+    /// ResourceSlices are published ([`crate::probe`] reads it); `None` keeps none.
+    pub ready_file: Option<PathBuf>,
+    /// The longest a prepare or unprepare call takes, claim reads included: keep it
+    /// below [`KUBELET_CALL_TIMEOUT`], so kubelet gets the answer.
+    pub call_timeout: Duration,
+    /// The longest wait between two tries of a publication that failed.
+    pub max_retry: Duration,
+}
+
+impl Config {
+    /// A configuration for `driver_name` on `node_name`, with kubelet's
+    /// directories, no ready file, a 40 s call limit and retries at most 5 min apart.
+    pub fn new(driver_name: impl Into<String>, node_name: impl Into<String>) -> Self {
+        Self {
+            driver_name: driver_name.into(),
+            node_name: node_name.into(),
+            registry_dir: DEFAULT_REGISTRY_DIR.into(),
+            plugins_dir: DEFAULT_PLUGINS_DIR.into(),
+            ready_file: None,
+            call_timeout: Duration::from_secs(40),
+            max_retry: Duration::from_secs(300),
+        }
+    }
+
+    /// `<registry-dir>/<driver>-reg.sock`.
+    pub fn registration_socket(&self) -> PathBuf {
+        self.registry_dir.join(format!(
+            "{}{}",
+            self.driver_name,
+            kubelet_api::DRA_REGISTRATION_SUFFIX
+        ))
+    }
+
+    /// `<plugins-dir>/<driver>/dra.sock`, the endpoint kubelet calls.
+    pub fn service_socket(&self) -> PathBuf {
+        self.plugins_dir
+            .join(&self.driver_name)
+            .join(kubelet_api::DRA_SERVICE_SOCKET)
+    }
+
+    /// Both sockets kubelet dials.
+    pub fn sockets(&self) -> Vec<PathBuf> {
+        vec![self.registration_socket(), self.service_socket()]
+    }
+
+    /// What `GetInfo` answers: type `DRAPlugin`, the driver name, the service
+    /// socket, and both versions, v1 first (kubelet picks the first it knows);
+    /// with `health`, both versions of `DRAResourceHealth` after them (kubelet 1.34
+    /// skips names it does not know, 1.32 looks for `v1beta1.DRAPlugin` alone, and
+    /// newer kubelets open the health stream only when it is listed).
+    pub fn plugin_info(&self, health: bool) -> PluginInfo {
+        let mut supported_versions = vec![
+            kubelet_api::DRA_V1_SERVICE.to_owned(),
+            kubelet_api::DRA_V1BETA1_SERVICE.to_owned(),
+        ];
+        if health {
+            supported_versions.push(kubelet_api::DRA_HEALTH_V1_SERVICE.to_owned());
+            supported_versions.push(kubelet_api::DRA_HEALTH_V1ALPHA1_SERVICE.to_owned());
+        }
+        PluginInfo {
+            r#type: kubelet_api::DRA_PLUGIN_TYPE.into(),
+            name: self.driver_name.clone(),
+            endpoint: self.service_socket().to_string_lossy().into_owned(),
+            supported_versions,
+        }
+    }
+
+    /// Refuses what cannot be served: a driver name that is not one path component
+    /// (it names a socket and a directory), an empty node name, a zero call limit.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        let n = &self.driver_name;
+        if n.is_empty() || n == "." || n == ".." || n.contains(['/', '\0']) {
+            return Err(ConfigError(format!(
+                "driver name {n:?} cannot name a socket: it must be one path component"
+            )));
+        }
+        if self.node_name.trim().is_empty() {
+            return Err(ConfigError("the node name is empty".into()));
+        }
+        if self.call_timeout.is_zero() || self.max_retry.is_zero() {
+            return Err(ConfigError(
+                "the call limit and the longest retry wait must be above zero".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A configuration that cannot be served.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(String);
+
+/// The API server connections the plugin uses.
+#[derive(Clone)]
+pub struct Clients {
+    /// For claim reads and slice writes.
+    pub client: kube::Client,
+    /// For the watch of the driver's own ResourceSlices: its reads must wait past
+    /// the watch's server timeout.
+    pub watch_client: kube::Client,
+    /// That watch's settings (its server timeout).
+    pub watch_config: watcher::Config,
+}
+
+impl Clients {
+    /// One client for everything, and kube's default watch settings.
+    pub fn new(client: kube::Client) -> Self {
+        Self {
+            watch_client: client.clone(),
+            client,
+            watch_config: watcher::Config::default(),
+        }
+    }
+}
+
+/// Why serving stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A socket could not be bound at start.
+    #[error(transparent)]
+    Listen(#[from] ListenError),
+    /// The serving task failed.
+    #[error("the kubelet API server task failed")]
+    Task(#[source] tokio::task::JoinError),
+}
+
+/// A [`Driver`] served to kubelet (registration, both DRA API versions, health)
+/// and, with [`Plugin::run`], its devices published as this node's ResourceSlices.
+pub struct Plugin {
+    config: Arc<Config>,
+    clients: Clients,
+    readiness: Arc<Readiness>,
+    republish: Republish,
+}
+
+/// What the gRPC side calls.
+struct Inner<D: Driver> {
+    config: Arc<Config>,
+    driver: Arc<D>,
+    client: kube::Client,
+    readiness: Arc<Readiness>,
+    /// Notified each time kubelet accepts a registration.
+    registered: Arc<Notify>,
+}
+
+impl Plugin {
+    /// A plugin for `config`. A ready file left by an earlier process is removed:
+    /// this one is not registered yet.
+    pub fn new(config: Config, clients: Clients) -> Result<Self, ConfigError> {
+        config.check()?;
+        let config = Arc::new(config);
+        let readiness = Arc::new(Readiness::new(config.ready_file.clone(), config.sockets()));
+        Ok(Self {
+            config,
+            clients,
+            readiness,
+            republish: Republish::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// A handle the driver tells when its devices change.
+    pub fn republish(&self) -> Republish {
+        self.republish.clone()
+    }
+
+    /// Serves `driver` to kubelet until `shutdown` completes, publishing nothing.
+    pub async fn serve<D: Driver>(
+        &self,
+        driver: Arc<D>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        self.serve_with(self.inner(driver), shutdown).await
+    }
+
+    /// Serves `driver` to kubelet and keeps this node's ResourceSlices equal to its
+    /// devices until `shutdown` completes. The slices stay (a restart keeps them;
+    /// [`Self::delete_slices`] is for an uninstall).
+    pub async fn run<D: Driver>(
+        &self,
+        driver: Arc<D>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        let inner = self.inner(driver);
+        let publisher = Arc::new(Publisher {
+            driver: inner.driver.clone(),
+            slices: tokio::sync::Mutex::new(self.slices()),
+            watch_client: self.clients.watch_client.clone(),
+            watch_config: self.clients.watch_config.clone(),
+            max_backoff: self.config.max_retry,
+            readiness: self.readiness.clone(),
+            republish: self.republish.clone(),
+            registered: inner.registered.clone(),
+            seen: Default::default(),
+        });
+        let _publishing = AbortOnDrop(tokio::spawn(publisher.run()));
+        self.serve_with(inner, shutdown).await
+    }
+
+    fn inner<D: Driver>(&self, driver: Arc<D>) -> Arc<Inner<D>> {
+        Arc::new(Inner {
+            config: self.config.clone(),
+            driver,
+            client: self.clients.client.clone(),
+            readiness: self.readiness.clone(),
+            registered: Arc::default(),
+        })
+    }
+
+    async fn serve_with<D: Driver>(
+        &self,
+        inner: Arc<Inner<D>>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        let calls: Arc<dyn Calls> = inner;
+        let result = grpc::serve(self.config.clone(), calls, shutdown).await;
+        self.readiness.reset();
+        result.map_err(ServeError::from)
+    }
+
+    /// This node's ResourceSlices of the driver.
+    pub fn slices(&self) -> Slices {
+        Slices::new(
+            self.clients.client.clone(),
+            &self.config.driver_name,
+            &self.config.node_name,
+        )
+    }
+
+    /// Deletes this node's ResourceSlices of the driver (an uninstall); the names
+    /// deleted.
+    pub async fn delete_slices(&self) -> Result<Vec<String>, SliceError> {
+        self.slices().delete_all().await
+    }
+}
+
+impl<D: Driver> Inner<D> {
+    fn deadline(&self) -> tokio::time::Instant {
+        tokio::time::Instant::now() + self.config.call_timeout
+    }
+
+    /// Tells the driver the call's outcome, logs it, and gives kubelet's answers.
+    fn answered<T>(
+        &self,
+        kind: CallKind,
+        started: Instant,
+        asked: &[ClaimRef],
+        answers: Answers<T, ClaimError<D::Error>>,
+    ) -> WireAnswers<T> {
+        let call = Call {
+            kind,
+            took: started.elapsed(),
+            claims: asked
+                .iter()
+                .map(|c| (c, answers.get(&c.uid).and_then(|a| a.as_ref().err())))
+                .collect(),
+        };
+        self.driver.answered(&call);
+        let name = match kind {
+            CallKind::Prepare => "NodePrepareResources",
+            CallKind::Unprepare => "NodeUnprepareResources",
+        };
+        let failed = call.claims.iter().filter(|(_, e)| e.is_some()).count();
+        tracing::info!(claims = asked.len(), failed, "{name}");
+        for (claim, e) in &call.claims {
+            if let Some(e) = e {
+                tracing::warn!(claim = %claim, error = %error_chain(e), "{name}: claim failed");
+            }
+        }
+        answers
+            .into_iter()
+            .map(|(uid, a)| (uid, a.map_err(|e| error_chain(&e))))
+            .collect()
+    }
+}
+
+/// The claims kubelet named, checked, and the refusals as answers.
+fn checked<T, E: std::error::Error>(
+    claims: Vec<ClaimRef>,
+) -> (Vec<ClaimRef>, Vec<ClaimRef>, Answers<T, ClaimError<E>>) {
+    let b = batch(claims);
+    let mut asked = b.claims.clone();
+    let mut answers = BTreeMap::new();
+    for (uid, (claim, why)) in b.refused {
+        asked.push(claim);
+        answers.insert(uid, Err(ClaimError::Request(why)));
+    }
+    (b.claims, asked, answers)
+}
+
+#[tonic::async_trait]
+impl<D: Driver> Calls for Inner<D> {
+    /// One deadline for the whole call: claim reads and the driver's work alike.
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> WireAnswers<Vec<PreparedDevice>> {
+        let started = Instant::now();
+        let deadline = self.deadline();
+        // Taken on arrival: an unprepare that answers after this is later.
+        let arrived = Ticket::now();
+        let (claims, asked, mut answers) = checked(claims);
+        let mut admitted = Vec::new();
+        for c in claims {
+            match self.driver.admit(&c) {
+                Ok(()) => admitted.push((c, arrived)),
+                Err(e) => {
+                    answers.insert(c.uid, Err(ClaimError::Driver(e)));
+                }
+            }
+        }
+        let reads = read_claims(
+            &self.client,
+            admitted,
+            &self.config.driver_name,
+            &self.config.node_name,
+            deadline,
+            self.config.call_timeout,
+        )
+        .await;
+        let mut read = Vec::new();
+        let mut uids = Vec::new();
+        for (claim, r) in reads {
+            match r {
+                Ok(c) => {
+                    uids.push(claim);
+                    read.push(c);
+                }
+                Err(e) => {
+                    answers.insert(claim.uid, Err(ClaimError::Read(e)));
+                }
+            }
+        }
+        if !read.is_empty() {
+            let driver = self.driver.clone();
+            // In its own task, so a call kubelet gives up on does not cut the
+            // driver's work off halfway.
+            let done = tokio::spawn(async move { driver.prepare(read, deadline).await }).await;
+            let done = match done {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::error!(error = %e, "the driver failed on a request");
+                    BTreeMap::new()
+                }
+            };
+            let by_driver: Answers<_, ClaimError<D::Error>> = done
+                .into_iter()
+                .map(|(uid, a)| (uid, a.map_err(ClaimError::Driver)))
+                .collect();
+            answers.extend(complete(&uids, by_driver));
+        }
+        self.answered(CallKind::Prepare, started, &asked, answers)
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> WireAnswers<()> {
+        let started = Instant::now();
+        let deadline = self.deadline();
+        let (claims, asked, mut answers) = checked(claims);
+        if !claims.is_empty() {
+            let driver = self.driver.clone();
+            let sent = claims.clone();
+            let done = tokio::spawn(async move { driver.unprepare(sent, deadline).await }).await;
+            let done = match done {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::error!(error = %e, "the driver failed on a request");
+                    BTreeMap::new()
+                }
+            };
+            let by_driver: Answers<(), ClaimError<D::Error>> = done
+                .into_iter()
+                .map(|(uid, a)| (uid, a.map_err(ClaimError::Driver)))
+                .collect();
+            answers.extend(complete(&claims, by_driver));
+        }
+        self.answered(CallKind::Unprepare, started, &asked, answers)
+    }
+
+    fn registration_status(&self, registered: bool) {
+        self.readiness.registered(registered);
+        if registered {
+            self.registered.notify_one();
+        }
+    }
+
+    fn health(&self) -> Option<watch::Receiver<HealthReports>> {
+        self.driver.health()
+    }
+}
