@@ -44,7 +44,7 @@ while (($#)); do
     esac
     shift
 done
-cargo build -q --release -p kubelet-peer --bin plugin-bench
+cargo build -q --release -p bench --bin plugin-bench
 if ((${#plugins[@]} == 0)); then
     target="$(uname -m)-unknown-linux-gnu"
     RUSTFLAGS="-C target-feature=+crt-static" \

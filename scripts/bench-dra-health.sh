@@ -2,7 +2,7 @@
 # Benchmark of sandbox-dra-driver's device health stream (KEP-4680): on fake nodes of
 # 8, 256 and 1024 GPUs, how long a prepared GPU's change (off vfio-pci with its group
 # node gone, and back) takes to reach kubelet-peer's `DRAResourceHealth` reader
-# (tests/kubelet-peer/src/bin/dra-health-bench.rs), release build. Prints numbers,
+# (tests/bench/src/bin/dra-health-bench.rs), release build. Prints numbers,
 # asserts nothing.
 #
 #   scripts/bench-dra-health.sh [--runs N] [--changes N]
@@ -22,7 +22,7 @@ while (($#)); do
     shift
 done
 cargo build -q --release -p sandbox-dra-driver --bin sandbox-dra-driver
-cargo build -q --release -p kubelet-peer --bin dra-health-bench
+cargo build -q --release -p bench --bin dra-health-bench
 for n in 8 256 1024; do
     out=$(for _ in $(seq "$runs"); do
         target/release/dra-health-bench --driver target/release/sandbox-dra-driver \

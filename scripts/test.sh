@@ -134,14 +134,15 @@ venv_ensure test.sh "$grpc_venv" tests/grpc-interop/requirements.txt
 # The binaries the test build built for its integration tests (each package
 # used here has some); a build of only these packages would resolve other
 # features and compile much of the workspace again.
-for b in sandbox-device-plugin sandbox-dra-driver kubelet-peer fake-apiserver real-k8s; do
+for b in sandbox-device-plugin sandbox-dra-driver kubelet-peer fake-apiserver fake-node real-k8s; do
     [[ -x "target/debug/$b" ]] || { echo "no target/debug/$b from the test build" >&2; exit 1; }
 done
 "$grpc_venv/bin/python" tests/grpc-interop/grpc_core_client.py \
-    --plugin target/debug/sandbox-device-plugin --peer target/debug/kubelet-peer
+    --plugin target/debug/sandbox-device-plugin --peer target/debug/kubelet-peer \
+    --fake-node target/debug/fake-node
 "$grpc_venv/bin/python" tests/grpc-interop/grpc_core_dra_client.py \
     --driver target/debug/sandbox-dra-driver --apiserver target/debug/fake-apiserver \
-    --peer target/debug/kubelet-peer
+    --fake-node target/debug/fake-node
 step "CDI runtime: Debian's podman (runc) runs a container with a prepared claim's CDI devices and sees the PCI_RESOURCE_<NAME> variables, the VFIO nodes and the metadata files"
 pkg_ensure test.sh podman:podman runc:runc busybox-static:/bin/busybox
 lint_cargo test --workspace --test cdi_runtime --locked -- --ignored --nocapture

@@ -3,13 +3,13 @@
 
 grpc-core clients (grpcio >= 1.57, C++) send the percent-encoded socket path as the
 HTTP/2 :authority of every call on a Unix socket. This script starts the plugin on a
-fake node with the kubelet-like peer, connects with
+fake node (tests/bench's fake-node) with the kubelet-like peer, connects with
 grpc.insecure_channel("unix:" + socket), and calls GetDevicePluginOptions,
 ListAndWatch, Allocate and GetPreferredAllocation, checking each answer. It prints
 one line per check, then "N passed, N failed", and exits 1 when any check failed.
 
     grpc_core_client.py --plugin target/debug/sandbox-device-plugin \
-                        --peer target/debug/kubelet-peer
+                        --peer target/debug/kubelet-peer --fake-node target/debug/fake-node
 """
 
 import argparse
@@ -86,7 +86,7 @@ def wait_registration(peer, resource):
 
 def run(args, checks, root):
     pb, rpc = stubs(os.path.join(root, "gen"))
-    subprocess.run([args.peer, "fake-node", "--root", root], check=True)
+    subprocess.run([args.fake_node, "--root", root], check=True)
     kubelet = os.path.join(root, "kubelet")
     log = open(os.path.join(root, "plugin.log"), "w")
     peer = subprocess.Popen([args.peer, "--dir", kubelet, "serve"],
@@ -178,6 +178,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plugin", required=True, help="the sandbox-device-plugin binary")
     p.add_argument("--peer", required=True, help="the kubelet-peer binary")
+    p.add_argument("--fake-node", required=True, help="the fake-node binary (tests/bench)")
     args = p.parse_args()
     print(f"grpcio {grpc.__version__}")
     checks = Checks()

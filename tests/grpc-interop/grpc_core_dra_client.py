@@ -17,7 +17,7 @@ and that the driver rewrote the percent-encoded authority. It prints one line pe
 "N passed, N failed", and exits 1 when any check failed.
 
     grpc_core_dra_client.py --driver target/debug/sandbox-dra-driver \
-        --apiserver target/debug/fake-apiserver --peer target/debug/kubelet-peer
+        --apiserver target/debug/fake-apiserver --fake-node target/debug/fake-node
 """
 
 import argparse
@@ -105,7 +105,7 @@ def claim(args, url, name, results):
 
 def run(args, checks, root):
     mods = stubs(os.path.join(root, "gen"))
-    subprocess.run([args.peer, "fake-node", "--root", root], check=True)
+    subprocess.run([args.fake_node, "--root", root], check=True)
     for m in ["vfio", "vfio_iommu_type1", "vfio_pci"]:
         os.makedirs(os.path.join(root, "sys", "module", m), exist_ok=True)
     port = free_port()
@@ -237,7 +237,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--driver", required=True, help="the sandbox-dra-driver binary")
     p.add_argument("--apiserver", required=True, help="the fake-apiserver binary")
-    p.add_argument("--peer", required=True, help="the kubelet-peer binary (builds the fake node)")
+    p.add_argument("--fake-node", required=True, help="the fake-node binary (tests/bench)")
     args = p.parse_args()
     print(f"grpcio {grpc.__version__}")
     checks = Checks()

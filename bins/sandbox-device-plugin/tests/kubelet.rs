@@ -41,7 +41,7 @@ impl Bed {
     /// started against it.
     fn start() -> Self {
         let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
-        let node = kubelet_peer::fake_node(dir.path()).unwrap();
+        let node = sysfs_pci::testing::nic_node(dir.path()).unwrap();
         let plugin = spawn_plugin(dir.path());
         Bed { dir, node, plugin }
     }
@@ -375,7 +375,11 @@ fn big_bed(n: usize) -> Bed {
                 .parent(&format!("0000:00:{:02x}.0", i % 8 + 1)),
         );
     }
-    std::fs::write(dir.path().join("list.json"), kubelet_peer::FAKE_NODE_LIST).unwrap();
+    std::fs::write(
+        dir.path().join("list.json"),
+        sysfs_pci::testing::NIC_NODE_LIST,
+    )
+    .unwrap();
     std::fs::create_dir_all(dir.path().join("kubelet")).unwrap();
     let plugin = spawn_plugin(dir.path());
     Bed { dir, node, plugin }

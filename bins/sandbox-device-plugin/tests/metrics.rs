@@ -32,10 +32,10 @@ struct Bed {
 }
 
 impl Bed {
-    /// The fake node of `kubelet_peer::fake_node` and the plugin on it, with `args`.
+    /// The fake node of `sysfs_pci::testing::nic_node` and the plugin on it, with `args`.
     fn start(args: &[&str]) -> Self {
         let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
-        let node = kubelet_peer::fake_node(dir.path()).unwrap();
+        let node = sysfs_pci::testing::nic_node(dir.path()).unwrap();
         let log = std::fs::File::create(dir.path().join("plugin.log")).unwrap();
         let plugin = kubelet_peer::plugin_command(Path::new(BIN), dir.path())
             .arg("--config")
@@ -288,7 +288,7 @@ fn without_the_flag_no_port_is_opened() {
 #[test]
 fn the_env_twin_sets_the_address() {
     let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
-    kubelet_peer::fake_node(dir.path()).unwrap();
+    sysfs_pci::testing::nic_node(dir.path()).unwrap();
     let log = std::fs::File::create(dir.path().join("plugin.log")).unwrap();
     let mut plugin = kubelet_peer::plugin_command(Path::new(BIN), dir.path())
         .arg("--config")
@@ -316,7 +316,7 @@ fn the_env_twin_sets_the_address() {
 #[test]
 fn bad_addresses_exit_2_naming_the_flag_and_a_taken_port_exits_1() {
     let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
-    kubelet_peer::fake_node(dir.path()).unwrap();
+    sysfs_pci::testing::nic_node(dir.path()).unwrap();
     let run = |args: &[&str], env: Option<&str>| {
         let mut cmd = kubelet_peer::plugin_command(Path::new(BIN), dir.path());
         cmd.arg("--config")

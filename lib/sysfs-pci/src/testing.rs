@@ -752,3 +752,85 @@ impl Kernel for FakeKernel {
         Ok(lock(&self.busy_groups).contains(node))
     }
 }
+
+// The nodes the tests and benchmarks of several crates share.
+
+/// The resource list of [`nic_node`]: the NICs and the nvme.
+pub const NIC_NODE_LIST: &str = r#"{"resources":[
+  {"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]},
+  {"name":"example.com/NVME_PT","vendor":"1b36","devices":["0010"]}]}"#;
+
+/// A fake node under `root` with a two-function NIC (group 5, NUMA 0, behind bridge
+/// 0000:00:01.0), a lone NIC (group 6, NUMA 1) and an nvme (group 7, no NUMA), all on
+/// vfio-pci; `root/list.json` holds [`NIC_NODE_LIST`] and `root/kubelet` exists.
+pub fn nic_node(root: &Path) -> std::io::Result<FakeNode> {
+    let node = FakeNode::new(root);
+    node.add_driver("vfio-pci");
+    node.add_driver("e1000e");
+    node.add_device(
+        &FakeDevice::new("0000:00:01.0", 0x8086, 0x2922, 0x06_0400)
+            .driver("pcieport")
+            .group(1),
+    );
+    for f in ["0000:01:00.0", "0000:01:00.1"] {
+        node.add_device(
+            &FakeDevice::new(f, 0x8086, 0x10d3, 0x02_0000)
+                .driver("vfio-pci")
+                .group(5)
+                .numa(0)
+                .parent("0000:00:01.0"),
+        );
+    }
+    node.add_device(
+        &FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000)
+            .driver("vfio-pci")
+            .group(6)
+            .numa(1),
+    );
+    node.add_device(
+        &FakeDevice::new("0000:03:00.0", 0x1b36, 0x0010, 0x01_0802)
+            .driver("vfio-pci")
+            .group(7),
+    );
+    std::fs::write(root.join("list.json"), NIC_NODE_LIST)?;
+    std::fs::create_dir_all(root.join("kubelet"))?;
+    Ok(node)
+}
+
+/// GPU `i`: 4 functions in each of 8 slots per bus, buses from 0x10 (up to 7,680 devices).
+pub fn gpu_address(i: usize) -> PciAddress {
+    let bus = u8::try_from(0x10 + i / 32).unwrap_or_else(|_| panic!("too many devices: {i}"));
+    PciAddress::new(0, bus, ((i / 4) % 8) as u8, (i % 4) as u8)
+        .unwrap_or_else(|| panic!("address {i}"))
+}
+
+/// NVIDIA H100 PCIe (3D controller), as the PCI ID database names it.
+pub const GPU: (u16, u16, u32) = (0x10de, 0x2331, 0x03_0200);
+
+/// IOMMU group of GPU `i`.
+pub fn gpu_group(i: usize) -> u32 {
+    100 + i as u32
+}
+
+/// `n` GPUs on vfio-pci, each alone in group [`gpu_group`], behind 8 bridges, NUMA 0/1.
+pub fn gpu_node(root: &Path, n: usize) -> FakeNode {
+    let node = FakeNode::new(root);
+    node.add_driver("vfio-pci");
+    node.add_driver("e1000e");
+    for b in 0..8u8 {
+        let bridge = format!("0000:00:{:02x}.0", b + 1);
+        node.add_device(&FakeDevice::new(&bridge, 0x8086, 0x2922, 0x06_0400).driver("pcieport"));
+    }
+    for i in 0..n {
+        let a = gpu_address(i);
+        let bridge = format!("0000:00:{:02x}.0", (i % 8) + 1);
+        node.add_device(
+            &FakeDevice::new(&a.to_string(), GPU.0, GPU.1, GPU.2)
+                .driver("vfio-pci")
+                .group(gpu_group(i))
+                .numa((i % 2) as i32)
+                .parent(&bridge),
+        );
+    }
+    node
+}

@@ -27,7 +27,6 @@
 //! `DRAPlugin` service, dialing as grpc-go does ([`grpcgo`]: the percent-encoded
 //! socket path as `:authority` where kubelet dials a bare path).
 
-pub mod bench;
 pub mod dra;
 pub mod grpcgo;
 
@@ -377,47 +376,4 @@ impl Kubelet {
             let _ = h.await;
         }
     }
-}
-
-/// The resource list of [`fake_node`]: the NICs and the nvme.
-pub const FAKE_NODE_LIST: &str = r#"{"resources":[
-  {"name":"example.com/NIC_PT","vendor":"8086","devices":["10d3"]},
-  {"name":"example.com/NVME_PT","vendor":"1b36","devices":["0010"]}]}"#;
-
-/// A fake node under `root` with a two-function NIC (group 5, NUMA 0, behind bridge
-/// 0000:00:01.0), a lone NIC (group 6, NUMA 1) and an nvme (group 7, no NUMA), all on
-/// vfio-pci; `root/list.json` holds [`FAKE_NODE_LIST`] and `root/kubelet` exists.
-pub fn fake_node(root: &std::path::Path) -> std::io::Result<sysfs_pci::testing::FakeNode> {
-    use sysfs_pci::testing::{FakeDevice, FakeNode};
-    let node = FakeNode::new(root);
-    node.add_driver("vfio-pci");
-    node.add_driver("e1000e");
-    node.add_device(
-        &FakeDevice::new("0000:00:01.0", 0x8086, 0x2922, 0x06_0400)
-            .driver("pcieport")
-            .group(1),
-    );
-    for f in ["0000:01:00.0", "0000:01:00.1"] {
-        node.add_device(
-            &FakeDevice::new(f, 0x8086, 0x10d3, 0x02_0000)
-                .driver("vfio-pci")
-                .group(5)
-                .numa(0)
-                .parent("0000:00:01.0"),
-        );
-    }
-    node.add_device(
-        &FakeDevice::new("0000:02:00.0", 0x8086, 0x10d3, 0x02_0000)
-            .driver("vfio-pci")
-            .group(6)
-            .numa(1),
-    );
-    node.add_device(
-        &FakeDevice::new("0000:03:00.0", 0x1b36, 0x0010, 0x01_0802)
-            .driver("vfio-pci")
-            .group(7),
-    );
-    std::fs::write(root.join("list.json"), FAKE_NODE_LIST)?;
-    std::fs::create_dir_all(root.join("kubelet"))?;
-    Ok(node)
 }

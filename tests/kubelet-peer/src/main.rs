@@ -6,7 +6,6 @@
 //! kubelet-peer list     --dir D --endpoint E          # the first ListAndWatch message
 //! kubelet-peer allocate --dir D --endpoint E ID...    # env and device specs
 //! kubelet-peer watch    --dir D --endpoint E --after CMD --expect ID=Health --within 1s
-//! kubelet-peer fake-node --root R                     # a fake node for the plugin under R
 //!
 //! kubelet-peer dra register  --registry D [--timeout 10s]          # PluginInfo as JSON
 //! kubelet-peer dra prepare   --registry D [--version v1|v1beta1] --claim NS/NAME/UID...
@@ -78,15 +77,6 @@ enum Cmd {
         #[arg(long, default_value_t = 1000)]
         within_ms: u64,
     },
-    /// Build a fake node under ROOT for `sandbox-device-plugin --sysfs-root ROOT/sys
-    /// --dev-root ROOT/dev --kubelet-dir ROOT/kubelet --config ROOT/list.json`: a
-    /// two-function NIC (group 5, NUMA 0, behind bridge 00:01.0), a lone NIC (group 6,
-    /// NUMA 1) as example.com/NIC_PT, an nvme (group 7, no NUMA) as
-    /// example.com/NVME_PT, all on vfio-pci.
-    FakeNode {
-        #[arg(long)]
-        root: PathBuf,
-    },
     /// Play kubelet's side of DRA: registration and the DRAPlugin service.
     #[command(subcommand)]
     Dra(DraCmd),
@@ -98,7 +88,7 @@ struct Registry {
     #[arg(long, default_value = kubelet_api::DEFAULT_REGISTRY_DIR)]
     registry: PathBuf,
     /// How long to wait for a registration socket to appear.
-    #[arg(long, default_value = "10s", value_parser = node_agent::cli::parse_duration_or_zero)]
+    #[arg(long, default_value = "10s", value_parser = duration)]
     timeout: Duration,
     /// The kubelet release to play: its version check and service choice, and the
     /// `:authority` its DRA client sends (1.32: the percent-encoded socket path;
@@ -144,7 +134,7 @@ struct HealthArgs {
     #[arg(long = "until", value_name = "POOL/DEVICE=HEALTH")]
     until: Vec<String>,
     /// How long to wait for them.
-    #[arg(long, default_value = "10s", value_parser = node_agent::cli::parse_duration_or_zero)]
+    #[arg(long, default_value = "10s", value_parser = duration)]
     within: Duration,
 }
 
@@ -271,10 +261,6 @@ fn lines(msg: &ListAndWatchResponse) -> Vec<String> {
 async fn run(cli: Cli) -> anyhow::Result<bool> {
     match cli.command {
         Cmd::Dra(cmd) => run_dra(cmd).await,
-        Cmd::FakeNode { root } => {
-            kubelet_peer::fake_node(&root)?;
-            Ok(true)
-        }
         Cmd::Serve => {
             let kubelet = Kubelet::start(&cli.dir).await?;
             loop {
@@ -380,4 +366,19 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// `500ms`, `10s`, `2m` or plain seconds.
+fn duration(s: &str) -> Result<Duration, String> {
+    let (number, scale) = match s.trim() {
+        t if t.ends_with("ms") => (&t[..t.len() - 2], 0.001),
+        t if t.ends_with('s') => (&t[..t.len() - 1], 1.0),
+        t if t.ends_with('m') => (&t[..t.len() - 1], 60.0),
+        t => (t, 1.0),
+    };
+    number
+        .parse::<f64>()
+        .ok()
+        .and_then(|n| Duration::try_from_secs_f64(n * scale).ok())
+        .ok_or_else(|| format!("{s:?} is not a duration (500ms, 10s, 2m)"))
 }

@@ -45,14 +45,14 @@ pub struct Scene {
 }
 
 impl Scene {
-    /// The node of `kubelet_peer::fake_node` (the two-function NIC in group 5, a
+    /// The node of `sysfs_pci::testing::nic_node` (the two-function NIC in group 5, a
     /// NIC in group 6, an nvme in group 7, all on vfio-pci), plus a companion in
     /// group 5 (an audio function the list does not select, already on vfio-pci)
     /// and a device of no resource on its own driver in group 8; the vfio modules
     /// show as loaded.
     pub fn new() -> Self {
         let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
-        let node = kubelet_peer::fake_node(dir.path()).unwrap();
+        let node = sysfs_pci::testing::nic_node(dir.path()).unwrap();
         node.add_device(
             &FakeDevice::new("0000:01:00.2", 0x8086, 0x293e, 0x04_0300)
                 .driver("vfio-pci")

@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use fake_apiserver::objects::{self, DeviceResult};
 use fake_apiserver::{paths, FakeApiServer};
-use kubelet_peer::bench::{addr, gpu_node};
 use kubelet_peer::dra::health::{pick_service, HealthCache, HealthStream};
 use kubelet_peer::dra::{self, ClaimRef, Dra, KubeletVersion, Version};
+use sysfs_pci::testing::{gpu_address as addr, gpu_node};
 
 const DRIVER: &str = "vfio-sandbox.rebellions.ai";
 const NODE: &str = "node-a";

@@ -19,8 +19,8 @@ use kubelet_api::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
     PreferredAllocationRequest,
 };
-use kubelet_peer::bench::{addr, gpu_node as node};
 use kubelet_peer::Kubelet;
+use sysfs_pci::testing::{gpu_address as addr, gpu_node as node};
 use sysfs_pci::PciAddress;
 use tokio_stream::StreamExt;
 
