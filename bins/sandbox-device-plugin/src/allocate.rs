@@ -138,13 +138,6 @@ pub fn allocate(
     if !sick.is_empty() {
         return Err(AllocateError::Unhealthy(sick));
     }
-    let mut specs = vec![spec("/dev/vfio/vfio".into())];
-    let mut groups = BTreeSet::new();
-    for d in &chosen {
-        if let Some(g) = d.group.filter(|g| groups.insert(*g)) {
-            specs.push(spec(format!("/dev/vfio/{g}")));
-        }
-    }
     if iommufd {
         let missing: Vec<String> = chosen
             .iter()
@@ -155,17 +148,17 @@ pub fn allocate(
             return Err(AllocateError::NoCdev(missing));
         }
     }
-    if iommufd && chosen.iter().any(|d| d.cdev.is_some()) {
-        specs.push(spec("/dev/iommu".into()));
-        specs.extend(
-            chosen
-                .iter()
-                .filter_map(|d| Some(spec(format!("/dev/vfio/devices/{}", d.cdev.as_ref()?)))),
-        );
-    }
-    let bdfs: Vec<String> = chosen.iter().map(|d| d.id()).collect();
+    let cdevs = chosen
+        .iter()
+        .filter(|_| iommufd)
+        .filter_map(|d| d.cdev.as_deref());
+    let specs = sysfs_pci::vmm::device_nodes(chosen.iter().filter_map(|d| d.group), cdevs)
+        .into_iter()
+        .map(|node| spec(format!("/dev/{node}")))
+        .collect();
+    let (var, value) = resource.kubevirt_env(chosen.iter().map(|d| d.id()));
     Ok(ContainerAllocateResponse {
-        envs: [(resource.kubevirt_env_var(), bdfs.join(","))].into(),
+        envs: [(var, value)].into(),
         devices: specs,
         ..Default::default()
     })

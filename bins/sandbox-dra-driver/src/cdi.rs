@@ -108,6 +108,7 @@ use serde::{Deserialize, Serialize};
 use crate::model::parse_device_name;
 use kubelet_plugin::slices::PCI_BUS_ID;
 use kubelet_plugin::ClaimRef;
+use passthrough::config::ResourceName;
 use sysfs_pci::PciAddress;
 
 mod names;
@@ -163,9 +164,9 @@ pub struct SpecDevice {
     /// Its iommufd node name (`vfioN` under `/dev/vfio/devices/`), when iommufd is
     /// asked for.
     pub iommufd_node: Option<String>,
-    /// KubeVirt's variable for its resource name (`PCI_RESOURCE_<NAME>`, as
-    /// `ResourceName::kubevirt_env_var` spells it), when it has one.
-    pub kubevirt_env: Option<String>,
+    /// Its resource name, whose KubeVirt variable (`PCI_RESOURCE_<NAME>`) names
+    /// it to the VM, when it has one.
+    pub resource: Option<ResourceName>,
 }
 
 /// Everything prepare writes for a claim, and what it returns to kubelet.
@@ -361,12 +362,8 @@ fn pretty<T: Serialize>(value: &T) -> Result<String, CdiError> {
 /// iommufd `/dev/iommu` and `/dev/vfio/devices/vfioN`. Host paths follow `dev_root`
 /// and are written only when it is not `/dev`.
 fn device_nodes(dev: &SpecDevice, dev_root: Option<&str>) -> Vec<Node> {
-    let mut rel = vec!["vfio/vfio".to_string(), format!("vfio/{}", dev.group)];
-    if let Some(node) = &dev.iommufd_node {
-        rel.push("iommu".into());
-        rel.push(format!("vfio/devices/{node}"));
-    }
-    rel.into_iter()
+    sysfs_pci::vmm::device_nodes([dev.group], dev.iommufd_node.as_deref())
+        .into_iter()
         .map(|r| Node {
             path: format!("/dev/{r}"),
             host_path: dev_root.map(|root| format!("{root}/{r}")),
@@ -559,10 +556,10 @@ pub fn claim_files(
 
     // KubeVirt's variables, one per resource name: the claim's devices of that
     // name, comma-separated, as the device plugin's Allocate sets them.
-    let mut env: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    let mut env: BTreeMap<&ResourceName, Vec<PciAddress>> = BTreeMap::new();
     for dev in &sorted {
-        if let Some(var) = &dev.kubevirt_env {
-            env.entry(var).or_default().push(dev.address.to_string());
+        if let Some(resource) = &dev.resource {
+            env.entry(resource).or_default().push(dev.address);
         }
     }
     let spec = Spec {
@@ -572,7 +569,10 @@ pub fn claim_files(
         container_edits: (!env.is_empty()).then(|| SpecEdits {
             env: env
                 .into_iter()
-                .map(|(var, bdfs)| format!("{var}={}", bdfs.join(",")))
+                .map(|(resource, addresses)| {
+                    let (var, value) = resource.kubevirt_env(addresses);
+                    format!("{var}={value}")
+                })
                 .collect(),
         }),
     };

@@ -539,7 +539,7 @@ impl Claims<'_> {
                         .iommufd
                         .then(|| sysfs_pci::cdev::vfio_cdev_name(self.pt.host, &d.address))
                         .flatten(),
-                    kubevirt_env: resource.map(|r| r.kubevirt_env_var()),
+                    resource: resource.cloned(),
                 }
             })
             .collect();

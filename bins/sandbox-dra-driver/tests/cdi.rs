@@ -63,7 +63,7 @@ fn device(bdf: &str, group: u32, requests: &[&str], numa: Option<i64>) -> SpecDe
         group,
         attributes,
         iommufd_node: None,
-        kubevirt_env: Some("PCI_RESOURCE_REBELLIONS_AI_ATOM_CA22_PT".into()),
+        resource: "rebellions.ai/ATOM_CA22_PT".parse().ok(),
     }
 }
 
@@ -771,8 +771,8 @@ fn the_claim_sets_kubevirts_variable_per_resource_name() {
         device("0000:01:00.0", 5, &["card"], None),
         device("0000:04:00.0", 11, &["nic"], None),
     ];
-    devices[0].kubevirt_env = Some("PCI_RESOURCE_EXAMPLE_COM_NIC_PT".into());
-    devices[3].kubevirt_env = None;
+    devices[0].resource = "example.com/NIC_PT".parse().ok();
+    devices[3].resource = None;
     let spec: CdiSpec = serde_json::from_str(&files(&devices).cdi.1).expect("spec");
     assert_eq!(
         spec.container_edits.expect("spec edits").env,
@@ -782,7 +782,7 @@ fn the_claim_sets_kubevirts_variable_per_resource_name() {
         ]
     );
     for d in &mut devices {
-        d.kubevirt_env = None;
+        d.resource = None;
     }
     let spec: CdiSpec = serde_json::from_str(&files(&devices).cdi.1).expect("spec");
     assert!(spec.container_edits.is_none());

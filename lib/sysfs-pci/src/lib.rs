@@ -26,6 +26,7 @@ pub mod testing;
 pub mod uevent;
 pub mod vfio_alias;
 pub mod vfio_driver;
+pub mod vmm;
 
 pub use address::PciAddress;
 pub use device::PciDevice;

@@ -64,6 +64,17 @@ impl ResourceName {
         var
     }
 
+    /// KubeVirt's variable for the functions at `addresses` given to one container:
+    /// [`Self::kubevirt_env_var`] and the addresses comma-separated, in order — what
+    /// the device plugin's `Allocate` and a claim's CDI spec both set.
+    pub fn kubevirt_env<A: std::fmt::Display>(
+        &self,
+        addresses: impl IntoIterator<Item = A>,
+    ) -> (String, String) {
+        let list: Vec<String> = addresses.into_iter().map(|a| a.to_string()).collect();
+        (self.kubevirt_env_var(), list.join(","))
+    }
+
     /// Wraps a name that is valid by construction; checked in debug builds.
     pub(super) fn from_trusted(name: String) -> Self {
         debug_assert!(check(&name).is_ok(), "{name}");
