@@ -109,85 +109,37 @@ impl Claims<'_> {
         inv: &Inventory,
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
         let devices = self.resolve(claim, allocations, inv)?;
-        // Refuse names no file can be made of before anything is touched.
-        self.files_for(claim, pod_claim_name, &devices, inv)
+        // The files, made once: names no file can be made of are refused before
+        // anything is touched.
+        let files = self
+            .files_for(claim, pod_claim_name, &devices, inv)
             .map_err(|source| ClaimError::Unnamable {
                 claim: claim.to_string(),
                 source,
             })?;
-        let early = match self.recorded_phase(claim, &devices)? {
-            Some(ClaimPhase::Prepared) => return self.answer(claim, pod_claim_name, &devices, inv),
-            // Moved before its pod was bound: only the files are left to write.
-            Some(ClaimPhase::Moved) => true,
-            // A failed earlier attempt left it: go through the steps again.
-            // (`recorded_phase` refuses an unfinished unprepare.)
-            Some(ClaimPhase::Preparing | ClaimPhase::Unpreparing) | None => false,
-        };
-        let record = ClaimRecord {
-            namespace: claim.namespace.clone(),
-            name: claim.name.clone(),
-            phase: if early {
-                ClaimPhase::Moved
-            } else {
-                ClaimPhase::Preparing
-            },
-            devices,
-        };
-        let fail = |step: &'static str, after: Option<String>, source: Box<StepError>| {
-            ClaimError::Failed {
-                claim: claim.to_string(),
-                step,
-                after,
-                source,
-            }
-        };
-        if !early {
-            self.pt
-                .state
-                .set_claim(self.pt.kernel, &claim.uid, record.clone())
-                .map_err(|e| {
-                    fail(
-                        "saving the claim before touching its devices",
-                        None,
-                        boxed(e),
-                    )
-                })?;
-            support::failpoint::step("prepare-after-save");
-        }
-        let groups = record.groups();
-        // After an early move this only checks the groups are still whole on vfio
-        // (and puts back a member moved off behind our back).
-        let result = self.move_groups(inv, &groups).and_then(|()| {
-            let files = self
-                .files_for(claim, pod_claim_name, &record.devices, inv)
-                .map_err(|e| ("writing its files", boxed(e)))?;
-            for (path, text) in std::iter::once(&files.cdi).chain(files.metadata.iter()) {
-                if let Some(dir) = path.parent() {
-                    std::fs::create_dir_all(dir).map_err(|source| {
-                        (
-                            "writing its files",
-                            boxed(StepError::Dir {
-                                action: "create",
-                                dir: dir.to_owned(),
-                                source,
-                            }),
-                        )
-                    })?;
+        let record = match self.recorded_phase(claim, &devices)? {
+            Some(ClaimPhase::Prepared) => return Ok(answer(&devices, &files)),
+            // Moved before its pod was bound: only the files are left to write, once
+            // the groups are seen still whole on vfio (a member moved off behind our
+            // back is put back).
+            Some(ClaimPhase::Moved) => {
+                let record = self.record(claim, ClaimPhase::Moved, devices);
+                if let Err((step, source)) = self.move_groups(inv, &record.groups()) {
+                    let after = self.after_failed_prepare(&claim.uid, &record);
+                    return Err(failed(claim, step, Some(after), source));
                 }
-                self.pt
-                    .kernel
-                    .replace_file(path, text.as_bytes())
-                    .map_err(|e| ("writing its files", boxed(e)))?;
+                record
             }
-            Ok(files)
-        });
-        let files = match result {
-            Ok(files) => files,
-            Err((step, source)) => {
-                let after = self.after_failed_prepare(&claim.uid, &record);
-                return Err(fail(step, Some(after), source));
+            // None, or a failed earlier attempt: every step again. (`recorded_phase`
+            // refuses an unfinished unprepare.)
+            Some(ClaimPhase::Preparing | ClaimPhase::Unpreparing) | None => {
+                self.save_and_move(claim, devices, inv, "prepare-after-save")?
             }
         };
+        if let Err(source) = self.write_files(&files) {
+            let after = self.after_failed_prepare(&claim.uid, &record);
+            return Err(failed(claim, "writing its files", Some(after), source));
+        }
         let prepared = ClaimRecord {
             phase: ClaimPhase::Prepared,
             ..record.clone()
@@ -198,18 +150,22 @@ impl Claims<'_> {
             .set_claim(self.pt.kernel, &claim.uid, prepared)
         {
             let after = self.after_failed_prepare(&claim.uid, &record);
-            return Err(fail("saving the prepared claim", Some(after), boxed(e)));
+            return Err(failed(
+                claim,
+                "saving the prepared claim",
+                Some(after),
+                boxed(e),
+            ));
         }
         Ok(answer(&record.devices, &files))
     }
 
     /// Moves the groups of `claim`'s devices to vfio as soon as the scheduler has
     /// allocated it, before its pod is bound (KEP-5007: the scheduler waits on the
-    /// claim's binding condition). The same steps and records as [`Self::prepare`]
-    /// up to the files: saved as `preparing` before any device is touched, rolled
-    /// back on failure (and by a restart), saved as `moved` when every group is on
-    /// vfio. Idempotent: a claim already moved or prepared with the same devices is
-    /// left as it is.
+    /// claim's binding condition): the same steps and records as [`Self::prepare`]
+    /// up to the files ([`Self::save_and_move`]), then saved as `moved`.
+    /// Idempotent: a claim already moved or prepared with the same devices is left
+    /// as it is.
     pub fn move_early(
         &mut self,
         claim: &ClaimRef,
@@ -235,44 +191,87 @@ impl Claims<'_> {
         ) {
             return Ok(());
         }
-        let fail = |step: &'static str, after: Option<String>, source: Box<StepError>| {
-            ClaimError::Failed {
-                claim: claim.to_string(),
-                step,
-                after,
-                source,
-            }
-        };
-        let record = ClaimRecord {
-            namespace: claim.namespace.clone(),
-            name: claim.name.clone(),
-            phase: ClaimPhase::Preparing,
-            devices,
-        };
-        self.pt
-            .state
-            .set_claim(self.pt.kernel, &claim.uid, record.clone())
-            .map_err(|e| {
-                fail(
-                    "saving the claim before touching its devices",
-                    None,
-                    boxed(e),
-                )
-            })?;
-        support::failpoint::step("early-after-save");
-        if let Err((step, source)) = self.move_groups(inv, &record.groups()) {
-            let undo = self.undo(&claim.uid, &record);
-            return Err(fail(step, Some(undo), source));
-        }
+        let record = self.save_and_move(claim, devices, inv, "early-after-save")?;
         let moved = ClaimRecord {
             phase: ClaimPhase::Moved,
             ..record.clone()
         };
         if let Err(e) = self.pt.state.set_claim(self.pt.kernel, &claim.uid, moved) {
             let undo = self.undo(&claim.uid, &record);
-            return Err(fail("saving the moved claim", Some(undo), boxed(e)));
+            return Err(failed(
+                claim,
+                "saving the moved claim",
+                Some(undo),
+                boxed(e),
+            ));
         }
         support::failpoint::step("early-after-moved");
+        Ok(())
+    }
+
+    /// The first steps of every move, shared by [`Self::prepare`] and
+    /// [`Self::move_early`]: saves the claim as `preparing` with its devices before
+    /// any device is touched (failpoint `after_save`), then moves its groups to
+    /// vfio whole. What failed is put back; the record saved.
+    fn save_and_move(
+        &mut self,
+        claim: &ClaimRef,
+        devices: Vec<ClaimDevice>,
+        inv: &Inventory,
+        after_save: &'static str,
+    ) -> Result<ClaimRecord, ClaimError> {
+        let record = self.record(claim, ClaimPhase::Preparing, devices);
+        self.pt
+            .state
+            .set_claim(self.pt.kernel, &claim.uid, record.clone())
+            .map_err(|e| {
+                failed(
+                    claim,
+                    "saving the claim before touching its devices",
+                    None,
+                    boxed(e),
+                )
+            })?;
+        support::failpoint::step(after_save);
+        if let Err((step, source)) = self.move_groups(inv, &record.groups()) {
+            let undo = self.undo(&claim.uid, &record);
+            return Err(failed(claim, step, Some(undo), source));
+        }
+        Ok(record)
+    }
+
+    /// The record of `claim` in `phase` with `devices`.
+    fn record(
+        &self,
+        claim: &ClaimRef,
+        phase: ClaimPhase,
+        devices: Vec<ClaimDevice>,
+    ) -> ClaimRecord {
+        ClaimRecord {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            phase,
+            devices,
+        }
+    }
+
+    /// Writes a claim's CDI spec and metadata files, making their directories.
+    fn write_files(&self, files: &cdi::ClaimFiles) -> Result<(), Box<StepError>> {
+        for (path, text) in std::iter::once(&files.cdi).chain(files.metadata.iter()) {
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir).map_err(|source| {
+                    boxed(StepError::Dir {
+                        action: "create",
+                        dir: dir.to_owned(),
+                        source,
+                    })
+                })?;
+            }
+            self.pt
+                .kernel
+                .replace_file(path, text.as_bytes())
+                .map_err(boxed)?;
+        }
         Ok(())
     }
 
@@ -554,25 +553,6 @@ impl Claims<'_> {
         )
     }
 
-    /// The answer for a claim already prepared.
-    fn answer(
-        &self,
-        claim: &ClaimRef,
-        pod_claim_name: Option<&str>,
-        devices: &[ClaimDevice],
-        inv: &Inventory,
-    ) -> Result<Vec<PreparedDevice>, ClaimError> {
-        let files = self
-            .files_for(claim, pod_claim_name, devices, inv)
-            .map_err(|e| ClaimError::Failed {
-                claim: claim.to_string(),
-                step: "naming its CDI devices",
-                after: None,
-                source: boxed(e),
-            })?;
-        Ok(answer(devices, &files))
-    }
-
     /// Puts a half-prepared claim back: its files removed, its groups restored, the
     /// claim forgotten once nothing of it is left on vfio. Says what happened.
     fn undo(&mut self, uid: &str, record: &ClaimRecord) -> String {
@@ -592,12 +572,7 @@ impl Claims<'_> {
         claim: &ClaimRef,
         record: ClaimRecord,
     ) -> Result<(), ClaimError> {
-        let fail = |step: &'static str, source: Box<StepError>| ClaimError::Failed {
-            claim: claim.to_string(),
-            step,
-            after: None,
-            source,
-        };
+        let fail = |step, source| failed(claim, step, None, source);
         if record.phase != ClaimPhase::Unpreparing {
             let next = ClaimRecord {
                 phase: ClaimPhase::Unpreparing,
@@ -674,6 +649,21 @@ fn answer(devices: &[ClaimDevice], files: &cdi::ClaimFiles) -> Vec<PreparedDevic
             cdi_device_ids: files.device_ids.get(&d.device).cloned().unwrap_or_default(),
         })
         .collect()
+}
+
+/// A step of `claim` failed; `after` says what was done about it.
+fn failed(
+    claim: &ClaimRef,
+    step: &'static str,
+    after: Option<String>,
+    source: Box<StepError>,
+) -> ClaimError {
+    ClaimError::Failed {
+        claim: claim.to_string(),
+        step,
+        after,
+        source,
+    }
 }
 
 fn device_list(devices: &[ClaimDevice]) -> String {
