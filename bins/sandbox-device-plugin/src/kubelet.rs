@@ -115,7 +115,7 @@ enum End {
 
 /// What a restart signal means for the socket being served.
 #[derive(Debug, PartialEq, Eq)]
-enum Verdict {
+enum SocketChange {
     /// Start over on a fresh socket.
     FreshSocket,
     /// Another kubelet is serving than the one an attempt went to: try it now.
@@ -138,20 +138,20 @@ struct Served {
 impl Served {
     /// Judges a restart signal against what is on disk now. `attempt` is the kubelet
     /// an unregistered socket last tried.
-    fn assess(&self, dir: &Path, attempt: Option<KubeletId>) -> Verdict {
+    fn assess(&self, dir: &Path, attempt: Option<KubeletId>) -> SocketChange {
         let now = kubelet_id(dir);
         if !self.path.exists() {
-            Verdict::FreshSocket
+            SocketChange::FreshSocket
         } else if let Some(with) = self.registered_with {
             if now == Some(with) {
-                Verdict::Ignore
+                SocketChange::Ignore
             } else {
-                Verdict::FreshSocket
+                SocketChange::FreshSocket
             }
         } else if now != attempt {
-            Verdict::RetryNow
+            SocketChange::RetryNow
         } else {
-            Verdict::Ignore
+            SocketChange::Ignore
         }
     }
 }
@@ -236,7 +236,7 @@ async fn run(
     let mut delay = BACKOFF.0;
     loop {
         let target = kubelet_id(dir);
-        if served.assess(dir, target) == Verdict::FreshSocket {
+        if served.assess(dir, target) == SocketChange::FreshSocket {
             return End::FreshSocket;
         }
         served.streams.generation.fetch_add(1, Ordering::SeqCst);
@@ -248,9 +248,9 @@ async fn run(
                     r = &mut attempt => break Some(r),
                     cmd = commands.recv() => match cmd {
                         Some(Command::Restart) => match served.assess(dir, target) {
-                            Verdict::FreshSocket => return End::FreshSocket,
-                            Verdict::RetryNow => break None,
-                            Verdict::Ignore => {}
+                            SocketChange::FreshSocket => return End::FreshSocket,
+                            SocketChange::RetryNow => break None,
+                            SocketChange::Ignore => {}
                         },
                         Some(Command::Stop) | None => return End::Stop,
                     },
@@ -261,8 +261,8 @@ async fn run(
             Some(Ok(Attempt::KubeletChanged)) => {
                 // kubelet.sock changed hands between judging it and connecting.
                 match served.assess(dir, target) {
-                    Verdict::FreshSocket => return End::FreshSocket,
-                    Verdict::RetryNow | Verdict::Ignore => {
+                    SocketChange::FreshSocket => return End::FreshSocket,
+                    SocketChange::RetryNow | SocketChange::Ignore => {
                         tracing::info!(resource = %resource, "another kubelet is serving; registering with it");
                         delay = BACKOFF.0;
                     }
@@ -284,7 +284,7 @@ async fn run(
                 match wait_or_command(commands, delay).await {
                     None => delay = (delay * 2).min(BACKOFF.1),
                     Some(Command::Restart) => {
-                        if served.assess(dir, target) == Verdict::FreshSocket {
+                        if served.assess(dir, target) == SocketChange::FreshSocket {
                             return End::FreshSocket;
                         }
                         // kubelet.sock appeared or came back: try now.
@@ -314,7 +314,7 @@ async fn watch_registration(
         let generation = tokio::select! {
             cmd = commands.recv() => match cmd {
                 Some(Command::Restart) => match served.assess(dir, served.registered_with) {
-                    Verdict::FreshSocket => return Some(End::FreshSocket),
+                    SocketChange::FreshSocket => return Some(End::FreshSocket),
                     _ => {
                         tracing::debug!(resource = %resource, "still registered with the same kubelet; nothing to restart");
                         continue;
@@ -336,7 +336,7 @@ async fn watch_registration(
                 _ = &mut grace => break,
                 cmd = commands.recv() => match cmd {
                     Some(Command::Restart) => {
-                        if served.assess(dir, served.registered_with) == Verdict::FreshSocket {
+                        if served.assess(dir, served.registered_with) == SocketChange::FreshSocket {
                             return Some(End::FreshSocket);
                         }
                     }
@@ -474,20 +474,24 @@ mod tests {
         let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
         let first = new_kubelet(dir.path());
         let s = served(dir.path(), first);
-        assert_eq!(s.assess(dir.path(), first), Verdict::Ignore, "same kubelet");
+        assert_eq!(
+            s.assess(dir.path(), first),
+            SocketChange::Ignore,
+            "same kubelet"
+        );
         // Keep the inode busy so the new file cannot reuse it by chance either way.
         let _old = std::fs::File::open(dir.path().join(KUBELET_SOCKET)).unwrap();
         let second = new_kubelet(dir.path());
         assert_ne!(first, second);
         assert_eq!(
             s.assess(dir.path(), first),
-            Verdict::FreshSocket,
+            SocketChange::FreshSocket,
             "new kubelet"
         );
         std::fs::remove_file(dir.path().join(KUBELET_SOCKET)).unwrap();
         assert_eq!(
             s.assess(dir.path(), first),
-            Verdict::FreshSocket,
+            SocketChange::FreshSocket,
             "kubelet gone"
         );
     }
@@ -498,24 +502,24 @@ mod tests {
         let s = served(dir.path(), None);
         assert_eq!(
             s.assess(dir.path(), None),
-            Verdict::Ignore,
+            SocketChange::Ignore,
             "still no kubelet"
         );
         let k = new_kubelet(dir.path());
         assert_eq!(
             s.assess(dir.path(), None),
-            Verdict::RetryNow,
+            SocketChange::RetryNow,
             "kubelet appeared"
         );
         assert_eq!(
             s.assess(dir.path(), k),
-            Verdict::Ignore,
+            SocketChange::Ignore,
             "the one we are trying"
         );
         std::fs::remove_file(&s.path).unwrap();
         assert_eq!(
             s.assess(dir.path(), k),
-            Verdict::FreshSocket,
+            SocketChange::FreshSocket,
             "ours deleted"
         );
     }

@@ -7,7 +7,7 @@
 //! into the claim's allocation result and, in PreBind, waits until the claim's
 //! `status.devices` entry of that device has the first condition `True` (or either
 //! failure condition `True`, when it gives the allocation up and allocates again).
-//! [`follow_claims`] watches the ResourceClaims allocated to this node's devices,
+//! [`watch_claims`] watches the ResourceClaims allocated to this node's devices,
 //! has the claims thread move their groups to vfio at once
 //! ([`crate::claims::Claims::move_early`]), and writes the condition. kubelet's
 //! prepare then only writes the files. A claim moved early that loses its
@@ -28,7 +28,7 @@ use sysfs_pci::PciAddress;
 
 mod follow;
 
-pub use follow::{follow_claims, Follow};
+pub use follow::{watch_claims, ClaimWatcher};
 
 /// The condition a device's status entry gets once its group is on vfio.
 pub const READY: &str = "VfioReady";
@@ -61,9 +61,9 @@ pub enum Mode {
 /// The driver each recorded device had before the driver moved it (its home
 /// between claims), as the claims thread last saw the state file.
 #[derive(Debug, Default)]
-pub struct Homes(Mutex<BTreeMap<PciAddress, Option<String>>>);
+pub struct OriginalDrivers(Mutex<BTreeMap<PciAddress, Option<String>>>);
 
-impl Homes {
+impl OriginalDrivers {
     /// Replaces what is known.
     pub fn set(&self, homes: BTreeMap<PciAddress, Option<String>>) {
         *support::lock(&self.0) = homes;

@@ -50,7 +50,7 @@ mod error;
 mod recovery;
 
 use error::boxed;
-pub use error::{ClaimError, DriverError, Failure, StepError};
+pub use error::{ClaimError, ClaimStepError, DriverError, Failure};
 
 /// Where a claim's files go, and how devices are handed to containers.
 #[derive(Debug, Clone)]
@@ -118,7 +118,7 @@ impl Claims<'_> {
                 source,
             })?;
         let record = match self.recorded_phase(claim, &devices)? {
-            Some(ClaimPhase::Prepared) => return Ok(answer(&devices, &files)),
+            Some(ClaimPhase::Prepared) => return Ok(prepared_devices(&devices, &files)),
             // Moved before its pod was bound: only the files are left to write, once
             // the groups are seen still whole on vfio (a member moved off behind our
             // back is put back).
@@ -157,7 +157,7 @@ impl Claims<'_> {
                 boxed(e),
             ));
         }
-        Ok(answer(&record.devices, &files))
+        Ok(prepared_devices(&record.devices, &files))
     }
 
     /// Moves the groups of `claim`'s devices to vfio as soon as the scheduler has
@@ -256,11 +256,11 @@ impl Claims<'_> {
     }
 
     /// Writes a claim's CDI spec and metadata files, making their directories.
-    fn write_files(&self, files: &cdi::ClaimFiles) -> Result<(), Box<StepError>> {
+    fn write_files(&self, files: &cdi::ClaimFiles) -> Result<(), Box<ClaimStepError>> {
         for (path, text) in std::iter::once(&files.cdi).chain(files.metadata.iter()) {
             if let Some(dir) = path.parent() {
                 std::fs::create_dir_all(dir).map_err(|source| {
-                    boxed(StepError::Dir {
+                    boxed(ClaimStepError::Dir {
                         action: "create",
                         dir: dir.to_owned(),
                         source,
@@ -330,7 +330,7 @@ impl Claims<'_> {
             )));
         }
         if existing.phase == ClaimPhase::Unpreparing {
-            // [`Self::settle`] finishes this before a prepare's scan.
+            // [`Self::finish_interrupted`] finishes this before a prepare's scan.
             return Err(refuse(
                 "an earlier unprepare or rollback of it is unfinished".into(),
             ));
@@ -354,7 +354,7 @@ impl Claims<'_> {
     /// uses, so a retry after the cause went away (a read-only CDI directory made
     /// writable) prepares afresh instead of being refused for good. Nothing to do
     /// is `Ok`.
-    pub fn settle(&mut self, claim: &ClaimRef) -> Result<(), ClaimError> {
+    pub fn finish_interrupted(&mut self, claim: &ClaimRef) -> Result<(), ClaimError> {
         match self.pt.state.state().claims.get(&claim.uid) {
             Some(r) if r.phase == ClaimPhase::Unpreparing => {
                 let record = r.clone();
@@ -480,7 +480,7 @@ impl Claims<'_> {
         &mut self,
         inv: &Inventory,
         groups: &[u32],
-    ) -> Result<(), (&'static str, Box<StepError>)> {
+    ) -> Result<(), (&'static str, Box<ClaimStepError>)> {
         self.pt
             .load_modules(&target_drivers(inv, groups))
             .map_err(|e| ("loading the vfio modules", boxed(e)))?;
@@ -488,7 +488,7 @@ impl Claims<'_> {
         if !report.failed.is_empty() {
             return Err((
                 "moving its IOMMU groups to vfio",
-                boxed(StepError::Bind(report.failed)),
+                boxed(ClaimStepError::Bind(report.failed)),
             ));
         }
         for &g in groups {
@@ -496,7 +496,7 @@ impl Claims<'_> {
             if !self.pt.kernel.is_dry_run() && !Host::exists(&node) {
                 return Err((
                     "checking the group nodes",
-                    boxed(StepError::NoGroupNode(node)),
+                    boxed(ClaimStepError::NoGroupNode(node)),
                 ));
             }
         }
@@ -602,7 +602,7 @@ impl Claims<'_> {
             if !report.failed.is_empty() || !held.is_empty() {
                 return Err(fail(
                     "giving its devices back",
-                    boxed(StepError::GiveBack {
+                    boxed(ClaimStepError::GiveBack {
                         failed: report.failed,
                         held: held.into_iter().collect(),
                     }),
@@ -616,7 +616,7 @@ impl Claims<'_> {
     }
 
     /// Removes the files prepare may have written for the claim.
-    fn remove_files(&self, claim: &ClaimRef) -> Result<(), StepError> {
+    fn remove_files(&self, claim: &ClaimRef) -> Result<(), ClaimStepError> {
         let f = &self.files;
         // A uid no file can be named after never had files.
         if let Ok(spec) = cdi::cdi_spec_path(&f.driver, &f.cdi_dir, &claim.uid) {
@@ -627,7 +627,7 @@ impl Claims<'_> {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(source) => {
-                    return Err(StepError::Dir {
+                    return Err(ClaimStepError::Dir {
                         action: "remove",
                         dir,
                         source,
@@ -639,7 +639,7 @@ impl Claims<'_> {
     }
 }
 
-fn answer(devices: &[ClaimDevice], files: &cdi::ClaimFiles) -> Vec<PreparedDevice> {
+fn prepared_devices(devices: &[ClaimDevice], files: &cdi::ClaimFiles) -> Vec<PreparedDevice> {
     devices
         .iter()
         .map(|d| PreparedDevice {
@@ -656,7 +656,7 @@ fn failed(
     claim: &ClaimRef,
     step: &'static str,
     after: Option<String>,
-    source: Box<StepError>,
+    source: Box<ClaimStepError>,
 ) -> ClaimError {
     ClaimError::Failed {
         claim: claim.to_string(),

@@ -116,7 +116,7 @@ pub fn slice_devices(inv: &Inventory) -> Vec<Device> {
 pub struct BindingMarks<'a> {
     /// The driver (the conditions' prefix).
     pub driver: &'a str,
-    /// The devices that get them ([`crate::binding::Homes::marked`]).
+    /// The devices that get them ([`crate::binding::OriginalDrivers::marked`]).
     pub devices: &'a std::collections::BTreeSet<PciAddress>,
 }
 

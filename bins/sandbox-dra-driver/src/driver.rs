@@ -20,7 +20,7 @@ use support::error_chain;
 use sysfs_pci::Host;
 use tokio::sync::watch;
 
-use crate::binding::{Homes, Mode};
+use crate::binding::{Mode, OriginalDrivers};
 use crate::claims::{DriverError, Failure};
 use crate::devices::{marked_devices, BindingMarks};
 use crate::health::HealthBoard;
@@ -48,7 +48,7 @@ pub struct VfioDriver {
     pub health: Option<Arc<HealthBoard>>,
     /// Which devices carry binding conditions, and the drivers devices are on
     /// between claims; `None` publishes none.
-    pub binding: Option<(Mode, Arc<Homes>)>,
+    pub binding: Option<(Mode, Arc<OriginalDrivers>)>,
 }
 
 #[tonic::async_trait]
@@ -68,7 +68,7 @@ impl kubelet_plugin::Driver for VfioDriver {
             .collect();
         let mut out = BTreeMap::new();
         for (uid, job) in pending {
-            out.insert(uid, self.worker.answer(job, deadline).await);
+            out.insert(uid, self.worker.wait_for(job, deadline).await);
         }
         out
     }
@@ -84,7 +84,7 @@ impl kubelet_plugin::Driver for VfioDriver {
             .collect();
         let mut out = BTreeMap::new();
         for (uid, job) in pending {
-            out.insert(uid, self.worker.answer(job, deadline).await);
+            out.insert(uid, self.worker.wait_for(job, deadline).await);
         }
         out
     }

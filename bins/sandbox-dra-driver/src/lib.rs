@@ -20,8 +20,8 @@ mod model;
 pub mod owner;
 mod worker;
 
-pub use binding::{follow_claims, Follow, Homes, Mode};
-pub use claims::{ClaimError, Claims, DriverError, Failure, Files, Recovery, StepError};
+pub use binding::{watch_claims, ClaimWatcher, Mode, OriginalDrivers};
+pub use claims::{ClaimError, ClaimStepError, Claims, DriverError, Failure, Files, Recovery};
 pub use devices::{marked_devices, pcie_root, slice_devices, taint_key, withdrawn, Withdrawn};
 pub use driver::{follow_node, VfioDriver};
 pub use health::{reason, HealthBoard};

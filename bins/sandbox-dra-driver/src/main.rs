@@ -18,8 +18,8 @@ use passthrough::state::{StateFile, DEFAULT_DRA_STATE_FILE, DEFAULT_STATE_FILE};
 use passthrough::Passthrough;
 use sandbox_dra_driver::cdi::{DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
 use sandbox_dra_driver::{
-    owner, prepared_claims, Claims, Files, HealthBoard, Homes, Metrics, Mode, VfioDriver, Worker,
-    DEFAULT_DRIVER_NAME,
+    owner, prepared_claims, Claims, Files, HealthBoard, Metrics, Mode, OriginalDrivers, VfioDriver,
+    Worker, DEFAULT_DRIVER_NAME,
 };
 use support::error_chain;
 use sysfs_pci::host::DEFAULT_MODULES_ROOT;
@@ -334,7 +334,7 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
     }
     let prepared = state.state().claims.len();
     // Which devices need a rebind is known before the first slice is published.
-    let homes = Arc::new(Homes::default());
+    let homes = Arc::new(OriginalDrivers::default());
     homes.set(
         state
             .state()
@@ -461,8 +461,8 @@ async fn run(
         plugin.republish(),
     ));
     let following_claims = (cli.binding_conditions != Mode::Off).then(|| {
-        tokio::spawn(sandbox_dra_driver::follow_claims(
-            sandbox_dra_driver::Follow {
+        tokio::spawn(sandbox_dra_driver::watch_claims(
+            sandbox_dra_driver::ClaimWatcher {
                 cluster: cluster.clone(),
                 driver: cli.driver_name.clone(),
                 pool: plugin.config().node_name.clone(),

@@ -170,7 +170,7 @@ impl Metrics {
     }
 
     /// The devices of prepared claims and every function on vfio, from the state.
-    pub fn held(&self, prepared: usize, on_vfio: usize) {
+    pub fn devices_held(&self, prepared: usize, on_vfio: usize) {
         self.set("prepared", prepared);
         self.set("on_vfio", on_vfio);
     }

@@ -58,7 +58,7 @@ pub struct Setup {
     pub kernel: Bounded<SysKernel>,
     /// Told the driver each recorded device had before it moved, after every job
     /// (which devices need a rebind, for their binding conditions).
-    pub homes: Option<Arc<crate::binding::Homes>>,
+    pub homes: Option<Arc<crate::binding::OriginalDrivers>>,
 }
 
 /// Unprepares that answered OK, by claim uid: the ticket of the time.
@@ -167,7 +167,7 @@ impl Worker {
         tokio::time::Instant::now() + self.timeout
     }
 
-    /// Queues the preparation of one claim; [`Self::answer`] waits for it.
+    /// Queues the preparation of one claim; [`Self::wait_for`] waits for it.
     pub fn prepare(&self, claim: Claim) -> Pending<Vec<PreparedDevice>> {
         let what = format!("preparing claim {}", claim.reference);
         self.submit(what, move |node| {
@@ -181,7 +181,7 @@ impl Worker {
                 return Err(e);
             }
             let mut prepare = || -> Result<Vec<PreparedDevice>, DriverError> {
-                node.claims().settle(c)?;
+                node.claims().finish_interrupted(c)?;
                 let inv = node.scan(c)?;
                 let devices =
                     node.claims()
@@ -199,7 +199,7 @@ impl Worker {
         })
     }
 
-    /// Queues the unpreparation of one claim; [`Self::answer`] waits for it.
+    /// Queues the unpreparation of one claim; [`Self::wait_for`] waits for it.
     pub fn unprepare(&self, claim: ClaimRef) -> Pending<()> {
         let what = format!("unpreparing claim {claim}");
         self.submit(what, move |node| {
@@ -225,7 +225,7 @@ impl Worker {
         self.submit(what, move |node| {
             let started = Instant::now();
             let mut move_early = || -> Result<(), DriverError> {
-                node.claims().settle(&claim)?;
+                node.claims().finish_interrupted(&claim)?;
                 let inv = node.scan(&claim)?;
                 node.claims().move_early(&claim, &devices, &inv)?;
                 Ok(())
@@ -286,7 +286,7 @@ impl Worker {
             what,
             work: Box::new(move |node| {
                 let answer = work(node);
-                held(&node.setup);
+                share_state(&node.setup);
                 let _ = reply.send(answer);
             }),
         };
@@ -297,7 +297,7 @@ impl Worker {
     }
 
     /// The answer of a queued job, or why there is none by `deadline`.
-    pub async fn answer<T>(
+    pub async fn wait_for<T>(
         &self,
         pending: Pending<T>,
         deadline: tokio::time::Instant,
@@ -326,7 +326,7 @@ impl Worker {
 pub struct Pending<T>(Option<oneshot::Receiver<Result<T, DriverError>>>);
 
 fn work(mut node: Node, rx: std_mpsc::Receiver<Job>, busy: &Mutex<Option<(String, Instant)>>) {
-    held(&node.setup);
+    share_state(&node.setup);
     let mut owner_lost: Option<String> = None;
     loop {
         let job = match rx.recv_timeout(OWNER_CHECK) {
@@ -369,10 +369,10 @@ fn check_owner(state: &mut StateFile, lost: &mut Option<String>) {
 }
 
 /// Sets the device gauges from the state file.
-fn held(setup: &Setup) {
+fn share_state(setup: &Setup) {
     let state = setup.state.state();
     let prepared = state.claims.values().map(|c| c.devices.len()).sum();
-    setup.metrics.held(prepared, state.devices.len());
+    setup.metrics.devices_held(prepared, state.devices.len());
     if let Some(homes) = &setup.homes {
         homes.set(
             state
@@ -405,7 +405,7 @@ fn held_for_vms(setup: &Setup, leaving: Option<&str>) -> BTreeSet<PciAddress> {
 /// Claim `uid`'s devices are about to go back to their drivers: from now on
 /// their health is judged as devices ready to be prepared, so a device on its
 /// way back (or back already) is not reported unhealthy for not being on vfio.
-/// A give-back that fails puts them back with [`held`].
+/// A give-back that fails puts them back with [`share_state`].
 fn leaving(setup: &Setup, uid: &str) {
     if let Some(health) = &setup.health {
         health.set_prepared(held_for_vms(setup, Some(uid)));

@@ -35,7 +35,7 @@ const MESSAGE_MAX: usize = 4096;
 
 /// What the watcher needs.
 #[derive(Clone)]
-pub struct Follow {
+pub struct ClaimWatcher {
     /// The API server.
     pub cluster: Cluster,
     /// The driver name.
@@ -83,7 +83,7 @@ struct Waiting {
 /// carry our binding condition is moved early; one that loses its allocation
 /// before it was prepared gets its devices back. After every (re)list, claims
 /// moved early that are no longer allocated here are given back too.
-pub async fn follow_claims(follow: Follow) {
+pub async fn watch_claims(follow: ClaimWatcher) {
     let api: Api<ResourceClaim> = Api::all(follow.cluster.watch_client());
     let stream = watcher::watcher(api, node_agent::cluster::watch_config()).default_backoff();
     tokio::pin!(stream);
@@ -160,7 +160,7 @@ impl Shared {
     }
 }
 
-impl Follow {
+impl ClaimWatcher {
     /// Acts on claim `uid` as it now stands (`None`: deleted, or gone from a
     /// list): moves it if it waits on our condition, gives back what was moved for
     /// it if it no longer does. While a task acts on the claim, the state is kept
@@ -289,7 +289,7 @@ impl Follow {
             let job = self.worker.release(uid.to_owned());
             let answer = self
                 .worker
-                .answer(job, tokio::time::Instant::now() + MOVE_WAIT)
+                .wait_for(job, tokio::time::Instant::now() + MOVE_WAIT)
                 .await;
             let op = Operation::GiveBack;
             match answer {
@@ -315,7 +315,7 @@ impl Follow {
         let job = self.worker.moved_early();
         let moved = match self
             .worker
-            .answer(job, tokio::time::Instant::now() + MOVE_WAIT)
+            .wait_for(job, tokio::time::Instant::now() + MOVE_WAIT)
             .await
         {
             Ok(m) => m,
@@ -344,7 +344,7 @@ impl Follow {
             .move_early(w.claim.clone(), w.allocations.clone());
         let outcome = self
             .worker
-            .answer(job, tokio::time::Instant::now() + MOVE_WAIT)
+            .wait_for(job, tokio::time::Instant::now() + MOVE_WAIT)
             .await;
         self.metrics
             .call(Operation::MoveEarly, started.elapsed().as_secs_f64());

@@ -64,7 +64,7 @@ pub enum ClaimError {
         after: Option<String>,
         /// What failed.
         #[source]
-        source: Box<StepError>,
+        source: Box<ClaimStepError>,
     },
 }
 
@@ -77,7 +77,7 @@ pub(super) fn after_note(after: &Option<String>) -> String {
 
 /// What a step of a claim's prepare or unprepare ran into.
 #[derive(Debug, thiserror::Error)]
-pub enum StepError {
+pub enum ClaimStepError {
     /// The state file could not be saved.
     #[error(transparent)]
     State(#[from] StateError),
@@ -117,7 +117,7 @@ pub enum StepError {
     },
 }
 
-pub(super) fn boxed(e: impl Into<StepError>) -> Box<StepError> {
+pub(super) fn boxed(e: impl Into<ClaimStepError>) -> Box<ClaimStepError> {
     Box::new(e.into())
 }
 

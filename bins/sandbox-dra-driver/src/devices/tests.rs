@@ -159,7 +159,7 @@ fn resource_name_follows_the_rebellions_naming() {
 /// has it on now); marked devices carry both condition lists and `bindsToNode`.
 #[test]
 fn binding_conditions_go_on_the_devices_that_need_a_rebind() {
-    use crate::binding::{Homes, Mode};
+    use crate::binding::{Mode, OriginalDrivers};
     let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let node = node(dir.path());
     node.detach(&"0001:00:03.0".parse().unwrap());
@@ -170,7 +170,7 @@ fn binding_conditions_go_on_the_devices_that_need_a_rebind() {
             .group(9),
     );
     let inv = scan(&node);
-    let homes = Homes::default();
+    let homes = OriginalDrivers::default();
     // 0002:00:04.0 is on vfio-pci for a claim; it came from e1000e.
     homes.set(BTreeMap::from([(
         "0002:00:04.0".parse().unwrap(),
