@@ -9,7 +9,7 @@
 //! failure condition `True`, when it gives the allocation up and allocates again).
 //! [`watch_claims`] watches the ResourceClaims allocated to this node's devices,
 //! has the claims thread move their groups to vfio at once
-//! ([`crate::claims::Claims::move_early`]), and writes the condition. kubelet's
+//! (`Claims::move_early`), and writes the condition. kubelet's
 //! prepare then only writes the files. A claim moved early that loses its
 //! allocation or is deleted before its pod starts gets its devices back.
 //!
@@ -25,10 +25,6 @@ use std::sync::Mutex;
 
 use passthrough::inventory::{Entry, Inventory, Role};
 use sysfs_pci::PciAddress;
-
-mod follow;
-
-pub use follow::{watch_claims, ClaimWatcher};
 
 /// The condition a device's status entry gets once its group is on vfio.
 pub const READY: &str = "VfioReady";

@@ -8,7 +8,7 @@ use kubelet_plugin::slices::{PCIE_ROOT, PCI_BUS_ID};
 use passthrough::inventory::{Entry, Inventory};
 use sysfs_pci::{PciAddress, PciDevice};
 
-use crate::model::device_name;
+use crate::model::{device_name, reason};
 
 /// The root bus of `dev`'s PCIe hierarchy as sysfs names it (`pciDDDD:BB`): the
 /// bus of the topmost function on its canonical path (the root port, or the
@@ -141,16 +141,17 @@ pub fn marked_devices(
     taint_driver: Option<&str>,
     binding: Option<BindingMarks<'_>>,
 ) -> Vec<Device> {
-    let mut entries: Vec<(&Entry, Option<&str>)> =
-        inv.selected()
-            .map(|e| {
-                let reason = unhealthy.get(&e.device.address).copied().or_else(|| {
-                    withdraw_reason(inv, e).map(|_| crate::health::reason::UNPREPARABLE)
-                });
-                (e, reason)
-            })
-            .filter(|(_, reason)| taint_driver.is_some() || reason.is_none())
-            .collect();
+    let mut entries: Vec<(&Entry, Option<&str>)> = inv
+        .selected()
+        .map(|e| {
+            let reason = unhealthy
+                .get(&e.device.address)
+                .copied()
+                .or_else(|| withdraw_reason(inv, e).map(|_| reason::UNPREPARABLE));
+            (e, reason)
+        })
+        .filter(|(_, reason)| taint_driver.is_some() || reason.is_none())
+        .collect();
     entries.sort_by_key(|(e, _)| e.device.address);
     entries
         .into_iter()

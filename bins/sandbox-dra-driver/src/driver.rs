@@ -127,7 +127,7 @@ impl kubelet_plugin::Driver for VfioDriver {
         for (claim, error) in &call.claims {
             self.metrics.claim(op, error.map(failure));
             if let (Some(e), Operation::Prepare) = (error, op) {
-                post_warning(
+                crate::events::post_warning(
                     &self.cluster,
                     claim,
                     failure(e),
@@ -156,35 +156,6 @@ fn failure(e: &ClaimError<DriverError>) -> Failure {
         ClaimError::Driver(e) => e.failure(),
         ClaimError::NoAnswer => Failure::Failed,
     }
-}
-
-/// Posts a Warning Event on `claim` in its namespace (where `kubectl describe
-/// resourceclaim` and the pod's owner look), in the background: `failure` gives its
-/// reason, `action` says what failed (`PrepareResources`, `MoveBeforeBinding`),
-/// `note` why.
-pub(crate) fn post_warning(
-    cluster: &Cluster,
-    claim: &ClaimRef,
-    failure: Failure,
-    action: &'static str,
-    note: String,
-) {
-    let cluster = cluster.clone();
-    let claim = claim.clone();
-    let reason = failure.event_reason();
-    tokio::spawn(async move {
-        let what = format!(
-            "post Event {reason} on ResourceClaim {}/{}",
-            claim.namespace, claim.name
-        );
-        let reference = claim.object_reference();
-        if let Err(e) = cluster
-            .event(&reference, &what, true, reason, action, &note)
-            .await
-        {
-            tracing::debug!(claim = %claim, error = %error_chain(&e), "cannot post an Event on the claim");
-        }
-    });
 }
 
 /// Follows the node (PCI uevents, `/dev/vfio`, and a resync every `resync`): on

@@ -38,7 +38,7 @@ use sysfs_pci::deadline::StuckList;
 use sysfs_pci::{Host, PciAddress};
 use tokio::sync::watch;
 
-use crate::model::device_name;
+use crate::model::{device_name, reason};
 
 /// One device's report, and why it should get no new claim (the value of its
 /// taint in the slice), if so.
@@ -280,24 +280,6 @@ impl HealthBoard {
             self.tx.send_replace(Arc::new(all));
         }
     }
-}
-
-/// Why a device is unhealthy, in one word: the values of its slice taint.
-pub mod reason {
-    /// Gone from the PCI bus.
-    pub const GONE: &str = "Gone";
-    /// Its sysfs attributes cannot be read.
-    pub const UNREADABLE: &str = "Unreadable";
-    /// A fatal PCIe error since the driver started.
-    pub const FATAL_PCIE_ERROR: &str = "FatalPCIeError";
-    /// Prepared, but not on its vfio driver.
-    pub const NOT_ON_VFIO: &str = "NotOnVfioDriver";
-    /// Prepared, but its IOMMU group is not viable or its group node is gone.
-    pub const GROUP_NOT_USABLE: &str = "GroupNotUsable";
-    /// It cannot be prepared (no IOMMU group, a member with VFs enabled).
-    pub const UNPREPARABLE: &str = "Unpreparable";
-    /// A sysfs write to it has not returned (its driver is stuck in the kernel).
-    pub const STUCK: &str = "StuckInKernel";
 }
 
 /// One device's health on `inv`, its reason and why.

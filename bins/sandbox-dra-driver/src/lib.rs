@@ -5,7 +5,7 @@
 //! The driver's own knowledge: claims and their records ([`Claims`]), their CDI
 //! specs and metadata files ([`cdi`]), the devices it offers ([`devices`]), the
 //! thread that changes the node ([`Worker`]), the early move before a pod binds
-//! ([`binding`]), device health ([`HealthBoard`]), the wait for the node's owner
+//! ([`binding`], the claim watcher), device health ([`HealthBoard`]), the wait for the node's owner
 //! lock ([`owner`]) and its metrics. Whole-group binding and restoring is the
 //! passthrough engine's (`passthrough` crate), shared with vfio-manager.
 
@@ -14,17 +14,20 @@ pub mod cdi;
 mod claims;
 mod devices;
 mod driver;
+mod events;
 mod health;
 mod metrics;
 mod model;
 pub mod owner;
+mod watcher;
 mod worker;
 
-pub use binding::{watch_claims, ClaimWatcher, Mode, OriginalDrivers};
+pub use binding::{Mode, OriginalDrivers};
 pub use claims::{ClaimError, ClaimStepError, Claims, DriverError, Failure, Files, Recovery};
 pub use devices::{marked_devices, pcie_root, slice_devices, taint_key, withdrawn, Withdrawn};
 pub use driver::{follow_node, VfioDriver};
-pub use health::{reason, HealthBoard};
+pub use health::HealthBoard;
 pub use metrics::Metrics;
-pub use model::{device_name, parse_device_name, DEFAULT_DRIVER_NAME};
+pub use model::{device_name, parse_device_name, reason, DEFAULT_DRIVER_NAME};
+pub use watcher::{watch_claims, ClaimWatcher};
 pub use worker::{prepared_claims, Setup, Worker};

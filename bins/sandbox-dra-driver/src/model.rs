@@ -1,6 +1,7 @@
 //! The driver's names for what it handles, which every other module uses and
 //! which uses none of them: the driver's default name, the ResourceSlice name of
-//! a PCI function, and the claim a record in the state file stands for.
+//! a PCI function, the claim a record in the state file stands for, and why a
+//! device should get no new claim (its taint's value).
 
 use kubelet_plugin::ClaimRef;
 use passthrough::state::ClaimRecord;
@@ -35,6 +36,24 @@ pub fn recorded_claim(uid: &str, record: &ClaimRecord) -> ClaimRef {
         namespace: record.namespace.clone(),
         name: record.name.clone(),
     }
+}
+
+/// Why a device is unhealthy, in one word: the values of its slice taint.
+pub mod reason {
+    /// Gone from the PCI bus.
+    pub const GONE: &str = "Gone";
+    /// Its sysfs attributes cannot be read.
+    pub const UNREADABLE: &str = "Unreadable";
+    /// A fatal PCIe error since the driver started.
+    pub const FATAL_PCIE_ERROR: &str = "FatalPCIeError";
+    /// Prepared, but not on its vfio driver.
+    pub const NOT_ON_VFIO: &str = "NotOnVfioDriver";
+    /// Prepared, but its IOMMU group is not viable or its group node is gone.
+    pub const GROUP_NOT_USABLE: &str = "GroupNotUsable";
+    /// It cannot be prepared (no IOMMU group, a member with VFs enabled).
+    pub const UNPREPARABLE: &str = "Unpreparable";
+    /// A sysfs write to it has not returned (its driver is stuck in the kernel).
+    pub const STUCK: &str = "StuckInKernel";
 }
 
 #[cfg(test)]

@@ -238,8 +238,8 @@ impl ClaimWatcher {
             name: claim.metadata.name.clone()?,
         };
         let allocations = allocated_devices(claim, &cref, &self.driver, &self.pool).ok()?;
-        let ready = super::ready_condition(&self.driver);
-        let failed = super::failed_condition(&self.driver);
+        let ready = crate::binding::ready_condition(&self.driver);
+        let failed = crate::binding::failed_condition(&self.driver);
         let status = claim.status.as_ref()?;
         let results = status
             .allocation
@@ -353,7 +353,7 @@ impl ClaimWatcher {
             outcome.as_ref().err().map(DriverError::failure),
         );
         if let Err(e) = &outcome {
-            crate::driver::post_warning(
+            crate::events::post_warning(
                 &self.cluster,
                 &w.claim,
                 e.failure(),
@@ -405,7 +405,7 @@ impl ClaimWatcher {
             Api::namespaced(self.cluster.kube_client(), &w.claim.namespace);
         let condition = match outcome {
             Ok(()) => (
-                super::ready_condition(&self.driver),
+                crate::binding::ready_condition(&self.driver),
                 "MovedToVfio",
                 format!(
                     "the IOMMU group(s) of {} are on vfio on node {}",
@@ -414,7 +414,7 @@ impl ClaimWatcher {
                 ),
             ),
             Err(e) => (
-                super::failed_condition(&self.driver),
+                crate::binding::failed_condition(&self.driver),
                 "MoveFailed",
                 error_chain(e),
             ),
