@@ -336,6 +336,31 @@ fn checked<T, E: std::error::Error>(
     (b.claims, asked, answers)
 }
 
+/// Runs one of the driver's calls on `asked` and completes its answers ([`complete`]).
+/// The call runs in its own task, so a call kubelet gives up on does not cut the
+/// driver's work off halfway; a driver that panics answers no claim.
+async fn run_driver<T, E>(
+    asked: &[ClaimRef],
+    call: impl Future<Output = Answers<T, E>> + Send + 'static,
+) -> Answers<T, ClaimError<E>>
+where
+    T: Send + 'static,
+    E: std::error::Error + Send + 'static,
+{
+    let done = match tokio::spawn(call).await {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::error!(error = %e, "the driver failed on a request");
+            BTreeMap::new()
+        }
+    };
+    let answers = done
+        .into_iter()
+        .map(|(uid, a)| (uid, a.map_err(ClaimError::Driver)))
+        .collect();
+    complete(asked, answers)
+}
+
 #[tonic::async_trait]
 impl<D: Driver> Calls for Inner<D> {
     /// One deadline for the whole call: claim reads and the driver's work alike.
@@ -378,21 +403,8 @@ impl<D: Driver> Calls for Inner<D> {
         }
         if !read.is_empty() {
             let driver = self.driver.clone();
-            // In its own task, so a call kubelet gives up on does not cut the
-            // driver's work off halfway.
-            let done = tokio::spawn(async move { driver.prepare(read, deadline).await }).await;
-            let done = match done {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::error!(error = %e, "the driver failed on a request");
-                    BTreeMap::new()
-                }
-            };
-            let by_driver: Answers<_, ClaimError<D::Error>> = done
-                .into_iter()
-                .map(|(uid, a)| (uid, a.map_err(ClaimError::Driver)))
-                .collect();
-            answers.extend(complete(&uids, by_driver));
+            let call = async move { driver.prepare(read, deadline).await };
+            answers.extend(run_driver(&uids, call).await);
         }
         self.answered(CallKind::Prepare, started, &asked, answers)
     }
@@ -404,19 +416,8 @@ impl<D: Driver> Calls for Inner<D> {
         if !claims.is_empty() {
             let driver = self.driver.clone();
             let sent = claims.clone();
-            let done = tokio::spawn(async move { driver.unprepare(sent, deadline).await }).await;
-            let done = match done {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::error!(error = %e, "the driver failed on a request");
-                    BTreeMap::new()
-                }
-            };
-            let by_driver: Answers<(), ClaimError<D::Error>> = done
-                .into_iter()
-                .map(|(uid, a)| (uid, a.map_err(ClaimError::Driver)))
-                .collect();
-            answers.extend(complete(&claims, by_driver));
+            let call = async move { driver.unprepare(sent, deadline).await };
+            answers.extend(run_driver(&claims, call).await);
         }
         self.answered(CallKind::Unprepare, started, &asked, answers)
     }
@@ -430,5 +431,44 @@ impl<D: Driver> Calls for Inner<D> {
 
     fn health(&self) -> Option<watch::Receiver<HealthReports>> {
         self.driver.health()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(uid: &str) -> ClaimRef {
+        ClaimRef {
+            uid: uid.into(),
+            namespace: "ns".into(),
+            name: "x".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_panicking_driver_gives_errors_not_a_crash() {
+        let call = async move {
+            if true {
+                panic!("driver bug");
+            }
+            Answers::<(), std::io::Error>::new()
+        };
+        let answers = run_driver(&[claim("a")], call).await;
+        assert!(matches!(answers["a"], Err(ClaimError::NoAnswer)));
+    }
+
+    #[tokio::test]
+    async fn the_driver_s_errors_are_its_own_and_strangers_dropped() {
+        let call = async move {
+            Answers::from([
+                ("a".to_owned(), Err(std::io::Error::other("busy"))),
+                ("stranger".to_owned(), Ok(())),
+            ])
+        };
+        let answers = run_driver(&[claim("a"), claim("b")], call).await;
+        assert_eq!(answers.keys().collect::<Vec<_>>(), ["a", "b"]);
+        assert!(matches!(&answers["a"], Err(ClaimError::Driver(e)) if e.to_string() == "busy"));
+        assert!(matches!(answers["b"], Err(ClaimError::NoAnswer)));
     }
 }
