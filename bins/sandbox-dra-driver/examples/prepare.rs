@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 use kubelet_plugin::{AllocatedDevice, ClaimRef};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
-use passthrough::state::StateFile;
 use passthrough::{Passthrough, DEFAULT_BIND_JOBS};
+use sandbox_dra_driver::StateFile;
 use sandbox_dra_driver::{device_name, Claims, Files};
 use support::error_chain;
 use sysfs_pci::testing::{BenchArgs, FakeKernel};
@@ -98,7 +98,7 @@ fn prepare_and_unprepare(
     let mut state = StateFile::load(
         &root.join("run/state.json"),
         true,
-        passthrough::owner::Program::DraDriver,
+        &node_agent::programs::DRA_DRIVER,
     )
     .map_err(|e| error_chain(&e))?;
     let mut claims = Claims {

@@ -35,11 +35,11 @@ use std::path::PathBuf;
 
 use crate::cdi::{self, AttributeValue};
 use crate::model::{parse_device_name, recorded_claim};
+use crate::model::{ClaimDevice, ClaimPhase, ClaimRecord, ClaimRecords};
 use kubelet_plugin::slices::PCI_BUS_ID;
 use kubelet_plugin::{AllocatedDevice, ClaimRef, PreparedDevice};
 use passthrough::inventory::{Inventory, Role};
 use passthrough::state::StateError;
-use passthrough::state::{ClaimDevice, ClaimPhase, ClaimRecord};
 use passthrough::{target_drivers, Passthrough, PassthroughError};
 use support::error_chain;
 use support::io::IoError;
@@ -84,7 +84,7 @@ pub struct Recovery {
 /// Prepares and unprepares claims on one node.
 pub struct Claims<'a> {
     /// The passthrough engine, with the driver's state file.
-    pub pt: Passthrough<'a>,
+    pub pt: Passthrough<'a, ClaimRecords>,
     /// This node's pool name.
     pub pool: &'a str,
     /// Where the claim files go.
@@ -144,11 +144,9 @@ impl Claims<'_> {
             phase: ClaimPhase::Prepared,
             ..record.clone()
         };
-        if let Err(e) = self
-            .pt
-            .state
-            .set_claim(self.pt.kernel, &claim.uid, prepared)
-        {
+        if let Err(e) = self.pt.state.update_records(self.pt.kernel, |c| {
+            c.0.insert(claim.uid.clone(), prepared);
+        }) {
             let after = self.after_failed_prepare(&claim.uid, &record);
             return Err(failed(
                 claim,
@@ -178,8 +176,7 @@ impl Claims<'_> {
         let stale = self
             .pt
             .state
-            .state()
-            .claims
+            .records()
             .get(&claim.uid)
             .is_some_and(|r| r.phase == ClaimPhase::Moved && r.devices != devices);
         if stale {
@@ -196,7 +193,9 @@ impl Claims<'_> {
             phase: ClaimPhase::Moved,
             ..record.clone()
         };
-        if let Err(e) = self.pt.state.set_claim(self.pt.kernel, &claim.uid, moved) {
+        if let Err(e) = self.pt.state.update_records(self.pt.kernel, |c| {
+            c.0.insert(claim.uid.clone(), moved);
+        }) {
             let undo = self.undo(&claim.uid, &record);
             return Err(failed(
                 claim,
@@ -223,7 +222,9 @@ impl Claims<'_> {
         let record = self.record(claim, ClaimPhase::Preparing, devices);
         self.pt
             .state
-            .set_claim(self.pt.kernel, &claim.uid, record.clone())
+            .update_records(self.pt.kernel, |c| {
+                c.0.insert(claim.uid.clone(), record.clone());
+            })
             .map_err(|e| {
                 failed(
                     claim,
@@ -280,7 +281,7 @@ impl Claims<'_> {
     /// started). A prepared claim is kubelet's to unprepare: `Ok(false)`, as for a
     /// claim not recorded.
     pub fn release(&mut self, uid: &str) -> Result<bool, ClaimError> {
-        match self.pt.state.state().claims.get(uid) {
+        match self.pt.state.records().get(uid) {
             Some(r) if matches!(r.phase, ClaimPhase::Moved | ClaimPhase::Unpreparing) => {
                 let record = r.clone();
                 let claim = recorded_claim(uid, &record);
@@ -294,8 +295,7 @@ impl Claims<'_> {
     pub fn moved_early(&self) -> Vec<ClaimRef> {
         self.pt
             .state
-            .state()
-            .claims
+            .records()
             .iter()
             .filter(|(_, r)| r.phase == ClaimPhase::Moved)
             .map(|(uid, r)| recorded_claim(uid, r))
@@ -313,7 +313,7 @@ impl Claims<'_> {
             claim: claim.to_string(),
             reason,
         };
-        let Some(existing) = self.pt.state.state().claims.get(&claim.uid) else {
+        let Some(existing) = self.pt.state.records().get(&claim.uid) else {
             return Ok(None);
         };
         if existing.namespace != claim.namespace || existing.name != claim.name {
@@ -355,7 +355,7 @@ impl Claims<'_> {
     /// writable) prepares afresh instead of being refused for good. Nothing to do
     /// is `Ok`.
     pub fn finish_interrupted(&mut self, claim: &ClaimRef) -> Result<(), ClaimError> {
-        match self.pt.state.state().claims.get(&claim.uid) {
+        match self.pt.state.records().get(&claim.uid) {
             Some(r) if r.phase == ClaimPhase::Unpreparing => {
                 let record = r.clone();
                 self.finish_unprepare(claim, record)
@@ -368,7 +368,7 @@ impl Claims<'_> {
     /// (the whole group, overrides restored) and removes the claim's files. A claim
     /// not prepared here is done already.
     pub fn unprepare(&mut self, claim: &ClaimRef) -> Result<(), ClaimError> {
-        let Some(record) = self.pt.state.state().claims.get(&claim.uid).cloned() else {
+        let Some(record) = self.pt.state.records().get(&claim.uid).cloned() else {
             return Ok(());
         };
         let shown = recorded_claim(&claim.uid, &record);
@@ -452,7 +452,7 @@ impl Claims<'_> {
                 )));
             };
             if let Some((uid, other)) =
-                self.pt.state.state().claims.iter().find(|(uid, c)| {
+                self.pt.state.records().iter().find(|(uid, c)| {
                     **uid != claim.uid && c.devices.iter().any(|d| d.group == group)
                 })
             {
@@ -580,7 +580,9 @@ impl Claims<'_> {
             };
             self.pt
                 .state
-                .set_claim(self.pt.kernel, &claim.uid, next)
+                .update_records(self.pt.kernel, |c| {
+                    c.0.insert(claim.uid.clone(), next);
+                })
                 .map_err(|e| fail("saving the claim before giving its devices back", boxed(e)))?;
         }
         support::failpoint::step("unprepare-after-save");
@@ -611,7 +613,9 @@ impl Claims<'_> {
         }
         self.pt
             .state
-            .drop_claim(self.pt.kernel, &claim.uid)
+            .update_records(self.pt.kernel, |c| {
+                c.0.remove(&claim.uid);
+            })
             .map_err(|e| fail("forgetting the claim", boxed(e)))
     }
 

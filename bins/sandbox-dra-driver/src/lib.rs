@@ -28,6 +28,9 @@ pub use devices::{marked_devices, pcie_root, slice_devices, taint_key, withdrawn
 pub use driver::{follow_node, VfioDriver};
 pub use health::HealthBoard;
 pub use metrics::Metrics;
-pub use model::{device_name, parse_device_name, reason, DEFAULT_DRIVER_NAME};
+pub use model::{
+    device_name, parse_device_name, reason, ClaimDevice, ClaimPhase, ClaimRecord, ClaimRecords,
+    StateFile, DEFAULT_DRIVER_NAME,
+};
 pub use watcher::{watch_claims, ClaimWatcher};
 pub use worker::{prepared_claims, Setup, Worker};

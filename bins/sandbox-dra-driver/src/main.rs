@@ -13,13 +13,13 @@ use kubelet_plugin::{Clients, Plugin, KUBELET_CALL_TIMEOUT};
 use node_agent::cli::{fail, parse_duration, CommonArgs, WriteArgs, EXIT_NOT_READY, EXIT_USAGE};
 use node_agent::cluster::{Cluster, Identity, Verdict};
 use node_agent::metrics::{self as endpoint, ListenAddress};
-use passthrough::owner::{Program, DEFAULT_OWNER_LOCK};
-use passthrough::state::{StateFile, DEFAULT_DRA_STATE_FILE, DEFAULT_STATE_FILE};
+use node_agent::programs::{DRA_DRIVER, DRA_DRIVER_STATE_FILE, VFIO_MANAGER_STATE_FILE};
+use passthrough::owner::DEFAULT_OWNER_LOCK;
 use passthrough::Passthrough;
 use sandbox_dra_driver::cdi::{DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
 use sandbox_dra_driver::{
-    owner, prepared_claims, Claims, Files, HealthBoard, Metrics, Mode, OriginalDrivers, VfioDriver,
-    Worker, DEFAULT_DRIVER_NAME,
+    owner, prepared_claims, Claims, Files, HealthBoard, Metrics, Mode, OriginalDrivers, StateFile,
+    VfioDriver, Worker, DEFAULT_DRIVER_NAME,
 };
 use support::error_chain;
 use sysfs_pci::host::DEFAULT_MODULES_ROOT;
@@ -115,7 +115,7 @@ struct Cli {
     #[arg(long, env = "VFIO_SANDBOX_METADATA_DIR", default_value = DEFAULT_METADATA_DIR, value_name = "DIR")]
     metadata_dir: PathBuf,
     /// The record of prepared claims and of every device moved (keep it on /run).
-    #[arg(long, env = "VFIO_SANDBOX_STATE_FILE", default_value = DEFAULT_DRA_STATE_FILE, value_name = "FILE")]
+    #[arg(long, env = "VFIO_SANDBOX_STATE_FILE", default_value = DRA_DRIVER_STATE_FILE, value_name = "FILE")]
     state_file: PathBuf,
     /// The node-wide owner lock, shared with vfio-manager: taken before any device
     /// moves and held for the driver's life. It records the owner and how many
@@ -126,7 +126,7 @@ struct Cli {
     /// while it records a device moved, or cannot be read, the node is not the
     /// driver's, whatever the lock's record says (a deleted or garbled record does
     /// not free a node). Mount its directory read-only.
-    #[arg(long, env = "VFIO_MANAGER_STATE_FILE", default_value = DEFAULT_STATE_FILE, value_name = "FILE")]
+    #[arg(long, env = "VFIO_MANAGER_STATE_FILE", default_value = VFIO_MANAGER_STATE_FILE, value_name = "FILE")]
     manager_state_file: PathBuf,
     /// While vfio-manager owns the node, how often to try the owner lock again
     /// (90s, 5m, 500ms, seconds).
@@ -293,7 +293,7 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
         metadata_dir: cli.metadata_dir.clone(),
         iommufd: cli.iommufd,
     };
-    let mut state = match StateFile::load(&cli.state_file, true, Program::DraDriver) {
+    let mut state = match StateFile::load(&cli.state_file, true, &DRA_DRIVER) {
         Ok(s) => s,
         Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
     };
@@ -332,7 +332,7 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
     for f in &recovery.failed {
         tracing::error!(error = %f, "could not finish after a restart; kept for a later unprepare");
     }
-    let prepared = state.state().claims.len();
+    let prepared = state.records().len();
     // Which devices need a rebind is known before the first slice is published.
     let homes = Arc::new(OriginalDrivers::default());
     homes.set(

@@ -1,11 +1,101 @@
 //! The driver's names for what it handles, which every other module uses and
 //! which uses none of them: the driver's default name, the ResourceSlice name of
-//! a PCI function, the claim a record in the state file stands for, and why a
-//! device should get no new claim (its taint's value).
+//! a PCI function, its claims' records in the state file, and why a device should
+//! get no new claim (its taint's value).
+
+use std::collections::BTreeMap;
 
 use kubelet_plugin::ClaimRef;
-use passthrough::state::ClaimRecord;
+use passthrough::state::Records;
 use sysfs_pci::PciAddress;
+
+/// The driver's state file: the engine's record of moved devices, and the claims.
+pub type StateFile = passthrough::state::StateFile<ClaimRecords>;
+
+/// Where a claim is in its life; saved before each step, so a restart knows what to
+/// finish or undo.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClaimPhase {
+    /// Prepare has started: its devices may be partly moved. A restart rolls it back.
+    /// An early move (the claim allocated, its pod not yet bound) starts here too.
+    Preparing,
+    /// Moved early: every group is on vfio, before kubelet asked (the scheduler
+    /// waits on the claim's binding condition). No files yet. A restart keeps it;
+    /// prepare then only writes the files, and a claim that loses its allocation
+    /// gets its devices back.
+    Moved,
+    /// Every group is on vfio and the claim's files are written.
+    Prepared,
+    /// Unprepare has started. A restart finishes it.
+    Unpreparing,
+}
+
+/// One device of a claim.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimDevice {
+    /// The request(s) it satisfies.
+    pub request_names: Vec<String>,
+    /// Its pool.
+    pub pool: String,
+    /// Its ResourceSlice device name.
+    pub device: String,
+    /// Its address.
+    pub address: PciAddress,
+    /// Its IOMMU group, which moves with it.
+    pub group: u32,
+}
+
+/// A claim the driver holds devices for.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimRecord {
+    /// The claim's namespace.
+    pub namespace: String,
+    /// The claim's name.
+    pub name: String,
+    /// Where it is.
+    pub phase: ClaimPhase,
+    /// Its devices, in allocation order.
+    pub devices: Vec<ClaimDevice>,
+}
+
+impl ClaimRecord {
+    /// The distinct IOMMU groups of its devices, ascending.
+    pub fn groups(&self) -> Vec<u32> {
+        let mut groups: Vec<u32> = self.devices.iter().map(|d| d.group).collect();
+        groups.sort_unstable();
+        groups.dedup();
+        groups
+    }
+}
+
+/// The claims prepared (or being prepared, moved early or unprepared), by UID: the
+/// driver's records in its state file, under `claims`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct ClaimRecords(pub BTreeMap<String, ClaimRecord>);
+
+impl std::ops::Deref for ClaimRecords {
+    type Target = BTreeMap<String, ClaimRecord>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl Records for ClaimRecords {
+    const KEY: &'static str = "claims";
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    fn devices(&self) -> Vec<PciAddress> {
+        self.0
+            .values()
+            .flat_map(|c| c.devices.iter().map(|d| d.address))
+            .collect()
+    }
+}
 
 /// The driver name when `--driver-name` is not given.
 pub const DEFAULT_DRIVER_NAME: &str = "vfio-sandbox.rebellions.ai";

@@ -13,12 +13,13 @@ use std::time::Duration;
 
 use k8s_openapi::api::resource::v1::Device;
 use kubelet_plugin::{Answers, Claim, ClaimRef, Fields, Plugin, PreparedDevice};
-use passthrough::owner::{Owner, OwnerError, Program};
-use passthrough::state::StateFile;
+use node_agent::programs::{DRA_DRIVER, VFIO_MANAGER};
+use passthrough::owner::{Contender, Owner, OwnerError};
 use support::error_chain;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::claims::DriverError;
+use crate::model::StateFile;
 
 /// Takes the node's owner lock at `lock`. While vfio-manager owns the node, serves
 /// kubelet through `plugin` with every prepare refused (see the module doc) and
@@ -31,7 +32,12 @@ pub async fn take_or_wait(
     state_file: &Path,
     manager_state: &Path,
 ) -> anyhow::Result<Option<Owner>> {
-    let refusal = match Owner::take(lock, Program::DraDriver, manager_state) {
+    let contender = Contender {
+        program: &DRA_DRIVER,
+        rival: &VFIO_MANAGER,
+        rival_state: manager_state.to_owned(),
+    };
+    let refusal = match Owner::take(lock, &contender) {
         Ok(owner) => return Ok(Some(owner)),
         Err(e) if e.by_other_program() => error_chain(&e),
         Err(e) => return Err(e.into()),
@@ -58,7 +64,7 @@ pub async fn take_or_wait(
                 Ok(()) => anyhow::anyhow!("the kubelet API server stopped"),
                 Err(e) => e.into(),
             }),
-            _ = tokio::time::sleep(retry) => match Owner::take(lock, Program::DraDriver, manager_state) {
+            _ = tokio::time::sleep(retry) => match Owner::take(lock, &contender) {
                 Ok(owner) => break Ok(Some(owner)),
                 Err(e) => refusing.still_refused(&e),
             },
@@ -132,8 +138,8 @@ impl kubelet_plugin::Driver for Refusing {
         claims: Vec<ClaimRef>,
         _deadline: tokio::time::Instant,
     ) -> Answers<(), DriverError> {
-        let recorded = StateFile::load(&self.state_file, false, Program::DraDriver)
-            .map(|s| s.state().claims.keys().cloned().collect::<Vec<_>>());
+        let recorded = StateFile::load(&self.state_file, false, &DRA_DRIVER)
+            .map(|s| s.records().keys().cloned().collect::<Vec<_>>());
         claims
             .into_iter()
             .map(|c| {

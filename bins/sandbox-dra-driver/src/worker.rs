@@ -19,10 +19,10 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::model::{ClaimPhase, StateFile};
 use kubelet_plugin::{AllocatedDevice, Claim, ClaimRef, PreparedDevice, Ticket};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
-use passthrough::state::{ClaimPhase, StateFile};
 use passthrough::Passthrough;
 use support::error_chain;
 use sysfs_pci::deadline::Bounded;
@@ -127,7 +127,7 @@ impl Node {
 
     /// The phase claim `uid` is recorded in.
     fn phase(&self, uid: &str) -> Option<ClaimPhase> {
-        self.setup.state.state().claims.get(uid).map(|c| c.phase)
+        self.setup.state.records().get(uid).map(|c| c.phase)
     }
 }
 
@@ -371,7 +371,7 @@ fn check_owner(state: &mut StateFile, lost: &mut Option<String>) {
 /// Sets the device gauges from the state file.
 fn share_state(setup: &Setup) {
     let state = setup.state.state();
-    let prepared = state.claims.values().map(|c| c.devices.len()).sum();
+    let prepared = state.records.values().map(|c| c.devices.len()).sum();
     setup.metrics.devices_held(prepared, state.devices.len());
     if let Some(homes) = &setup.homes {
         homes.set(
@@ -391,8 +391,7 @@ fn share_state(setup: &Setup) {
 fn held_for_vms(setup: &Setup, leaving: Option<&str>) -> BTreeSet<PciAddress> {
     setup
         .state
-        .state()
-        .claims
+        .records()
         .iter()
         .filter(|(uid, c)| {
             Some(uid.as_str()) != leaving
@@ -414,10 +413,9 @@ fn leaving(setup: &Setup, uid: &str) {
 
 /// The claims recorded in a state file, for a message at stop.
 pub fn prepared_claims(path: &Path) -> Vec<String> {
-    match StateFile::load(path, false, passthrough::owner::Program::DraDriver) {
+    match StateFile::load(path, false, &node_agent::programs::DRA_DRIVER) {
         Ok(s) => s
-            .state()
-            .claims
+            .records()
             .iter()
             .map(|(uid, c)| format!("{}/{} (uid {uid})", c.namespace, c.name))
             .collect(),

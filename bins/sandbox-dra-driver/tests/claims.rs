@@ -19,9 +19,9 @@ use std::path::{Path, PathBuf};
 use kubelet_plugin::{AllocatedDevice, ClaimRef};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
-use passthrough::state::{ClaimPhase, StateFile};
 use passthrough::Passthrough;
 use sandbox_dra_driver::{device_name, ClaimError, Claims, Files};
+use sandbox_dra_driver::{ClaimPhase, StateFile};
 use support::error_chain;
 use sysfs_pci::kernel::Kernel;
 use sysfs_pci::testing::{Crashed, FakeDevice, FakeKernel, FakeNode, Fault, FaultKernel, Point};
@@ -121,12 +121,8 @@ impl Node {
         kernel: &dyn Kernel,
         f: impl FnOnce(&mut Claims<'_>, &Inventory) -> T,
     ) -> T {
-        let mut state = StateFile::load(
-            &self.state_path,
-            true,
-            passthrough::owner::Program::DraDriver,
-        )
-        .unwrap();
+        let mut state =
+            StateFile::load(&self.state_path, true, &node_agent::programs::DRA_DRIVER).unwrap();
         let inv = Inventory::scan(&self.node.host, &self.list).unwrap();
         let mut claims = Claims {
             pt: Passthrough {
@@ -187,13 +183,9 @@ impl Node {
             .filter(|(a, was)| after.get(*a) != Some(was))
             .map(|(a, was)| format!("{a}: was {was:?}, now {:?}", after.get(a)))
             .collect();
-        let state = StateFile::load(
-            &self.state_path,
-            false,
-            passthrough::owner::Program::DraDriver,
-        )
-        .unwrap();
-        if !state.state().devices.is_empty() || !state.state().claims.is_empty() {
+        let state =
+            StateFile::load(&self.state_path, false, &node_agent::programs::DRA_DRIVER).unwrap();
+        if !state.state().devices.is_empty() || !state.records().is_empty() {
             lost.push(format!("state not empty: {:?}", state.state()));
         }
         lost.extend(self.files().into_iter().map(|f| format!("file left: {f}")));
@@ -236,9 +228,8 @@ fn a_claim_moves_its_whole_group_and_gives_it_back() {
     );
     assert!(n.node.host.vfio_group_node(1).exists());
     assert!(!n.files().is_empty(), "the claim's files are written");
-    let state =
-        StateFile::load(&n.state_path, false, passthrough::owner::Program::DraDriver).unwrap();
-    let record = &state.state().claims["uid-a"];
+    let state = StateFile::load(&n.state_path, false, &node_agent::programs::DRA_DRIVER).unwrap();
+    let record = &state.records()["uid-a"];
     assert_eq!(record.phase, ClaimPhase::Prepared);
     assert_eq!(record.groups(), vec![1]);
     // Prepared again (kubelet retries): the same answer, not one write.
@@ -512,7 +503,7 @@ fn a_claim_of_several_groups_moves_them_at_once() {
         let mut state = StateFile::load(
             &dir.path().join("run/state.json"),
             true,
-            passthrough::owner::Program::DraDriver,
+            &node_agent::programs::DRA_DRIVER,
         )
         .unwrap();
         let list = ResourceList::parse(LIST).unwrap();
@@ -571,13 +562,9 @@ impl Node {
     }
 
     fn phase(&self, c: &ClaimRef) -> Option<ClaimPhase> {
-        let state = StateFile::load(
-            &self.state_path,
-            false,
-            passthrough::owner::Program::DraDriver,
-        )
-        .unwrap();
-        state.state().claims.get(&c.uid).map(|r| r.phase)
+        let state =
+            StateFile::load(&self.state_path, false, &node_agent::programs::DRA_DRIVER).unwrap();
+        state.records().get(&c.uid).map(|r| r.phase)
     }
 
     /// The sysfs writes so far (not the state file, not the claim files).

@@ -71,7 +71,7 @@ async fn a_node_run_by_vfio_manager_is_refused_and_left_alone() {
     let refusal = format!(
         "vfio-manager (pid 4242, since 2025-01-31T12:00:00Z; exited with 1 device(s) still \
          moved) owns the devices of this node (lock {}); sandbox-dra-driver moves nothing \
-         while it does: a node runs either vfio-manager or sandbox-dra-driver, not both; \
+         while it does: a node runs either sandbox-dra-driver or vfio-manager, not both; \
          take the node out of vfio-manager's DaemonSet",
         lock.display()
     );

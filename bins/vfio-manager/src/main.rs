@@ -7,9 +7,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use node_agent::cli::{CommonArgs, WriteArgs, EXIT_NOT_READY, EXIT_USAGE};
+use node_agent::programs::{
+    DRA_DRIVER, DRA_DRIVER_STATE_FILE, VFIO_MANAGER, VFIO_MANAGER_STATE_FILE,
+};
 use node_agent::ready::{DEFAULT_STATUS_DIR, MANAGER_READY_FILE};
-use passthrough::owner::{Owner, OwnerError, Program, DEFAULT_OWNER_LOCK};
-use passthrough::state::{StateFile, DEFAULT_DRA_STATE_FILE, DEFAULT_STATE_FILE};
+use passthrough::owner::{Contender, Owner, OwnerError, DEFAULT_OWNER_LOCK};
+use passthrough::state::StateFile;
 use passthrough::DEFAULT_BIND_JOBS;
 use sysfs_pci::host::DEFAULT_MODULES_ROOT;
 use sysfs_pci::Host;
@@ -60,7 +63,7 @@ struct ManagerArgs {
     #[arg(long, env = "VFIO_MANAGER_MODULES_ROOT", global = true, default_value = DEFAULT_MODULES_ROOT, value_name = "DIR")]
     modules_root: PathBuf,
     /// Where vfio-manager records what it changed (keep it on /run: it must vanish on reboot).
-    #[arg(long, env = "VFIO_MANAGER_STATE_FILE", global = true, default_value = DEFAULT_STATE_FILE, value_name = "FILE")]
+    #[arg(long, env = "VFIO_MANAGER_STATE_FILE", global = true, default_value = VFIO_MANAGER_STATE_FILE, value_name = "FILE")]
     state_file: PathBuf,
     /// `run`'s ready file: written (JSON) once every selected device is bound, removed
     /// otherwise and on exit; `ready` checks it.
@@ -80,7 +83,7 @@ struct ManagerArgs {
     /// taken: while it records a device moved for a claim, or cannot be read, the
     /// node is not vfio-manager's, whatever the lock's record says (a deleted or
     /// garbled record does not free a node). Mount its directory read-only.
-    #[arg(long, env = "VFIO_SANDBOX_DRA_STATE_FILE", global = true, default_value = DEFAULT_DRA_STATE_FILE, value_name = "FILE")]
+    #[arg(long, env = "VFIO_SANDBOX_DRA_STATE_FILE", global = true, default_value = DRA_DRIVER_STATE_FILE, value_name = "FILE")]
     dra_state_file: PathBuf,
     /// How many IOMMU groups `bind`, `unbind` and `run` move at once, to vfio and back.
     /// A native driver's unbind and vfio-pci's probe can each take a second on a GPU,
@@ -134,16 +137,21 @@ pub struct Context {
 impl Context {
     /// Opens the state file; a dry run keeps changes in memory.
     pub fn state(&self, persist: bool) -> anyhow::Result<StateFile> {
-        Ok(StateFile::load(
-            &self.state_file,
-            persist,
-            passthrough::owner::Program::VfioManager,
-        )?)
+        Ok(StateFile::load(&self.state_file, persist, &VFIO_MANAGER)?)
     }
 
     /// Takes the node's owner lock, or says who owns the node.
     pub fn take_owner(&self) -> Result<Owner, OwnerError> {
-        Owner::take(&self.owner_lock, Program::VfioManager, &self.dra_state_file)
+        Owner::take(&self.owner_lock, &self.contender())
+    }
+
+    /// vfio-manager asking for the node, with sandbox-dra-driver as its rival.
+    pub fn contender(&self) -> Contender {
+        Contender {
+            program: &VFIO_MANAGER,
+            rival: &DRA_DRIVER,
+            rival_state: self.dra_state_file.clone(),
+        }
     }
 
     /// The state file locked, with the node's owner lock taken first and kept

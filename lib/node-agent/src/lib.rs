@@ -1,5 +1,6 @@
 //! What every vfio-sandbox daemon shares above the passthrough engine: the
-//! command-line conventions ([`cli`]), ready files ([`ready`]), the metrics endpoint
+//! command-line conventions ([`cli`]), ready files ([`ready`]), the two programs
+//! that move a node's devices as each names the other ([`programs`]), the metrics endpoint
 //! ([`metrics`], feature `metrics`), the kube-rs view of the cluster ([`cluster`],
 //! feature `kube`) and the one node watcher ([`watch`], feature `watch`).
 
@@ -8,6 +9,7 @@ pub mod cli;
 pub mod cluster;
 #[cfg(feature = "metrics")]
 pub mod metrics;
+pub mod programs;
 pub mod ready;
 #[cfg(feature = "watch")]
 pub mod watch;

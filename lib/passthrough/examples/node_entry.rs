@@ -46,8 +46,12 @@ fn enter_and_leave(
 ) -> Result<(Duration, Duration), String> {
     let host = &kernel.node.host;
     let started = Instant::now();
-    let mut state = StateFile::load(state_path, true, passthrough::owner::Program::VfioManager)
-        .map_err(|e| error_chain(&e))?;
+    let mut state: StateFile = StateFile::load(
+        state_path,
+        true,
+        &const { passthrough::owner::Program::named("vfio-manager") },
+    )
+    .map_err(|e| error_chain(&e))?;
     let mut pt = Passthrough {
         host,
         kernel,

@@ -31,7 +31,7 @@ mod binder;
 use binder::{for_each_bounded, Binder};
 
 use crate::inventory::{Entry, Inventory, Role, COMPANION_DRIVER};
-use crate::state::{Record, StateError, StateFile};
+use crate::state::{NoRecords, Record, Records, StateError, StateFile};
 use support::error_chain;
 use sysfs_pci::bind::{self, DriverError};
 use sysfs_pci::group::STUB_DRIVER;
@@ -171,13 +171,13 @@ pub struct RestoreReport {
 }
 
 /// Binds and restores devices on one node.
-pub struct Passthrough<'a> {
+pub struct Passthrough<'a, O: Records = NoRecords> {
     /// The node's roots.
     pub host: &'a Host,
     /// Where changes go.
     pub kernel: &'a dyn Kernel,
     /// The record of changes.
-    pub state: &'a mut StateFile,
+    pub state: &'a mut StateFile<O>,
     /// The running kernel's release, for `modules.dep`.
     pub release: String,
 }
@@ -214,7 +214,7 @@ pub fn target_drivers(inv: &Inventory, groups: &[u32]) -> Vec<String> {
     drivers
 }
 
-impl Passthrough<'_> {
+impl<O: Records> Passthrough<'_, O> {
     /// Loads the vfio modules and every driver module `drivers` names, skipping
     /// those already loaded or built in. Returns the modules loaded.
     pub fn load_modules(&self, drivers: &[String]) -> Result<Vec<String>, ModuleError> {
@@ -435,7 +435,7 @@ impl Passthrough<'_> {
         &mut self,
         items: &[T],
         jobs: NonZeroUsize,
-        work: impl Fn(&Binder<'_, '_>, &T) -> R + Sync,
+        work: impl Fn(&Binder<'_, '_, O>, &T) -> R + Sync,
     ) -> Vec<R> {
         let jobs = if self.kernel.is_dry_run() {
             NonZeroUsize::MIN

@@ -1,5 +1,8 @@
-//! The one owner of a node's devices: vfio-manager (the whole node in VM mode) or
-//! sandbox-dra-driver (devices per claim), never both.
+//! The one owner of a node's devices among two programs that move them, never
+//! both at once. Each describes itself ([`Program`]) and names its rival
+//! ([`Contender`]); this module knows neither. In this workspace they are
+//! vfio-manager (the whole node in VM mode) and sandbox-dra-driver (devices per
+//! claim), and the text below uses them as the example.
 //!
 //! Both take one node-wide lock before they move any device and hold it across the
 //! check and the move: an exclusive, non-blocking `flock` on [`DEFAULT_OWNER_LOCK`]
@@ -18,7 +21,7 @@
 //!
 //! A record can be lost (the lock file deleted with its directory, garbled by hand),
 //! so it is not the last word: what the other program's state file records as moved
-//! is. Taking the lock is refused while that file records a device, and when it
+//! (or its own records hold, read as [`Foreign`]) is. Taking the lock is refused while that file records a device, and when it
 //! cannot be read (in doubt), naming it.
 //!
 //! A lock file deleted or replaced while held no longer keeps anyone out: the next
@@ -32,16 +35,19 @@
 //! an earlier owner nor a half-written one.
 //!
 //! ```
-//! use passthrough::owner::{Owner, Program};
+//! use passthrough::owner::{Contender, Owner, Program};
+//! static WHOLE: Program = Program::named("whole-node");
+//! static PER_CLAIM: Program = Program::named("per-claim");
 //! let dir = tempfile::tempdir().unwrap();
 //! let lock = dir.path().join("owner/owner.lock");
-//! let manager_state = dir.path().join("vfio-manager/state.json");
-//! let driver_state = dir.path().join("dra/state.json");
-//! let mine = Owner::take(&lock, Program::VfioManager, &driver_state).unwrap();
-//! let err = Owner::take(&lock, Program::DraDriver, &manager_state).unwrap_err();
-//! assert!(err.to_string().starts_with("vfio-manager (pid "), "{err}");
+//! let (whole_state, per_claim_state) = (dir.path().join("w.json"), dir.path().join("c.json"));
+//! let a = Contender { program: &WHOLE, rival: &PER_CLAIM, rival_state: per_claim_state };
+//! let b = Contender { program: &PER_CLAIM, rival: &WHOLE, rival_state: whole_state };
+//! let mine = Owner::take(&lock, &a).unwrap();
+//! let err = Owner::take(&lock, &b).unwrap_err();
+//! assert!(err.to_string().starts_with("whole-node (pid "), "{err}");
 //! drop(mine);
-//! assert!(Owner::take(&lock, Program::DraDriver, &manager_state).is_ok(), "nothing moved: free");
+//! assert!(Owner::take(&lock, &b).is_ok(), "nothing moved: free");
 //! ```
 
 use std::fmt;
@@ -54,70 +60,61 @@ use nix::fcntl::{Flock, FlockArg};
 
 use support::io::{Action, IoError, WrapIo};
 
+use crate::state::{Foreign, StateFile};
+
 /// Default node-wide owner lock (a hostPath shared by both DaemonSets).
 pub const DEFAULT_OWNER_LOCK: &str = "/run/vfio-sandbox/owner/owner.lock";
 
 /// The longest record read; a real one is under 200 bytes.
 const RECORD_LIMIT: u64 = 4096;
 
-/// A program that moves devices.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum Program {
-    /// `vfio-manager`: the whole node in VM mode.
-    #[serde(rename = "vfio-manager")]
-    VfioManager,
-    /// `sandbox-dra-driver`: devices moved per ResourceClaim.
-    #[serde(rename = "sandbox-dra-driver")]
-    DraDriver,
+/// A program that moves devices, as the owner record and the refusals name it.
+/// The programs describe themselves; this module knows none of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Program {
+    /// Its binary's name, written in the owner record.
+    pub name: &'static str,
+    /// What an operator does so that it lets the node go.
+    pub release_hint: &'static str,
+    /// Said after "<its state file>.lock is locked by another <name>".
+    pub lock_hint: &'static str,
 }
 
 impl Program {
-    /// Its binary's name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::VfioManager => "vfio-manager",
-            Self::DraDriver => "sandbox-dra-driver",
-        }
-    }
-
-    /// What an operator does so that this program lets the node go.
-    fn release_hint(self) -> &'static str {
-        match self {
-            Self::VfioManager => {
-                "take the node out of vfio-manager's DaemonSet (it restores the devices on \
-                 SIGTERM), or run `vfio-manager unbind --all` where no `vfio-manager run` is active"
-            }
-            Self::DraDriver => {
-                "delete the ResourceClaims prepared on this node (their devices go back) and \
-                 uninstall sandbox-dra-driver from it (take the node out of its DaemonSet)"
-            }
-        }
-    }
-}
-
-impl Program {
-    /// Said after "locked by another <program>" of its state file.
-    pub fn state_lock_hint(self) -> &'static str {
-        match self {
-            Self::VfioManager => {
-                " (is `vfio-manager run` active on this node? it restores on SIGTERM)"
-            }
-            Self::DraDriver => " on this node",
+    /// A program with no hints to give (tools and tests).
+    pub const fn named(name: &'static str) -> Self {
+        Self {
+            name,
+            release_hint: "",
+            lock_hint: "",
         }
     }
 }
 
 impl fmt::Display for Program {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+        f.write_str(self.name)
     }
+}
+
+/// Who asks for the node: a program, and its rival, the other program that must
+/// never own the node's devices at the same time, with the state file that says
+/// what the rival moved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Contender {
+    /// The program taking the node.
+    pub program: &'static Program,
+    /// The other program.
+    pub rival: &'static Program,
+    /// The rival's state file.
+    pub rival_state: PathBuf,
 }
 
 /// The record in the lock file.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct OwnerRecord {
-    /// The program that owns the node.
-    pub owner: Program,
+    /// The program that owns the node ([`Program::name`]).
+    pub owner: String,
     /// Its process id when it took the lock.
     pub pid: u32,
     /// When it took the lock (RFC 3339, UTC).
@@ -169,22 +166,24 @@ impl fmt::Display for Holder {
 #[derive(Debug, thiserror::Error)]
 pub enum OwnerError {
     /// Another program, or another instance of this one, owns the node.
-    #[error("{holder} owns the devices of this node (lock {}); {program} moves nothing while it does: {}", lock.display(), hint(*program, holder))]
+    #[error("{holder} owns the devices of this node (lock {}); {program} moves nothing while it does: {}", lock.display(), hint(program, rival, holder))]
     Owned {
         /// The program refused.
-        program: Program,
+        program: &'static Program,
+        /// Its rival.
+        rival: &'static Program,
         /// Who holds the node.
         holder: Holder,
         /// The lock file.
         lock: PathBuf,
     },
     /// The other program's state file records devices it moved.
-    #[error("{other}'s state file {} records {devices} device(s) moved on this node; {program} moves nothing while it does: a node runs either vfio-manager or sandbox-dra-driver, not both; {}", state.display(), other.release_hint())]
+    #[error("{other}'s state file {} records {devices} device(s) moved on this node; {program} moves nothing while it does: a node runs either {program} or {other}, not both; {}", state.display(), other.release_hint)]
     Recorded {
         /// The program refused.
-        program: Program,
+        program: &'static Program,
         /// The program whose state file it is.
-        other: Program,
+        other: &'static Program,
         /// Its state file.
         state: PathBuf,
         /// How many devices it records.
@@ -194,9 +193,9 @@ pub enum OwnerError {
     #[error("cannot tell whether {other} has devices moved on this node: its state file {} cannot be read; {program} moves nothing while in doubt (repair the file, or remove it once no device of {other} is on vfio-pci)", state.display())]
     InDoubt {
         /// The program refused.
-        program: Program,
+        program: &'static Program,
         /// The program whose state file it is.
-        other: Program,
+        other: &'static Program,
         /// Its state file.
         state: PathBuf,
         /// Why it cannot be read.
@@ -208,7 +207,7 @@ pub enum OwnerError {
     #[error("the owner lock {} was {what} while this {program} held it (a cleanup of its directory?), and it cannot be taken again; moving no device until it can", lock.display())]
     Lost {
         /// The program that held it.
-        program: Program,
+        program: &'static Program,
         /// The lock file.
         lock: PathBuf,
         /// `deleted` or `replaced by another file`.
@@ -245,7 +244,10 @@ impl OwnerError {
         match self {
             Self::Owned {
                 program, holder, ..
-            } => holder.record.as_ref().is_none_or(|r| r.owner != *program),
+            } => holder
+                .record
+                .as_ref()
+                .is_none_or(|r| r.owner != program.name),
             Self::Recorded { .. } | Self::InDoubt { .. } => true,
             Self::Lost { source, .. } => source.by_other_program(),
             _ => false,
@@ -254,15 +256,19 @@ impl OwnerError {
 }
 
 /// What to do about a holder, in a refusal.
-fn hint(program: Program, holder: &Holder) -> String {
+fn hint(program: &Program, rival: &Program, holder: &Holder) -> String {
     match &holder.record {
-        Some(r) if r.owner == program => format!(
+        Some(r) if r.owner == program.name => format!(
             "another {program} is at work on this node (is `{program}` already running here?); \
              wait for it or stop it"
         ),
+        Some(r) if r.owner == rival.name => format!(
+            "a node runs either {program} or {rival}, not both; {}",
+            rival.release_hint
+        ),
         Some(r) => format!(
-            "a node runs either vfio-manager or sandbox-dra-driver, not both; {}",
-            r.owner.release_hint()
+            "a node's devices have one owner; stop {} on this node",
+            r.owner
         ),
         None => "retry in a moment".to_owned(),
     }
@@ -276,18 +282,18 @@ pub struct Owner {
     file: Flock<File>,
     lock: PathBuf,
     record: OwnerRecord,
-    /// The other program's state file, read at every take.
-    other_state: PathBuf,
+    /// Who took it; the rival's state file is read at every take.
+    contender: Contender,
 }
 
 impl Owner {
-    /// Takes the node for `program`, or says who owns it. Creates the lock's
+    /// Takes the node for `who`, or says who owns it. Creates the lock's
     /// directory (0755) and file; a symlink or other non-regular file is refused.
-    /// A previous record of `program` hands over its device count (the caller then
-    /// sets the true one); the other program's record with no device left is free,
-    /// unless `other_state` (the other program's state file) records a device
-    /// moved, or cannot be read.
-    pub fn take(lock: &Path, program: Program, other_state: &Path) -> Result<Self, OwnerError> {
+    /// A previous record of the program hands over its device count (the caller
+    /// then sets the true one); the rival's record with no device left is free,
+    /// unless the rival's state file records a device moved, or cannot be read.
+    pub fn take(lock: &Path, who: &Contender) -> Result<Self, OwnerError> {
+        let program = who.program;
         if let Some(dir) = lock.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::DirBuilder::new()
                 .recursive(true)
@@ -302,15 +308,16 @@ impl Owner {
         let file = open(lock, true)?;
         let file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(f) => f,
-            Err((file, errno)) => return Err(busy(lock, program, &file, errno)),
+            Err((file, errno)) => return Err(busy(lock, who, &file, errno)),
         };
         let previous = read_record(&file, lock)?;
         if let Some(r) = previous
             .as_ref()
-            .filter(|r| r.owner != program && r.devices > 0)
+            .filter(|r| r.owner != program.name && r.devices > 0)
         {
             return Err(OwnerError::Owned {
                 program,
+                rival: who.rival,
                 holder: Holder {
                     record: Some(r.clone()),
                     running: false,
@@ -318,20 +325,20 @@ impl Owner {
                 lock: lock.to_owned(),
             });
         }
-        recorded_by_other(program, other_state)?;
+        recorded_by_rival(who)?;
         let devices = previous
-            .filter(|r| r.owner == program)
+            .filter(|r| r.owner == program.name)
             .map_or(0, |r| r.devices);
         let owner = Self {
             file,
             lock: lock.to_owned(),
             record: OwnerRecord {
-                owner: program,
+                owner: program.name.to_owned(),
                 pid: std::process::id(),
                 since: support::time::now_rfc3339(),
                 devices,
             },
-            other_state: other_state.to_owned(),
+            contender: who.clone(),
         };
         owner.write_record()?;
         tracing::info!(lock = %lock.display(), devices, "took ownership of this node's devices");
@@ -346,8 +353,8 @@ impl Owner {
         let Some(what) = self.lost() else {
             return Ok(());
         };
-        let program = self.record.owner;
-        match Self::take(&self.lock, program, &self.other_state) {
+        let program = self.contender.program;
+        match Self::take(&self.lock, &self.contender) {
             Ok(mut again) => {
                 tracing::warn!(lock = %self.lock.display(), "the owner lock was {what} while held; took it again");
                 again.record.devices = self.record.devices;
@@ -378,41 +385,41 @@ impl Owner {
     }
 
     /// Says whether [`Self::take`] would succeed now, changing nothing (dry runs):
-    /// no file is created, and another instance of `program` at work is no
+    /// no file is created, and another instance of the program at work is no
     /// obstacle.
-    pub fn check(lock: &Path, program: Program, other_state: &Path) -> Result<(), OwnerError> {
+    pub fn check(lock: &Path, who: &Contender) -> Result<(), OwnerError> {
+        let program = who.program;
         match std::fs::symlink_metadata(lock) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return recorded_by_other(program, other_state)
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return recorded_by_rival(who),
             _ => {}
         }
         let _gate = gate(lock, FlockArg::LockShared, false)?;
         let file = open(lock, false)?;
         let (record, running) = match Flock::lock(file, FlockArg::LockSharedNonblock) {
             Ok(file) => (read_record(&file, lock)?, false),
-            Err((file, errno)) => match busy(lock, program, &file, errno) {
+            Err((file, errno)) => match busy(lock, who, &file, errno) {
                 OwnerError::Owned { holder, .. } => (holder.record, true),
                 other => return Err(other),
             },
         };
         let refused = match &record {
-            Some(r) if r.owner == program => false,
+            Some(r) if r.owner == program.name => false,
             Some(r) => running || r.devices > 0,
             None => running,
         };
         if refused {
             return Err(OwnerError::Owned {
                 program,
+                rival: who.rival,
                 holder: Holder { record, running },
                 lock: lock.to_owned(),
             });
         }
         if running {
-            // Another instance of `program` holds it: the other's file is its business.
+            // Another instance of the program holds it: the rival's file is its business.
             return Ok(());
         }
-        recorded_by_other(program, other_state)
+        recorded_by_rival(who)
     }
 
     /// The lock file.
@@ -456,26 +463,24 @@ impl Owner {
     }
 }
 
-/// The refusal when the other program's state file records devices moved, or
-/// cannot be read. An absent file records nothing.
-fn recorded_by_other(program: Program, other_state: &Path) -> Result<(), OwnerError> {
-    let other = match program {
-        Program::VfioManager => Program::DraDriver,
-        Program::DraDriver => Program::VfioManager,
-    };
-    let held = crate::state::StateFile::load(other_state, false, other)
+/// The refusal when the rival's state file records devices moved, or cannot be
+/// read. An absent file records nothing. Its records are read as
+/// [`Foreign`]: this program does not know their shape.
+fn recorded_by_rival(who: &Contender) -> Result<(), OwnerError> {
+    let (program, other, state) = (who.program, who.rival, &who.rival_state);
+    let held = StateFile::<Foreign>::load(state, false, other)
         .map(|s| s.state().held_devices())
         .map_err(|source| OwnerError::InDoubt {
             program,
             other,
-            state: other_state.to_owned(),
+            state: state.to_owned(),
             source: Box::new(source),
         })?;
     if held > 0 {
         return Err(OwnerError::Recorded {
             program,
             other,
-            state: other_state.to_owned(),
+            state: state.to_owned(),
             devices: held,
         });
     }
@@ -574,7 +579,7 @@ fn open(lock: &Path, create: bool) -> Result<File, OwnerError> {
 }
 
 /// The refusal for a `flock` we could not take.
-fn busy(lock: &Path, program: Program, file: &File, errno: nix::errno::Errno) -> OwnerError {
+fn busy(lock: &Path, who: &Contender, file: &File, errno: nix::errno::Errno) -> OwnerError {
     if errno != nix::errno::Errno::EWOULDBLOCK {
         return IoError::new(Action::Open, lock, std::io::Error::from(errno)).into();
     }
@@ -586,7 +591,8 @@ fn busy(lock: &Path, program: Program, file: &File, errno: nix::errno::Errno) ->
         }
     };
     OwnerError::Owned {
-        program,
+        program: who.program,
+        rival: who.rival,
         holder: Holder {
             record,
             running: true,
@@ -633,7 +639,7 @@ mod tests {
     fn a_cut_short_rewrite_still_parses_to_the_new_record() {
         let text = "{\"owner\":\"vfio-manager\",\"pid\":7,\"since\":\"x\",\"devices\":0}\n0}\n";
         let r = OwnerRecord::parse(text).unwrap().unwrap();
-        assert_eq!((r.owner, r.devices), (Program::VfioManager, 0));
+        assert_eq!((r.owner.as_str(), r.devices), ("vfio-manager", 0));
         assert_eq!(OwnerRecord::parse(" \n").unwrap(), None);
         for bad in ["{", "[]", "{\"owner\":\"x\"}", "null"] {
             assert!(OwnerRecord::parse(bad).is_err(), "{bad}");

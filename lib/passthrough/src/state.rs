@@ -1,24 +1,20 @@
-//! The record of what an agent (vfio-manager, or the DRA driver with its claims)
-//! changed on the node, so it can be put back.
+//! The record of what an agent changed on the node, so it can be put back: the
+//! devices it moved, the modules it unloaded, and its own [`Records`] (the DRA
+//! driver keeps its claims there).
 //!
 //! Written atomically (temporary file + rename) after every change, and *before* each
 //! device is touched: a `kill -9` at any point leaves a file that names every device we
 //! may have moved and the driver it came from. It lives under `/run`, so it vanishes on
 //! reboot together with the bindings it describes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
 use std::path::{Path, PathBuf};
 
 use crate::owner::{Owner, OwnerError, Program};
 use support::io::{read_optional, IoError};
 use sysfs_pci::kernel::Kernel;
 use sysfs_pci::PciAddress;
-
-/// Default state file.
-pub const DEFAULT_STATE_FILE: &str = "/run/vfio-manager/state.json";
-
-/// Default state file of sandbox-dra-driver: the same format, with its claims.
-pub const DEFAULT_DRA_STATE_FILE: &str = "/run/sandbox-dra-driver/state.json";
 
 /// The format version this build reads and writes.
 pub const VERSION: u32 = 1;
@@ -30,12 +26,12 @@ pub enum StateError {
     #[error(transparent)]
     Io(#[from] IoError),
     /// Another process of the same program holds the lock.
-    #[error("{lock} is locked by another {program}{}; not touching the node", program.state_lock_hint())]
+    #[error("{lock} is locked by another {program}{}; not touching the node", program.lock_hint)]
     Locked {
         /// The lock file.
         lock: PathBuf,
         /// The program that owns the file.
-        program: Program,
+        program: &'static Program,
     },
     /// The lock file is not a plain file we may open (a symlink, say).
     #[error("cannot open lock file {lock} (it must be a regular file, not a symlink); not touching the node")]
@@ -48,7 +44,7 @@ pub enum StateError {
     },
     /// The node-wide owner record could not be kept current.
     #[error(transparent)]
-    Owner(#[from] OwnerError),
+    Owner(Box<OwnerError>),
     /// The file is not a state file we understand.
     #[error("state file {path} is corrupt (move it aside only after checking which devices are on vfio-pci)")]
     Corrupt {
@@ -75,7 +71,7 @@ pub enum StateError {
         /// The version found.
         version: u64,
         /// The program that owns the file.
-        program: Program,
+        program: &'static Program,
     },
     /// Two keys name the same device with different records.
     #[error("state file {path} records {address} twice ({first} and {second}) with different contents; not touching the node (check which driver {address} came from and keep one record)")]
@@ -89,6 +85,12 @@ pub enum StateError {
         /// The other.
         second: String,
     },
+}
+
+impl From<OwnerError> for StateError {
+    fn from(e: OwnerError) -> Self {
+        Self::Owner(Box::new(e))
+    }
 }
 
 /// Why a device is in the record: its [`crate::inventory::Role`] when it was moved,
@@ -122,77 +124,108 @@ pub struct Record {
     pub group: u32,
 }
 
+/// What the file's program keeps beside the devices it moved (the DRA driver: its
+/// claims), saved under its own key. This crate reads none of it but the devices
+/// it holds.
+pub trait Records:
+    Clone + Default + PartialEq + fmt::Debug + Send + serde::Serialize + serde::de::DeserializeOwned
+{
+    /// The file's top-level key they are saved under; left out while empty, and an
+    /// absent key reads as empty.
+    const KEY: &'static str;
+    /// Whether there is nothing to save.
+    fn is_empty(&self) -> bool;
+    /// The devices they hold, moved or not: the owner record counts them.
+    fn devices(&self) -> Vec<PciAddress>;
+    /// Takes them out of the file's top-level object: by default the value of
+    /// [`Self::KEY`]; every key left over is refused as unknown.
+    fn take(file: &mut serde_json::Map<String, serde_json::Value>) -> serde_json::Result<Self> {
+        file.remove(Self::KEY)
+            .map_or_else(|| Ok(Self::default()), Self::deserialize)
+    }
+}
+
+/// No records beside the moved devices (vfio-manager's file).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoRecords {}
+
+impl Records for NoRecords {
+    const KEY: &'static str = "records";
+    fn is_empty(&self) -> bool {
+        true
+    }
+    fn devices(&self) -> Vec<PciAddress> {
+        Vec::new()
+    }
+}
+
+/// Another program's records, read without knowing their shape (the owner lock
+/// reads the other program's file so): every key beside the moved devices is
+/// theirs, and every PCI address anywhere in it counts as held, so what is not
+/// understood keeps the node from being taken rather than letting it go. Never
+/// saved.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Foreign(serde_json::Map<String, serde_json::Value>);
+
+impl Records for Foreign {
+    const KEY: &'static str = "foreign";
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    fn devices(&self) -> Vec<PciAddress> {
+        fn walk(value: &serde_json::Value, out: &mut Vec<PciAddress>) {
+            match value {
+                serde_json::Value::String(s) => out.extend(s.parse::<PciAddress>().ok()),
+                serde_json::Value::Array(items) => items.iter().for_each(|v| walk(v, out)),
+                serde_json::Value::Object(map) => map.values().for_each(|v| walk(v, out)),
+                _ => {}
+            }
+        }
+        let mut out = Vec::new();
+        self.0.values().for_each(|v| walk(v, &mut out));
+        out
+    }
+    fn take(file: &mut serde_json::Map<String, serde_json::Value>) -> serde_json::Result<Self> {
+        let ours = ["version", "devices", "unloaded_modules"];
+        let theirs: Vec<String> = file
+            .keys()
+            .filter(|k| !ours.contains(&k.as_str()))
+            .cloned()
+            .collect();
+        Ok(Self(
+            theirs
+                .into_iter()
+                .filter_map(|k| file.remove_entry(&k))
+                .collect(),
+        ))
+    }
+}
+
 /// Everything the file's program changed on this node.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
-pub struct State {
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct State<R = NoRecords> {
     /// Format version ([`VERSION`]).
     pub version: u32,
     /// Devices moved, by address.
     pub devices: BTreeMap<PciAddress, Record>,
     /// Native driver modules we unloaded, to reload on restore.
     pub unloaded_modules: Vec<String>,
-    /// ResourceClaims prepared (or being prepared or unprepared) by the DRA driver,
-    /// by claim UID. vfio-manager never writes any; an absent key is an empty map.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    pub claims: BTreeMap<String, ClaimRecord>,
+    /// The program's own records, under [`Records::KEY`].
+    pub records: R,
 }
 
-/// Where a claim is in its life; saved before each step, so a restart knows what to
-/// finish or undo.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ClaimPhase {
-    /// Prepare has started: its devices may be partly moved. A restart rolls it back.
-    /// An early move (the claim allocated, its pod not yet bound) starts here too.
-    Preparing,
-    /// Moved early: every group is on vfio, before kubelet asked (the scheduler
-    /// waits on the claim's binding condition). No files yet. A restart keeps it;
-    /// prepare then only writes the files, and a claim that loses its allocation
-    /// gets its devices back.
-    Moved,
-    /// Every group is on vfio and the claim's files are written.
-    Prepared,
-    /// Unprepare has started. A restart finishes it.
-    Unpreparing,
-}
-
-/// One device of a claim.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClaimDevice {
-    /// The request(s) it satisfies.
-    pub request_names: Vec<String>,
-    /// Its pool.
-    pub pool: String,
-    /// Its ResourceSlice device name.
-    pub device: String,
-    /// Its address.
-    pub address: PciAddress,
-    /// Its IOMMU group, which moves with it.
-    pub group: u32,
-}
-
-/// A claim the DRA driver holds devices for.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClaimRecord {
-    /// The claim's namespace.
-    pub namespace: String,
-    /// The claim's name.
-    pub name: String,
-    /// Where it is.
-    pub phase: ClaimPhase,
-    /// Its devices, in allocation order.
-    pub devices: Vec<ClaimDevice>,
-}
-
-impl ClaimRecord {
-    /// The distinct IOMMU groups of its devices, ascending.
-    pub fn groups(&self) -> Vec<u32> {
-        let mut groups: Vec<u32> = self.devices.iter().map(|d| d.group).collect();
-        groups.sort_unstable();
-        groups.dedup();
-        groups
+impl<R: Records> serde::Serialize for State<R> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(None)?;
+        map.serialize_entry("version", &self.version)?;
+        map.serialize_entry("devices", &self.devices)?;
+        map.serialize_entry("unloaded_modules", &self.unloaded_modules)?;
+        if !self.records.is_empty() {
+            map.serialize_entry(R::KEY, &self.records)?;
+        }
+        map.end()
     }
 }
 
@@ -204,20 +237,14 @@ struct OnDisk {
     devices: BTreeMap<String, Record>,
     #[serde(default)]
     unloaded_modules: Vec<String>,
-    #[serde(default)]
-    claims: BTreeMap<String, ClaimRecord>,
 }
 
-impl State {
-    /// How many distinct devices this state holds: moved (recorded) or held by a
-    /// claim. The node's owner record carries this number.
+impl<R: Records> State<R> {
+    /// How many distinct devices this state holds: moved (recorded) or held by the
+    /// program's records. The node's owner record carries this number.
     pub fn held_devices(&self) -> usize {
-        let mut held: std::collections::BTreeSet<&PciAddress> = self.devices.keys().collect();
-        held.extend(
-            self.claims
-                .values()
-                .flat_map(|c| c.devices.iter().map(|d| &d.address)),
-        );
+        let mut held: BTreeSet<PciAddress> = self.devices.keys().copied().collect();
+        held.extend(self.records.devices());
         held.len()
     }
 
@@ -232,7 +259,7 @@ impl State {
     /// `0000:01:00.0` are one device); two spellings of one device with different
     /// records, an unknown version or a malformed document are errors, so nothing
     /// is ever dropped silently.
-    pub fn parse(path: &Path, text: &str, program: Program) -> Result<Self, StateError> {
+    pub fn parse(path: &Path, text: &str, program: &'static Program) -> Result<Self, StateError> {
         if text.trim().is_empty() {
             return Ok(Self::empty());
         }
@@ -250,10 +277,16 @@ impl State {
                 None => {}
             }
         }
-        let disk: OnDisk = serde_json::from_str(text).map_err(|source| StateError::Corrupt {
+        let corrupt = |source| StateError::Corrupt {
             path: path.to_owned(),
             source,
-        })?;
+        };
+        let mut value: serde_json::Value = serde_json::from_str(text).map_err(corrupt)?;
+        let records = match value.as_object_mut() {
+            Some(file) => R::take(file).map_err(corrupt)?,
+            None => R::default(),
+        };
+        let disk: OnDisk = serde_json::from_value(value).map_err(corrupt)?;
         if disk.version != u64::from(VERSION) {
             return Err(StateError::Version {
                 path: path.to_owned(),
@@ -290,7 +323,7 @@ impl State {
             version: VERSION,
             devices,
             unloaded_modules,
-            claims: disk.claims,
+            records,
         })
     }
 }
@@ -316,9 +349,9 @@ impl State {
 /// record before the caller may move one, or fails; a save that holds fewer updates
 /// it too, and a failure there only leaves the record over-counting (logged).
 #[derive(Debug)]
-pub struct StateFile {
+pub struct StateFile<R = NoRecords> {
     path: PathBuf,
-    state: State,
+    state: State<R>,
     persist: bool,
     _lock: Option<nix::fcntl::Flock<std::fs::File>>,
     owner: Option<Owner>,
@@ -333,7 +366,10 @@ pub fn lock_path(path: &Path) -> PathBuf {
 
 /// Takes the exclusive lock beside `path` without waiting. The lock file is opened
 /// with `O_NOFOLLOW`: a symlink planted there is refused, never followed.
-fn lock(path: &Path, program: Program) -> Result<nix::fcntl::Flock<std::fs::File>, StateError> {
+fn lock(
+    path: &Path,
+    program: &'static Program,
+) -> Result<nix::fcntl::Flock<std::fs::File>, StateError> {
     use std::os::unix::fs::OpenOptionsExt;
     use support::io::{Action, WrapIo};
     let lock_path = lock_path(path);
@@ -359,11 +395,11 @@ fn lock(path: &Path, program: Program) -> Result<nix::fcntl::Flock<std::fs::File
     })
 }
 
-impl StateFile {
+impl<R: Records> StateFile<R> {
     /// Loads `path` (an absent file is an empty state). With `persist` false (dry run,
     /// status), changes stay in memory and no lock is taken; otherwise the lock is
     /// taken first, and held until this value is dropped.
-    pub fn load(path: &Path, persist: bool, program: Program) -> Result<Self, StateError> {
+    pub fn load(path: &Path, persist: bool, program: &'static Program) -> Result<Self, StateError> {
         let lock = if persist {
             Some(lock(path, program)?)
         } else {
@@ -406,7 +442,7 @@ impl StateFile {
     }
 
     /// The current contents (never more than the file holds).
-    pub fn state(&self) -> &State {
+    pub fn state(&self) -> &State<R> {
         &self.state
     }
 
@@ -458,36 +494,31 @@ impl StateFile {
         self.change(kernel, |s| s.unloaded_modules.clear())
     }
 
-    /// Saves `record` as the claim `uid`'s, replacing any earlier one.
-    pub fn set_claim(
-        &mut self,
-        kernel: &dyn Kernel,
-        uid: &str,
-        record: ClaimRecord,
-    ) -> Result<(), StateError> {
-        if self.state.claims.get(uid) == Some(&record) {
-            return Ok(());
-        }
-        self.change(kernel, |s| {
-            s.claims.insert(uid.to_owned(), record);
-        })
+    /// The program's own records (never more than the file holds).
+    pub fn records(&self) -> &R {
+        &self.state.records
     }
 
-    /// Drops the claim `uid`: only once its devices are back (or were never moved).
-    pub fn drop_claim(&mut self, kernel: &dyn Kernel, uid: &str) -> Result<(), StateError> {
-        if !self.state.claims.contains_key(uid) {
+    /// Applies `f` to a copy of the program's records and saves it, when it
+    /// changed anything.
+    pub fn update_records(
+        &mut self,
+        kernel: &dyn Kernel,
+        f: impl FnOnce(&mut R),
+    ) -> Result<(), StateError> {
+        let mut next = self.state.records.clone();
+        f(&mut next);
+        if next == self.state.records {
             return Ok(());
         }
-        self.change(kernel, |s| {
-            s.claims.remove(uid);
-        })
+        self.change(kernel, |s| s.records = next)
     }
 
     /// Applies `f` to a copy, saves the copy, and only then keeps it.
     fn change(
         &mut self,
         kernel: &dyn Kernel,
-        f: impl FnOnce(&mut State),
+        f: impl FnOnce(&mut State<R>),
     ) -> Result<(), StateError> {
         let mut next = self.state.clone();
         f(&mut next);

@@ -160,7 +160,7 @@ impl Node {
         let mut state = StateFile::load(
             &self.state_path,
             true,
-            passthrough::owner::Program::VfioManager,
+            &const { passthrough::owner::Program::named("vfio-manager") },
         )
         .map_err(|e| error_chain(&e))?;
         Ok(f(&mut Passthrough {
@@ -283,10 +283,10 @@ impl Node {
         if !Path::new(&self.node.host.module_dir(UNLOAD)).exists() {
             lost.push(format!("module {UNLOAD} not reloaded"));
         }
-        let state = StateFile::load(
+        let state: StateFile = StateFile::load(
             &self.state_path,
             false,
-            passthrough::owner::Program::VfioManager,
+            &const { passthrough::owner::Program::named("vfio-manager") },
         )
         .unwrap();
         if !state.state().devices.is_empty() || !state.state().unloaded_modules.is_empty() {

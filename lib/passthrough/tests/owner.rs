@@ -9,10 +9,11 @@
 
 use std::path::{Path, PathBuf};
 
-use passthrough::owner::{Owner, OwnerError, OwnerRecord, Program};
-use passthrough::state::{ClaimDevice, ClaimPhase, ClaimRecord, Record, RecordedRole, StateFile};
+use passthrough::owner::{Contender, Owner, OwnerError, OwnerRecord, Program};
+use passthrough::state::{Record, RecordedRole, Records, StateFile};
 use support::error_chain;
 use sysfs_pci::kernel::SysKernel;
+use sysfs_pci::PciAddress;
 
 fn scratch() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
@@ -20,26 +21,42 @@ fn scratch() -> (tempfile::TempDir, PathBuf) {
     (dir, lock)
 }
 
+const MANAGER: &Program = &Program {
+    name: "vfio-manager",
+    release_hint: "take the node out of vfio-manager's DaemonSet",
+    lock_hint: "",
+};
+const DRIVER: &Program = &Program {
+    name: "sandbox-dra-driver",
+    release_hint: "delete the ResourceClaims prepared on this node",
+    lock_hint: "",
+};
+
 /// The other program's state file, beside the lock's directory.
-fn other_state(lock: &Path, program: Program) -> PathBuf {
-    let other = match program {
-        Program::VfioManager => "sandbox-dra-driver",
-        Program::DraDriver => "vfio-manager",
-    };
+fn other_state(lock: &Path, program: &'static Program) -> PathBuf {
+    let other = if program == MANAGER { DRIVER } else { MANAGER };
     lock.parent()
         .unwrap()
         .parent()
         .unwrap()
-        .join(other)
+        .join(other.name)
         .join("state.json")
 }
 
-fn take(lock: &Path, program: Program) -> Result<Owner, OwnerError> {
-    Owner::take(lock, program, &other_state(lock, program))
+fn contender(lock: &Path, program: &'static Program) -> Contender {
+    Contender {
+        program,
+        rival: if program == MANAGER { DRIVER } else { MANAGER },
+        rival_state: other_state(lock, program),
+    }
 }
 
-fn check(lock: &Path, program: Program) -> Result<(), OwnerError> {
-    Owner::check(lock, program, &other_state(lock, program))
+fn take(lock: &Path, program: &'static Program) -> Result<Owner, OwnerError> {
+    Owner::take(lock, &contender(lock, program))
+}
+
+fn check(lock: &Path, program: &'static Program) -> Result<(), OwnerError> {
+    Owner::check(lock, &contender(lock, program))
 }
 
 fn record_of(lock: &Path) -> OwnerRecord {
@@ -61,18 +78,18 @@ fn left_behind(lock: &Path, owner: &str, devices: usize) -> String {
 #[test]
 fn the_second_taker_is_refused_while_the_first_holds_the_lock() {
     let (_dir, lock) = scratch();
-    let manager = take(&lock, Program::VfioManager).unwrap();
+    let manager = take(&lock, MANAGER).unwrap();
     let me = std::process::id();
     assert_eq!(
         record_of(&lock),
         OwnerRecord {
-            owner: Program::VfioManager,
+            owner: MANAGER.name.into(),
             pid: me,
             since: manager.record().since.clone(),
             devices: 0,
         }
     );
-    let err = take(&lock, Program::DraDriver).unwrap_err();
+    let err = take(&lock, DRIVER).unwrap_err();
     let msg = error_chain(&err);
     for part in [
         &format!("vfio-manager (pid {me}, since "),
@@ -86,7 +103,7 @@ fn the_second_taker_is_refused_while_the_first_holds_the_lock() {
     }
     assert!(err.by_other_program());
     // Another vfio-manager is refused too, told it is one of its own.
-    let err = take(&lock, Program::VfioManager).unwrap_err();
+    let err = take(&lock, MANAGER).unwrap_err();
     assert!(!err.by_other_program());
     assert!(
         err.to_string().contains("another vfio-manager is at work"),
@@ -96,9 +113,9 @@ fn the_second_taker_is_refused_while_the_first_holds_the_lock() {
     assert_eq!(record_of(&lock).pid, me);
     // Nothing moved: once the holder is gone, the other program may take the node.
     drop(manager);
-    let driver = take(&lock, Program::DraDriver).unwrap();
-    assert_eq!(record_of(&lock).owner, Program::DraDriver);
-    let msg = take(&lock, Program::VfioManager).unwrap_err().to_string();
+    let driver = take(&lock, DRIVER).unwrap();
+    assert_eq!(record_of(&lock).owner, DRIVER.name);
+    let msg = take(&lock, MANAGER).unwrap_err().to_string();
     assert!(msg.starts_with("sandbox-dra-driver (pid "), "{msg}");
     assert!(msg.contains("delete the ResourceClaims"), "{msg}");
     drop(driver);
@@ -108,7 +125,7 @@ fn the_second_taker_is_refused_while_the_first_holds_the_lock() {
 fn devices_left_moved_by_an_exited_owner_keep_the_other_program_out() {
     let (_dir, lock) = scratch();
     let text = left_behind(&lock, "vfio-manager", 2);
-    let err = take(&lock, Program::DraDriver).unwrap_err();
+    let err = take(&lock, DRIVER).unwrap_err();
     assert!(matches!(err, OwnerError::Owned { .. }));
     let msg = err.to_string();
     assert!(
@@ -118,23 +135,20 @@ fn devices_left_moved_by_an_exited_owner_keep_the_other_program_out() {
         "{msg}"
     );
     assert_eq!(std::fs::read_to_string(&lock).unwrap(), text, "untouched");
-    assert!(
-        check(&lock, Program::DraDriver).is_err(),
-        "a dry run sees it too"
-    );
+    assert!(check(&lock, DRIVER).is_err(), "a dry run sees it too");
     // Its own program takes over, keeping the count until it knows better.
-    let manager = take(&lock, Program::VfioManager).unwrap();
+    let manager = take(&lock, MANAGER).unwrap();
     let now = record_of(&lock);
     assert_eq!((now.pid, now.devices), (std::process::id(), 2));
     drop(manager);
     // With no device left, the record of the other program keeps nobody out.
     left_behind(&lock, "vfio-manager", 0);
-    take(&lock, Program::DraDriver).unwrap();
-    assert_eq!(record_of(&lock).owner, Program::DraDriver);
+    take(&lock, DRIVER).unwrap();
+    assert_eq!(record_of(&lock).owner, DRIVER.name);
 }
 
 /// A state file of `program` at `path` recording one device moved.
-fn moved_one(path: &Path, program: Program) -> StateFile {
+fn moved_one(path: &Path, program: &'static Program) -> StateFile {
     let mut state = StateFile::load(path, true, program).unwrap();
     state
         .record(&SysKernel, "0000:01:00.0".parse().unwrap(), rec(1))
@@ -156,15 +170,15 @@ fn a_garbled_record_leaves_the_other_programs_state_file_to_decide() {
     ];
     for text in garbled {
         std::fs::write(&lock, text).unwrap();
-        let owner = take(&lock, Program::DraDriver).unwrap();
-        assert_eq!(record_of(&lock).owner, Program::DraDriver, "{text:?}");
+        let owner = take(&lock, DRIVER).unwrap();
+        assert_eq!(record_of(&lock).owner, DRIVER.name, "{text:?}");
         drop(owner);
     }
-    let manager_state = other_state(&lock, Program::DraDriver);
-    drop(moved_one(&manager_state, Program::VfioManager));
+    let manager_state = other_state(&lock, DRIVER);
+    drop(moved_one(&manager_state, MANAGER));
     for text in garbled {
         std::fs::write(&lock, text).unwrap();
-        let err = take(&lock, Program::DraDriver).unwrap_err();
+        let err = take(&lock, DRIVER).unwrap_err();
         assert!(
             matches!(err, OwnerError::Recorded { devices: 1, .. }),
             "{err:?}"
@@ -179,14 +193,11 @@ fn a_garbled_record_leaves_the_other_programs_state_file_to_decide() {
             "{msg}"
         );
         assert_eq!(std::fs::read_to_string(&lock).unwrap(), text, "untouched");
-        assert!(
-            check(&lock, Program::DraDriver).is_err(),
-            "a dry run sees it too"
-        );
+        assert!(check(&lock, DRIVER).is_err(), "a dry run sees it too");
     }
     // In doubt: a state file that does not parse.
     std::fs::write(&manager_state, "{half a state").unwrap();
-    let err = take(&lock, Program::DraDriver).unwrap_err();
+    let err = take(&lock, DRIVER).unwrap_err();
     let msg = error_chain(&err);
     assert!(matches!(err, OwnerError::InDoubt { .. }), "{msg}");
     assert!(
@@ -198,7 +209,7 @@ fn a_garbled_record_leaves_the_other_programs_state_file_to_decide() {
     );
     // vfio-manager itself is not kept out by its own file.
     std::fs::remove_file(&lock).unwrap();
-    take(&lock, Program::VfioManager).unwrap();
+    take(&lock, MANAGER).unwrap();
 }
 
 /// A lock file deleted (an `rm -rf` of its directory, a tmpfs cleanup) or replaced
@@ -211,11 +222,9 @@ fn a_garbled_record_leaves_the_other_programs_state_file_to_decide() {
 fn a_lock_deleted_or_replaced_while_held_cannot_make_two_owners() {
     for replace in [false, true] {
         let (_dir, lock) = scratch();
-        let manager_state = other_state(&lock, Program::DraDriver);
-        let mut state = moved_one(&manager_state, Program::VfioManager);
-        state
-            .attach_owner(take(&lock, Program::VfioManager).unwrap())
-            .unwrap();
+        let manager_state = other_state(&lock, DRIVER);
+        let mut state = moved_one(&manager_state, MANAGER);
+        state.attach_owner(take(&lock, MANAGER).unwrap()).unwrap();
         let gone = |lock: &Path| {
             if replace {
                 let fresh = lock.with_extension("new");
@@ -227,13 +236,13 @@ fn a_lock_deleted_or_replaced_while_held_cannot_make_two_owners() {
         };
         gone(&lock);
         // The driver comes: the manager's state file keeps it out.
-        let err = take(&lock, Program::DraDriver).unwrap_err();
+        let err = take(&lock, DRIVER).unwrap_err();
         assert!(matches!(err, OwnerError::Recorded { .. }), "{err:?}");
         // The manager notices at its next resync, and takes the path again.
         state.ensure_owner().unwrap();
-        assert_eq!(record_of(&lock).owner, Program::VfioManager);
+        assert_eq!(record_of(&lock).owner, MANAGER.name);
         assert_eq!(record_of(&lock).devices, 1, "its count carried over");
-        assert!(take(&lock, Program::DraDriver).is_err());
+        assert!(take(&lock, DRIVER).is_err());
 
         // With nothing recorded, the newcomer gets a new file; the holder's next
         // save that would move a device is refused, and nothing is recorded.
@@ -241,7 +250,7 @@ fn a_lock_deleted_or_replaced_while_held_cannot_make_two_owners() {
             .forget(&SysKernel, &"0000:01:00.0".parse().unwrap())
             .unwrap();
         gone(&lock);
-        let driver = take(&lock, Program::DraDriver).unwrap();
+        let driver = take(&lock, DRIVER).unwrap();
         let before = std::fs::read_to_string(&manager_state).unwrap();
         let err = state
             .record(&SysKernel, "0000:02:00.0".parse().unwrap(), rec(2))
@@ -262,13 +271,13 @@ fn a_lock_deleted_or_replaced_while_held_cannot_make_two_owners() {
         assert_eq!(std::fs::read_to_string(&manager_state).unwrap(), before);
         assert!(state.state().devices.is_empty());
         assert!(state.ensure_owner().is_err(), "still not ours");
-        assert_eq!(record_of(&lock).owner, Program::DraDriver);
+        assert_eq!(record_of(&lock).owner, DRIVER.name);
         // Once the driver lets go, the manager takes the node again by itself.
         drop(driver);
         state
             .record(&SysKernel, "0000:02:00.0".parse().unwrap(), rec(2))
             .unwrap();
-        assert_eq!(record_of(&lock).owner, Program::VfioManager);
+        assert_eq!(record_of(&lock).owner, MANAGER.name);
         assert_eq!(record_of(&lock).devices, 1);
     }
 }
@@ -280,7 +289,7 @@ fn a_symlinked_or_odd_lock_file_is_refused_not_followed() {
     let victim = dir.path().join("victim");
     std::fs::write(&victim, "keep").unwrap();
     std::os::unix::fs::symlink(&victim, &lock).unwrap();
-    for program in [Program::VfioManager, Program::DraDriver] {
+    for program in [MANAGER, DRIVER] {
         let msg = error_chain(&take(&lock, program).unwrap_err());
         assert!(
             msg.contains("must be a regular file, not a symlink"),
@@ -291,21 +300,21 @@ fn a_symlinked_or_odd_lock_file_is_refused_not_followed() {
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
     std::fs::remove_file(&lock).unwrap();
     std::fs::create_dir(&lock).unwrap();
-    let msg = error_chain(&take(&lock, Program::VfioManager).unwrap_err());
+    let msg = error_chain(&take(&lock, MANAGER).unwrap_err());
     assert!(msg.contains(&lock.display().to_string()), "{msg}");
 }
 
 #[test]
 fn a_dry_run_check_creates_nothing_and_sees_only_the_other_program() {
     let (dir, lock) = scratch();
-    check(&lock, Program::VfioManager).unwrap();
+    check(&lock, MANAGER).unwrap();
     assert!(!lock.exists() && !lock.parent().unwrap().exists());
-    let manager = take(&lock, Program::VfioManager).unwrap();
-    check(&lock, Program::VfioManager).unwrap();
-    let msg = check(&lock, Program::DraDriver).unwrap_err().to_string();
+    let manager = take(&lock, MANAGER).unwrap();
+    check(&lock, MANAGER).unwrap();
+    let msg = check(&lock, DRIVER).unwrap_err().to_string();
     assert!(msg.starts_with("vfio-manager (pid "), "{msg}");
     drop(manager);
-    check(&lock, Program::DraDriver).unwrap();
+    check(&lock, DRIVER).unwrap();
     drop(dir);
 }
 
@@ -329,44 +338,36 @@ fn each_state_save_keeps_the_device_count_current() {
         "0000:01:00.0".parse().unwrap(),
         "0000:02:00.0".parse().unwrap(),
     );
-    let mut state = StateFile::load(&path, true, passthrough::owner::Program::VfioManager).unwrap();
+    let mut state: StateFile<Held> = StateFile::load(&path, true, DRIVER).unwrap();
     state.record(k, a, rec(1)).unwrap();
     // Attaching counts what the state already holds.
-    state
-        .attach_owner(take(&lock, Program::DraDriver).unwrap())
-        .unwrap();
+    state.attach_owner(take(&lock, DRIVER).unwrap()).unwrap();
     assert_eq!(record_of(&lock).devices, 1);
     state.record(k, b, rec(2)).unwrap();
     assert_eq!(record_of(&lock).devices, 2);
-    // A claim holds its devices, moved or not; one device counts once.
-    let claim = ClaimRecord {
-        namespace: "vms".into(),
-        name: "vm1".into(),
-        phase: ClaimPhase::Prepared,
-        devices: vec![
-            ClaimDevice {
-                request_names: vec!["nic".into()],
-                pool: "node-a".into(),
-                device: "pci-0000-02-00-0".into(),
-                address: b,
-                group: 2,
-            },
-            ClaimDevice {
-                request_names: vec!["nic".into()],
-                pool: "node-a".into(),
-                device: "pci-0000-03-00-0".into(),
-                address: "0000:03:00.0".parse().unwrap(),
-                group: 3,
-            },
-        ],
-    };
-    state.set_claim(k, "uid-1", claim).unwrap();
+    // The program's own records hold devices, moved or not; one device counts once.
+    let c: PciAddress = "0000:03:00.0".parse().unwrap();
+    state.update_records(k, |r| r.0 = vec![b, c]).unwrap();
     assert_eq!(record_of(&lock).devices, 3);
-    state.drop_claim(k, "uid-1").unwrap();
+    state.update_records(k, |r| r.0.clear()).unwrap();
     state.forget(k, &a).unwrap();
     state.forget(k, &b).unwrap();
     assert_eq!(record_of(&lock).devices, 0);
     // Dropped with nothing held: the other program may come.
     drop(state);
-    take(&lock, Program::VfioManager).unwrap();
+    take(&lock, MANAGER).unwrap();
+}
+
+/// Records that hold devices, as the DRA driver's claims do.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Held(Vec<PciAddress>);
+
+impl Records for Held {
+    const KEY: &'static str = "held";
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    fn devices(&self) -> Vec<PciAddress> {
+        self.0.clone()
+    }
 }

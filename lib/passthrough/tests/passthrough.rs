@@ -65,7 +65,7 @@ fn bed() -> Bed {
     let state = StateFile::load(
         &dir.path().join("run/state.json"),
         true,
-        passthrough::owner::Program::VfioManager,
+        &const { passthrough::owner::Program::named("vfio-manager") },
     )
     .unwrap();
     Bed {
@@ -235,10 +235,10 @@ fn restore_puts_back_original_drivers_and_empties_the_record() {
     assert_eq!(b.driver("0000:01:00.0").as_deref(), Some("e1000e"));
     assert_eq!(b.driver("0000:01:00.1").as_deref(), Some("snd_hda_intel"));
     assert!(b.state.state().devices.is_empty());
-    let on_disk = StateFile::load(
+    let on_disk: StateFile = StateFile::load(
         b.state.path(),
         false,
-        passthrough::owner::Program::VfioManager,
+        &const { passthrough::owner::Program::named("vfio-manager") },
     )
     .unwrap();
     assert!(on_disk.state().devices.is_empty());
@@ -306,8 +306,18 @@ fn a_crash_between_unbind_and_probe_still_converges_and_restores() {
     std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
     b.node.detach(&nic);
     // The dead process's lock is gone with it; a new one loads the file.
-    b.state = StateFile::load(&path, false, passthrough::owner::Program::VfioManager).unwrap();
-    b.state = StateFile::load(&path, true, passthrough::owner::Program::VfioManager).unwrap();
+    b.state = StateFile::load(
+        &path,
+        false,
+        &const { passthrough::owner::Program::named("vfio-manager") },
+    )
+    .unwrap();
+    b.state = StateFile::load(
+        &path,
+        true,
+        &const { passthrough::owner::Program::named("vfio-manager") },
+    )
+    .unwrap();
     let inv = b.inv();
     let report = b.pt().bind(&inv, &[5]);
     assert!(report.failed.is_empty(), "{:?}", report.failed);
@@ -466,7 +476,7 @@ fn wide(latency: std::time::Duration) -> Bed {
     let state = StateFile::load(
         &dir.path().join("run/state.json"),
         true,
-        passthrough::owner::Program::VfioManager,
+        &const { passthrough::owner::Program::named("vfio-manager") },
     )
     .unwrap();
     Bed {
@@ -499,7 +509,7 @@ impl Bed {
         let disk = StateFile::load(
             self.state.path(),
             false,
-            passthrough::owner::Program::VfioManager,
+            &const { passthrough::owner::Program::named("vfio-manager") },
         )
         .unwrap();
         assert_eq!(
@@ -621,10 +631,10 @@ fn a_crash_while_binding_concurrently_reaches_the_caller_and_loses_nothing() {
             .bind_concurrent(&inv, &[], jobs(4))
         }));
         assert!(caught.unwrap_err().is::<Crashed>(), "point #{at}");
-        let on_disk = StateFile::load(
+        let on_disk: StateFile = StateFile::load(
             b.state.path(),
             false,
-            passthrough::owner::Program::VfioManager,
+            &const { passthrough::owner::Program::named("vfio-manager") },
         )
         .unwrap();
         for d in WIDE {
@@ -648,7 +658,7 @@ fn a_crash_while_binding_concurrently_reaches_the_caller_and_loses_nothing() {
         b.state = StateFile::load(
             on_disk.path(),
             true,
-            passthrough::owner::Program::VfioManager,
+            &const { passthrough::owner::Program::named("vfio-manager") },
         )
         .unwrap();
         let report = b.pt().restore(&[]);

@@ -84,7 +84,7 @@ fn bed(latency: Duration) -> Bed {
     let state = StateFile::load(
         &dir.path().join("run/state.json"),
         true,
-        passthrough::owner::Program::VfioManager,
+        &const { passthrough::owner::Program::named("vfio-manager") },
     )
     .unwrap();
     Bed {

@@ -10,7 +10,7 @@ impl Claims<'_> {
     /// another node, and acting on them (restoring "orphans") could move this
     /// node's devices of the same address.
     fn quarantine_foreign(&mut self, out: &mut Recovery) {
-        let claims = self.pt.state.state().claims.clone();
+        let claims = self.pt.state.records().clone();
         let (foreign, local): (Vec<_>, Vec<_>) = claims
             .iter()
             .partition(|(_, r)| r.devices.iter().any(|d| d.pool != self.pool));
@@ -51,7 +51,9 @@ impl Claims<'_> {
                 device_list(&r.devices),
                 self.pool
             );
-            match self.pt.state.drop_claim(self.pt.kernel, uid) {
+            match self.pt.state.update_records(self.pt.kernel, |c| {
+                c.0.remove(uid);
+            }) {
                 Ok(()) => out.foreign.push(shown),
                 Err(e) => out
                     .failed
@@ -67,8 +69,8 @@ impl Claims<'_> {
     pub fn recover(&mut self) -> Recovery {
         let mut out = Recovery::default();
         self.quarantine_foreign(&mut out);
-        let claims = self.pt.state.state().claims.clone();
-        for (uid, record) in &claims {
+        let claims = self.pt.state.records().clone();
+        for (uid, record) in claims.iter() {
             let claim = crate::model::recorded_claim(uid, record);
             match record.phase {
                 // A moved claim waits for its prepare, or for the claim watcher to
@@ -76,7 +78,7 @@ impl Claims<'_> {
                 ClaimPhase::Prepared | ClaimPhase::Moved => {}
                 ClaimPhase::Preparing => {
                     let undo = self.undo(uid, record);
-                    if self.pt.state.state().claims.contains_key(uid) {
+                    if self.pt.state.records().contains_key(uid) {
                         out.failed.push(format!("claim {claim}: {undo}"));
                     } else {
                         out.rolled_back.push(claim.to_string());
@@ -91,8 +93,7 @@ impl Claims<'_> {
         let owned: BTreeSet<u32> = self
             .pt
             .state
-            .state()
-            .claims
+            .records()
             .values()
             .flat_map(|c| c.groups())
             .collect();

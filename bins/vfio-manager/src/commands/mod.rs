@@ -7,7 +7,7 @@ pub mod status;
 pub mod unbind;
 
 use passthrough::inventory::{Inventory, Role};
-use passthrough::owner::{Owner, Program};
+use passthrough::owner::Owner;
 use passthrough::Passthrough;
 use sysfs_pci::kernel::{DryRun, Kernel};
 use sysfs_pci::module::kernel_release;
@@ -50,7 +50,7 @@ pub fn with_passthrough<T>(
     let real = ctx.write.kernel();
     let kernel: &dyn Kernel = if dry_run { &dry } else { &real };
     let mut state = if dry_run {
-        Owner::check(&ctx.owner_lock, Program::VfioManager, &ctx.dra_state_file)?;
+        Owner::check(&ctx.owner_lock, &ctx.contender())?;
         ctx.state(false)?
     } else {
         ctx.owned_state(ctx.take_owner()?)?

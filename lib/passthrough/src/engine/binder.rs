@@ -18,7 +18,7 @@ use std::sync::Mutex;
 
 use super::{Move, PassthroughError, RestoreReport, StepError};
 use crate::inventory::Role;
-use crate::state::{self, Record, StateError, StateFile};
+use crate::state::{self, Record, Records, StateError, StateFile};
 use support::error_chain;
 use support::lock;
 use sysfs_pci::bind::{self, BindOutcome, DriverError};
@@ -28,17 +28,17 @@ use sysfs_pci::module;
 use sysfs_pci::{Host, PciAddress, PciDevice};
 
 /// Moves groups to their vfio drivers, recording each member first.
-pub(super) struct Binder<'b, 's> {
+pub(super) struct Binder<'b, 's, O: Records> {
     pub(super) host: &'b Host,
     pub(super) kernel: &'b dyn Kernel,
     /// Locked only for a state change (its save included), never across a device
     /// move, so slow probes of different groups overlap. A lock poisoned by a
     /// panicking thread is used as it is: a state change is applied in memory only
     /// after its save, so a panic cannot leave the state half-changed.
-    pub(super) state: &'b Mutex<&'s mut StateFile>,
+    pub(super) state: &'b Mutex<&'s mut StateFile<O>>,
 }
 
-impl Binder<'_, '_> {
+impl<O: Records> Binder<'_, '_, O> {
     /// Records `mv` unless a record exists (the existing one is the true original).
     pub(super) fn record(&self, mv: &Move<'_>, group: u32) -> Result<(), StateError> {
         let d = &mv.entry.device;
@@ -182,7 +182,7 @@ impl Binder<'_, '_> {
     }
 }
 
-impl Binder<'_, '_> {
+impl<O: Records> Binder<'_, '_, O> {
     /// Restores one recorded group, member by member, unless a VM holds its group
     /// node; each record is dropped only once its device is confirmed back.
     pub(super) fn restore_group(

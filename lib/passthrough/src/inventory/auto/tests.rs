@@ -184,10 +184,10 @@ fn the_chosen_variant_module_is_loaded_through_modules_dep() {
         .lock()
         .unwrap()
         .insert("nvgrace_gpu_vfio_pci".into(), "nvgrace_gpu_vfio_pci".into());
-    let mut state = crate::state::StateFile::load(
+    let mut state: crate::state::StateFile = crate::state::StateFile::load(
         &dir.path().join("run/state.json"),
         true,
-        crate::owner::Program::VfioManager,
+        &const { crate::owner::Program::named("vfio-manager") },
     )
     .unwrap();
     let pt = crate::Passthrough {
