@@ -17,10 +17,10 @@ use passthrough::DEFAULT_BIND_JOBS;
 use sysfs_pci::host::DEFAULT_MODULES_ROOT;
 use sysfs_pci::Host;
 
+mod api_thread;
 mod commands;
 mod metrics;
 mod report;
-mod side;
 
 const LONG_ABOUT: &str = "\
 Moves the PCI devices selected by the resource list (and every other member of their

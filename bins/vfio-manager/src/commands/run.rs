@@ -17,7 +17,7 @@
 //! and the node out of VM mode, and finishes the restore without binding anything.
 //!
 //! The loop sleeps in `poll(2)` on a signalfd, the node watcher's descriptors
-//! (kernel uevents, `/dev/vfio`) and the side thread's answers, so an idle node
+//! (kernel uevents, `/dev/vfio`) and the API thread's answers, so an idle node
 //! costs nothing; the watcher's periodic resync covers what events cannot see.
 
 use std::collections::BTreeSet;
@@ -39,8 +39,8 @@ use sysfs_pci::deadline::StuckWrite;
 use sysfs_pci::module::kernel_release;
 use sysfs_pci::PciAddress;
 
+use crate::api_thread::{ApiThread, NodeEvent};
 use crate::metrics::Metrics;
-use crate::side::{NodeEvent, Side};
 use crate::{report, Context};
 
 /// Flags of `run`.
@@ -152,11 +152,11 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     // nor its list of stuck writes speak for it.
     remove_if_present(&ctx.ready_file)?;
     remove_if_present(&stuck_file(&ctx.ready_file))?;
-    // After block_signals: the side thread inherits the blocked mask, so the
+    // After block_signals: the API thread inherits the blocked mask, so the
     // signalfd sees every stop signal.
     let mut registry = node_agent::metrics::registry();
     let metrics = Metrics::new(&mut registry);
-    let side = Side::start(
+    let api = ApiThread::start(
         identity(args),
         args.metrics_address.map(|a| (a, registry)),
         args.resync_interval,
@@ -169,9 +169,9 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         state: &mut state,
         release: kernel_release(),
     };
-    let mut pass = Pass {
+    let mut pass = RunState {
         ready_file: &ctx.ready_file,
-        side: &side,
+        api: &api,
         metrics: &metrics,
         converged: false,
         bind_jobs: ctx.bind_jobs,
@@ -182,7 +182,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     };
     // Out of VM mode already (a pod the restore label brought back after a kill
     // mid-restore): finish the restore, bind nothing.
-    let mut leaving = match side.check_now() {
+    let mut leaving = match api.check_now() {
         Some(Ok(check)) => match check.verdict {
             Verdict::Restore(reason) => Some(reason),
             Verdict::Keep(_) => None,
@@ -201,8 +201,8 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         }
         None => {
             // The label first: from now on a kill mid-restore is finished by the next pod.
-            side.restore_label(true);
-            if !side.label_settled(LABEL_WAIT) {
+            api.restore_label(true);
+            if !api.label_settled(LABEL_WAIT) {
                 tracing::warn!(label = %args.restore_label, "the restore label is not on the Node yet (still trying): until it is, a kill during a restore leaves devices for a person");
             }
             let inv = Inventory::scan(&ctx.host, &list)?;
@@ -228,11 +228,11 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
                 .min(at.saturating_duration_since(Instant::now())),
             None => node.timeout(),
         };
-        if let Some(sig) = wait(&signals, &node, side.wake_fd(), timeout)? {
+        if let Some(sig) = wait(&signals, &node, api.wake_fd(), timeout)? {
             tracing::info!(signal = ?sig, "stopping");
             break;
         }
-        if let Some(check) = side.checked() {
+        if let Some(check) = api.checked() {
             match (check.verdict, &leaving) {
                 (Verdict::Restore(reason), None) => {
                     tracing::info!(%reason, "the node leaves VM mode; restoring while this pod runs");
@@ -243,7 +243,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
                     tracing::info!(%reason, "the node is back in VM mode; binding again");
                     leaving = None;
                     leave = LeaveLog::default();
-                    side.restore_label(true);
+                    api.restore_label(true);
                     pending = Some(Instant::now());
                 }
                 _ => {}
@@ -273,20 +273,20 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     if args.keep_bound_on_exit {
         tracing::info!("leaving devices bound (--keep-bound-on-exit)");
         metrics.stop("keep");
-        side.finish();
+        api.finish();
         return Ok(ExitCode::SUCCESS);
     }
-    match side.stop_verdict() {
+    match api.stop_verdict() {
         Some(Verdict::Keep(reason)) => {
             tracing::info!(%reason, devices = recorded, "the node stays in VM mode; leaving the devices bound for the next vfio-manager");
-            side.event(NodeEvent {
+            api.event(NodeEvent {
                 warning: false,
                 reason: "DevicesKept",
                 action: "Keep",
                 note: format!("kept {recorded} device(s) on vfio for the next vfio-manager: {reason}"),
             });
             metrics.stop("keep");
-            side.finish();
+            api.finish();
             return Ok(ExitCode::SUCCESS);
         }
         Some(Verdict::Restore(reason)) => {
@@ -295,12 +295,12 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         None => tracing::info!("no API access; restoring (set NODE_NAME and give the pod API access to keep devices bound across rollouts)"),
     }
     metrics.stop("restore");
-    let ok = restore_all(ctx, &mut pt, &side, &metrics, &mut leave);
+    let ok = restore_all(ctx, &mut pt, &api, &metrics, &mut leave);
     let state = pt.state.state();
     if state.devices.is_empty() && state.unloaded_modules.is_empty() {
-        side.restore_label(false);
+        api.restore_label(false);
     }
-    side.finish();
+    api.finish();
     Ok(if ok {
         ExitCode::SUCCESS
     } else {
@@ -352,7 +352,7 @@ pub struct LeaveLog {
 pub fn restore_all(
     ctx: &Context,
     pt: &mut Passthrough<'_>,
-    side: &Side,
+    api: &ApiThread,
     metrics: &Metrics,
     log: &mut LeaveLog,
 ) -> bool {
@@ -360,7 +360,7 @@ pub fn restore_all(
     let report = pt.restore_concurrent(&[], ctx.bind_jobs);
     metrics.restore(&report);
     if !report.restored.is_empty() {
-        side.event(NodeEvent {
+        api.event(NodeEvent {
             warning: false,
             reason: "DevicesRestored",
             action: "Restore",
@@ -373,7 +373,7 @@ pub fn restore_all(
     }
     let mut held: Vec<u32> = report.in_use.iter().map(|(_, g)| *g).collect();
     held.dedup();
-    let again = if side.watches() {
+    let again = if api.watches() {
         "it is restored once the VM has stopped"
     } else {
         "run `vfio-manager unbind --all` once the VM has stopped"
@@ -384,7 +384,7 @@ pub fn restore_all(
             .iter()
             .filter(|(_, x)| *x == g)
             .map(|(a, _)| a);
-        side.event(NodeEvent {
+        api.event(NodeEvent {
             warning: true,
             reason: "GroupHeld",
             action: "Restore",
@@ -401,7 +401,7 @@ pub fn restore_all(
     }
     log.failure = failure;
     if let Some(e) = report.failed.first() {
-        side.event(NodeEvent {
+        api.event(NodeEvent {
             warning: true,
             reason: "RestoreFailed",
             action: "Restore",
@@ -434,9 +434,9 @@ fn listing<'a>(addrs: impl Iterator<Item = &'a sysfs_pci::PciAddress>) -> String
 }
 
 /// What the passes of `run` carry from one to the next.
-struct Pass<'a> {
+struct RunState<'a> {
     ready_file: &'a std::path::Path,
-    side: &'a Side,
+    api: &'a ApiThread,
     metrics: &'a Metrics,
     /// Whether the last pass found every device bound.
     converged: bool,
@@ -451,7 +451,7 @@ struct Pass<'a> {
     owner_lost: Option<String>,
 }
 
-impl Pass<'_> {
+impl RunState<'_> {
     /// A pass while the node is out of VM mode: nothing is bound; what is recorded
     /// is restored (a group a VM holds is tried again next pass), and the restore
     /// label goes once nothing is left.
@@ -464,13 +464,13 @@ impl Pass<'_> {
         self.converged = false;
         let state = pt.state.state();
         if !state.devices.is_empty() || !state.unloaded_modules.is_empty() {
-            restore_all(ctx, pt, self.side, self.metrics, log);
+            restore_all(ctx, pt, self.api, self.metrics, log);
         } else {
             clear_validator_ready_file(ctx);
         }
         let state = pt.state.state();
         if state.devices.is_empty() && state.unloaded_modules.is_empty() {
-            self.side.restore_label(false);
+            self.api.restore_label(false);
         }
     }
 
@@ -513,7 +513,7 @@ impl Pass<'_> {
                 tracing::error!(error = %error_chain(e), "bind failed; will retry");
             }
             if !bind.bound.is_empty() {
-                self.side.event(NodeEvent {
+                self.api.event(NodeEvent {
                     warning: false,
                     reason: "DevicesBound",
                     action: "Bind",
@@ -526,7 +526,7 @@ impl Pass<'_> {
             }
             let failure = bind.failed.first().map(|e| error_chain(e));
             if failure.is_some() && failure != self.last_failure {
-                self.side.event(NodeEvent {
+                self.api.event(NodeEvent {
                     warning: true,
                     reason: "BindFailed",
                     action: "Bind",
@@ -580,7 +580,7 @@ impl Pass<'_> {
         self.metrics.stuck(stuck.len());
         let now: BTreeSet<PciAddress> = stuck.iter().map(|w| w.address).collect();
         for w in stuck.iter().filter(|w| !self.stuck.contains(&w.address)) {
-            self.side.event(NodeEvent {
+            self.api.event(NodeEvent {
                 warning: true,
                 reason: "DeviceStuck",
                 action: "Bind",
@@ -626,16 +626,16 @@ fn block_signals() -> anyhow::Result<SignalFd> {
     )?)
 }
 
-/// Waits for a signal, a node event, the side thread's answer, or `timeout`; the
+/// Waits for a signal, a node event, the API thread's answer, or `timeout`; the
 /// signal, if one came.
 fn wait(
     signals: &SignalFd,
     node: &NodeWatch,
-    side: Option<std::os::fd::BorrowedFd<'_>>,
+    api: Option<std::os::fd::BorrowedFd<'_>>,
     timeout: Duration,
 ) -> anyhow::Result<Option<Signal>> {
     let mut fds = vec![PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
-    fds.extend(side.map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
+    fds.extend(api.map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
     fds.extend(
         node.fds()
             .into_iter()

@@ -1,11 +1,11 @@
-//! The side thread: a small tokio runtime for what talks to the network (the API
+//! The API thread: a small tokio runtime for what talks to the network (the API
 //! server), so the main loop stays a `poll(2)` loop that no slow server can hold up.
 //!
 //! The main thread sends it Events to post (fire and forget) and asks it, on a stop,
 //! whether the node stays in VM mode. With a restore label it also keeps that label
 //! on the Node as the main thread wants it, and asks the same question every resync
 //! period while the pod runs: the answers come back through a channel and a socket
-//! the main loop polls ([`Side::wake_fd`]). Without API access ([`Side::start`] with
+//! the main loop polls ([`ApiThread::wake_fd`]). Without API access ([`ApiThread::start`] with
 //! no identity, or a client that cannot be built) every question answers "restore"
 //! and Events go nowhere, which is how vfio-manager behaved before it could ask.
 
@@ -54,8 +54,8 @@ struct Checks {
     answers: std_mpsc::Receiver<Check>,
 }
 
-/// Handle of the side thread.
-pub struct Side {
+/// Handle of the API thread.
+pub struct ApiThread {
     /// Whether an identity was given (else only metrics are served).
     asks: bool,
     tx: Option<mpsc::UnboundedSender<Msg>>,
@@ -63,7 +63,7 @@ pub struct Side {
     checks: Option<Checks>,
 }
 
-impl Side {
+impl ApiThread {
     /// Starts the thread when there is something for it to do. With `identity` it
     /// connects to the API server (in-cluster service account, or KUBECONFIG) and
     /// reads the Node once to say at start whether a rollout will keep the devices
@@ -71,7 +71,7 @@ impl Side {
     /// bound is an error now, not a silent gap later.
     ///
     /// With an identity that names the pod and a restore label, it also looks every
-    /// `check_every` whether the node still is in VM mode ([`Side::checked`]).
+    /// `check_every` whether the node still is in VM mode ([`ApiThread::checked`]).
     pub fn start(
         identity: Option<Identity>,
         metrics: Option<(ListenAddress, Registry)>,
@@ -114,7 +114,7 @@ impl Side {
         };
         let (tx, rx) = mpsc::unbounded_channel();
         let thread = std::thread::Builder::new()
-            .name("vfio-manager-side".into())
+            .name("vfio-manager-api".into())
             .spawn(move || {
                 rt.block_on(async move {
                     if let Some((listener, registry)) = endpoint {
@@ -131,7 +131,7 @@ impl Side {
         })
     }
 
-    /// Whether the side thread keeps a restore label and looks every resync period
+    /// Whether the API thread keeps a restore label and looks every resync period
     /// whether the node is still in VM mode.
     pub fn watches(&self) -> bool {
         self.checks.is_some()
@@ -150,7 +150,7 @@ impl Side {
         c.answers.try_iter().last()
     }
 
-    /// Asks now (bounded like a stop's question); `None` when the side thread does
+    /// Asks now (bounded like a stop's question); `None` when the API thread does
     /// not watch.
     pub fn check_now(&self) -> Option<Result<Check, String>> {
         self.checks.as_ref()?;
@@ -163,7 +163,7 @@ impl Side {
         )
     }
 
-    /// Wants the restore label on the Node (`true`) or off it; the side thread
+    /// Wants the restore label on the Node (`true`) or off it; the API thread
     /// patches the Node when that differs from what it last put there, retrying
     /// until it succeeds or is told otherwise. Never waits.
     pub fn restore_label(&self, on: bool) {
@@ -199,8 +199,8 @@ impl Side {
         if tx.send(Msg::Verdict(reply)).is_err() {
             return Some(Verdict::Restore("the API client stopped".into()));
         }
-        // The side thread bounds its lookup by STOP_LOOKUP_TIMEOUT; this bound holds
-        // whatever the side thread is doing (a connect still in progress, a post).
+        // The API thread bounds its lookup by STOP_LOOKUP_TIMEOUT; this bound holds
+        // whatever the API thread is doing (a connect still in progress, a post).
         Some(
             answer
                 .recv_timeout(STOP_LOOKUP_TIMEOUT + Duration::from_secs(1))
@@ -229,7 +229,7 @@ impl Side {
     }
 }
 
-/// The side thread's end of the periodic checks.
+/// The API thread's end of the periodic checks.
 type CheckBack = (UnixStream, std_mpsc::Sender<Check>, Duration);
 
 async fn serve(
@@ -405,7 +405,7 @@ async fn check_periodically(
     put: Arc<tokio::sync::watch::Sender<Option<bool>>>,
     want: tokio::sync::watch::Receiver<Option<bool>>,
 ) {
-    // The start asked already (`Side::check_now`): the first look is one period on.
+    // The start asked already (`ApiThread::check_now`): the first look is one period on.
     let every = every.max(Duration::from_millis(100));
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
