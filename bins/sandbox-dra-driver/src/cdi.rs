@@ -52,33 +52,13 @@
 //! and, when iommufd is asked for, also `/dev/iommu` and its `/dev/vfio/devices/vfioN`,
 //! in the device plugin's order.
 //!
-//! # The device metadata (KEP-5304, "DRA device attributes downward API")
+//! # The device metadata (KEP-5304, [`kubelet_plugin::metadata`])
 //!
-//! Sources, which agree on everything below: kubernetes/kubernetes
-//! `staging/src/k8s.io/dynamic-resource-allocation/api/metadata/{types.go,helpers.go,
-//! v1alpha1/types.go}` and `kubeletplugin/metadata.go` (the helper that writes them),
-//! the Kubernetes documentation's "device metadata protocol", and KubeVirt's reader
-//! `pkg/dra/metadata/types.go` + `pkg/dra/devicemetadata/decode.go`.
+//! One file per request, rendered by the library (`generation` 1: we never rewrite
+//! a prepared claim's file). Every device carries `resource.kubernetes.io/pciBusID`,
+//! which KubeVirt takes for the `<hostdev>` address (after `mdevUUID`, which we
+//! never set).
 //!
-//! - Container path (the protocol's fixed part; what virt-launcher reads):
-//!   `/var/run/kubernetes.io/dra-device-attributes/resourceclaims/<claim name>/<request>/<driver>-metadata.json`
-//!   for a claim the pod names directly, and
-//!   `…/resourceclaimtemplates/<pod claim name>/<request>/<driver>-metadata.json` for
-//!   a claim made from a template; the pod claim name
-//!   (`pod.spec.resourceClaims[].name`) is the claim's
-//!   [`kubelet_plugin::POD_CLAIM_NAME_ANNOTATION`]. `<request>` is the top-level request: a
-//!   `request/subrequest` reference loses its `/subrequest` in the path but keeps
-//!   it in `requests[].name`.
-//! - Content: a stream of `DeviceMetadata` objects, one per API version, newest first;
-//!   readers take the first they understand. KubeVirt understands only
-//!   `metadata.resource.k8s.io/v1alpha1`, so we write exactly that one object: `kind`,
-//!   `apiVersion`, `metadata{name, namespace, uid, generation}`, `podClaimName` (only
-//!   for template claims), `requests[{name, devices[{driver, pool, name,
-//!   attributes}]}]`, attributes as in a ResourceSlice (`{"string": …}`, `{"int": …}`,
-//!   `{"bool": …}`, `{"version": …}`), two-space indented with a final newline as the
-//!   upstream writer does. `generation` is 1: we never rewrite a prepared claim's file.
-//!   Every device carries `resource.kubernetes.io/pciBusID`, which KubeVirt takes for
-//!   the `<hostdev>` address (after `mdevUUID`, which we never set).
 //! - Exposure: a read-only bind mount through CDI (`options: ["ro", "bind"]`). The
 //!   upstream helper writes it as a separate spec of kind `<driver>/metadata`; we keep
 //!   one spec file per claim, so the mount is a device of our own kind, one per
@@ -96,16 +76,15 @@
 //!   the file's `podClaimName`; the `kubernetes.io` layout arrived in KubeVirt 1.8.3.
 //!   The same file is mounted there too ([`LEGACY_CONTAINER_METADATA_DIR`]), always
 //!   under the claim's own name, so every KubeVirt from 1.8.0 finds it.
-//!
-//! Uncertainty: the schema is alpha (Kubernetes 1.36); `v1beta1` exists upstream
-//! with the same fields but KubeVirt does not read it yet.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::model::parse_device_name;
+use kubelet_plugin::metadata::{self, MetadataDevice};
+pub use kubelet_plugin::metadata::{AttributeValue, CONTAINER_METADATA_DIR};
 use kubelet_plugin::slices::PCI_BUS_ID;
 use kubelet_plugin::ClaimRef;
 use passthrough::config::ResourceName;
@@ -121,30 +100,12 @@ pub const DEFAULT_CDI_DIR: &str = "/var/run/cdi";
 pub const DEFAULT_METADATA_DIR: &str = "/var/run/kubernetes.io/dra-device-attributes";
 /// The CDI class of our kind, `<driver>/vfio`.
 pub const CDI_CLASS: &str = "vfio";
-/// The well-known directory inside containers where metadata files appear.
-pub const CONTAINER_METADATA_DIR: &str = "/var/run/kubernetes.io/dra-device-attributes";
 /// Where KubeVirt 1.8.0–1.8.2 look for metadata files (the KEP draft's layout):
 /// `<dir>/<claim name>/<request>/<driver>-metadata.json`.
 pub const LEGACY_CONTAINER_METADATA_DIR: &str = "/var/run/dra-device-attributes";
-/// The only metadata API version KubeVirt reads, and the one we write.
-pub const METADATA_API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
 
 /// Permissions of every device node, as in the device plugin's `Allocate`.
 const PERMISSIONS: &str = "mrw";
-
-/// A ResourceSlice attribute value, serialized as Kubernetes does (`{"int": 5}`).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum AttributeValue {
-    /// An integer.
-    Int(i64),
-    /// A boolean.
-    Bool(bool),
-    /// A string.
-    String(String),
-    /// A semantic version.
-    Version(String),
-}
 
 /// One prepared function of a claim, as prepare knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -319,39 +280,6 @@ struct Mount {
     options: [&'static str; 2],
 }
 
-#[derive(Serialize)]
-struct Metadata<'a> {
-    kind: &'static str,
-    #[serde(rename = "apiVersion")]
-    api_version: &'static str,
-    metadata: ObjectMeta<'a>,
-    #[serde(rename = "podClaimName", skip_serializing_if = "Option::is_none")]
-    pod_claim_name: Option<&'a str>,
-    requests: [MetaRequest<'a>; 1],
-}
-
-#[derive(Serialize)]
-struct ObjectMeta<'a> {
-    name: &'a str,
-    namespace: &'a str,
-    uid: &'a str,
-    generation: i64,
-}
-
-#[derive(Serialize)]
-struct MetaRequest<'a> {
-    name: &'a str,
-    devices: Vec<MetaDevice<'a>>,
-}
-
-#[derive(Serialize)]
-struct MetaDevice<'a> {
-    driver: &'a str,
-    pool: &'a str,
-    name: &'a str,
-    attributes: BTreeMap<&'a str, AttributeValue>,
-}
-
 fn pretty<T: Serialize>(value: &T) -> Result<String, CdiError> {
     let mut s = serde_json::to_string_pretty(value).map_err(CdiError::Encode)?;
     s.push('\n');
@@ -411,47 +339,14 @@ fn checked(dev: &SpecDevice) -> Result<BTreeMap<&str, AttributeValue>, CdiError>
 }
 
 /// Where a claim's metadata appears in containers, after checking the names that
-/// make the path: `<container dir>/resourceclaims/<claim name>`, or
-/// `<container dir>/resourceclaimtemplates/<pod claim name>` for a template claim.
+/// make the path.
 fn container_claim_dir(claim: &ClaimRef, pod_claim_name: Option<&str>) -> Result<String, CdiError> {
     check_label("namespace", &claim.namespace)?;
     check_subdomain("claim name", &claim.name, 253)?;
-    match pod_claim_name {
-        Some(p) => {
-            check_label("pod claim name", p)?;
-            Ok(format!(
-                "{CONTAINER_METADATA_DIR}/resourceclaimtemplates/{p}"
-            ))
-        }
-        None => Ok(format!(
-            "{CONTAINER_METADATA_DIR}/resourceclaims/{}",
-            claim.name
-        )),
+    if let Some(p) = pod_claim_name {
+        check_label("pod claim name", p)?;
     }
-}
-
-/// One request's metadata file: a single `v1alpha1` `DeviceMetadata`, generation 1.
-fn metadata_text(
-    claim: &ClaimRef,
-    pod_claim_name: Option<&str>,
-    reference: &str,
-    devices: Vec<MetaDevice>,
-) -> Result<String, CdiError> {
-    pretty(&Metadata {
-        kind: "DeviceMetadata",
-        api_version: METADATA_API_VERSION,
-        metadata: ObjectMeta {
-            name: &claim.name,
-            namespace: &claim.namespace,
-            uid: &claim.uid,
-            generation: 1,
-        },
-        pod_claim_name,
-        requests: [MetaRequest {
-            name: reference,
-            devices,
-        }],
-    })
+    Ok(metadata::container_claim_dir(claim, pod_claim_name))
 }
 
 /// The CDI spec, the metadata files and the CDI ids for a prepared claim.
@@ -486,7 +381,7 @@ pub fn claim_files(
     let mut cdi_devices = Vec::new();
     let mut device_ids = BTreeMap::new();
     // Top-level request → (full reference, its devices).
-    let mut requests: BTreeMap<&str, (&str, Vec<MetaDevice>)> = BTreeMap::new();
+    let mut requests: BTreeMap<&str, (&str, Vec<MetadataDevice>)> = BTreeMap::new();
     for dev in &sorted {
         let attributes = checked(dev)?;
         let name = format!("{}-{uid}", dev.device_name);
@@ -511,7 +406,7 @@ pub fn claim_files(
             }
             if bases.insert(base) {
                 ids.push(format!("{kind}=metadata-{base}-{uid}"));
-                devs.push(MetaDevice {
+                devs.push(MetadataDevice {
                     driver,
                     pool: &dev.pool,
                     name: &dev.device_name,
@@ -550,7 +445,8 @@ pub fn claim_files(
                 ],
             },
         });
-        let text = metadata_text(claim, pod_claim_name, reference, devs)?;
+        let text = metadata::render(claim, pod_claim_name, 1, reference, devs)
+            .map_err(CdiError::Encode)?;
         metadata.push((PathBuf::from(host), text));
     }
 

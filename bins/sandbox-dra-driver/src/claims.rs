@@ -124,9 +124,9 @@ impl Claims<'_> {
             // back is put back).
             Some(ClaimPhase::Moved) => {
                 let record = self.record(claim, ClaimPhase::Moved, devices);
-                if let Err((step, source)) = self.move_groups(inv, &record.groups()) {
+                if let Err(source) = self.move_groups(inv, &record.groups()) {
                     let after = self.after_failed_prepare(&claim.uid, &record);
-                    return Err(failed(claim, step, Some(after), source));
+                    return Err(failed(claim, source.move_step(), Some(after), source));
                 }
                 record
             }
@@ -234,9 +234,9 @@ impl Claims<'_> {
                 )
             })?;
         support::failpoint::step(after_save);
-        if let Err((step, source)) = self.move_groups(inv, &record.groups()) {
+        if let Err(source) = self.move_groups(inv, &record.groups()) {
             let undo = self.undo(&claim.uid, &record);
-            return Err(failed(claim, step, Some(undo), source));
+            return Err(failed(claim, source.move_step(), Some(undo), source));
         }
         Ok(record)
     }
@@ -476,28 +476,18 @@ impl Claims<'_> {
     }
 
     /// Loads the drivers' modules and binds `groups` whole.
-    fn move_groups(
-        &mut self,
-        inv: &Inventory,
-        groups: &[u32],
-    ) -> Result<(), (&'static str, Box<ClaimStepError>)> {
+    fn move_groups(&mut self, inv: &Inventory, groups: &[u32]) -> Result<(), Box<ClaimStepError>> {
         self.pt
             .load_modules(&target_drivers(inv, groups))
-            .map_err(|e| ("loading the vfio modules", boxed(e)))?;
+            .map_err(boxed)?;
         let report = self.pt.bind_concurrent(inv, groups, self.jobs);
         if !report.failed.is_empty() {
-            return Err((
-                "moving its IOMMU groups to vfio",
-                boxed(ClaimStepError::Bind(report.failed)),
-            ));
+            return Err(boxed(ClaimStepError::Bind(report.failed)));
         }
         for &g in groups {
             let node = self.pt.host.vfio_group_node(g);
             if !self.pt.kernel.is_dry_run() && !Host::exists(&node) {
-                return Err((
-                    "checking the group nodes",
-                    boxed(ClaimStepError::NoGroupNode(node)),
-                ));
+                return Err(boxed(ClaimStepError::NoGroupNode(node)));
             }
         }
         Ok(())

@@ -6,9 +6,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use kube::api::PostParams;
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::Api;
@@ -16,7 +14,7 @@ use node_agent::cluster::Cluster;
 use support::error_chain;
 use tokio_stream::StreamExt;
 
-use kubelet_plugin::slices::{ATTEMPTS, REQUEST_TIMEOUT};
+use kubelet_plugin::status::{DeviceCondition, DeviceStatus, Written};
 use kubelet_plugin::{allocated_devices, AllocatedDevice, ClaimRef};
 
 use crate::claims::DriverError;
@@ -30,8 +28,6 @@ const MOVE_WAIT: Duration = Duration::from_secs(600);
 const STATUS_RETRY_MAX: Duration = Duration::from_secs(30);
 /// How often a give-back that failed is tried again.
 const GIVE_BACK_RETRY: Duration = Duration::from_secs(10);
-/// A condition's message is cut to this many bytes (the API allows 32768).
-const MESSAGE_MAX: usize = 4096;
 
 /// What the watcher needs.
 #[derive(Clone)]
@@ -362,11 +358,40 @@ impl ClaimWatcher {
             );
         }
         let devices: Vec<String> = w.allocations.iter().map(|a| a.device.clone()).collect();
+        let condition = match &outcome {
+            Ok(()) => DeviceCondition {
+                type_: crate::binding::ready_condition(&self.driver),
+                reason: "MovedToVfio".into(),
+                message: format!(
+                    "the IOMMU group(s) of {} are on vfio on node {}",
+                    devices.join(", "),
+                    self.pool
+                ),
+            },
+            Err(e) => DeviceCondition {
+                type_: crate::binding::failed_condition(&self.driver),
+                reason: "MoveFailed".into(),
+                message: error_chain(e),
+            },
+        };
+        let status = DeviceStatus {
+            client: self.cluster.kube_client(),
+            driver: self.driver.clone(),
+            pool: self.pool.clone(),
+        };
+        // Only the allocation the move was for.
+        let same = |found: &ResourceClaim| {
+            self.waiting(found)
+                .is_some_and(|now| now.claim == w.claim && now.allocations == w.allocations)
+        };
         // The scheduler waits on this write: an API server that cannot take it
         // now is asked again, with a growing pause, until the claim changes.
         let mut pause = Duration::from_secs(1);
         loop {
-            match self.write_status(&w, &devices, &outcome).await {
+            let written = status
+                .set_condition(&w.claim, &devices, &condition, w.generation, same)
+                .await;
+            match written {
                 Ok(Written::Kept) => return true,
                 Ok(Written::Dropped) => {
                     let first = !std::mem::replace(&mut seen.lock().status_dropped, true);
@@ -388,211 +413,5 @@ impl ClaimWatcher {
             }
             pause = (pause * 2).min(STATUS_RETRY_MAX);
         }
-    }
-
-    /// Sets our condition on each of `devices` in the claim's `status.devices`,
-    /// read fresh, with an update of the status subresource that keeps every other
-    /// entry and condition (a 409 reads again), as upstream's own tests and drivers
-    /// do (`test/integration/dra/binding_conditions_test.go`: Get, change,
-    /// `UpdateStatus` in `RetryOnConflict`).
-    async fn write_status(
-        &self,
-        w: &Waiting,
-        devices: &[String],
-        outcome: &Result<(), DriverError>,
-    ) -> Result<Written, String> {
-        let api: Api<ResourceClaim> =
-            Api::namespaced(self.cluster.kube_client(), &w.claim.namespace);
-        let condition = match outcome {
-            Ok(()) => (
-                crate::binding::ready_condition(&self.driver),
-                "MovedToVfio",
-                format!(
-                    "the IOMMU group(s) of {} are on vfio on node {}",
-                    devices.join(", "),
-                    self.pool
-                ),
-            ),
-            Err(e) => (
-                crate::binding::failed_condition(&self.driver),
-                "MoveFailed",
-                error_chain(e),
-            ),
-        };
-        let mut last = String::new();
-        for _ in 0..ATTEMPTS {
-            let found =
-                match tokio::time::timeout(REQUEST_TIMEOUT, api.get_opt(&w.claim.name)).await {
-                    Ok(Ok(Some(c))) => c,
-                    Ok(Ok(None)) => return Ok(Written::Gone),
-                    Ok(Err(e)) => {
-                        last = error_chain(&e);
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                        continue;
-                    }
-                    Err(_) => {
-                        last = format!("get timed out after {REQUEST_TIMEOUT:?}");
-                        continue;
-                    }
-                };
-            // Only the allocation the move was for.
-            let same = self
-                .waiting(&found)
-                .is_some_and(|now| now.claim == w.claim && now.allocations == w.allocations);
-            if !same {
-                return Ok(Written::Gone);
-            }
-            let mut claim = found;
-            let generation = claim.metadata.generation.or(w.generation);
-            let status = claim.status.get_or_insert_with(Default::default);
-            let entries = status.devices.get_or_insert_with(Vec::new);
-            for device in devices {
-                let at = entries.iter().position(|e| {
-                    e.driver == self.driver
-                        && e.pool == self.pool
-                        && &e.device == device
-                        && e.share_id.is_none()
-                });
-                let entry = match at {
-                    Some(i) => &mut entries[i],
-                    None => {
-                        entries.push(AllocatedDeviceStatus {
-                            driver: self.driver.clone(),
-                            pool: self.pool.clone(),
-                            device: device.clone(),
-                            ..AllocatedDeviceStatus::default()
-                        });
-                        entries.last_mut().expect("just pushed")
-                    }
-                };
-                set_condition(
-                    entry.conditions.get_or_insert_with(Vec::new),
-                    &condition.0,
-                    condition.1,
-                    &condition.2,
-                    generation,
-                );
-            }
-            match tokio::time::timeout(
-                REQUEST_TIMEOUT,
-                api.replace_status(&w.claim.name, &PostParams::default(), &claim),
-            )
-            .await
-            {
-                Ok(Ok(written)) => {
-                    let kept = written
-                        .status
-                        .as_ref()
-                        .and_then(|s| s.devices.as_deref())
-                        .is_some_and(|d| d.iter().any(|e| e.driver == self.driver));
-                    return Ok(if kept {
-                        Written::Kept
-                    } else {
-                        Written::Dropped
-                    });
-                }
-                Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
-                    last = s.message;
-                }
-                Ok(Err(kube::Error::Api(s))) if s.code == 404 => return Ok(Written::Gone),
-                Ok(Err(e)) => {
-                    last = error_chain(&e);
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-                Err(_) => last = format!("update timed out after {REQUEST_TIMEOUT:?}"),
-            }
-        }
-        Err(format!(
-            "update of ResourceClaim {}/{} status failed {ATTEMPTS} times: {last}",
-            w.claim.namespace, w.claim.name
-        ))
-    }
-}
-
-/// How a status write ended.
-enum Written {
-    /// The server kept our entries.
-    Kept,
-    /// The server dropped `status.devices`.
-    Dropped,
-    /// The claim is gone, or no longer allocated as the move was for.
-    Gone,
-}
-
-/// Sets condition `kind` to `True` as `meta.SetStatusCondition` does
-/// (`k8s.io/apimachinery/pkg/api/meta/conditions.go`): the transition time moves
-/// only when the status changes; reason, message and generation are updated.
-fn set_condition(
-    conditions: &mut Vec<Condition>,
-    kind: &str,
-    reason: &str,
-    message: &str,
-    generation: Option<i64>,
-) {
-    let mut message = message.to_owned();
-    if message.len() > MESSAGE_MAX {
-        let mut cut = MESSAGE_MAX;
-        while !message.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        message.truncate(cut);
-    }
-    let now = Time(k8s_openapi::jiff::Timestamp::now());
-    match conditions.iter_mut().find(|c| c.type_ == kind) {
-        Some(c) => {
-            if c.status != "True" {
-                c.status = "True".into();
-                c.last_transition_time = now;
-            }
-            c.reason = reason.into();
-            c.message = message;
-            c.observed_generation = generation;
-        }
-        None => conditions.push(Condition {
-            type_: kind.into(),
-            status: "True".into(),
-            reason: reason.into(),
-            message,
-            observed_generation: generation,
-            last_transition_time: now,
-        }),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn set_condition_keeps_the_transition_time_while_the_status_stays() {
-        let mut c = Vec::new();
-        set_condition(&mut c, "d/VfioReady", "MovedToVfio", "one", Some(1));
-        let first = c[0].last_transition_time.clone();
-        set_condition(&mut c, "d/VfioReady", "MovedToVfio", "two", Some(2));
-        assert_eq!(c.len(), 1);
-        assert_eq!(c[0].last_transition_time, first);
-        assert_eq!(
-            (c[0].message.as_str(), c[0].observed_generation),
-            ("two", Some(2))
-        );
-        c[0].status = "False".into();
-        std::thread::sleep(Duration::from_millis(2));
-        set_condition(&mut c, "d/VfioReady", "MovedToVfio", "three", None);
-        assert_eq!(c[0].status, "True");
-        assert_ne!(c[0].last_transition_time, first);
-    }
-
-    #[test]
-    fn long_messages_are_cut_on_a_character_boundary() {
-        let mut c = Vec::new();
-        set_condition(
-            &mut c,
-            "d/VfioFailed",
-            "MoveFailed",
-            &"é".repeat(5000),
-            None,
-        );
-        assert!(c[0].message.len() <= MESSAGE_MAX);
-        assert!(c[0].message.chars().all(|ch| ch == 'é'));
     }
 }

@@ -110,17 +110,20 @@
 //! A driver whose devices change tells the plugin through [`Plugin::republish`];
 //! one that reports health returns its channel from [`Driver::health`]; one that
 //! counts its calls or posts Events on failed claims does it in
-//! [`Driver::answered`].
+//! [`Driver::answered`]. A driver with binding conditions sets them on a claim's
+//! devices through [`status::DeviceStatus`].
 
 mod batch;
 mod claim;
 mod driver;
 mod grpc;
 pub mod health;
+pub mod metadata;
 mod plugin;
 mod publish;
 mod ready;
 pub mod slices;
+pub mod status;
 
 pub use claim::{
     allocated_devices, read_claim, AllocatedDevice, Claim, ClaimRef, ReadError, Ticket,

@@ -117,6 +117,18 @@ pub enum ClaimStepError {
     },
 }
 
+impl ClaimStepError {
+    /// The step of a claim's move (modules, bind, group nodes) that this error
+    /// stopped, as its failure names it.
+    pub(super) fn move_step(&self) -> &'static str {
+        match self {
+            Self::Module(_) => "loading the vfio modules",
+            Self::NoGroupNode(_) => "checking the group nodes",
+            _ => "moving its IOMMU groups to vfio",
+        }
+    }
+}
+
 pub(super) fn boxed(e: impl Into<ClaimStepError>) -> Box<ClaimStepError> {
     Box::new(e.into())
 }
