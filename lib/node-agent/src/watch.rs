@@ -57,7 +57,7 @@ impl Changes {
     }
 
     /// A large burst is read as a whole-node rescan.
-    fn settle(mut self) -> Self {
+    fn full_if_large(mut self) -> Self {
         if self.addresses.len() + self.groups.len() > MAX_PARTIAL {
             self.full = true;
         }
@@ -316,7 +316,7 @@ impl NodeWatch {
         if self.resync.due(Instant::now()) {
             changes.full = true;
         }
-        changes.settle()
+        changes.full_if_large()
     }
 
     /// Asks for a full pass after `delay` (a pass that failed is tried again soon),
@@ -375,7 +375,7 @@ impl AsyncNodeWatch {
             let mut changes = Changes::default();
             self.sources.collect(&mut changes);
             if !changes.is_empty() {
-                return changes.settle();
+                return changes.full_if_large();
             }
             let vfio_missing = self.sources.vfio.is_none();
             tokio::select! {

@@ -1,7 +1,7 @@
 //! What every crate of vfio-sandbox shares below its first layer, and nothing
 //! else: one line per error with its causes ([`error_chain`]), a lock that
 //! survives a panicked holder ([`lock`]), output that survives a closed pipe
-//! ([`out`]), file helpers that name the action and the path ([`io`]), the
+//! ([`output`]), file helpers that name the action and the path ([`io`]), the
 //! test bed's named stopping points ([`failpoint`]) and wall-clock time as the
 //! API server writes it ([`time`]).
 //!
@@ -9,7 +9,7 @@
 
 pub mod failpoint;
 pub mod io;
-pub mod out;
+pub mod output;
 pub mod time;
 
 use std::sync::{Mutex, MutexGuard, PoisonError};

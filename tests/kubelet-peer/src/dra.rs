@@ -334,9 +334,9 @@ async fn notify_on(
     Ok(())
 }
 
-/// The plugin watcher's verdict on a registration socket.
+/// How the plugin watcher's registration of a socket ended.
 #[derive(Debug)]
-pub enum Verdict {
+pub enum RegisterOutcome {
     /// Validated, registered and told so.
     Registered(Registered),
     /// Registered and told so, but with kubelet 1.32's alpha fallback
@@ -356,7 +356,7 @@ pub async fn register_as(
     socket: &Path,
     kubelet: KubeletVersion,
     accept: impl FnOnce(&PluginInfo) -> Result<(), String>,
-) -> anyhow::Result<Verdict> {
+) -> anyhow::Result<RegisterOutcome> {
     let mut client = registration_client(socket).await?;
     let mut info = get_info_on(&mut client, socket).await?;
     let refuse = |error: String| RegistrationStatus {
@@ -398,7 +398,7 @@ pub async fn register_as(
     )
     .await?;
     Ok(match chosen {
-        Chosen::Speaks(chosen) => Verdict::Registered(Registered {
+        Chosen::Speaks(chosen) => RegisterOutcome::Registered(Registered {
             socket: socket.to_owned(),
             kind: info.r#type,
             name: info.name,
@@ -406,7 +406,7 @@ pub async fn register_as(
             supported_versions: info.supported_versions,
             chosen,
         }),
-        Chosen::V1alpha4 => Verdict::RegisteredAlpha(info),
+        Chosen::V1alpha4 => RegisterOutcome::RegisteredAlpha(info),
     })
 }
 
@@ -418,8 +418,8 @@ pub async fn register_socket_as(
     kubelet: KubeletVersion,
 ) -> anyhow::Result<Registered> {
     match register_as(socket, kubelet, |_| Ok(())).await? {
-        Verdict::Registered(r) => Ok(r),
-        Verdict::RegisteredAlpha(info) => anyhow::bail!(
+        RegisterOutcome::Registered(r) => Ok(r),
+        RegisterOutcome::RegisteredAlpha(info) => anyhow::bail!(
             "kubelet {kubelet:?} registered {} but would call {V1ALPHA4_NODE_SERVICE} (it lists {:?}), which this peer does not speak",
             info.name,
             info.supported_versions

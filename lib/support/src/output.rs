@@ -53,7 +53,7 @@ pub fn line(stream: Stream, args: std::fmt::Arguments<'_>) {
 #[macro_export]
 macro_rules! outln {
     ($($arg:tt)*) => {
-        $crate::out::line($crate::out::Stream::Out, format_args!($($arg)*))
+        $crate::output::line($crate::output::Stream::Out, format_args!($($arg)*))
     };
 }
 
@@ -61,6 +61,6 @@ macro_rules! outln {
 #[macro_export]
 macro_rules! errln {
     ($($arg:tt)*) => {
-        $crate::out::line($crate::out::Stream::Err, format_args!($($arg)*))
+        $crate::output::line($crate::output::Stream::Err, format_args!($($arg)*))
     };
 }
