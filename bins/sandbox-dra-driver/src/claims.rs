@@ -161,7 +161,7 @@ impl Claims<'_> {
     /// Moves the groups of `claim`'s devices to vfio as soon as the scheduler has
     /// allocated it, before its pod is bound (KEP-5007: the scheduler waits on the
     /// claim's binding condition): the same steps and records as [`Self::prepare`]
-    /// up to the files ([`Self::save_and_move`]), then saved as `moved`.
+    /// up to the files (`save_and_move`), then saved as `moved`.
     /// Idempotent: a claim already moved or prepared with the same devices is left
     /// as it is.
     pub fn move_early(

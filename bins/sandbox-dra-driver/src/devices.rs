@@ -134,7 +134,7 @@ pub fn taint_key(driver: &str) -> String {
 /// whose value is the reason: the scheduler leaves it alone, claims already on it
 /// keep it, and `kubectl get resourceslice -o yaml` says why. Without, the marked
 /// ones are left out, as before taints existed. With `binding`, each of its devices
-/// carries the binding conditions of [`crate::binding`] and `bindsToNode`.
+/// carries the binding conditions of the `binding` module and `bindsToNode`.
 pub fn marked_devices(
     inv: &Inventory,
     unhealthy: &BTreeMap<PciAddress, &str>,

@@ -2,11 +2,11 @@
 //! passthrough per ResourceClaim on top of [`kubelet_plugin`], which serves it to
 //! kubelet and publishes its devices.
 //!
-//! The driver's own knowledge: claims and their records ([`Claims`]), their CDI
-//! specs and metadata files ([`cdi`]), the devices it offers ([`devices`]), the
-//! thread that changes the node ([`Worker`]), the early move before a pod binds
-//! ([`binding`], the claim watcher), device health ([`HealthBoard`]), the wait for the node's owner
-//! lock ([`owner`]) and its metrics. Whole-group binding and restoring is the
+//! The driver's own knowledge: claims ([`Claims`]) and their records in the state
+//! file ([`ClaimRecords`]), their CDI specs and metadata files ([`cdi`]), the
+//! devices it offers ([`slice_devices`]), the thread that changes the node
+//! ([`Worker`]), the early move before a pod binds ([`ClaimWatcher`]), device health
+//! ([`HealthBoard`]), the wait for the node's owner lock ([`owner`]) and its metrics. Whole-group binding and restoring is the
 //! passthrough engine's (`passthrough` crate), shared with vfio-manager.
 
 mod binding;

@@ -46,7 +46,7 @@ pub struct CommonArgs {
     /// Root of sysfs.
     #[arg(long, env = "VFIO_SANDBOX_SYSFS_ROOT", global = true, default_value = DEFAULT_SYSFS_ROOT, value_name = "DIR")]
     pub sysfs_root: PathBuf,
-    /// Root of /dev (holds vfio/<group>).
+    /// Root of /dev (holds `vfio/<group>`).
     #[arg(long, env = "VFIO_SANDBOX_DEV_ROOT", global = true, default_value = DEFAULT_DEV_ROOT, value_name = "DIR")]
     pub dev_root: PathBuf,
     /// Log format on stderr.
@@ -121,7 +121,7 @@ pub fn fail(program: &str, error: &dyn std::error::Error, code: u8) -> std::proc
 /// target is off unless the operator's filter names a `kube_client` target.
 const KUBE_HTTP_TARGET: &str = "kube_client::client::builder";
 
-/// The operator's log filter, plus [`KUBE_HTTP_TARGET`] turned off unless the
+/// The operator's log filter, plus `KUBE_HTTP_TARGET` turned off unless the
 /// filter says something about kube_client itself.
 pub fn log_targets(
     filter: &str,

@@ -76,7 +76,7 @@ pub struct Program {
     pub name: &'static str,
     /// What an operator does so that it lets the node go.
     pub release_hint: &'static str,
-    /// Said after "<its state file>.lock is locked by another <name>".
+    /// Said after "`<its state file>.lock` is locked by another `<name>`".
     pub lock_hint: &'static str,
 }
 

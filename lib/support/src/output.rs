@@ -4,7 +4,7 @@
 //! returns `EPIPE`, and `println!` turns that into a panic — an abort, with our
 //! release profile. A command that reports while it changes the node (`bind`,
 //! `unbind`) must never stop half-way because its reader went away, so every line
-//! goes through [`line`]: a write that fails drops the rest of that stream's output
+//! goes through [`line()`]: a write that fails drops the rest of that stream's output
 //! and the command carries on to its normal end and exit code.
 
 use std::io::Write;

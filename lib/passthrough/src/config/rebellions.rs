@@ -9,7 +9,7 @@
 //!
 //! The `pci-ids` rule, as Rebellions' code has it: the operator injects an empty
 //! `RBLN_PT_ALIAS` into the plugin, which then runs in "per-model mode
-//! (rebellions.ai/RBLN-<MODEL>_<PF|VF>)" (rebellions-sw/rbln-npu-operator: the
+//! (`rebellions.ai/RBLN-<MODEL>_<PF|VF>`)" (rebellions-sw/rbln-npu-operator: the
 //! comment on `sandboxResourceAlias` in its sandbox device plugin patcher, package
 //! `components`; its e2e test expects `rebellions.ai/RBLN-CA22_PF`); the plugin's own
 //! source is not among the sources we could read. The model is the database name up
