@@ -445,12 +445,16 @@ fn preferred_allocation_of_1024_devices_holds_up_no_other_call() {
         eprintln!(
             "1024 devices: GetPreferredAllocation {slowest_pref:?}, concurrent Allocate {slowest_alloc:?} (slowest of 5)"
         );
+        // The figures are the benchmark's (scripts/bench-device-plugin.sh,
+        // alloc_racing_pref_max_us, pref_all_median_us: tens of microseconds to a
+        // few milliseconds). Here only what a loaded machine cannot blur: neither
+        // call is queued behind a lock for seconds.
         assert!(
-            slowest_alloc < Duration::from_millis(100),
+            slowest_alloc < Duration::from_secs(3),
             "Allocate waited {slowest_alloc:?}"
         );
         assert!(
-            slowest_pref < Duration::from_millis(100),
+            slowest_pref < Duration::from_secs(3),
             "GetPreferredAllocation took {slowest_pref:?}"
         );
     });
