@@ -279,16 +279,31 @@ const NOTIFY_TIMEOUT: Duration = Duration::from_secs(5);
 /// grpc-go sends the percent-encoded path as `:authority`
 /// (`pkg/kubelet/pluginmanager/operationexecutor/operation_generator.go`, `dial`;
 /// [`crate::grpcgo`]).
+///
+/// The dial blocks (`grpc.WithBlock()`) until the connection is ready or the dial
+/// timeout passes, so a socket that refuses the connection (bound, not listening
+/// yet, or left by a process that died) is dialed again after grpc-go's backoff
+/// (first retry after 1 s, `google.golang.org/grpc/backoff`, `DefaultConfig`); a
+/// socket that is not there at all fails at once.
 async fn registration_client(socket: &Path) -> anyhow::Result<RegistrationClient<Channel>> {
     let authority = crate::grpcgo::path_authority(socket);
-    let channel = tokio::time::timeout(
-        DIAL_TIMEOUT,
-        kubelet_api::unix_channel_with_authority(socket, &authority),
-    )
-    .await
-    .map_err(|_| anyhow::anyhow!("failed to dial socket {}: timed out", socket.display()))?
-    .map_err(|e| anyhow::anyhow!("failed to dial socket {}, err: {e}", socket.display()))?;
-    Ok(RegistrationClient::new(channel))
+    let deadline = tokio::time::Instant::now() + DIAL_TIMEOUT;
+    loop {
+        let dial = kubelet_api::unix_channel_with_authority(socket, &authority);
+        let e = match tokio::time::timeout_at(deadline, dial).await {
+            Ok(Ok(channel)) => return Ok(RegistrationClient::new(channel)),
+            Err(_) => anyhow::bail!("failed to dial socket {}: timed out", socket.display()),
+            Ok(Err(e)) => e,
+        };
+        let refused = std::iter::successors(Some(&e as &dyn std::error::Error), |e| e.source())
+            .filter_map(|e| e.downcast_ref::<std::io::Error>())
+            .any(|io| io.kind() == std::io::ErrorKind::ConnectionRefused);
+        let retry = tokio::time::Instant::now() + Duration::from_secs(1);
+        if !refused || retry >= deadline {
+            anyhow::bail!("failed to dial socket {}, err: {e}", socket.display());
+        }
+        tokio::time::sleep_until(retry).await;
+    }
 }
 
 /// `GetInfo` on a registration socket.

@@ -82,3 +82,31 @@ fn claims_are_namespace_name_uid() {
     assert!(parse_claim("ns/name").is_err());
     assert_eq!(parse_claim("ns/name/").unwrap().uid, "");
 }
+
+#[tokio::test]
+async fn a_refusing_socket_is_dialed_again_and_a_missing_one_fails_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("reg.sock");
+    assert!(
+        registration_client(&socket).await.is_err(),
+        "no socket: at once"
+    );
+    // A socket file nobody listens on: refused, as between bind and listen.
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+    let path = socket.clone();
+    let late = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        std::fs::remove_file(&path).unwrap();
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let _ = listener.accept().await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    });
+    let started = std::time::Instant::now();
+    registration_client(&socket).await.unwrap();
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        started.elapsed()
+    );
+    late.abort();
+}
