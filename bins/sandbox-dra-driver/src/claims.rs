@@ -144,9 +144,7 @@ impl Claims<'_> {
             phase: ClaimPhase::Prepared,
             ..record.clone()
         };
-        if let Err(e) = self.pt.state.update_records(self.pt.kernel, |c| {
-            c.0.insert(claim.uid.clone(), prepared);
-        }) {
+        if let Err(e) = self.save_claim(&claim.uid, prepared) {
             let after = self.after_failed_prepare(&claim.uid, &record);
             return Err(failed(
                 claim,
@@ -193,9 +191,7 @@ impl Claims<'_> {
             phase: ClaimPhase::Moved,
             ..record.clone()
         };
-        if let Err(e) = self.pt.state.update_records(self.pt.kernel, |c| {
-            c.0.insert(claim.uid.clone(), moved);
-        }) {
+        if let Err(e) = self.save_claim(&claim.uid, moved) {
             let undo = self.undo(&claim.uid, &record);
             return Err(failed(
                 claim,
@@ -220,25 +216,35 @@ impl Claims<'_> {
         after_save: &'static str,
     ) -> Result<ClaimRecord, ClaimError> {
         let record = self.record(claim, ClaimPhase::Preparing, devices);
-        self.pt
-            .state
-            .update_records(self.pt.kernel, |c| {
-                c.0.insert(claim.uid.clone(), record.clone());
-            })
-            .map_err(|e| {
-                failed(
-                    claim,
-                    "saving the claim before touching its devices",
-                    None,
-                    boxed(e),
-                )
-            })?;
+        self.save_claim(&claim.uid, record.clone()).map_err(|e| {
+            failed(
+                claim,
+                "saving the claim before touching its devices",
+                None,
+                boxed(e),
+            )
+        })?;
         support::failpoint::step(after_save);
         if let Err(source) = self.move_groups(inv, &record.groups()) {
             let undo = self.undo(&claim.uid, &record);
             return Err(failed(claim, source.move_step(), Some(undo), source));
         }
         Ok(record)
+    }
+
+    /// Saves `record` as claim `uid`'s in the state file, replacing any earlier one.
+    fn save_claim(&mut self, uid: &str, record: ClaimRecord) -> Result<(), StateError> {
+        self.pt.state.update_records(self.pt.kernel, |c| {
+            c.0.insert(uid.to_owned(), record);
+        })
+    }
+
+    /// Drops claim `uid` from the state file: only once its devices are back (or
+    /// were never moved).
+    fn forget_claim(&mut self, uid: &str) -> Result<(), StateError> {
+        self.pt.state.update_records(self.pt.kernel, |c| {
+            c.0.remove(uid);
+        })
     }
 
     /// The record of `claim` in `phase` with `devices`.
@@ -568,11 +574,7 @@ impl Claims<'_> {
                 phase: ClaimPhase::Unpreparing,
                 ..record.clone()
             };
-            self.pt
-                .state
-                .update_records(self.pt.kernel, |c| {
-                    c.0.insert(claim.uid.clone(), next);
-                })
+            self.save_claim(&claim.uid, next)
                 .map_err(|e| fail("saving the claim before giving its devices back", boxed(e)))?;
         }
         support::failpoint::step("unprepare-after-save");
@@ -601,11 +603,7 @@ impl Claims<'_> {
                 ));
             }
         }
-        self.pt
-            .state
-            .update_records(self.pt.kernel, |c| {
-                c.0.remove(&claim.uid);
-            })
+        self.forget_claim(&claim.uid)
             .map_err(|e| fail("forgetting the claim", boxed(e)))
     }
 

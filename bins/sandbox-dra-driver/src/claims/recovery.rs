@@ -51,9 +51,7 @@ impl Claims<'_> {
                 device_list(&r.devices),
                 self.pool
             );
-            match self.pt.state.update_records(self.pt.kernel, |c| {
-                c.0.remove(uid);
-            }) {
+            match self.forget_claim(uid) {
                 Ok(()) => out.foreign.push(shown),
                 Err(e) => out
                     .failed
