@@ -16,6 +16,10 @@ use support::io::{read_optional, IoError};
 use sysfs_pci::kernel::Kernel;
 use sysfs_pci::PciAddress;
 
+/// The file's own top-level keys, in the order written (the fields of `OnDisk`);
+/// every other key belongs to the program's [`Records`].
+const OWN_KEYS: [&str; 3] = ["version", "devices", "unloaded_modules"];
+
 /// The format version this build reads and writes.
 pub const VERSION: u32 = 1;
 
@@ -187,10 +191,9 @@ impl Records for Foreign {
         out
     }
     fn take(file: &mut serde_json::Map<String, serde_json::Value>) -> serde_json::Result<Self> {
-        let ours = ["version", "devices", "unloaded_modules"];
         let theirs: Vec<String> = file
             .keys()
-            .filter(|k| !ours.contains(&k.as_str()))
+            .filter(|k| !OWN_KEYS.contains(&k.as_str()))
             .cloned()
             .collect();
         Ok(Self(
@@ -218,10 +221,11 @@ pub struct State<R = NoRecords> {
 impl<R: Records> serde::Serialize for State<R> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
+        let [version, devices, unloaded_modules] = OWN_KEYS;
         let mut map = s.serialize_map(None)?;
-        map.serialize_entry("version", &self.version)?;
-        map.serialize_entry("devices", &self.devices)?;
-        map.serialize_entry("unloaded_modules", &self.unloaded_modules)?;
+        map.serialize_entry(version, &self.version)?;
+        map.serialize_entry(devices, &self.devices)?;
+        map.serialize_entry(unloaded_modules, &self.unloaded_modules)?;
         if !self.records.is_empty() {
             map.serialize_entry(R::KEY, &self.records)?;
         }
@@ -263,25 +267,23 @@ impl<R: Records> State<R> {
         if text.trim().is_empty() {
             return Ok(Self::empty());
         }
-        // Read the version alone first, so a newer format gets the version error.
-        if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(text) {
-            match map.get("version").and_then(serde_json::Value::as_u64) {
-                Some(v) if v == u64::from(VERSION) => {}
-                Some(version) => {
-                    return Err(StateError::Version {
-                        path: path.to_owned(),
-                        version,
-                        program,
-                    })
-                }
-                None => {}
-            }
-        }
         let corrupt = |source| StateError::Corrupt {
             path: path.to_owned(),
             source,
         };
         let mut value: serde_json::Value = serde_json::from_str(text).map_err(corrupt)?;
+        // The version alone first, so a newer format gets the version error.
+        match value.get("version").and_then(serde_json::Value::as_u64) {
+            Some(v) if v == u64::from(VERSION) => {}
+            Some(version) => {
+                return Err(StateError::Version {
+                    path: path.to_owned(),
+                    version,
+                    program,
+                })
+            }
+            None => {}
+        }
         let records = match value.as_object_mut() {
             Some(file) => R::take(file).map_err(corrupt)?,
             None => R::default(),
