@@ -21,8 +21,9 @@
 //!
 //! A record can be lost (the lock file deleted with its directory, garbled by hand),
 //! so it is not the last word: what the other program's state file records as moved
-//! (or its own records hold, read as [`Foreign`]) is. Taking the lock is refused while that file records a device, and when it
-//! cannot be read (in doubt), naming it.
+//! (or its own records hold, read as [`Foreign`]) is. Taking the lock is refused
+//! while that file records a device, and when it cannot be read (in doubt),
+//! naming it.
 //!
 //! A lock file deleted or replaced while held no longer keeps anyone out: the next
 //! taker locks a new file. So the holder checks, before each save that holds more
@@ -178,24 +179,24 @@ pub enum OwnerError {
         lock: PathBuf,
     },
     /// The other program's state file records devices it moved.
-    #[error("{other}'s state file {} records {devices} device(s) moved on this node; {program} moves nothing while it does: a node runs either {program} or {other}, not both; {}", state.display(), other.release_hint)]
+    #[error("{rival}'s state file {} records {devices} device(s) moved on this node; {program} moves nothing while it does: a node runs either {program} or {rival}, not both; {}", state.display(), rival.release_hint)]
     Recorded {
         /// The program refused.
         program: &'static Program,
         /// The program whose state file it is.
-        other: &'static Program,
+        rival: &'static Program,
         /// Its state file.
         state: PathBuf,
         /// How many devices it records.
         devices: usize,
     },
     /// The other program's state file cannot be read: it may record moved devices.
-    #[error("cannot tell whether {other} has devices moved on this node: its state file {} cannot be read; {program} moves nothing while in doubt (repair the file, or remove it once no device of {other} is on vfio-pci)", state.display())]
+    #[error("cannot tell whether {rival} has devices moved on this node: its state file {} cannot be read; {program} moves nothing while in doubt (repair the file, or remove it once no device of {rival} is on vfio-pci)", state.display())]
     InDoubt {
         /// The program refused.
         program: &'static Program,
         /// The program whose state file it is.
-        other: &'static Program,
+        rival: &'static Program,
         /// Its state file.
         state: PathBuf,
         /// Why it cannot be read.
@@ -467,19 +468,19 @@ impl Owner {
 /// read. An absent file records nothing. Its records are read as
 /// [`Foreign`]: this program does not know their shape.
 fn recorded_by_rival(who: &Contender) -> Result<(), OwnerError> {
-    let (program, other, state) = (who.program, who.rival, &who.rival_state);
-    let held = StateFile::<Foreign>::load(state, false, other)
+    let (program, rival, state) = (who.program, who.rival, &who.rival_state);
+    let held = StateFile::<Foreign>::load(state, false, rival)
         .map(|s| s.state().held_devices())
         .map_err(|source| OwnerError::InDoubt {
             program,
-            other,
+            rival,
             state: state.to_owned(),
             source: Box::new(source),
         })?;
     if held > 0 {
         return Err(OwnerError::Recorded {
             program,
-            other,
+            rival,
             state: state.to_owned(),
             devices: held,
         });
