@@ -95,6 +95,9 @@ pub struct Claim {
     pub arrived: Ticket,
     /// Its devices of this driver in this node's pool, in result order; never empty.
     pub devices: Vec<AllocatedDevice>,
+    /// The opaque configurations of this driver in its allocation, class first
+    /// ([`opaque_configs`]).
+    pub configs: Vec<OpaqueConfig>,
     /// The claim as read.
     pub object: ResourceClaim,
 }
@@ -247,6 +250,7 @@ pub async fn read_claim(
         .ok_or_else(|| ReadError::NotFound { claim: id })?;
     Ok(Claim {
         devices: allocated_devices(&object, claim, driver, pool)?,
+        configs: opaque_configs(&object, driver),
         reference: claim.clone(),
         arrived,
         object,
@@ -311,6 +315,95 @@ pub fn allocated_devices(
         .collect())
 }
 
+/// Where an opaque configuration of a claim's allocation came from: the
+/// allocation's `config[].source`, which the scheduler sets when it copies the
+/// configurations of the DeviceClasses and of the claim into the allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ConfigSource {
+    /// `FromClass`: a DeviceClass's `spec.config`.
+    Class,
+    /// `FromClaim`: the claim's `spec.devices.config`.
+    Claim,
+}
+
+impl std::fmt::Display for ConfigSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Class => "its DeviceClass",
+            Self::Claim => "the claim",
+        })
+    }
+}
+
+/// One opaque configuration for this driver in a claim's allocation
+/// (`status.allocation.devices.config[index]`): parameters the API server stores
+/// without looking at them, for the driver to check.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct OpaqueConfig {
+    /// Its place in `status.allocation.devices.config`.
+    pub index: usize,
+    /// Where it came from.
+    pub source: ConfigSource,
+    /// The requests it applies to (`request` or `request/subrequest`); empty:
+    /// all of the claim's requests.
+    pub requests: Vec<String>,
+    /// `opaque.parameters`, as stored.
+    pub parameters: serde_json::Value,
+}
+
+impl OpaqueConfig {
+    /// The field its parameters are in, for errors that name it.
+    pub fn field(&self) -> String {
+        format!(
+            "status.allocation.devices.config[{}].opaque.parameters",
+            self.index
+        )
+    }
+
+    /// True when it applies to a device allocated for `request` (`request` or
+    /// `request/subrequest`): it names no request, names `request`, or names the
+    /// request a subrequest belongs to.
+    pub fn applies_to(&self, request: &str) -> bool {
+        let parent = request.split_once('/').map(|(p, _)| p);
+        self.requests.is_empty()
+            || self
+                .requests
+                .iter()
+                .any(|r| r == request || Some(r.as_str()) == parent)
+    }
+}
+
+/// The opaque configurations of `driver` in the allocation of claim `object`,
+/// in the order their precedence rises: those from DeviceClasses first, then the
+/// claim's own, each in allocation order (as upstream's example driver orders
+/// them: for a device, the last one that applies to its request wins).
+/// Configurations of other drivers are theirs.
+pub fn opaque_configs(object: &ResourceClaim, driver: &str) -> Vec<OpaqueConfig> {
+    let configs = object
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.config.as_deref())
+        .unwrap_or(&[]);
+    let ours = configs.iter().enumerate().filter_map(|(index, c)| {
+        let opaque = c.opaque.as_ref().filter(|o| o.driver == driver)?;
+        let source = match c.source.as_str() {
+            "FromClass" => ConfigSource::Class,
+            _ => ConfigSource::Claim,
+        };
+        Some(OpaqueConfig {
+            index,
+            source,
+            requests: c.requests.clone().unwrap_or_default(),
+            parameters: opaque.parameters.0.clone(),
+        })
+    });
+    let (mut class, claim): (Vec<_>, Vec<_>) = ours.partition(|c| c.source == ConfigSource::Class);
+    class.extend(claim);
+    class
+}
+
 /// Reads `claims` ([`read_claim`]), [`PARALLEL_READS`] at a time, until
 /// `deadline`: one result per claim, in the order given; a read still running at
 /// the deadline is a [`ReadError::Deadline`].
@@ -355,4 +448,39 @@ pub(crate) async fn read_claims(
             (claim, read)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configs_of_the_driver_come_class_first_and_apply_to_their_requests() {
+        let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "c", "namespace": "vms", "uid": "u"},
+            "spec": {},
+            "status": {"allocation": {"devices": {"results": [], "config": [
+                {"source": "FromClaim", "requests": ["vm"],
+                 "opaque": {"driver": "ours.example.com", "parameters": {"n": 0}}},
+                {"source": "FromClass",
+                 "opaque": {"driver": "theirs.example.com", "parameters": {"n": 1}}},
+                {"source": "FromClass", "requests": ["vm/fast"],
+                 "opaque": {"driver": "ours.example.com", "parameters": {"n": 2}}},
+            ]}}}
+        }))
+        .unwrap();
+        let configs = opaque_configs(&claim, "ours.example.com");
+        let order: Vec<(usize, ConfigSource)> =
+            configs.iter().map(|c| (c.index, c.source)).collect();
+        assert_eq!(order, [(2, ConfigSource::Class), (0, ConfigSource::Claim)]);
+        assert_eq!(configs[1].parameters, serde_json::json!({"n": 0}));
+        assert_eq!(
+            configs[1].field(),
+            "status.allocation.devices.config[0].opaque.parameters"
+        );
+        // `vm` covers its subrequests; `vm/fast` only itself.
+        assert!(configs[1].applies_to("vm") && configs[1].applies_to("vm/slow"));
+        assert!(configs[0].applies_to("vm/fast") && !configs[0].applies_to("vm/slow"));
+        assert!(!configs[0].applies_to("vm") && !configs[1].applies_to("vmx"));
+    }
 }

@@ -102,6 +102,9 @@ impl FakeDevice {
     }
 }
 
+/// The file under a fake node's root that says its kernel makes device cdevs.
+const CDEV_MARK: &str = ".vfio-cdev";
+
 /// A fake node rooted in a directory.
 #[derive(Debug, Clone)]
 pub struct FakeNode {
@@ -231,6 +234,7 @@ impl FakeNode {
         let _ = fs::remove_file(dir.join("driver"));
         symlink(self.host.driver_dir(driver), dir.join("driver")).unwrap();
         self.sync_group_node_of(&dir);
+        self.sync_vfio_cdev(addr, is_vfio_driver(driver));
     }
 
     /// Unbinds `addr` directly.
@@ -238,6 +242,45 @@ impl FakeNode {
         let dir = self.canonical_dir(addr);
         let _ = fs::remove_file(dir.join("driver"));
         self.sync_group_node_of(&dir);
+        self.sync_vfio_cdev(addr, false);
+    }
+
+    /// Makes the fake kernel one with `CONFIG_VFIO_DEVICE_CDEV`: `/dev/iommu`
+    /// exists, and from now on a function bound to a vfio driver gets
+    /// `vfio-dev/vfioN` with a `dev` attribute, its `vfio-dev` class link and
+    /// `/dev/vfio/devices/vfioN` (N = its bus, device and function as one number),
+    /// which go when it unbinds.
+    pub fn enable_vfio_cdev(&self) {
+        fs::write(self.host.dev.join("iommu"), "").unwrap();
+        fs::create_dir_all(self.host.vfio_dev_class_dir()).unwrap();
+        fs::write(self.root.join(CDEV_MARK), "").unwrap();
+    }
+
+    /// The device cdev name the fake kernel gives `addr`.
+    pub fn vfio_cdev_of(addr: &PciAddress) -> String {
+        let n = (u32::from(addr.bus()) << 8) | u32::from(addr.slot() << 3 | addr.function());
+        format!("vfio{n}")
+    }
+
+    fn sync_vfio_cdev(&self, addr: &PciAddress, bound: bool) {
+        if !self.root.join(CDEV_MARK).exists() {
+            return;
+        }
+        let name = Self::vfio_cdev_of(addr);
+        let dir = self.canonical_dir(addr).join("vfio-dev").join(&name);
+        let class = self.host.vfio_dev_class_dir().join(&name);
+        let node = self.host.vfio_dir().join("devices").join(&name);
+        if bound {
+            fs::create_dir_all(&dir).unwrap();
+            fs::write(dir.join("dev"), "511:0\n").unwrap();
+            let _ = symlink(&dir, &class);
+            fs::create_dir_all(node.parent().unwrap()).unwrap();
+            fs::write(node, "").unwrap();
+        } else {
+            let _ = fs::remove_dir_all(self.canonical_dir(addr).join("vfio-dev"));
+            let _ = fs::remove_file(class);
+            let _ = fs::remove_file(node);
+        }
     }
 
     /// Creates or removes the node of the group of the device in `dir`, as the

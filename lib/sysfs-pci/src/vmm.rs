@@ -12,6 +12,14 @@ pub fn device_nodes<'a>(
     groups: impl IntoIterator<Item = u32>,
     cdevs: impl IntoIterator<Item = &'a str>,
 ) -> Vec<String> {
+    let mut nodes = group_nodes(groups);
+    nodes.extend(iommufd_nodes(cdevs));
+    nodes
+}
+
+/// The legacy VFIO interface's nodes for `groups`: `vfio/vfio` and each
+/// `vfio/<group>` once, in order.
+pub fn group_nodes(groups: impl IntoIterator<Item = u32>) -> Vec<String> {
     let mut nodes = vec!["vfio/vfio".to_owned()];
     let mut seen = BTreeSet::new();
     nodes.extend(
@@ -20,15 +28,20 @@ pub fn device_nodes<'a>(
             .filter(|g| seen.insert(*g))
             .map(|g| format!("vfio/{g}")),
     );
+    nodes
+}
+
+/// The iommufd interface's nodes for the device cdevs `cdevs` (`vfioN`): `iommu`
+/// and each `vfio/devices/vfioN`; nothing when `cdevs` is empty.
+pub fn iommufd_nodes<'a>(cdevs: impl IntoIterator<Item = &'a str>) -> Vec<String> {
     let cdevs: Vec<String> = cdevs
         .into_iter()
         .map(|c| format!("vfio/devices/{c}"))
         .collect();
-    if !cdevs.is_empty() {
-        nodes.push("iommu".to_owned());
-        nodes.extend(cdevs);
+    if cdevs.is_empty() {
+        return cdevs;
     }
-    nodes
+    std::iter::once("iommu".to_owned()).chain(cdevs).collect()
 }
 
 #[cfg(test)]
