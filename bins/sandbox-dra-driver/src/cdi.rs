@@ -122,8 +122,11 @@ pub struct SpecDevice {
     pub group: u32,
     /// Its ResourceSlice attributes; [`PCI_BUS_ID`] is added when missing.
     pub attributes: BTreeMap<String, AttributeValue>,
+    /// Hand out its group nodes (`/dev/vfio/vfio`, `/dev/vfio/<group>`): the legacy
+    /// interface.
+    pub group_nodes: bool,
     /// Its iommufd node name (`vfioN` under `/dev/vfio/devices/`), when iommufd is
-    /// asked for.
+    /// asked for: handed out with `/dev/iommu`.
     pub iommufd_node: Option<String>,
     /// Its resource name, whose KubeVirt variable (`PCI_RESOURCE_<NAME>`) names
     /// it to the VM, when it has one.
@@ -286,12 +289,19 @@ fn pretty<T: Serialize>(value: &T) -> Result<String, CdiError> {
     Ok(s)
 }
 
-/// One function's device nodes: `/dev/vfio/vfio`, `/dev/vfio/<group>`, and with
-/// iommufd `/dev/iommu` and `/dev/vfio/devices/vfioN`. Host paths follow `dev_root`
-/// and are written only when it is not `/dev`.
+/// One function's device nodes: `/dev/vfio/vfio` and `/dev/vfio/<group>` unless
+/// only iommufd is asked for, and with iommufd `/dev/iommu` and
+/// `/dev/vfio/devices/vfioN`. Host paths follow `dev_root` and are written only
+/// when it is not `/dev`.
 fn device_nodes(dev: &SpecDevice, dev_root: Option<&str>) -> Vec<Node> {
-    sysfs_pci::vmm::device_nodes([dev.group], dev.iommufd_node.as_deref())
+    let legacy = if dev.group_nodes {
+        sysfs_pci::vmm::group_nodes([dev.group])
+    } else {
+        Vec::new()
+    };
+    legacy
         .into_iter()
+        .chain(sysfs_pci::vmm::iommufd_nodes(dev.iommufd_node.as_deref()))
         .map(|r| Node {
             path: format!("/dev/{r}"),
             host_path: dev_root.map(|root| format!("{root}/{r}")),

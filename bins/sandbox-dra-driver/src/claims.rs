@@ -34,10 +34,11 @@ use std::num::NonZeroUsize;
 use std::path::PathBuf;
 
 use crate::cdi::{self, AttributeValue};
+use crate::config::{self, Iommu};
 use crate::model::{parse_device_name, recorded_claim};
 use crate::model::{ClaimDevice, ClaimPhase, ClaimRecord, ClaimRecords};
 use kubelet_plugin::slices::PCI_BUS_ID;
-use kubelet_plugin::{AllocatedDevice, ClaimRef, PreparedDevice};
+use kubelet_plugin::{AllocatedDevice, ClaimRef, OpaqueConfig, PreparedDevice};
 use passthrough::inventory::{Inventory, Role};
 use passthrough::state::StateError;
 use passthrough::{target_drivers, Passthrough, PassthroughError};
@@ -61,7 +62,8 @@ pub struct Files {
     pub cdi_dir: PathBuf,
     /// The device metadata directory.
     pub metadata_dir: PathBuf,
-    /// Give containers the iommufd nodes too.
+    /// Give containers the iommufd nodes too, where the kernel makes them, unless
+    /// a claim's configuration says otherwise ([`crate::config`]).
     pub iommufd: bool,
 }
 
@@ -100,25 +102,35 @@ impl Claims<'_> {
     /// the same answer without touching the node.
     ///
     /// `pod_claim_name` is the claim's `resource.kubernetes.io/pod-claim-name`
-    /// annotation (a claim made from a template), which places its metadata file.
+    /// annotation (a claim made from a template), which places its metadata file;
+    /// `configs` are the opaque configurations of this driver in its allocation.
     pub fn prepare(
         &mut self,
         claim: &ClaimRef,
         pod_claim_name: Option<&str>,
         allocations: &[AllocatedDevice],
+        configs: &[OpaqueConfig],
         inv: &Inventory,
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
         let devices = self.resolve(claim, allocations, inv)?;
-        // The files, made once: names no file can be made of are refused before
-        // anything is touched.
-        let files = self
-            .files_for(claim, pod_claim_name, &devices, inv)
+        let iommu = self.iommu(claim, &devices, configs)?;
+        // The files without the device cdevs (read once the devices are on vfio):
+        // names no file can be made of are refused before anything is touched.
+        let unread: Vec<Nodes> = iommu
+            .iter()
+            .map(|i| Nodes {
+                groups: i.is_none_or(Iommu::legacy),
+                cdev: None,
+            })
+            .collect();
+        let named = self
+            .files_for(claim, pod_claim_name, &devices, &unread, inv)
             .map_err(|source| ClaimError::Unnamable {
                 claim: claim.to_string(),
                 source,
             })?;
         let record = match self.recorded_phase(claim, &devices)? {
-            Some(ClaimPhase::Prepared) => return Ok(prepared_devices(&devices, &files)),
+            Some(ClaimPhase::Prepared) => return Ok(prepared_devices(&devices, &named)),
             // Moved before its pod was bound: only the files are left to write, once
             // the groups are seen still whole on vfio (a member moved off behind our
             // back is put back).
@@ -136,7 +148,13 @@ impl Claims<'_> {
                 self.save_and_move(claim, devices, inv, "prepare-after-save")?
             }
         };
-        if let Err(source) = self.write_files(&files) {
+        let written = self.nodes(&record.devices, &iommu).and_then(|nodes| {
+            let files = self
+                .files_for(claim, pod_claim_name, &record.devices, &nodes, inv)
+                .map_err(boxed)?;
+            self.write_files(&files)
+        });
+        if let Err(source) = written {
             let after = self.after_failed_prepare(&claim.uid, &record);
             return Err(failed(claim, "writing its files", Some(after), source));
         }
@@ -153,7 +171,7 @@ impl Claims<'_> {
                 boxed(e),
             ));
         }
-        Ok(prepared_devices(&record.devices, &files))
+        Ok(prepared_devices(&record.devices, &named))
     }
 
     /// Moves the groups of `claim`'s devices to vfio as soon as the scheduler has
@@ -166,9 +184,12 @@ impl Claims<'_> {
         &mut self,
         claim: &ClaimRef,
         allocations: &[AllocatedDevice],
+        configs: &[OpaqueConfig],
         inv: &Inventory,
     ) -> Result<(), ClaimError> {
         let devices = self.resolve(claim, allocations, inv)?;
+        // A configuration prepare would refuse is refused before anything moves.
+        self.iommu(claim, &devices, configs)?;
         // Moved early for an allocation it has since lost (deallocated, then
         // allocated other devices between two looks): that one goes back first.
         let stale = self
@@ -499,17 +520,57 @@ impl Claims<'_> {
         Ok(())
     }
 
-    /// The claim's files, as prepare writes them.
+    /// The kernel interface each of `devices` is handed: its claim's or class's
+    /// `VfioConfig` ([`crate::config`]), checked, or `None` for the node's default.
+    /// iommufd asked of a kernel that makes no device cdev is refused too; either
+    /// refusal comes before anything moves.
+    fn iommu(
+        &self,
+        claim: &ClaimRef,
+        devices: &[ClaimDevice],
+        configs: &[OpaqueConfig],
+    ) -> Result<Vec<Option<Iommu>>, ClaimError> {
+        let iommu = config::iommu_per_device(
+            &self.files.driver,
+            configs,
+            devices.iter().map(|d| d.request_names.as_slice()),
+        )
+        .map_err(|source| ClaimError::Config {
+            claim: claim.to_string(),
+            source,
+        })?;
+        let no_cdev = sysfs_pci::cdev::kernel_has_vfio_cdev(self.pt.host) == Some(false);
+        if let Some((d, i)) = devices
+            .iter()
+            .zip(&iommu)
+            .find_map(|(d, i)| i.filter(|i| no_cdev && i.iommufd()).map(|i| (d, i)))
+        {
+            return Err(ClaimError::Refused {
+                claim: claim.to_string(),
+                reason: format!(
+                    "device {} ({}) is configured with iommu: {}, and this kernel makes no VFIO device cdev (CONFIG_VFIO_DEVICE_CDEV is unset); configure iommu: legacy",
+                    d.device,
+                    d.address,
+                    i.as_str()
+                ),
+            });
+        }
+        Ok(iommu)
+    }
+
+    /// The claim's files, as prepare writes them, each device handed `nodes`.
     fn files_for(
         &self,
         claim: &ClaimRef,
         pod_claim_name: Option<&str>,
         devices: &[ClaimDevice],
+        nodes: &[Nodes],
         inv: &Inventory,
     ) -> Result<cdi::ClaimFiles, cdi::CdiError> {
         let devices: Vec<cdi::SpecDevice> = devices
             .iter()
-            .map(|d| {
+            .zip(nodes)
+            .map(|(d, nodes)| {
                 let mut attributes = BTreeMap::new();
                 attributes.insert(
                     PCI_BUS_ID.to_owned(),
@@ -529,11 +590,8 @@ impl Claims<'_> {
                     address: d.address,
                     group: d.group,
                     attributes,
-                    iommufd_node: self
-                        .files
-                        .iommufd
-                        .then(|| sysfs_pci::cdev::vfio_cdev_name(self.pt.host, &d.address))
-                        .flatten(),
+                    group_nodes: nodes.groups,
+                    iommufd_node: nodes.cdev.clone(),
                     resource: resource.cloned(),
                 }
             })
@@ -547,6 +605,52 @@ impl Claims<'_> {
             pod_claim_name,
             &devices,
         )
+    }
+
+    /// The nodes each of `devices` (on vfio now) is handed: as its `iommu` asks, or
+    /// by default the group nodes and, with `--iommufd`, the device cdev where the
+    /// kernel made one. A cdev, or `/dev/iommu`, asked for and missing is an error.
+    fn nodes(
+        &self,
+        devices: &[ClaimDevice],
+        iommu: &[Option<Iommu>],
+    ) -> Result<Vec<Nodes>, Box<ClaimStepError>> {
+        let host = self.pt.host;
+        let iommu_node = host.dev.join("iommu");
+        devices
+            .iter()
+            .zip(iommu)
+            .map(|(d, iommu)| {
+                let cdev = || sysfs_pci::cdev::vfio_cdev_name(host, &d.address);
+                let Some(iommu) = iommu else {
+                    return Ok(Nodes {
+                        groups: true,
+                        cdev: self.files.iommufd.then(cdev).flatten(),
+                    });
+                };
+                let groups = iommu.legacy();
+                if !iommu.iommufd() {
+                    return Ok(Nodes { groups, cdev: None });
+                }
+                let missing = |what: String| {
+                    boxed(ClaimStepError::NoIommufd {
+                        address: d.address,
+                        iommu: iommu.as_str(),
+                        what,
+                    })
+                };
+                let cdev = cdev().ok_or_else(|| {
+                    missing("the kernel made no VFIO device cdev for it (no vfio-dev/vfioN with a dev attribute)".into())
+                })?;
+                if !self.pt.kernel.is_dry_run() && !Host::exists(&iommu_node) {
+                    return Err(missing(format!("{} is missing", iommu_node.display())));
+                }
+                Ok(Nodes {
+                    groups,
+                    cdev: Some(cdev),
+                })
+            })
+            .collect()
     }
 
     /// Puts a half-prepared claim back: its files removed, its groups restored, the
@@ -629,6 +733,14 @@ impl Claims<'_> {
         }
         Ok(())
     }
+}
+
+/// The nodes a device is handed.
+struct Nodes {
+    /// The group nodes (`/dev/vfio/vfio`, `/dev/vfio/<group>`).
+    groups: bool,
+    /// Its device cdev (`vfioN`), with `/dev/iommu`.
+    cdev: Option<String>,
 }
 
 fn prepared_devices(devices: &[ClaimDevice], files: &cdi::ClaimFiles) -> Vec<PreparedDevice> {

@@ -12,6 +12,7 @@
 mod binding;
 pub mod cdi;
 mod claims;
+pub mod config;
 mod devices;
 mod driver;
 mod events;

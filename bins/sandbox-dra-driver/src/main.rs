@@ -167,7 +167,10 @@ struct Cli {
         value_name = "MODE"
     )]
     binding_conditions: Mode,
-    /// Also give containers /dev/iommu and /dev/vfio/devices/vfioN (iommufd).
+    /// Also give containers /dev/iommu and /dev/vfio/devices/vfioN (iommufd),
+    /// where the kernel makes the device cdev: the default for claims whose
+    /// configuration does not choose (an opaque VfioConfig with `iommu: legacy |
+    /// iommufd | both` in the claim or its DeviceClass chooses per claim).
     #[arg(long, env = "VFIO_SANDBOX_IOMMUFD")]
     iommufd: bool,
     /// Written (JSON) while kubelet has accepted the registration and this node's

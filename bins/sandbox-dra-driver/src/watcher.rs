@@ -15,7 +15,7 @@ use support::error_chain;
 use tokio_stream::StreamExt;
 
 use kubelet_plugin::status::{DeviceCondition, DeviceStatus, Written};
-use kubelet_plugin::{allocated_devices, AllocatedDevice, ClaimRef};
+use kubelet_plugin::{allocated_devices, opaque_configs, AllocatedDevice, ClaimRef, OpaqueConfig};
 
 use crate::claims::DriverError;
 use crate::metrics::Operation;
@@ -70,6 +70,8 @@ struct Waiting {
     claim: ClaimRef,
     generation: Option<i64>,
     allocations: Vec<AllocatedDevice>,
+    /// The opaque configurations of ours in the allocation.
+    configs: Vec<OpaqueConfig>,
     /// Our condition is already `True` (ready) or the failure one is (failed).
     settled: bool,
 }
@@ -271,6 +273,7 @@ impl ClaimWatcher {
             claim: cref,
             generation: claim.metadata.generation,
             allocations,
+            configs: opaque_configs(claim, &self.driver),
             settled: failed_any || ready_all,
         })
     }
@@ -337,7 +340,7 @@ impl ClaimWatcher {
         let started = std::time::Instant::now();
         let job = self
             .worker
-            .move_early(w.claim.clone(), w.allocations.clone());
+            .move_early(w.claim.clone(), w.allocations.clone(), w.configs.clone());
         let outcome = self
             .worker
             .wait_for(job, tokio::time::Instant::now() + MOVE_WAIT)

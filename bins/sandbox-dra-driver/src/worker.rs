@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::model::{ClaimPhase, StateFile};
-use kubelet_plugin::{AllocatedDevice, Claim, ClaimRef, PreparedDevice, Ticket};
+use kubelet_plugin::{AllocatedDevice, Claim, ClaimRef, OpaqueConfig, PreparedDevice, Ticket};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use passthrough::Passthrough;
@@ -185,7 +185,13 @@ impl Worker {
                 let inv = node.scan(c)?;
                 let devices =
                     node.claims()
-                        .prepare(c, claim.pod_claim_name(), &claim.devices, &inv)?;
+                        .prepare(
+                    c,
+                    claim.pod_claim_name(),
+                    &claim.devices,
+                    &claim.configs,
+                    &inv,
+                )?;
                 Ok(devices)
             };
             let answer = prepare();
@@ -220,14 +226,19 @@ impl Worker {
     }
 
     /// Queues the early move of one claim's groups (its pod not yet bound).
-    pub fn move_early(&self, claim: ClaimRef, devices: Vec<AllocatedDevice>) -> Pending<()> {
+    pub fn move_early(
+        &self,
+        claim: ClaimRef,
+        devices: Vec<AllocatedDevice>,
+        configs: Vec<OpaqueConfig>,
+    ) -> Pending<()> {
         let what = format!("moving claim {claim} early");
         self.submit(what, move |node| {
             let started = Instant::now();
             let mut move_early = || -> Result<(), DriverError> {
                 node.claims().finish_interrupted(&claim)?;
                 let inv = node.scan(&claim)?;
-                node.claims().move_early(&claim, &devices, &inv)?;
+                node.claims().move_early(&claim, &devices, &configs, &inv)?;
                 Ok(())
             };
             let answer = move_early();

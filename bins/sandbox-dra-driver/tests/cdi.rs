@@ -62,6 +62,7 @@ fn device(bdf: &str, group: u32, requests: &[&str], numa: Option<i64>) -> SpecDe
         address,
         group,
         attributes,
+        group_nodes: true,
         iommufd_node: None,
         resource: "rebellions.ai/ATOM_CA22_PT".parse().ok(),
     }

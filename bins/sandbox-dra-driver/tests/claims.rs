@@ -16,7 +16,7 @@ use std::fs;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
-use kubelet_plugin::{AllocatedDevice, ClaimRef};
+use kubelet_plugin::{AllocatedDevice, ClaimRef, ConfigSource, OpaqueConfig};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use passthrough::Passthrough;
@@ -144,8 +144,18 @@ impl Node {
         c: &ClaimRef,
         bdfs: &[&str],
     ) -> Result<Vec<String>, String> {
+        self.prepare_with(kernel, c, bdfs, &[])
+    }
+
+    fn prepare_with(
+        &self,
+        kernel: &dyn Kernel,
+        c: &ClaimRef,
+        bdfs: &[&str],
+        configs: &[OpaqueConfig],
+    ) -> Result<Vec<String>, String> {
         self.process(kernel, |cl, inv| {
-            cl.prepare(c, None, &alloc(bdfs), inv)
+            cl.prepare(c, None, &alloc(bdfs), configs, inv)
                 .map(|devs| devs.into_iter().flat_map(|d| d.cdi_device_ids).collect())
                 .map_err(|e| error_chain(&e))
         })
@@ -306,7 +316,7 @@ fn hostile_claims_are_refused_without_touching_the_node() {
     let n = node();
     let before = n.snapshot();
     let bad = |c: ClaimRef, allocs: Vec<AllocatedDevice>| {
-        n.process(&n.kernel, |cl, inv| cl.prepare(&c, None, &allocs, inv))
+        n.process(&n.kernel, |cl, inv| cl.prepare(&c, None, &allocs, &[], inv))
             .map(|_| ())
             .map_err(|e| error_chain(&e))
             .unwrap_err()
@@ -527,7 +537,7 @@ fn a_claim_of_several_groups_moves_them_at_once() {
         ];
         let inv = Inventory::scan(host, &list).unwrap();
         claims
-            .prepare(&claim("four"), None, &alloc(&bdfs), &inv)
+            .prepare(&claim("four"), None, &alloc(&bdfs), &[], &inv)
             .unwrap();
         let entered = kernel.max_concurrent_probes();
         assert!(at_once.contains(&entered), "jobs {jobs}: {entered} at once");
@@ -549,8 +559,18 @@ fn a_claim_of_several_groups_moves_them_at_once() {
 
 impl Node {
     fn move_early(&self, kernel: &dyn Kernel, c: &ClaimRef, bdfs: &[&str]) -> Result<(), String> {
+        self.move_early_with(kernel, c, bdfs, &[])
+    }
+
+    fn move_early_with(
+        &self,
+        kernel: &dyn Kernel,
+        c: &ClaimRef,
+        bdfs: &[&str],
+        configs: &[OpaqueConfig],
+    ) -> Result<(), String> {
         self.process(kernel, |cl, inv| {
-            cl.move_early(c, &alloc(bdfs), inv)
+            cl.move_early(c, &alloc(bdfs), configs, inv)
                 .map_err(|e| error_chain(&e))
         })
     }
@@ -766,4 +786,172 @@ fn every_step_of_an_early_move_fails_or_crashes_and_nothing_is_lost() {
     );
     assert_eq!(crashed, points.len(), "every crash point is reached");
     assert!(lost.is_empty(), "{}", lost.join("\n"));
+}
+
+/// An opaque configuration of the test driver for `requests`, from the claim.
+fn vfio_config(index: usize, requests: &[&str], parameters: serde_json::Value) -> OpaqueConfig {
+    OpaqueConfig {
+        index,
+        source: ConfigSource::Claim,
+        requests: requests.iter().map(|r| r.to_string()).collect(),
+        parameters,
+    }
+}
+
+fn iommu(value: &str) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "vfio-sandbox.example.com/v1alpha1",
+        "kind": "VfioConfig",
+        "iommu": value,
+    })
+}
+
+/// The device node paths of the claim's CDI spec, in order.
+fn spec_nodes(n: &Node, c: &ClaimRef) -> Vec<String> {
+    let path = n
+        .files
+        .cdi_dir
+        .join(format!("vfio-sandbox.example.com-vfio_{}.json", c.uid));
+    let spec: serde_json::Value = serde_json::from_slice(&fs::read(path).unwrap()).unwrap();
+    spec["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|d| {
+            d["containerEdits"]["deviceNodes"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .map(|node| node["path"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn a_bad_configuration_refuses_the_claim_naming_the_field_and_nothing_moves() {
+    let n = node();
+    let before = n.snapshot();
+    let bad = [
+        (
+            serde_json::json!({"apiVersion": "vfio-sandbox.example.com/v1alpha1", "kind": "VfioConfig", "iommu": "legacy", "mode": "x"}),
+            "unknown field `mode`",
+        ),
+        (iommu("iommufd2"), "unknown variant `iommufd2`"),
+        (
+            serde_json::json!({"apiVersion": "vfio-sandbox.example.com/v1", "kind": "VfioConfig"}),
+            "apiVersion is \"vfio-sandbox.example.com/v1\"",
+        ),
+    ];
+    for (parameters, want) in bad {
+        // Shadowed by a valid one that comes later: still refused.
+        let configs = [
+            vfio_config(0, &[], parameters),
+            vfio_config(1, &["npu"], iommu("legacy")),
+        ];
+        for err in [
+            n.prepare_with(&n.kernel, &claim("a"), &A, &configs)
+                .unwrap_err(),
+            n.move_early_with(&n.kernel, &claim("a"), &A, &configs)
+                .unwrap_err(),
+        ] {
+            assert!(
+                err.starts_with("claim vms/a (uid uid-a): its configuration is refused: status.allocation.devices.config[0].opaque.parameters (from the claim): "),
+                "{err}"
+            );
+            assert!(err.contains(want), "{err}");
+            assert_eq!(n.lost(&before), Vec::<String>::new(), "{err}");
+            assert!(
+                n.kernel.write_log().is_empty(),
+                "{err}: {:?}",
+                n.kernel.write_log()
+            );
+        }
+    }
+}
+
+#[test]
+fn each_device_gets_exactly_the_nodes_its_configuration_asks_for() {
+    let mut n = node();
+    n.node.enable_vfio_cdev();
+    let cdev = |b: &str| format!("/dev/vfio/devices/{}", FakeNode::vfio_cdev_of(&addr(b)));
+    let before = n.snapshot();
+    let a = claim("a");
+    let groups = |g: u32| vec!["/dev/vfio/vfio".to_owned(), format!("/dev/vfio/{g}")];
+    let iommufd = |b: &str| vec!["/dev/iommu".to_owned(), cdev(b)];
+    let both = |g, b: &str| [groups(g), iommufd(b)].concat();
+    let cases: [(bool, Option<&str>, Vec<String>); 6] = [
+        // The node's default: the group nodes, and with --iommufd the cdev (read
+        // once the device is on vfio).
+        (false, None, groups(1)),
+        (true, None, both(1, "0000:01:00.0")),
+        // Asked for: exactly that, whatever the node's default.
+        (true, Some("legacy"), groups(1)),
+        (false, Some("iommufd"), iommufd("0000:01:00.0")),
+        (true, Some("iommufd"), iommufd("0000:01:00.0")),
+        (false, Some("both"), both(1, "0000:01:00.0")),
+    ];
+    for (node_iommufd, asked, want) in cases {
+        n.files.iommufd = node_iommufd;
+        let configs: Vec<OpaqueConfig> = asked
+            .map(|i| vfio_config(0, &["npu"], iommu(i)))
+            .into_iter()
+            .collect();
+        n.prepare_with(&n.kernel, &a, &A, &configs).unwrap();
+        assert_eq!(
+            spec_nodes(&n, &a),
+            want,
+            "--iommufd {node_iommufd}, iommu {asked:?}"
+        );
+        n.unprepare(&n.kernel, &a).unwrap();
+        assert_eq!(n.lost(&before), Vec::<String>::new());
+    }
+    // Per request: one claim, two devices, two interfaces.
+    n.files.iommufd = false;
+    let b = claim("b");
+    let configs = [vfio_config(0, &[], iommu("iommufd"))];
+    n.prepare_with(&n.kernel, &b, &B, &configs).unwrap();
+    assert_eq!(
+        spec_nodes(&n, &b),
+        [iommufd("0000:02:00.0"), iommufd("0000:03:00.0")].concat()
+    );
+    n.unprepare(&n.kernel, &b).unwrap();
+    assert_eq!(n.lost(&before), Vec::<String>::new());
+}
+
+#[test]
+fn iommufd_asked_of_a_kernel_without_the_cdev_is_refused_and_undone() {
+    let n = node();
+    let before = n.snapshot();
+    let configs = [vfio_config(0, &["npu"], iommu("iommufd"))];
+    // No vfio device yet: the kernel cannot be told before the move, so the
+    // missing cdev is found on vfio and the move is put back.
+    let err = n
+        .prepare_with(&n.kernel, &claim("a"), &A, &configs)
+        .unwrap_err();
+    assert!(
+        err.contains("0000:01:00.0 is configured with iommu: iommufd, but the kernel made no VFIO device cdev for it"),
+        "{err}"
+    );
+    assert!(err.contains("its devices were put back"), "{err}");
+    assert_eq!(n.lost(&before), Vec::<String>::new());
+    // With a vfio device whose vfio-dev entry has no dev attribute, the kernel is
+    // known to lack it: refused before anything moves.
+    n.prepare(&n.kernel, &claim("b"), &["0000:03:00.0"])
+        .unwrap();
+    let listed = n.node.host.vfio_dev_class_dir().join("vfio9");
+    fs::create_dir_all(&listed).unwrap();
+    let writes = n.kernel.write_log().len();
+    let err = n
+        .prepare_with(&n.kernel, &claim("a"), &A, &configs)
+        .unwrap_err();
+    assert!(
+        err.contains(
+            "is configured with iommu: iommufd, and this kernel makes no VFIO device cdev"
+        ),
+        "{err}"
+    );
+    assert_eq!(n.kernel.write_log().len(), writes, "nothing written");
+    fs::remove_dir(&listed).unwrap();
+    n.unprepare(&n.kernel, &claim("b")).unwrap();
+    assert_eq!(n.lost(&before), Vec::<String>::new());
 }

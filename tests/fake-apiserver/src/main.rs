@@ -87,6 +87,11 @@ enum Command {
         /// The node the pod is scheduled to (default: the first result's pool).
         #[arg(long)]
         node: Option<String>,
+        /// An opaque configuration of the claim, DRIVER=PARAMETERS (JSON) for all
+        /// its requests (repeatable); the allocation gets a copy, as the
+        /// scheduler's allocator writes it.
+        #[arg(long = "config", value_name = "DRIVER=JSON")]
+        configs: Vec<String>,
         /// Allocate the existing claim again instead of creating it, as the
         /// scheduler does after it gave the first allocation up.
         #[arg(long)]
@@ -186,10 +191,22 @@ fn claim(
     claim: &str,
     class: &str,
     results: &[String],
+    configs: &[String],
     node: Option<&str>,
     again: Option<bool>,
 ) -> anyhow::Result<bool> {
     let (ns, name) = split_ref(claim)?;
+    let configs = configs
+        .iter()
+        .map(|c| {
+            let (driver, json) = c
+                .split_once('=')
+                .ok_or_else(|| anyhow::anyhow!("{c:?} is not DRIVER=JSON"))?;
+            let parameters: serde_json::Value = serde_json::from_str(json)
+                .map_err(|e| anyhow::anyhow!("{c:?}: the parameters are not JSON: {e}"))?;
+            Ok(serde_json::json!({"opaque": {"driver": driver, "parameters": parameters}}))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let results = results
         .iter()
         .map(|r| {
@@ -202,6 +219,7 @@ fn claim(
         ns,
         name,
         node,
+        configs: &configs,
     };
     let mut tries = 0;
     loop {
@@ -226,6 +244,8 @@ struct Target<'a> {
     ns: &'a str,
     name: &'a str,
     node: Option<&'a str>,
+    /// The claim's `spec.devices.config`.
+    configs: &'a [serde_json::Value],
 }
 
 /// How one try of `claim` ended.
@@ -256,7 +276,11 @@ fn allocate(
     let status_path = format!("{}/status", paths::resourceclaim(t.ns, t.name));
     let (ok, created) = match again {
         None => {
-            let body = objects::resource_claim_spec(t.ns, t.name, class, results).to_string();
+            let mut body = objects::resource_claim_spec(t.ns, t.name, class, results);
+            if !t.configs.is_empty() {
+                body["spec"]["devices"]["config"] = t.configs.into();
+            }
+            let body = body.to_string();
             exchange(t.server, "POST", &paths::resourceclaims(t.ns), Some(&body))?
         }
         Some(deallocate_first) => {
@@ -288,9 +312,9 @@ fn allocate(
         let slices: serde_json::Value = serde_json::from_str(&slices)?;
         let slices = slices["items"].as_array().cloned().unwrap_or_default();
         let node = t.node.unwrap_or(&results[0].pool);
-        object["status"] = serde_json::json!({
-            "allocation": scheduler::allocation(results, &slices, node),
-        });
+        let mut allocation = scheduler::allocation(results, &slices, node);
+        scheduler::copy_claim_config(&mut allocation, &object);
+        object["status"] = serde_json::json!({ "allocation": allocation });
         let (ok, updated) = exchange(t.server, "PUT", &status_path, Some(&object.to_string()))?;
         if let Some(failed) = answer(ok, updated) {
             return Ok(failed);
@@ -388,6 +412,7 @@ fn main() -> ExitCode {
             class,
             results,
             node,
+            configs,
             again,
             deallocate_first,
         } => claim(
@@ -395,6 +420,7 @@ fn main() -> ExitCode {
             c,
             class,
             results,
+            configs,
             node.as_deref(),
             (*again).then_some(*deallocate_first),
         ),

@@ -70,6 +70,26 @@ pub fn allocation(results: &[DeviceResult], slices: &[Value], node: &str) -> Val
     allocation
 }
 
+/// Copies the claim's `spec.devices.config` into `allocation` as the
+/// allocator's "Populate configs" step does
+/// (k8s.io/dynamic-resource-allocation `structured/internal/stable/allocator_stable.go`):
+/// each entry with `source: FromClaim` and the same requests and configuration,
+/// after the classes' (this stand-in's classes carry none).
+pub fn copy_claim_config(allocation: &mut Value, claim: &Value) {
+    let Some(configs) = claim.pointer("/spec/devices/config").and_then(Value::as_array) else {
+        return;
+    };
+    let copied: Vec<Value> = configs
+        .iter()
+        .map(|c| {
+            let mut c = c.clone();
+            c["source"] = json!("FromClaim");
+            c
+        })
+        .collect();
+    allocation["devices"]["config"] = copied.into();
+}
+
 fn device_of<'s>(slice: &'s Value, name: &str) -> Option<&'s Value> {
     slice
         .pointer("/spec/devices")?

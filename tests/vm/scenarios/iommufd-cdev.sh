@@ -90,6 +90,54 @@ else
 fi
 step "NodeUnprepareResources" -- kubelet-peer dra unprepare --registry "$REG" --version v1 --claim "vms/vm-solo/$uid"
 expect_driver "SOLO_NIC back on e1000e" "$SOLO_NIC" e1000e
+
+note "the IOMMU interface per claim: an opaque VfioConfig in the claim"
+# config_claim NAME IOMMU -- creates claim vms/NAME for SOLO_NIC whose
+# configuration asks for IOMMU; prints its uid.
+config_claim() {
+    fake-apiserver claim "vms/$1" --result "nic:$DRIVER:$NODE:$solo_dev" \
+        --config "$DRIVER={\"apiVersion\":\"$DRIVER/v1alpha1\",\"kind\":\"VfioConfig\",$2}"
+}
+uid=$(config_claim vm-legacy '"iommu":"legacy"')
+step "prepare a claim asking for iommu: legacy (the driver runs with --iommufd)" -- \
+    kubelet-peer dra prepare --registry "$REG" --version v1 --claim "vms/vm-legacy/$uid"
+spec=$CDI/$DRIVER-vfio_$uid.json
+run_logged cat "$spec"
+expect_contains "legacy: the group node" "$spec" "\"path\": \"/dev/vfio/$solo_group\""
+expect_not_contains "legacy: no /dev/iommu" "$spec" "/dev/iommu"
+expect_not_contains "legacy: no device cdev" "$spec" "/dev/vfio/devices/"
+step "unprepare it" -- kubelet-peer dra unprepare --registry "$REG" --version v1 --claim "vms/vm-legacy/$uid"
+expect_driver "SOLO_NIC back on e1000e" "$SOLO_NIC" e1000e
+
+uid=$(config_claim vm-iommufd '"iommu":"iommufd"')
+if [ "$want_cdev" = yes ]; then
+    step "prepare a claim asking for iommu: iommufd" -- \
+        kubelet-peer dra prepare --registry "$REG" --version v1 --claim "vms/vm-iommufd/$uid"
+    spec=$CDI/$DRIVER-vfio_$uid.json
+    run_logged cat "$spec"
+    solo_cdev=$(cdev_of "$SOLO_NIC")
+    expect_contains "iommufd: /dev/iommu" "$spec" '"path": "/dev/iommu"'
+    expect_contains "iommufd: the device cdev" "$spec" "\"path\": \"/dev/vfio/devices/$solo_cdev\""
+    expect_not_contains "iommufd: no /dev/vfio/vfio" "$spec" '"/dev/vfio/vfio"'
+    expect_not_contains "iommufd: no group node" "$spec" "\"path\": \"/dev/vfio/$solo_group\""
+    step "the device cdev it hands out opens" -- sh -c "exec 3<>/dev/vfio/devices/$solo_cdev"
+    step "unprepare it" -- kubelet-peer dra unprepare --registry "$REG" --version v1 --claim "vms/vm-iommufd/$uid"
+else
+    expect_fail "iommu: iommufd is refused on a kernel without the device cdev" 1 -- \
+        kubelet-peer dra prepare --registry "$REG" --version v1 --claim "vms/vm-iommufd/$uid"
+    expect_contains "the refusal names the device and what is missing" "$TB_OUT" \
+        "$SOLO_NIC) is configured with iommu: iommufd, and this kernel makes no VFIO device cdev"
+fi
+expect_driver "SOLO_NIC back on e1000e" "$SOLO_NIC" e1000e
+
+uid=$(config_claim vm-typo '"iommu":"legacy","iommuMode":"x"')
+expect_fail "a configuration with an unknown field refuses the claim" 1 -- \
+    kubelet-peer dra prepare --registry "$REG" --version v1 --claim "vms/vm-typo/$uid"
+expect_contains "the refusal names the claim and the field" "$TB_OUT" \
+    "claim vms/vm-typo (uid $uid): its configuration is refused: status.allocation.devices.config[0].opaque.parameters (from the claim): unknown field \`iommuMode\`"
+expect_driver "nothing moved: SOLO_NIC on e1000e" "$SOLO_NIC" e1000e
+step "nothing recorded: the state file names no claim" -- \
+    sh -c '! grep -q vm-typo /run/sandbox-dra-driver/state.json 2>/dev/null'
 kill -TERM "$driver"
 wait "$driver"
 expect_eq "the DRA driver exits 0 on SIGTERM" "$?" 0

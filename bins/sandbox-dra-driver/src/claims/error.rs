@@ -33,6 +33,16 @@ pub enum ClaimError {
         /// Why.
         reason: String,
     },
+    /// A configuration of this driver in the claim's allocation is refused;
+    /// nothing was touched.
+    #[error("claim {claim}: its configuration is refused: {source}")]
+    Config {
+        /// The claim.
+        claim: String,
+        /// Which configuration, and what is wrong with it.
+        #[source]
+        source: crate::config::ConfigError,
+    },
     /// A group of the claim is prepared for another claim; nothing was touched.
     #[error("claim {claim}: {reason}")]
     Held {
@@ -95,6 +105,16 @@ pub enum ClaimStepError {
         /// Groups whose node a VM holds open.
         held: Vec<u32>,
     },
+    /// A device is on vfio, but what iommufd needs for it is not there.
+    #[error("{address} is configured with iommu: {iommu}, but {what}")]
+    NoIommufd {
+        /// The device.
+        address: PciAddress,
+        /// The configured interface.
+        iommu: &'static str,
+        /// What is missing.
+        what: String,
+    },
     /// A group node is missing after the bind.
     #[error("{} is missing", .0.display())]
     NoGroupNode(PathBuf),
@@ -151,6 +171,7 @@ impl ClaimError {
     pub fn failure(&self) -> Failure {
         match self {
             Self::Refused { .. } | Self::Unnamable { .. } => Failure::Refused,
+            Self::Config { .. } => Failure::InvalidConfig,
             Self::NotOurs { .. } => Failure::NotOurs,
             Self::Held { .. } | Self::InUse { .. } => Failure::GroupHeld,
             Self::Failed { .. } => Failure::Failed,
@@ -174,19 +195,22 @@ pub enum Failure {
     Unprepared,
     /// The request cannot be served as asked (names, a changed allocation).
     Refused,
+    /// A configuration of this driver in the claim or its class is refused.
+    InvalidConfig,
     /// A step on the node failed (what was moved is put back).
     Failed,
 }
 
 impl Failure {
     /// Every failure, for series present at zero.
-    pub const ALL: [Failure; 7] = [
+    pub const ALL: [Failure; 8] = [
         Failure::GroupHeld,
         Failure::NotOurs,
         Failure::Timeout,
         Failure::ApiServer,
         Failure::Unprepared,
         Failure::Refused,
+        Failure::InvalidConfig,
         Failure::Failed,
     ];
 
@@ -199,6 +223,7 @@ impl Failure {
             Self::ApiServer => "api_server",
             Self::Unprepared => "unprepared",
             Self::Refused => "refused",
+            Self::InvalidConfig => "invalid_config",
             Self::Failed => "failed",
         }
     }
@@ -212,6 +237,7 @@ impl Failure {
             Self::ApiServer => "ClaimReadFailed",
             Self::Unprepared => "UnpreparedMeanwhile",
             Self::Refused => "PrepareRefused",
+            Self::InvalidConfig => "InvalidClaimConfig",
             Self::Failed => "PrepareFailed",
         }
     }
