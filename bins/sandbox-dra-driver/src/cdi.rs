@@ -14,12 +14,21 @@
 //! `DeviceNode{path, hostPath, type, major, minor, fileMode, permissions, uid, gid}`,
 //! `Mount{hostPath, containerPath, options, type}`); we write only `deviceNodes`
 //! (`path`, `hostPath` when needed, `permissions: "mrw"`, as the device plugin's
-//! `Allocate` does; the runtime stats the node for type and numbers) and `mounts`
-//! per device, and the spec's own `containerEdits.env` (applied to a container
-//! given any device of the spec): KubeVirt's `PCI_RESOURCE_<NAME>=<bdf>[,<bdf>...]`
-//! per resource name of the claim's devices, as the device plugin's `Allocate` sets
-//! it, so a VM written for the device plugin also runs on a claim made for its
-//! extended resource (KEP-5004).
+//! `Allocate` does; the runtime stats the node for type and numbers), `mounts` and
+//! `env` per device. KubeVirt's `PCI_RESOURCE_<NAME>=<bdf>[,<bdf>...]`, as the
+//! device plugin's `Allocate` sets it, so a VM written for the device plugin also
+//! runs on a claim made for its extended resource (KEP-5004), is set per request:
+//! on the request's own CDI device (below), with the addresses of that request's
+//! devices of each resource name. kubelet hands a container the CDI ids of the
+//! requests it was given (`resources.claims[].request`; for an extended resource,
+//! the request the scheduler made for that container and name), so a container
+//! sees exactly its own devices, never those of a request another container of
+//! the pod was given. (In the spec's own edits the variable would reach every
+//! container given any device of the claim, with every address of the claim.)
+//! Runtimes apply a variable set twice by keeping the last value
+//! (`pkg/cdi/container-edits.go` through runtime-tools' `AddMultipleProcessEnv`), so
+//! a container given two requests with devices of one resource name, in one claim
+//! or in two, sees one request's addresses: give such a VM one request per name.
 //!
 //! - `cdiVersion`: the lowest version that has what the spec uses, as upstream's
 //!   `MinimumRequiredVersion` (`specs-go/version.go`) computes it. Device nodes,
@@ -38,7 +47,7 @@
 //!   files of the same directory), so each carries
 //!   the claim UID: `<slice device name>-<claim uid>` (e.g.
 //!   `pci-0000-01-00-0-<uid>`) for a function's device nodes and
-//!   `metadata-<request>-<claim uid>` for a request's metadata mount.
+//!   `metadata-<request>-<claim uid>` for a request's metadata mount and variables.
 //! - Fully qualified id (`pkg/parser/parser.go`, `QualifiedName`):
 //!   `<vendor>/<class>=<name>`.
 //! - File name: `GenerateTransientSpecName(vendor, class, id)` in
@@ -241,14 +250,6 @@ struct Spec {
     cdi_version: &'static str,
     kind: String,
     devices: Vec<Device>,
-    #[serde(rename = "containerEdits", skip_serializing_if = "Option::is_none")]
-    container_edits: Option<SpecEdits>,
-}
-
-/// The edits of the whole spec, applied to a container given any of its devices.
-#[derive(Serialize)]
-struct SpecEdits {
-    env: Vec<String>,
 }
 
 #[derive(Serialize)]
@@ -260,6 +261,8 @@ struct Device {
 
 #[derive(Serialize)]
 struct Edits {
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    env: Vec<String>,
     #[serde(rename = "deviceNodes", skip_serializing_if = "Vec::is_empty")]
     device_nodes: Vec<Node>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -392,6 +395,8 @@ pub fn claim_files(
     let mut device_ids = BTreeMap::new();
     // Top-level request → (full reference, its devices).
     let mut requests: BTreeMap<&str, (&str, Vec<MetadataDevice>)> = BTreeMap::new();
+    // Top-level request → KubeVirt's variables: resource name → its devices.
+    let mut env: BTreeMap<&str, BTreeMap<&ResourceName, Vec<PciAddress>>> = BTreeMap::new();
     for dev in &sorted {
         let attributes = checked(dev)?;
         let name = format!("{}-{uid}", dev.device_name);
@@ -399,6 +404,7 @@ pub fn claim_files(
         cdi_devices.push(Device {
             name,
             container_edits: Edits {
+                env: Vec::new(),
                 device_nodes: device_nodes(dev, dev_root),
                 mounts: Vec::new(),
             },
@@ -416,6 +422,10 @@ pub fn claim_files(
             }
             if bases.insert(base) {
                 ids.push(format!("{kind}=metadata-{base}-{uid}"));
+                if let Some(resource) = &dev.resource {
+                    let by_name = env.entry(base).or_default();
+                    by_name.entry(resource).or_default().push(dev.address);
+                }
                 devs.push(MetadataDevice {
                     driver,
                     pool: &dev.pool,
@@ -432,9 +442,22 @@ pub fn claim_files(
     let mut metadata = Vec::new();
     for (base, (reference, devs)) in requests {
         let host = format!("{claim_dir_str}/{base}/metadata.json");
+        // KubeVirt's variables, one per resource name: the request's devices of
+        // that name, comma-separated in address order, as the device plugin's
+        // Allocate sets them.
+        let variables = env
+            .remove(base)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(resource, addresses)| {
+                let (var, value) = resource.kubevirt_env(addresses);
+                format!("{var}={value}")
+            })
+            .collect();
         cdi_devices.push(Device {
             name: format!("metadata-{base}-{uid}"),
             container_edits: Edits {
+                env: variables,
                 device_nodes: Vec::new(),
                 mounts: vec![
                     Mount {
@@ -460,27 +483,10 @@ pub fn claim_files(
         metadata.push((PathBuf::from(host), text));
     }
 
-    // KubeVirt's variables, one per resource name: the claim's devices of that
-    // name, comma-separated, as the device plugin's Allocate sets them.
-    let mut env: BTreeMap<&ResourceName, Vec<PciAddress>> = BTreeMap::new();
-    for dev in &sorted {
-        if let Some(resource) = &dev.resource {
-            env.entry(resource).or_default().push(dev.address);
-        }
-    }
     let spec = Spec {
         cdi_version: if dev_root.is_some() { "0.5.0" } else { "0.3.0" },
         kind,
         devices: cdi_devices,
-        container_edits: (!env.is_empty()).then(|| SpecEdits {
-            env: env
-                .into_iter()
-                .map(|(resource, addresses)| {
-                    let (var, value) = resource.kubevirt_env(addresses);
-                    format!("{var}={value}")
-                })
-                .collect(),
-        }),
     };
     Ok(ClaimFiles {
         cdi: (spec_path, pretty(&spec)?),

@@ -127,6 +127,9 @@ const SPEC: &str = r#"{
     {
       "name": "metadata-card-0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a",
       "containerEdits": {
+        "env": [
+          "PCI_RESOURCE_REBELLIONS_AI_ATOM_CA22_PT=0000:01:00.0"
+        ],
         "mounts": [
           {
             "hostPath": "/var/run/kubernetes.io/dra-device-attributes/vfio-sandbox.rebellions.ai/0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a/card/metadata.json",
@@ -150,6 +153,9 @@ const SPEC: &str = r#"{
     {
       "name": "metadata-nic-0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a",
       "containerEdits": {
+        "env": [
+          "PCI_RESOURCE_REBELLIONS_AI_ATOM_CA22_PT=0000:02:00.0"
+        ],
         "mounts": [
           {
             "hostPath": "/var/run/kubernetes.io/dra-device-attributes/vfio-sandbox.rebellions.ai/0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a/nic/metadata.json",
@@ -170,12 +176,7 @@ const SPEC: &str = r#"{
         ]
       }
     }
-  ],
-  "containerEdits": {
-    "env": [
-      "PCI_RESOURCE_REBELLIONS_AI_ATOM_CA22_PT=0000:01:00.0,0000:02:00.0"
-    ]
-  }
+  ]
 }
 "#;
 
@@ -760,31 +761,54 @@ fn every_kubevirt_from_1_8_0_finds_the_pci_address() {
     }
 }
 
-/// KubeVirt's `PCI_RESOURCE_<NAME>` (what the device plugin's Allocate sets) is in the
-/// spec's own edits, so a container given any device of the claim gets it: one
-/// variable per resource name, the devices comma-separated in address order; a
-/// device without a resource name adds none.
+/// KubeVirt's `PCI_RESOURCE_<NAME>` (what the device plugin's Allocate sets) is set
+/// per request, on the request's own CDI device, which every device of the request
+/// returns: a container given a request sees exactly that request's devices, one
+/// variable per resource name, comma-separated in address order; a device without
+/// a resource name adds none, and the spec's own edits set nothing.
 #[test]
-fn the_claim_sets_kubevirts_variable_per_resource_name() {
+fn each_request_sets_kubevirts_variable_for_its_own_devices() {
     let mut devices = vec![
         device("0000:03:00.0", 9, &["nic"], None),
         device("0000:02:00.0", 7, &["nic"], None),
         device("0000:01:00.0", 5, &["card"], None),
         device("0000:04:00.0", 11, &["nic"], None),
+        device("0000:05:00.0", 13, &["card"], None),
     ];
     devices[0].resource = "example.com/NIC_PT".parse().ok();
     devices[3].resource = None;
-    let spec: CdiSpec = serde_json::from_str(&files(&devices).cdi.1).expect("spec");
+    let made = files(&devices);
+    let spec: CdiSpec = serde_json::from_str(&made.cdi.1).expect("spec");
+    assert!(spec.container_edits.is_none(), "nothing spec-wide");
+    let env_of = |name: &str| -> Vec<String> {
+        let d = spec.devices.iter().find(|d| d.name == name).expect(name);
+        d.container_edits.env.clone()
+    };
     assert_eq!(
-        spec.container_edits.expect("spec edits").env,
+        env_of(&format!("metadata-card-{UID}")),
+        ["PCI_RESOURCE_REBELLIONS_AI_ATOM_CA22_PT=0000:01:00.0,0000:05:00.0"]
+    );
+    assert_eq!(
+        env_of(&format!("metadata-nic-{UID}")),
         [
             "PCI_RESOURCE_EXAMPLE_COM_NIC_PT=0000:03:00.0",
-            "PCI_RESOURCE_REBELLIONS_AI_ATOM_CA22_PT=0000:01:00.0,0000:02:00.0",
+            "PCI_RESOURCE_REBELLIONS_AI_ATOM_CA22_PT=0000:02:00.0",
         ]
+    );
+    // Device nodes carry no variable; each device's ids name its request's device.
+    for d in spec.devices.iter().filter(|d| d.name.starts_with("pci-")) {
+        assert!(d.container_edits.env.is_empty(), "{}", d.name);
+    }
+    assert_eq!(
+        made.device_ids["pci-0000-02-00-0"][1],
+        format!("{DRIVER}/vfio=metadata-nic-{UID}")
     );
     for d in &mut devices {
         d.resource = None;
     }
     let spec: CdiSpec = serde_json::from_str(&files(&devices).cdi.1).expect("spec");
-    assert!(spec.container_edits.is_none());
+    assert!(spec
+        .devices
+        .iter()
+        .all(|d| d.container_edits.env.is_empty()));
 }

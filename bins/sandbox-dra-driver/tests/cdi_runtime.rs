@@ -2,7 +2,9 @@
 //! (4.3, with runc) runs a busybox container with the claim's CDI device ids, and
 //! the container sees what KubeVirt's virt-launcher needs: the
 //! `PCI_RESOURCE_<NAME>` variables the device plugin's Allocate would set, the VFIO
-//! device nodes, and the device metadata file at the path KubeVirt reads.
+//! device nodes, and the device metadata file at the path KubeVirt reads; and
+//! each container sees the variables of exactly the devices it was given, with
+//! the CDI ids kubelet hands it per request.
 //!
 //! It needs root, podman, runc and busybox-static, and writes into
 //! `/var/run/cdi`, the directory podman 4.3 reads specs from (it has no flag for
@@ -86,14 +88,20 @@ fn podman(devices: &[String], rootfs: &Path, script: &str) -> String {
     text
 }
 
+/// A scene whose driver writes where podman reads (its CDI directory is
+/// `/var/run/cdi`), with character devices for the VFIO nodes.
+fn runtime_scene() -> Scene {
+    let scene = Scene::new();
+    char_devices(&scene.root().join("dev"));
+    std::fs::create_dir_all(RUNTIME_CDI_DIR).unwrap();
+    std::os::unix::fs::symlink(RUNTIME_CDI_DIR, scene.cdi_dir()).unwrap();
+    scene
+}
+
 #[tokio::test]
 #[ignore = "needs root, podman, runc and busybox-static, and writes /var/run/cdi: run by the CI step 'CDI runtime'"]
 async fn podman_applies_a_prepared_claims_cdi_spec() {
-    let scene = Scene::new();
-    char_devices(&scene.root().join("dev"));
-    // The driver writes where podman reads: its CDI directory is /var/run/cdi.
-    std::fs::create_dir_all(RUNTIME_CDI_DIR).unwrap();
-    std::os::unix::fs::symlink(RUNTIME_CDI_DIR, scene.cdi_dir()).unwrap();
+    let scene = runtime_scene();
     let server = cluster();
     let _driver = scene.start(&server).await;
     let claim = put_v1beta1_claim(&server);
@@ -155,4 +163,111 @@ async fn podman_applies_a_prepared_claims_cdi_spec() {
     let gone = unprepare(&mut client, std::slice::from_ref(&claim)).await;
     assert!(gone[&claim.uid].is_empty(), "{gone:?}");
     assert!(!spec_path.exists(), "the spec goes with the claim");
+}
+
+/// The CDI ids of `answer`'s devices of `request`, as kubelet hands them to a
+/// container whose `resources.claims` entry names that request.
+fn ids_of(answer: &kubelet_peer::dra::Prepared, request: &str) -> Vec<String> {
+    answer
+        .devices
+        .iter()
+        .filter(|d| d.request_names.iter().any(|r| r == request))
+        .flat_map(|d| d.cdi_device_ids.clone())
+        .collect()
+}
+
+/// The values of KubeVirt's variables in a container's `env` output.
+fn variables(out: &str) -> Vec<&str> {
+    out.lines()
+        .filter(|l| l.starts_with("PCI_RESOURCE_"))
+        .collect()
+}
+
+#[tokio::test]
+#[ignore = "needs root, podman, runc and busybox-static, and writes /var/run/cdi: run by the CI step 'CDI runtime'"]
+async fn each_container_sees_the_addresses_of_exactly_its_own_devices() {
+    let scene = runtime_scene();
+    let server = cluster();
+    let _driver = scene.start(&server).await;
+    // One claim split between two containers by request (two NICs of group 5 for
+    // `a`, one NIC for `b`), and a second claim (the nvme).
+    let split = put_claim(
+        &server,
+        "vm-split",
+        "7a1e0c52-3d4b-4e8f-9a6c-2b5d8f1e0a93",
+        Some(&[
+            ours("a", "pci-0000-01-00-0"),
+            ours("a", "pci-0000-01-00-1"),
+            ours("b", "pci-0000-02-00-0"),
+        ]),
+        None,
+    );
+    let disk = put_claim(
+        &server,
+        "vm-disk",
+        "c3f8a1d2-6e5b-4a7c-8d9e-0f1a2b3c4d5e",
+        Some(&[ours("d", "pci-0000-03-00-0")]),
+        None,
+    );
+    let mut client = scene.client(Version::V1).await;
+    let claims = [split.clone(), disk.clone()];
+    let answers = prepare(&mut client, &claims).await;
+    for c in &claims {
+        assert!(answers[&c.uid].error.is_empty(), "{answers:?}");
+    }
+    let (split_answer, disk_answer) = (&answers[&split.uid], &answers[&disk.uid]);
+    let rootfs = busybox_root(scene.root());
+    let script = "env | sort; ls -l /dev/vfio";
+    let run = |ids: Vec<String>| {
+        let out = podman(&ids, &rootfs, script);
+        println!("podman run --device {}:\n{out}", ids.join(" --device "));
+        out
+    };
+    let groups = |out: &str| -> Vec<String> {
+        out.lines()
+            .filter(|l| l.starts_with('c'))
+            .filter_map(|l| l.rsplit(' ').next())
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+            .map(str::to_owned)
+            .collect()
+    };
+
+    // Two containers splitting the claim: each its own request's addresses.
+    let first = run(ids_of(split_answer, "a"));
+    assert_eq!(
+        variables(&first),
+        ["PCI_RESOURCE_EXAMPLE_COM_NIC_PT=0000:01:00.0,0000:01:00.1"]
+    );
+    assert_eq!(groups(&first), ["5"]);
+    let second = run(ids_of(split_answer, "b"));
+    assert_eq!(
+        variables(&second),
+        ["PCI_RESOURCE_EXAMPLE_COM_NIC_PT=0000:02:00.0"]
+    );
+    assert_eq!(groups(&second), ["6"]);
+
+    // One container with two claims: both claims' variables.
+    let both = run([ids_of(split_answer, "b"), ids_of(disk_answer, "d")].concat());
+    assert_eq!(
+        variables(&both),
+        [
+            "PCI_RESOURCE_EXAMPLE_COM_NIC_PT=0000:02:00.0",
+            "PCI_RESOURCE_EXAMPLE_COM_NVME_PT=0000:03:00.0",
+        ]
+    );
+    assert_eq!(groups(&both), ["6", "7"]);
+
+    // Two requests of one resource name in one container: the runtime keeps one
+    // request's value (a variable set twice keeps the last); it never names a
+    // device the container was not given.
+    let whole = run([ids_of(split_answer, "a"), ids_of(split_answer, "b")].concat());
+    let nic = variables(&whole);
+    assert!(
+        nic == ["PCI_RESOURCE_EXAMPLE_COM_NIC_PT=0000:02:00.0"]
+            || nic == ["PCI_RESOURCE_EXAMPLE_COM_NIC_PT=0000:01:00.0,0000:01:00.1"],
+        "{nic:?}"
+    );
+
+    let gone = unprepare(&mut client, &claims).await;
+    assert!(gone.values().all(String::is_empty), "{gone:?}");
 }
