@@ -11,11 +11,13 @@
 
 mod binding;
 pub mod cdi;
+pub mod claim_label;
 mod claims;
 mod devices;
 mod driver;
 mod events;
 mod health;
+pub mod lease;
 mod metrics;
 mod model;
 pub mod owner;
