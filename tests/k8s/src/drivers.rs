@@ -167,6 +167,17 @@ pub fn install_dra_manifests(plane: &ControlPlane) -> Result<()> {
     plane
         .apply(&rendered)
         .context("applying manifests/overlays/dra")?;
+    // The claim labeller's Deployment would pull an image the node does not
+    // have; the scenarios that need the labeller run its binary on the host.
+    plane
+        .kubectl(&[
+            "scale",
+            "deployment/sandbox-dra-driver-controller",
+            "-n",
+            DRIVER_NS,
+            "--replicas=0",
+        ])
+        .context("scaling the claim labeller's Deployment to 0")?;
     Ok(())
 }
 
