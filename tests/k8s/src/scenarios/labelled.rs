@@ -1,6 +1,7 @@
 //! The early move through the claim labeller: the driver watches only the
-//! claims labelled for its node while the labeller leads, and every claim again
-//! once it stops.
+//! claims labelled for its node while a labeller leads, the standby takes over
+//! when the leader is killed, and the driver watches every claim again once no
+//! labeller runs.
 
 use std::time::Duration;
 
@@ -21,10 +22,10 @@ fn label_key() -> String {
 }
 
 /// The labeller's Lease's holder, once it is `holder`.
-fn wait_holder(plane: &ControlPlane, holder: &str, why: &str) -> Result<()> {
+fn wait_holder(plane: &ControlPlane, holder: &str, why: &str, timeout: Duration) -> Result<()> {
     wait_for(
         &format!("Lease {DRIVER_NS}/{LABELLER} to be held by {holder:?} ({why})"),
-        Duration::from_secs(30),
+        timeout,
         || {
             let lease = plane.get_json(&["get", "lease", LABELLER, "-n", DRIVER_NS])?;
             let now = lease["spec"]["holderIdentity"].as_str().unwrap_or_default();
@@ -100,8 +101,11 @@ fn through_the_labeller(ctx: &mut Ctx) -> Result<Outcome> {
     ctx.host.set_driver(a, Some(drivers::NATIVE))?;
     // The labeller with its own account: the shipped RBAC is all it may do
     // (the audit check after the scenario names any refusal).
-    let labeller = drivers::start_labeller(&ctx.plane, &ctx.dra_binary(), "labeller-0")?;
-    wait_holder(&ctx.plane, "labeller-0", "the labeller leads")?;
+    // Two replicas, as the Deployment runs them: the first leads.
+    let mut leader = drivers::start_labeller(&ctx.plane, &ctx.dra_binary(), "labeller-0")?;
+    let secs = Duration::from_secs;
+    wait_holder(&ctx.plane, "labeller-0", "the first leads", secs(30))?;
+    let standby = drivers::start_labeller(&ctx.plane, &ctx.dra_binary(), "labeller-1")?;
     // The driver as its DaemonSet runs it: POD_NAMESPACE set, --claim-watch
     // at its default (auto), so it reads the Lease and watches its label.
     ctx.dra = None;
@@ -144,12 +148,27 @@ fn through_the_labeller(ctx: &mut Ctx) -> Result<Outcome> {
     delete_pod(&ctx.plane, "lb-ready")?;
     wait_driver(ctx, a, drivers::NATIVE, "given back after its pod")?;
 
+    // The leader is killed (no release): the standby takes the Lease once it
+    // has seen it unrenewed for its 15 s, and labels the next claim.
+    leader.kill9();
+    wait_holder(&ctx.plane, "labeller-1", "the standby took over", secs(45))?;
+    let claim = early_move(ctx, "lb-failover", a)?;
+    ensure!(
+        claim["metadata"]["labels"][&key] == ctx.node.name.as_str(),
+        "claim {} is not labelled by the new leader: {}",
+        claim["metadata"]["name"],
+        claim["metadata"]
+    );
+    delete_pod(&ctx.plane, "lb-failover")?;
+    wait_driver(ctx, a, drivers::NATIVE, "given back after its pod")?;
+
     // The labeller stops: its SIGTERM releases the Lease, the driver watches
     // every claim again (its next look, within 15 s), and the early move goes
     // on without labels.
     let since = driver_log(ctx)?;
-    drop(labeller);
-    wait_holder(&ctx.plane, "", "released on SIGTERM")?;
+    drop(standby);
+    drop(leader);
+    wait_holder(&ctx.plane, "", "released on SIGTERM", secs(30))?;
     wait_log(
         &since,
         "no claim labeller holds and renews its Lease: watching every ResourceClaim",
