@@ -4,19 +4,25 @@
 //!
 //! The driver's own knowledge: claims ([`Claims`]) and their records in the state
 //! file ([`ClaimRecords`]), their CDI specs and metadata files ([`cdi`]), the
-//! devices it offers ([`slice_devices`]), the thread that changes the node
-//! ([`Worker`]), the early move before a pod binds ([`ClaimWatcher`]), device health
-//! ([`HealthBoard`]), the wait for the node's owner lock ([`owner`]) and its metrics. Whole-group binding and restoring is the
-//! passthrough engine's (`passthrough` crate), shared with vfio-manager.
+//! configuration a claim can give its devices ([`config`]), the devices it offers
+//! ([`slice_devices`]), the thread that changes the node ([`Worker`]), the early
+//! move before a pod binds ([`ClaimWatcher`]) and the cluster's claim labeller that
+//! narrows its watch to the node ([`controller`]), device health ([`HealthBoard`]),
+//! the wait for the node's owner lock ([`owner`]) and its metrics. Whole-group
+//! binding and restoring is the passthrough engine's (`passthrough` crate), shared
+//! with vfio-manager.
 
 mod binding;
 pub mod cdi;
+pub mod claim_label;
 mod claims;
 pub mod config;
+pub mod controller;
 mod devices;
 mod driver;
 mod events;
 mod health;
+pub mod lease;
 mod metrics;
 mod model;
 pub mod owner;
@@ -33,5 +39,5 @@ pub use model::{
     device_name, parse_device_name, reason, ClaimDevice, ClaimPhase, ClaimRecord, ClaimRecords,
     StateFile, DEFAULT_DRIVER_NAME,
 };
-pub use watcher::{watch_claims, ClaimWatcher};
+pub use watcher::{watch_claims, ClaimWatch, ClaimWatcher, LeaseRef, LABELLER_CHECK};
 pub use worker::{prepared_claims, Setup, Worker};

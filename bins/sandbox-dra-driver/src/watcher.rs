@@ -1,6 +1,13 @@
 //! The claim watcher: moves the groups of a claim allocated to this node's devices
 //! with our binding condition as soon as the scheduler allocates it, and writes the
 //! condition into the claim's `status.devices`.
+//!
+//! Which claims it watches is `--claim-watch` ([`ClaimWatch`]): every claim of the
+//! cluster (no field selector picks claims by node), or only those the claim
+//! labeller (`sandbox-dra-driver controller`, [`crate::controller`]) labelled for
+//! this node ([`crate::claim_label`]), which the API server picks before it sends;
+//! `auto` watches the labelled ones while the labeller holds and renews its Lease
+//! and every claim otherwise.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -21,6 +28,11 @@ use crate::claims::DriverError;
 use crate::metrics::Operation;
 use crate::worker::Worker;
 
+mod scope;
+
+pub use scope::{ClaimWatch, LeaseRef, LABELLER_CHECK};
+use scope::{Labeller, Scope};
+
 /// How long the watcher waits for a move: the scheduler gives a claim up 10
 /// minutes after its allocation (`DynamicResourcesBindingTimeoutDefault`).
 const MOVE_WAIT: Duration = Duration::from_secs(600);
@@ -28,7 +40,6 @@ const MOVE_WAIT: Duration = Duration::from_secs(600);
 const STATUS_RETRY_MAX: Duration = Duration::from_secs(30);
 /// How often a give-back that failed is tried again.
 const GIVE_BACK_RETRY: Duration = Duration::from_secs(10);
-
 /// What the watcher needs.
 #[derive(Clone)]
 pub struct ClaimWatcher {
@@ -42,6 +53,11 @@ pub struct ClaimWatcher {
     pub worker: Worker,
     /// Early moves and give-backs, counted and timed.
     pub metrics: Arc<crate::metrics::Metrics>,
+    /// Which claims to watch.
+    pub watch: ClaimWatch,
+    /// The labeller's Lease, which `auto` reads (`None`: `auto` watches every
+    /// claim).
+    pub labeller_lease: Option<LeaseRef>,
 }
 
 /// The watcher's memory, shared with its move tasks.
@@ -62,6 +78,9 @@ struct Tracked {
     latest: HashMap<String, Option<ResourceClaim>>,
     /// Said once: the API server drops `status.devices`.
     status_dropped: bool,
+    /// Claims moved early that a labelled list did not show, being read one by
+    /// one; an event for one of them since takes it out (the event is newer).
+    looking_up: HashSet<String>,
 }
 
 /// One of our devices in a claim's allocation that waits on our condition.
@@ -76,49 +95,106 @@ struct Waiting {
     settled: bool,
 }
 
-/// Watches every ResourceClaim (a field selector cannot pick claims by allocated
-/// node) until aborted. A claim allocated to this node's devices whose results
-/// carry our binding condition is moved early; one that loses its allocation
-/// before it was prepared gets its devices back. After every (re)list, claims
-/// moved early that are no longer allocated here are given back too.
+/// Watches ResourceClaims (every claim, or those labelled for this node, as
+/// `--claim-watch` says) until aborted. A claim allocated to this node's devices
+/// whose results carry our binding condition is moved early; one that loses its
+/// allocation (or its label) before it was prepared gets its devices back. After
+/// every (re)list, claims moved early that are no longer allocated here are given
+/// back too.
 pub async fn watch_claims(follow: ClaimWatcher) {
-    let api: Api<ResourceClaim> = Api::all(follow.cluster.watch_client());
-    let stream = watcher::watcher(api, node_agent::cluster::watch_config()).default_backoff();
-    tokio::pin!(stream);
     let seen = Arc::new(Shared::default());
-    let mut listed: BTreeSet<String> = BTreeSet::new();
-    let mut failing = false;
-    while let Some(event) = stream.next().await {
-        let event = match event {
-            Ok(e) => e,
-            Err(e) => {
-                if !failing {
-                    tracing::warn!(error = %error_chain(&e), "cannot watch ResourceClaims; retrying (claims wait for prepare meanwhile)");
-                }
-                failing = true;
-                continue;
-            }
-        };
-        if failing {
-            tracing::info!("watching ResourceClaims again");
-            failing = false;
+    match (follow.watch, follow.labeller_lease.clone()) {
+        (ClaimWatch::All, _) => {
+            follow
+                .watch_in(&seen, Scope::All, std::future::pending())
+                .await
         }
-        match event {
-            Event::Init => listed.clear(),
-            Event::InitApply(c) => {
-                let uid = c.metadata.uid.clone().unwrap_or_default();
-                if follow.act(&seen, uid.clone(), Some(c)) {
-                    listed.insert(uid);
+        (ClaimWatch::Labelled, _) => {
+            tracing::info!(selector = %follow.selector(), "watching only the ResourceClaims the claim labeller labels for this node");
+            follow
+                .watch_in(&seen, Scope::Labelled, std::future::pending())
+                .await;
+        }
+        (ClaimWatch::Auto, None) => {
+            tracing::info!("--claim-watch=auto without a namespace for the labeller's Lease (POD_NAMESPACE): watching every ResourceClaim");
+            follow
+                .watch_in(&seen, Scope::All, std::future::pending())
+                .await;
+        }
+        (ClaimWatch::Auto, Some(lease)) => {
+            let mut labeller = Labeller::new(follow.cluster.kube_client(), lease);
+            loop {
+                let scope = labeller.look().await;
+                follow
+                    .watch_in(&seen, scope, labeller.until_changed(scope))
+                    .await;
+            }
+        }
+    }
+}
+
+impl ClaimWatcher {
+    /// The label selector of this node's claims.
+    fn selector(&self) -> String {
+        crate::claim_label::selector(&self.driver, &self.pool)
+    }
+
+    /// Watches the claims of `scope` until `until` ends (or forever).
+    async fn watch_in(
+        &self,
+        seen: &Arc<Shared>,
+        scope: Scope,
+        until: impl std::future::Future<Output = ()>,
+    ) {
+        let api: Api<ResourceClaim> = Api::all(self.cluster.watch_client());
+        let config = match scope {
+            Scope::All => node_agent::cluster::watch_config(),
+            Scope::Labelled => node_agent::cluster::watch_config().labels(&self.selector()),
+        };
+        let stream = watcher::watcher(api, config).default_backoff();
+        tokio::pin!(stream);
+        tokio::pin!(until);
+        let mut listed: BTreeSet<String> = BTreeSet::new();
+        let mut failing = false;
+        loop {
+            let event = tokio::select! {
+                () = &mut until => return,
+                event = stream.next() => match event {
+                    Some(e) => e,
+                    None => return,
+                },
+            };
+            let event = match event {
+                Ok(e) => e,
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(error = %error_chain(&e), "cannot watch ResourceClaims; retrying (claims wait for prepare meanwhile)");
+                    }
+                    failing = true;
+                    continue;
                 }
+            };
+            if failing {
+                tracing::info!("watching ResourceClaims again");
+                failing = false;
             }
-            Event::InitDone => follow.sweep(&seen, &listed).await,
-            Event::Apply(c) => {
-                let uid = c.metadata.uid.clone().unwrap_or_default();
-                follow.act(&seen, uid, Some(c));
-            }
-            Event::Delete(c) => {
-                let uid = c.metadata.uid.clone().unwrap_or_default();
-                follow.act(&seen, uid, None);
+            match event {
+                Event::Init => listed.clear(),
+                Event::InitApply(c) => {
+                    let uid = seen.newer(&c);
+                    if self.act(seen, uid.clone(), Some(c)) {
+                        listed.insert(uid);
+                    }
+                }
+                Event::InitDone => self.sweep(seen, &listed, scope).await,
+                Event::Apply(c) => {
+                    let uid = seen.newer(&c);
+                    self.act(seen, uid, Some(c));
+                }
+                Event::Delete(c) => {
+                    let uid = seen.newer(&c);
+                    self.act(seen, uid, None);
+                }
             }
         }
     }
@@ -134,6 +210,14 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, Tracked> {
         support::lock(&self.tracked)
+    }
+
+    /// Claim `claim` came in from the watch: newer than any read of it still on
+    /// its way. Gives its uid.
+    fn newer(&self, claim: &ResourceClaim) -> String {
+        let uid = claim.metadata.uid.clone().unwrap_or_default();
+        self.lock().looking_up.remove(&uid);
+        uid
     }
 
     /// True when an event for busy claim `uid` came in since its task started.
@@ -310,7 +394,10 @@ impl ClaimWatcher {
 
     /// After a (re)list: gives back every claim moved early that the list does not
     /// show allocated to us (deleted or deallocated while we were not watching).
-    async fn sweep(&self, seen: &Arc<Shared>, listed: &BTreeSet<String>) {
+    /// A labelled list is not the whole truth (the labeller may not have labelled
+    /// a claim yet, or be between two leaders), so each such claim is read
+    /// instead and acted on as it stands.
+    async fn sweep(&self, seen: &Arc<Shared>, listed: &BTreeSet<String>, scope: Scope) {
         let job = self.worker.moved_early();
         let moved = match self
             .worker
@@ -329,8 +416,47 @@ impl ClaimWatcher {
             s.ours.extend(moved.iter().map(|c| c.uid.clone()));
         }
         for c in moved.into_iter().filter(|c| !listed.contains(&c.uid)) {
-            tracing::info!(claim = %c, "a claim moved early is no longer allocated here; giving its devices back");
-            self.act(seen, c.uid, None);
+            match scope {
+                Scope::All => {
+                    tracing::info!(claim = %c, "a claim moved early is no longer allocated here; giving its devices back");
+                    self.act(seen, c.uid, None);
+                }
+                Scope::Labelled => {
+                    seen.lock().looking_up.insert(c.uid.clone());
+                    let (this, shared) = (self.clone(), seen.clone());
+                    tokio::spawn(async move { this.look_up(&shared, c).await });
+                }
+            }
+        }
+    }
+
+    /// Reads claim `c`, moved early and missing from a labelled list, and acts on
+    /// it as it stands (gone, or another claim under its name: `None`), unless the
+    /// watch brought a newer state meanwhile. A read that fails is tried again
+    /// every [`GIVE_BACK_RETRY`].
+    async fn look_up(&self, seen: &Arc<Shared>, c: ClaimRef) {
+        let api: Api<ResourceClaim> = Api::namespaced(self.cluster.kube_client(), &c.namespace);
+        loop {
+            match api.get_opt(&c.name).await {
+                Ok(found) => {
+                    let found = found.filter(|f| f.metadata.uid.as_deref() == Some(c.uid.as_str()));
+                    if !seen.lock().looking_up.remove(&c.uid) {
+                        return;
+                    }
+                    if found.as_ref().and_then(|f| self.waiting(f)).is_none() {
+                        tracing::info!(claim = %c, "a claim moved early is no longer allocated here; giving its devices back");
+                    }
+                    self.act(seen, c.uid, found);
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(claim = %c, error = %e, retry_in = ?GIVE_BACK_RETRY, "cannot read a claim moved early that the labelled list does not show");
+                }
+            }
+            tokio::time::sleep(GIVE_BACK_RETRY).await;
+            if !seen.lock().looking_up.contains(&c.uid) {
+                return;
+            }
         }
     }
 

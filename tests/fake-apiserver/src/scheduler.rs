@@ -76,7 +76,10 @@ pub fn allocation(results: &[DeviceResult], slices: &[Value], node: &str) -> Val
 /// each entry with `source: FromClaim` and the same requests and configuration,
 /// after the classes' (this stand-in's classes carry none).
 pub fn copy_claim_config(allocation: &mut Value, claim: &Value) {
-    let Some(configs) = claim.pointer("/spec/devices/config").and_then(Value::as_array) else {
+    let Some(configs) = claim
+        .pointer("/spec/devices/config")
+        .and_then(Value::as_array)
+    else {
         return;
     };
     let copied: Vec<Value> = configs

@@ -26,10 +26,12 @@ pub enum Gates {
 /// A release, as `v1.<minor>`.
 #[derive(Clone, Copy, Debug)]
 pub struct Release {
+    /// The minor version.
     pub minor: u32,
 }
 
 impl Release {
+    /// `v1.<minor>[.<patch>]`.
     pub fn parse(text: &str) -> Result<Self> {
         let minor = text
             .strip_prefix("v1.")
@@ -71,6 +73,7 @@ fn gate_flag(names: &[&str]) -> Vec<String> {
 pub const ADMIN_TOKEN: &str = "admin-token-for-tests";
 const KCM_TOKEN: &str = "kcm-token-for-tests";
 const SCHEDULER_TOKEN: &str = "scheduler-token-for-tests";
+/// The node's kubelet's static token (`system:node:<node>` in `system:nodes`).
 pub const KUBELET_TOKEN: &str = "kubelet-token-for-tests";
 
 /// The release's binaries the run needs, in `--k8s-bins`.
@@ -83,14 +86,24 @@ pub const BINARIES: [&str; 6] = [
     "kubectl",
 ];
 
+/// etcd, kube-apiserver, kube-controller-manager and kube-scheduler, running;
+/// each stopped when this is dropped.
 pub struct ControlPlane {
+    /// The release's binaries.
     pub bins: PathBuf,
+    /// Its scratch directory (data, keys, logs).
     pub dir: PathBuf,
+    /// `https://127.0.0.1:<port>`.
     pub server: String,
+    /// Its keys.
     pub pki: Pki,
+    /// The admin's kubeconfig (`system:masters`).
     pub admin: PathBuf,
+    /// The release.
     pub release: Release,
+    /// The gates it runs with.
     pub gates: Gates,
+    /// The node whose kubelet has a token.
     pub node: String,
     // Stopped in reverse order of start (fields drop in declaration order).
     scheduler: Option<Proc>,
@@ -100,6 +113,8 @@ pub struct ControlPlane {
 }
 
 impl ControlPlane {
+    /// Starts the control plane of the binaries in `bins` in `dir`, with a
+    /// static token for kubelet on `node`, and waits until it serves.
     pub fn start(
         bins: &Path,
         dir: &Path,
@@ -279,6 +294,11 @@ impl ControlPlane {
         Ok(plane)
     }
 
+    /// kube-apiserver's process id (its CPU time is in `/proc/<pid>/stat`).
+    pub fn apiserver_pid(&self) -> u32 {
+        self.apiserver.child.id()
+    }
+
     /// Fails if any component has exited.
     pub fn check(&mut self) -> Result<()> {
         self.etcd.check()?;
@@ -325,17 +345,20 @@ impl ControlPlane {
         self.dir.join("audit.log")
     }
 
+    /// Where each component's log is.
     pub fn logs_dir(&self) -> PathBuf {
         self.dir.join("logs")
     }
 }
 
+/// A number not given before in this process (for file names).
 pub fn unique() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
     N.fetch_add(1, Ordering::Relaxed)
 }
 
+/// `p` as text (empty if it is not UTF-8).
 pub fn path_str(p: &Path) -> &str {
     p.to_str().unwrap_or_default()
 }

@@ -167,6 +167,17 @@ pub fn install_dra_manifests(plane: &ControlPlane) -> Result<()> {
     plane
         .apply(&rendered)
         .context("applying manifests/overlays/dra")?;
+    // The claim labeller's Deployment would pull an image the node does not
+    // have; the scenarios that need the labeller run its binary on the host.
+    plane
+        .kubectl(&[
+            "scale",
+            "deployment/sandbox-dra-driver-controller",
+            "-n",
+            DRIVER_NS,
+            "--replicas=0",
+        ])
+        .context("scaling the claim labeller's Deployment to 0")?;
     Ok(())
 }
 
@@ -279,6 +290,38 @@ pub fn start_dra(
         proc,
         state: dir.join("state.json"),
     })
+}
+
+/// The claim labeller's account and Lease (`manifests/dra/driver/controller.yaml`).
+pub const LABELLER: &str = "sandbox-dra-driver-controller";
+
+/// Starts the claim labeller (`sandbox-dra-driver controller`) on the host as
+/// the Deployment runs it: a token of its own account (so the shipped RBAC is
+/// all it may do), `POD_NAMESPACE` and `POD_NAME` = `name`, its name in the
+/// Lease.
+pub fn start_labeller(plane: &ControlPlane, binary: &Path, name: &str) -> Result<Proc> {
+    let token = plane
+        .kubectl(&[
+            "create",
+            "token",
+            LABELLER,
+            "-n",
+            DRIVER_NS,
+            "--duration=4h",
+        ])?
+        .trim()
+        .to_owned();
+    let config = plane.dir.join(format!("{name}.kubeconfig"));
+    kubeconfig(&config, &plane.server, &plane.pki.ca, &token)?;
+    let mut cmd = Command::new(binary);
+    cmd.arg("controller")
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("KUBECONFIG", &config)
+        .env("POD_NAMESPACE", DRIVER_NS)
+        .env("POD_NAME", name)
+        .arg("--log-level=info,sandbox_dra_driver=debug");
+    Proc::spawn(name, cmd, &plane.logs_dir())
 }
 
 /// Starts `sandbox-device-plugin` on kubelet's device-plugin directory with the

@@ -10,13 +10,10 @@
 //! Needs root (kubelet, containerd and runc), Debian's runc, busybox-static and
 //! containernetworking-plugins, and openssl.
 
-mod control;
 mod drivers;
 mod image;
 mod node;
 mod pcicore;
-mod pki;
-mod proc;
 mod scenarios;
 
 use std::os::unix::fs::PermissionsExt;
@@ -25,6 +22,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use real_k8s::{control, pki, proc};
 
 use control::{ControlPlane, Gates, Release};
 

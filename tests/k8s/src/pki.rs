@@ -11,11 +11,17 @@ use anyhow::Result;
 
 use crate::proc::run;
 
+/// The files of the cluster's keys.
 pub struct Pki {
+    /// The CA's certificate.
     pub ca: PathBuf,
+    /// The API server's serving certificate.
     pub serving_cert: PathBuf,
+    /// Its key.
     pub serving_key: PathBuf,
+    /// The ServiceAccount token signing key.
     pub sa_key: PathBuf,
+    /// Its public key.
     pub sa_pub: PathBuf,
 }
 
@@ -24,6 +30,7 @@ fn openssl(dir: &Path, args: &[&str]) -> Result<String> {
 }
 
 impl Pki {
+    /// Makes the keys in `dir`.
     pub fn create(dir: &Path) -> Result<Self> {
         std::fs::create_dir_all(dir)?;
         let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];

@@ -15,8 +15,11 @@ use nix::unistd::Pid;
 
 /// A component process.
 pub struct Proc {
+    /// Its name in messages and its log's name.
     pub name: String,
+    /// The process.
     pub child: Child,
+    /// Its output.
     pub log: PathBuf,
 }
 
@@ -44,6 +47,7 @@ impl Proc {
         })
     }
 
+    /// Its process id.
     pub fn pid(&self) -> Pid {
         Pid::from_raw(self.child.id() as i32)
     }

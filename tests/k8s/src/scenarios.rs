@@ -20,12 +20,15 @@ pub enum Outcome {
 
 type Scenario = fn(&mut Ctx) -> Result<Outcome>;
 
+mod labelled;
+
 pub const ALL: &[(&str, Scenario)] = &[
     ("dra-registers-and-publishes", dra_registers_and_publishes),
     ("dra-pod-with-claim-template", dra_pod_with_claim_template),
     ("dra-extended-resource", dra_extended_resource),
     ("dra-health", dra_health),
     ("dra-binding-conditions", dra_binding_conditions),
+    ("dra-early-move-labelled", labelled::dra_early_move_labelled),
     ("dra-restarts", dra_restarts),
     ("dra-node-recreated", dra_node_recreated),
     ("device-plugin-pod", device_plugin_pod),

@@ -1,0 +1,175 @@
+//! The node label on a ResourceClaim: which node's driver has work to do for it.
+//!
+//! No field selector picks ResourceClaims by node (the API server offers only
+//! `metadata.name` and `metadata.namespace` for them), so a driver that watched
+//! claims itself had every claim change of the cluster sent to every node. The
+//! claim labeller (`sandbox-dra-driver controller`, one leader per cluster)
+//! watches claims once and labels each claim allocated to this driver's devices
+//! with their binding condition:
+//!
+//! ```text
+//! vfio-sandbox.rebellions.ai/node=<label value of the node>     # <driver>/node
+//! ```
+//!
+//! and each node's driver watches with the label selector [`selector`], which the
+//! API server applies before it sends: a claim change reaches the labeller and at
+//! most one node.
+//!
+//! Both sides compute the value with [`label_value`] from the pool name, which for
+//! this driver is the node's name. A node name (a DNS subdomain, up to 253
+//! characters) of at most 63 characters is a valid label value and is used as it
+//! is; a longer one becomes its first 40 characters, `_` and a 64-bit FNV-1a hash
+//! of the whole name in hex. `_` never appears in a node name, so a hashed form
+//! never equals another node's plain name. The label only narrows what a node is
+//! sent: the node still checks that the claim's devices are in its own pool, so
+//! two long names with one hash would cost traffic, never a wrong move.
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+
+/// The longest label value the API server takes.
+const LABEL_VALUE_MAX: usize = 63;
+/// How much of a long name its hashed form keeps, for people reading labels.
+const HASHED_PREFIX: usize = 40;
+
+/// `<driver>/node`: the label's key (the driver name is a DNS subdomain, a valid
+/// key prefix).
+pub fn label_key(driver: &str) -> String {
+    format!("{driver}/node")
+}
+
+/// The label value standing for node (pool) `node`: the name itself when it is a
+/// valid label value, otherwise `<first 40 characters>_<FNV-1a 64 in hex>`, the
+/// prefix cut back to its last letter or digit.
+pub fn label_value(node: &str) -> String {
+    if valid_label_value(node) {
+        return node.to_owned();
+    }
+    let mut prefix: String = node
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        .take(HASHED_PREFIX)
+        .collect();
+    while prefix.ends_with(|c: char| !c.is_ascii_alphanumeric()) {
+        prefix.pop();
+    }
+    let hash = format!("{:016x}", fnv1a64(node.as_bytes()));
+    if prefix.is_empty() {
+        hash
+    } else {
+        format!("{prefix}_{hash}")
+    }
+}
+
+/// The label selector a node's driver watches with: `<driver>/node=<value>`.
+pub fn selector(driver: &str, node: &str) -> String {
+    format!("{}={}", label_key(driver), label_value(node))
+}
+
+/// Whether `value` is a label value the API server takes: at most 63
+/// characters of `[A-Za-z0-9._-]`, beginning and ending with a letter or digit
+/// (or empty).
+pub fn valid_label_value(value: &str) -> bool {
+    let bytes = value.as_bytes();
+    if bytes.len() > LABEL_VALUE_MAX {
+        return false;
+    }
+    let (Some(first), Some(last)) = (bytes.first(), bytes.last()) else {
+        return true;
+    };
+    first.is_ascii_alphanumeric()
+        && last.is_ascii_alphanumeric()
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// FNV-1a, 64 bits: small, fixed and the same everywhere, which is all a routing
+/// label needs (see the module's note on collisions).
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    bytes
+        .iter()
+        .fold(OFFSET, |h, b| (h ^ u64::from(*b)).wrapping_mul(PRIME))
+}
+
+/// The label value claim `claim` should carry: the node of its devices of
+/// `driver` when at least one of them waits on the driver's binding condition
+/// (the only claims a node acts on before prepare), `None` otherwise — not
+/// allocated, allocated without the condition, or (never made by the scheduler:
+/// node-local devices are allocated on one node) on more than one of the
+/// driver's pools.
+pub fn wanted_label(claim: &ResourceClaim, driver: &str) -> Option<String> {
+    let ready = crate::binding::ready_condition(driver);
+    let results = claim
+        .status
+        .as_ref()?
+        .allocation
+        .as_ref()?
+        .devices
+        .as_ref()?
+        .results
+        .as_deref()?;
+    let ours: Vec<_> = results.iter().filter(|r| r.driver == driver).collect();
+    let waits = ours.iter().any(|r| {
+        r.binding_conditions
+            .as_ref()
+            .is_some_and(|c| c.contains(&ready))
+    });
+    let pool = &ours.first()?.pool;
+    if !waits || ours.iter().any(|r| &r.pool != pool) {
+        return None;
+    }
+    Some(label_value(pool))
+}
+
+/// What the labeller does to one claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LabelChange {
+    /// Set the label to this value.
+    Set(String),
+    /// Remove the label.
+    Remove,
+}
+
+/// The change claim `claim` needs, if any: its label as [`wanted_label`] says,
+/// compared with the one it has.
+pub fn label_change(claim: &ResourceClaim, driver: &str) -> Option<LabelChange> {
+    let key = label_key(driver);
+    let have = claim
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(&key))
+        .cloned();
+    match (wanted_label(claim, driver), have) {
+        (Some(want), Some(have)) if want == have => None,
+        (Some(want), _) => Some(LabelChange::Set(want)),
+        (None, Some(_)) => Some(LabelChange::Remove),
+        (None, None) => None,
+    }
+}
+
+/// The JSON merge patch that makes `change` to a claim seen at
+/// `resource_version`: the API server applies it only to that version (a
+/// newer one answers 409 Conflict), so a label is never computed from one
+/// allocation and written over another.
+pub fn label_patch(
+    driver: &str,
+    change: &LabelChange,
+    resource_version: &str,
+) -> serde_json::Value {
+    let value = match change {
+        LabelChange::Set(v) => serde_json::Value::from(v.as_str()),
+        LabelChange::Remove => serde_json::Value::Null,
+    };
+    serde_json::json!({
+        "metadata": {
+            "resourceVersion": resource_version,
+            "labels": { label_key(driver): value },
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests;

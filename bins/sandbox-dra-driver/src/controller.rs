@@ -1,0 +1,258 @@
+//! The claim labeller, `sandbox-dra-driver controller`: one leader per cluster
+//! watches every ResourceClaim and labels each claim allocated to the driver's
+//! devices with their binding condition with the node they are on
+//! ([`crate::claim_label`]), so each node's driver watches only its own claims
+//! and a claim change reaches one node instead of all of them.
+//!
+//! It runs as a Deployment of two replicas. Only the holder of a
+//! `coordination.k8s.io/v1` Lease acts ([`crate::lease`]); the other waits and
+//! takes over within the Lease's duration (15 s) after the leader stops renewing,
+//! or at its next try (2 s) after a leader that stopped on SIGTERM released it.
+//! A leader that cannot renew for 10 s stops acting and exits, before any
+//! standby may take the Lease, so its pod restarts as a standby.
+//!
+//! Each label is written with a merge patch conditional on the claim's
+//! resourceVersion the decision was made from: a claim that changed meanwhile
+//! (allocated again, to another node, or deallocated) refuses the patch with a
+//! conflict, and the newer version's event decides again. Claims allocated
+//! before the leader started are labelled from its first list; a label whose
+//! allocation went while no leader ran is removed then too. The nodes never
+//! depend on it for prepare (kubelet hands them the claim), and with
+//! `--claim-watch=auto` (their default) they watch every claim while no
+//! labeller holds the Lease.
+//!
+//! The loop is kube-rs's `Controller`: one claim is never reconciled twice at
+//! once, a failed patch is tried again after [`RETRY`], and the decision itself
+//! ([`crate::claim_label::label_change`]) is a pure function.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::{self, Action, Controller};
+use kube::Api;
+use support::error_chain;
+use tokio_stream::StreamExt;
+
+use crate::claim_label::{label_change, label_key, label_patch, LabelChange};
+use crate::lease::{Elector, Timing};
+
+/// The field manager of the labeller's patches.
+pub const FIELD_MANAGER: &str = "sandbox-dra-driver-controller";
+/// The default name of the labeller's Lease, in its namespace.
+pub const DEFAULT_LEASE_NAME: &str = "sandbox-dra-driver-controller";
+/// How long after a failed patch a claim is looked at again.
+pub const RETRY: Duration = Duration::from_secs(5);
+/// Claims labelled at once (a burst of allocations is labelled in parallel).
+const CONCURRENCY: u16 = 16;
+
+/// What the labeller needs.
+#[derive(Clone)]
+pub struct Labeller {
+    /// The API server, for requests.
+    pub client: kube::Client,
+    /// The same server, for the watch (reads wait past the watch's timeout).
+    pub watch_client: kube::Client,
+    /// The DRA driver name: the claims' results of this driver, the label key.
+    pub driver: String,
+    /// The Lease's namespace.
+    pub namespace: String,
+    /// The Lease's name.
+    pub lease: String,
+    /// This replica's name in the Lease (its pod name).
+    pub identity: String,
+    /// Lease timing.
+    pub timing: Timing,
+}
+
+/// Why the labeller stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    /// The leader could not renew its Lease in time; it stopped acting.
+    #[error("lost the Lease {lease}: no renewal succeeded for {deadline:?} (last error: {last})")]
+    LostLease {
+        /// `namespace/name`.
+        lease: String,
+        /// The renew deadline.
+        deadline: Duration,
+        /// The last failure.
+        last: String,
+    },
+}
+
+/// A patch that failed for a reason other than a newer version of the claim.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot {action} on ResourceClaim {claim}")]
+pub struct PatchError {
+    action: String,
+    claim: String,
+    #[source]
+    source: kube::Error,
+}
+
+impl Labeller {
+    fn lease_ref(&self) -> String {
+        format!("{}/{}", self.namespace, self.lease)
+    }
+
+    /// Takes part in the election until `stop` ends; labels claims while this
+    /// replica leads. `Ok` after `stop` (the Lease released if held), `Err` when
+    /// the Lease was lost.
+    pub async fn run(
+        &self,
+        stop: impl std::future::Future<Output = ()>,
+    ) -> Result<(), ControllerError> {
+        tokio::pin!(stop);
+        let api: Api<Lease> = Api::namespaced(self.client.clone(), &self.namespace);
+        let mut elector = Elector::new(api, &self.lease, &self.identity, self.timing);
+        if !self.acquire(&mut elector, &mut stop).await {
+            return Ok(());
+        }
+        tracing::info!(lease = %self.lease_ref(), identity = %self.identity, "leading: labelling ResourceClaims with their node");
+        let (quit_tx, quit_rx) = tokio::sync::oneshot::channel::<()>();
+        let labelling = tokio::spawn(self.clone().label(async move {
+            let _ = quit_rx.await;
+        }));
+        let outcome = self.lead(&mut elector, &mut stop).await;
+        let _ = quit_tx.send(());
+        let _ = labelling.await;
+        if outcome.is_ok() {
+            match elector.release().await {
+                Ok(()) => tracing::info!(lease = %self.lease_ref(), "released the Lease"),
+                Err(e) => {
+                    tracing::warn!(lease = %self.lease_ref(), error = %e, "cannot release the Lease; a standby takes it when it expires")
+                }
+            }
+        }
+        outcome
+    }
+
+    /// Tries for the Lease every `retry` until it is ours (true) or `stop` ends.
+    async fn acquire(
+        &self,
+        elector: &mut Elector,
+        stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+    ) -> bool {
+        let mut said: Option<String> = None;
+        loop {
+            match elector.try_acquire_or_renew().await {
+                Ok(true) => return true,
+                Ok(false) => {
+                    let holder = elector.holder().unwrap_or_default().to_owned();
+                    if said.as_deref() != Some(&holder) {
+                        tracing::info!(lease = %self.lease_ref(), holder = %holder, "standing by: another replica holds the Lease");
+                        said = Some(holder);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(lease = %self.lease_ref(), error = %e, "cannot read or take the Lease; trying again");
+                    said = None;
+                }
+            }
+            tokio::select! {
+                () = stop.as_mut() => return false,
+                () = tokio::time::sleep(self.timing.retry) => {}
+            }
+        }
+    }
+
+    /// Renews every `retry` until `stop` ends (`Ok`) or no renewal succeeded for
+    /// the renew deadline (`Err`).
+    async fn lead(
+        &self,
+        elector: &mut Elector,
+        stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+    ) -> Result<(), ControllerError> {
+        let mut renewed = Instant::now();
+        loop {
+            tokio::select! {
+                () = stop.as_mut() => return Ok(()),
+                () = tokio::time::sleep(self.timing.retry) => {}
+            }
+            let left = self.timing.renew_deadline.saturating_sub(renewed.elapsed());
+            let last = match tokio::time::timeout(left, elector.try_acquire_or_renew()).await {
+                Ok(Ok(true)) => {
+                    renewed = Instant::now();
+                    continue;
+                }
+                Ok(Ok(false)) => "another replica holds it".to_owned(),
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("no answer within {left:?}"),
+            };
+            if renewed.elapsed() >= self.timing.renew_deadline {
+                return Err(ControllerError::LostLease {
+                    lease: self.lease_ref(),
+                    deadline: self.timing.renew_deadline,
+                    last,
+                });
+            }
+            tracing::warn!(lease = %self.lease_ref(), error = %last, "cannot renew the Lease; trying again");
+        }
+    }
+
+    /// Labels claims until `stop` ends.
+    async fn label(self, stop: impl std::future::Future<Output = ()> + Send + Sync + 'static) {
+        let api: Api<ResourceClaim> = Api::all(self.watch_client.clone());
+        let context = Arc::new(self);
+        let outcomes = Controller::new(api, node_agent::cluster::watch_config())
+            .with_config(controller::Config::default().concurrency(CONCURRENCY))
+            .graceful_shutdown_on(stop)
+            .run(reconcile, retry_later, context);
+        tokio::pin!(outcomes);
+        while let Some(outcome) = outcomes.next().await {
+            if let Err(e) = outcome {
+                tracing::debug!(error = %error_chain(&e), "claim labeller");
+            }
+        }
+    }
+}
+
+/// Gives claim `claim` the label it should have, with a patch conditional on the
+/// version it was decided from. A conflict or a claim gone is no error: the
+/// newer version's event decides again.
+async fn reconcile(
+    claim: Arc<ResourceClaim>,
+    labeller: Arc<Labeller>,
+) -> Result<Action, PatchError> {
+    let Some(change) = label_change(&claim, &labeller.driver) else {
+        return Ok(Action::await_change());
+    };
+    let (Some(namespace), Some(name), Some(version)) = (
+        claim.metadata.namespace.as_deref(),
+        claim.metadata.name.as_deref(),
+        claim.metadata.resource_version.as_deref(),
+    ) else {
+        return Ok(Action::await_change());
+    };
+    let key = label_key(&labeller.driver);
+    let action = match &change {
+        LabelChange::Set(v) => format!("set label {key}={v}"),
+        LabelChange::Remove => format!("remove label {key}"),
+    };
+    let api: Api<ResourceClaim> = Api::namespaced(labeller.client.clone(), namespace);
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PatchParams::default()
+    };
+    let patch = label_patch(&labeller.driver, &change, version);
+    match api.patch(name, &params, &Patch::Merge(&patch)).await {
+        Ok(_) => {
+            tracing::debug!(claim = %format!("{namespace}/{name}"), "{action}");
+            Ok(Action::await_change())
+        }
+        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Ok(Action::await_change()),
+        Err(source) => Err(PatchError {
+            action,
+            claim: format!("{namespace}/{name}"),
+            source,
+        }),
+    }
+}
+
+/// A failed patch: said, and the claim looked at again after [`RETRY`].
+fn retry_later(_claim: Arc<ResourceClaim>, error: &PatchError, _labeller: Arc<Labeller>) -> Action {
+    tracing::warn!(error = %error_chain(error), retry_in = ?RETRY, "cannot label a ResourceClaim");
+    Action::requeue(RETRY)
+}

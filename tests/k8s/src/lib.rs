@@ -1,0 +1,8 @@
+//! The parts of `real-k8s` other programs start a cluster with: the one-node
+//! control plane of one release on loopback ([`control`]), its keys and
+//! kubeconfigs ([`pki`]) and its processes ([`proc`]). The claim watch benchmark
+//! (`claim-watch-bench`) runs the same kube-apiserver the scenarios run.
+
+pub mod control;
+pub mod pki;
+pub mod proc;

@@ -1,0 +1,187 @@
+//! The early move through the claim labeller: the driver watches only the
+//! claims labelled for its node while a labeller leads, the standby takes over
+//! when the leader is killed, and the driver watches every claim again once no
+//! labeller runs.
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+
+use super::{
+    check_output, claim_pod_from, delete_pod, device_condition, ensure_ns, gate_on,
+    generated_claim, pod_output, published, template_for, wait_driver, Outcome, NS,
+};
+use crate::control::ControlPlane;
+use crate::drivers::{self, DRIVER, DRIVER_NS, LABELLER, NPUS};
+use crate::proc::wait_for;
+use crate::Ctx;
+
+/// The labeller's label on claims of node-a's devices.
+fn label_key() -> String {
+    format!("{DRIVER}/node")
+}
+
+/// The labeller's Lease's holder, once it is `holder`.
+fn wait_holder(plane: &ControlPlane, holder: &str, why: &str, timeout: Duration) -> Result<()> {
+    wait_for(
+        &format!("Lease {DRIVER_NS}/{LABELLER} to be held by {holder:?} ({why})"),
+        timeout,
+        || {
+            let lease = plane.get_json(&["get", "lease", LABELLER, "-n", DRIVER_NS])?;
+            let now = lease["spec"]["holderIdentity"].as_str().unwrap_or_default();
+            Ok((now == holder).then_some(()))
+        },
+    )
+}
+
+/// The DRA driver's log, and how long it is now.
+fn driver_log(ctx: &Ctx) -> Result<(std::path::PathBuf, usize)> {
+    let log = ctx
+        .dra
+        .as_ref()
+        .context("the DRA driver is not running")?
+        .proc
+        .log
+        .clone();
+    let len = std::fs::read(&log).map(|b| b.len()).unwrap_or(0);
+    Ok((log, len))
+}
+
+/// Waits for the DRA driver's log to say `line` past `since` (a length of
+/// [`driver_log`]: the log is one file for every driver of the run).
+fn wait_log(log: &(std::path::PathBuf, usize), line: &str, timeout: Duration) -> Result<()> {
+    wait_for(&format!("the DRA driver to log {line:?}"), timeout, || {
+        let text = std::fs::read(&log.0)?;
+        let new = String::from_utf8_lossy(text.get(log.1..).unwrap_or_default());
+        Ok(new.contains(line).then_some(()))
+    })
+}
+
+/// A pod with a claim of NPU `a` runs once the driver moved it early: the claim
+/// waited on `VfioReady`, which is `True`. Gives the claim.
+fn early_move(ctx: &Ctx, pod: &str, a: &str) -> Result<serde_json::Value> {
+    let plane = &ctx.plane;
+    plane.apply(&claim_pod_from(pod, "npu-lb"))?;
+    let out = pod_output(ctx, pod, Duration::from_secs(90))?;
+    check_output(&out, &[a.to_owned()], 2)?;
+    let name = generated_claim(plane, pod)?;
+    let claim = plane.get_json(&["get", "resourceclaim", &name, "-n", NS])?;
+    let result = &claim["status"]["allocation"]["devices"]["results"][0];
+    let ready = format!("{DRIVER}/VfioReady");
+    ensure!(
+        result["bindingConditions"] == serde_json::json!([ready]),
+        "the allocation of claim {name} does not wait on {ready}: {result}"
+    );
+    let device = result["device"].as_str().unwrap_or_default();
+    let cond = device_condition(&claim, device, &ready)
+        .with_context(|| format!("claim {name} has no {ready}: {}", claim["status"]))?;
+    ensure!(
+        cond["status"] == "True",
+        "{ready} of claim {name} is not True: {cond}"
+    );
+    Ok(claim)
+}
+
+pub(super) fn dra_early_move_labelled(ctx: &mut Ctx) -> Result<Outcome> {
+    let outcome = through_the_labeller(ctx);
+    // The next scenario starts the driver as the others do.
+    ctx.dra = None;
+    outcome
+}
+
+fn through_the_labeller(ctx: &mut Ctx) -> Result<Outcome> {
+    if !gate_on(&ctx.plane, 36) {
+        return Ok(Outcome::NotApplicable(format!(
+            "DRADeviceBindingConditions is off on v1.{}: no early move, so no claim to label",
+            ctx.plane.release.minor
+        )));
+    }
+    let (a, _) = NPUS[0];
+    ctx.host.core.set_native(a, drivers::NATIVE)?;
+    ctx.host.set_driver(a, Some(drivers::NATIVE))?;
+    // The labeller with its own account: the shipped RBAC is all it may do
+    // (the audit check after the scenario names any refusal).
+    // Two replicas, as the Deployment runs them: the first leads.
+    let mut leader = drivers::start_labeller(&ctx.plane, &ctx.dra_binary(), "labeller-0")?;
+    let secs = Duration::from_secs;
+    wait_holder(&ctx.plane, "labeller-0", "the first leads", secs(30))?;
+    let standby = drivers::start_labeller(&ctx.plane, &ctx.dra_binary(), "labeller-1")?;
+    // The driver as its DaemonSet runs it: POD_NAMESPACE set, --claim-watch
+    // at its default (auto), so it reads the Lease and watches its label.
+    ctx.dra = None;
+    let before = ctx.plane.logs_dir().join("sandbox-dra-driver.log");
+    let since = (
+        before.clone(),
+        std::fs::read(&before).map(|b| b.len()).unwrap_or(0),
+    );
+    ctx.dra = Some(drivers::start_dra(
+        &ctx.plane,
+        &ctx.node,
+        &ctx.host,
+        &ctx.dra_binary(),
+        &[("POD_NAMESPACE", DRIVER_NS)],
+    )?);
+    wait_log(
+        &since,
+        "the claim labeller holds its Lease: watching only the ResourceClaims labelled for this node",
+        Duration::from_secs(30),
+    )?;
+    wait_for(
+        &format!("the slice to publish {a} with binding conditions"),
+        Duration::from_secs(30),
+        || Ok(published(&ctx.plane, a)?.filter(|d| !d["bindingConditions"].is_null())),
+    )?;
+    ensure_ns(&ctx.plane, NS)?;
+    ctx.plane.apply(&template_for("npu-lb", a))?;
+
+    // The real scheduler allocates `a` and waits; the labeller labels the
+    // claim for node-a; the driver, which sees only that label, moves it.
+    let claim = early_move(ctx, "lb-ready", a)?;
+    let key = label_key();
+    ensure!(
+        claim["metadata"]["labels"][&key] == ctx.node.name.as_str(),
+        "claim {} is not labelled {key}={}: {}",
+        claim["metadata"]["name"],
+        ctx.node.name,
+        claim["metadata"]
+    );
+    delete_pod(&ctx.plane, "lb-ready")?;
+    wait_driver(ctx, a, drivers::NATIVE, "given back after its pod")?;
+
+    // The leader is killed (no release): the standby takes the Lease once it
+    // has seen it unrenewed for its 15 s, and labels the next claim.
+    leader.kill9();
+    wait_holder(&ctx.plane, "labeller-1", "the standby took over", secs(45))?;
+    let claim = early_move(ctx, "lb-failover", a)?;
+    ensure!(
+        claim["metadata"]["labels"][&key] == ctx.node.name.as_str(),
+        "claim {} is not labelled by the new leader: {}",
+        claim["metadata"]["name"],
+        claim["metadata"]
+    );
+    delete_pod(&ctx.plane, "lb-failover")?;
+    wait_driver(ctx, a, drivers::NATIVE, "given back after its pod")?;
+
+    // The labeller stops: its SIGTERM releases the Lease, the driver watches
+    // every claim again (its next look, within 15 s), and the early move goes
+    // on without labels.
+    let since = driver_log(ctx)?;
+    drop(standby);
+    drop(leader);
+    wait_holder(&ctx.plane, "", "released on SIGTERM", secs(30))?;
+    wait_log(
+        &since,
+        "no claim labeller holds and renews its Lease: watching every ResourceClaim",
+        Duration::from_secs(40),
+    )?;
+    let claim = early_move(ctx, "lb-alone", a)?;
+    ensure!(
+        claim["metadata"]["labels"][&key].is_null(),
+        "claim {} was labelled with no labeller running: {}",
+        claim["metadata"]["name"],
+        claim["metadata"]
+    );
+    delete_pod(&ctx.plane, "lb-alone")?;
+    wait_driver(ctx, a, drivers::NATIVE, "given back after its pod")?;
+    Ok(Outcome::Passed)
+}
