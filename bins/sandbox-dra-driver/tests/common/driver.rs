@@ -61,6 +61,9 @@ pub const V1_SPEC: &str = r#"{
     {
       "name": "metadata-card-0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a",
       "containerEdits": {
+        "env": [
+          "PCI_RESOURCE_EXAMPLE_COM_NIC_PT=0000:01:00.0,0000:01:00.1"
+        ],
         "mounts": [
           {
             "hostPath": "{R}/metadata/vfio-sandbox.rebellions.ai/0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a/card/metadata.json",
@@ -81,12 +84,7 @@ pub const V1_SPEC: &str = r#"{
         ]
       }
     }
-  ],
-  "containerEdits": {
-    "env": [
-      "PCI_RESOURCE_EXAMPLE_COM_NIC_PT=0000:01:00.0,0000:01:00.1"
-    ]
-  }
+  ]
 }
 "#;
 
@@ -179,6 +177,9 @@ pub const V1BETA1_SPEC: &str = r#"{
     {
       "name": "metadata-disk-5e1c9a40-2b7d-4f8e-a6c3-91d0e2f4b6a8",
       "containerEdits": {
+        "env": [
+          "PCI_RESOURCE_EXAMPLE_COM_NVME_PT=0000:03:00.0"
+        ],
         "mounts": [
           {
             "hostPath": "{R}/metadata/vfio-sandbox.rebellions.ai/5e1c9a40-2b7d-4f8e-a6c3-91d0e2f4b6a8/disk/metadata.json",
@@ -202,6 +203,9 @@ pub const V1BETA1_SPEC: &str = r#"{
     {
       "name": "metadata-nic-5e1c9a40-2b7d-4f8e-a6c3-91d0e2f4b6a8",
       "containerEdits": {
+        "env": [
+          "PCI_RESOURCE_EXAMPLE_COM_NIC_PT=0000:02:00.0"
+        ],
         "mounts": [
           {
             "hostPath": "{R}/metadata/vfio-sandbox.rebellions.ai/5e1c9a40-2b7d-4f8e-a6c3-91d0e2f4b6a8/nic/metadata.json",
@@ -222,13 +226,7 @@ pub const V1BETA1_SPEC: &str = r#"{
         ]
       }
     }
-  ],
-  "containerEdits": {
-    "env": [
-      "PCI_RESOURCE_EXAMPLE_COM_NIC_PT=0000:02:00.0",
-      "PCI_RESOURCE_EXAMPLE_COM_NVME_PT=0000:03:00.0"
-    ]
-  }
+  ]
 }
 "#;
 
