@@ -358,3 +358,46 @@ fn seed_devices_carry_only_our_attributes() {
         assert!(keys(d).iter().all(|k| !k.starts_with("npu.rebellions.ai/")));
     }
 }
+
+/// Every attribute of Rebellions' domain that the opt-in classes of
+/// `manifests/components/rebellions-dra-classes` read is published for a
+/// `pci-ids` device, with the value they compare it to.
+#[test]
+fn rebellions_class_names_select_what_we_publish() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../manifests/components/rebellions-dra-classes/deviceclasses.yaml");
+    let text = std::fs::read_to_string(path).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let node = rebellions_node(dir.path());
+    let list = ResourceList::parse(BOTH).unwrap();
+    let ca25 = slice_devices(&Inventory::scan(&node.host, &list).unwrap(), &list).remove(0);
+    let domain = rebellions::DOMAIN;
+    let read = format!("device.attributes[\"{domain}\"].");
+    let mut checked = 0;
+    for rest in text.split(&read).skip(1) {
+        let name: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric())
+            .collect();
+        let value = attr(&ca25, &format!("{domain}/{name}"));
+        if let Some(want) = rest
+            .strip_prefix(&format!("{name} == \""))
+            .and_then(|r| r.split('"').next())
+        {
+            assert_eq!(value.string.as_deref(), Some(want), "{name}");
+        }
+        checked += 1;
+    }
+    for rest in text.split(&format!(" in device.attributes[\"{domain}\"]")) {
+        if let Some(name) = rest.rsplit('"').nth(1).filter(|n| !n.contains(' ')) {
+            attr(&ca25, &format!("{domain}/{name}"));
+            checked += 1;
+        }
+    }
+    // The KubeVirt example's selector, in the classes' comment, counts too.
+    assert!(checked >= 4, "{checked}");
+    assert_eq!(
+        attr(&ca25, &format!("{domain}/type")).string.as_deref(),
+        Some(rebellions::TYPE_VFIO)
+    );
+}
