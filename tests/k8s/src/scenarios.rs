@@ -12,6 +12,8 @@ use crate::node::BUSYBOX;
 use crate::proc::wait_for;
 use crate::Ctx;
 
+mod rebellions;
+
 pub enum Outcome {
     Passed,
     /// The scenario cannot apply to this release or gate setting, and why.
@@ -28,6 +30,10 @@ pub const ALL: &[(&str, Scenario)] = &[
     ("dra-binding-conditions", dra_binding_conditions),
     ("dra-restarts", dra_restarts),
     ("dra-node-recreated", dra_node_recreated),
+    (
+        "dra-rebellions-vocabulary",
+        rebellions::dra_rebellions_vocabulary,
+    ),
     ("device-plugin-pod", device_plugin_pod),
     (
         "device-plugin-health-and-restarts",
