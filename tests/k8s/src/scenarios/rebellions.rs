@@ -5,12 +5,12 @@
 
 use std::time::Duration;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{anyhow, ensure, Context, Result};
 use serde_json::Value;
 
 use super::{
     claim_addresses, delete_pod, dra, ensure_ns, gate_on, generated_claim, our_slices, pod,
-    pod_output, wait_unschedulable, Outcome, NS, SHOW,
+    pod_output, Outcome, NS, SHOW,
 };
 use crate::control::{path_str, ControlPlane};
 use crate::drivers::{self, DRIVER, NPUS};
@@ -27,6 +27,12 @@ const NPU_CLASS: &str = "npu.rebellions.ai";
 const CA25_AT: &str = "0000:42:00.0";
 const CA22_ID: u16 = 0x1220;
 const CA25_ID: u16 = 0x1250;
+
+/// Prints the container's first environment as the runtime gave it: a shell
+/// drops the variables whose names are no shell names, such as KubeVirt's
+/// `PCI_RESOURCE_REBELLIONS_AI_RBLN-CA25_PF` (virt-launcher reads its own
+/// environment, not a shell's).
+const ENVIRON: &str = "tr '\\0' '\\n' < /proc/1/environ | grep ^PCI_RESOURCE | sort";
 
 /// The ResourceClaims the scenario makes (each deleted once its pod is done).
 const CLAIMS: [&str; 6] = [
@@ -137,7 +143,7 @@ fn seed_selects_nothing(ctx: &mut Ctx) -> Result<()> {
     let plane = &ctx.plane;
     plane.apply(&claim_of("seed-vfio-npu", VFIO_CLASS, None, ""))?;
     plane.apply(&claim_pod("seed-vfio-npu", "seed-vfio-npu"))?;
-    let why = wait_unschedulable(plane, "seed-vfio-npu")?;
+    let why = wait_refused(plane, "seed-vfio-npu")?;
     ensure!(
         !why.contains("CEL"),
         "a class of Rebellions' names fails on a device without its attributes: {why}"
@@ -155,7 +161,7 @@ fn kubevirt_example(ctx: &Ctx) -> Result<String> {
     plane.kubectl(&["apply", "-n", NS, "-f", path_str(&path)])?;
     plane.apply(&pod(
         "kubevirt-example",
-        SHOW,
+        &format!("{ENVIRON}; {SHOW}"),
         "    resources:\n      claims:\n        - name: npu-claim\n",
         "  resourceClaims:\n    - name: npu-claim\n      resourceClaimTemplateName: npu-passthrough\n",
     ))?;
@@ -198,7 +204,7 @@ fn constraints(ctx: &Ctx) -> Result<String> {
     let plane = &ctx.plane;
     plane.apply(&two("two-roots", "resource.kubernetes.io/pcieRoot"))?;
     plane.apply(&claim_pod("two-roots", "two-roots"))?;
-    let why = wait_unschedulable(plane, "two-roots")?;
+    let why = wait_refused(plane, "two-roots")?;
     ensure!(!why.contains("CEL"), "two NPUs on one root: {why}");
     delete_pod(plane, "two-roots")?;
     delete_claim(plane, "two-roots")?;
@@ -341,31 +347,68 @@ fn claim_in_pod(ctx: &Ctx, name: &str, manifest: &str) -> Result<Vec<String>> {
     Ok(got)
 }
 
-/// Waits for the pod to show its devices; a CEL error in the scheduler's
-/// reason fails at once (a class or claim that reads an attribute a device
-/// lacks), whatever else it waits for.
-fn wait_output(ctx: &Ctx, name: &str) -> Result<String> {
-    let plane = &ctx.plane;
+/// A CEL error the scheduler met placing `pod` (its `PodScheduled` message), or
+/// any CEL error in its log: a class or claim that reads an attribute a device
+/// lacks aborts the allocation, and the scheduler retries the pod without the
+/// `Unschedulable` reason.
+fn cel_error(plane: &ControlPlane, pod: &Value) -> Option<String> {
+    let reason = scheduled(pod)
+        .and_then(|c| c["message"].as_str())
+        .filter(|m| m.contains("CEL"))
+        .map(str::to_owned);
+    reason.or_else(|| {
+        plane
+            .scheduler_log()
+            .lines()
+            .find(|l| l.contains("CEL runtime error"))
+            .map(str::to_owned)
+    })
+}
+
+/// Polls pod `name` until `done` gives a value; a CEL error of the scheduler
+/// fails at once, with its message.
+fn wait_pod<T>(
+    plane: &ControlPlane,
+    name: &str,
+    what: &str,
+    done: impl Fn(&Value) -> Option<T>,
+) -> Result<T> {
     wait_for(
-        &format!("pod {NS}/{name} to be scheduled"),
+        &format!("pod {NS}/{name} {what}"),
         Duration::from_secs(60),
         || {
             let p = plane.get_json(&["get", "pod", name, "-n", NS])?;
-            for c in p["status"]["conditions"].as_array().into_iter().flatten() {
-                if c["type"] != "PodScheduled" {
-                    continue;
-                }
-                let message = c["message"].as_str().unwrap_or_default();
-                if message.contains("CEL") {
-                    bail!("the scheduler failed pod {name} on CEL: {message}");
-                }
-                if c["status"] == "True" {
-                    return Ok(Some(()));
-                }
+            if let Some(e) = cel_error(plane, &p) {
+                return Ok(Some(Err(anyhow!("the scheduler met a CEL error: {e}"))));
             }
-            Ok(None)
+            Ok(done(&p).map(Ok))
         },
-    )?;
+    )?
+}
+
+/// The `PodScheduled` condition of a pod.
+fn scheduled(pod: &Value) -> Option<&Value> {
+    pod["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["type"] == "PodScheduled")
+}
+
+/// Waits for the scheduler to find no device for the pod, and gives its reason.
+fn wait_refused(plane: &ControlPlane, name: &str) -> Result<String> {
+    wait_pod(plane, name, "to be unschedulable", |p| {
+        scheduled(p)
+            .filter(|c| c["reason"] == "Unschedulable")
+            .map(|c| c["message"].as_str().unwrap_or_default().to_owned())
+    })
+}
+
+/// Waits for the pod to be scheduled and then to show its devices.
+fn wait_output(ctx: &Ctx, name: &str) -> Result<String> {
+    wait_pod(&ctx.plane, name, "to be scheduled", |p| {
+        scheduled(p).filter(|c| c["status"] == "True").map(|_| ())
+    })?;
     pod_output(ctx, name, Duration::from_secs(90))
 }
 
