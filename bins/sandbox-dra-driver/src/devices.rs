@@ -1,14 +1,19 @@
 //! The devices this node offers: one per selected PCI function, with the standard
-//! and our own attributes; devices prepare could never hand over are withdrawn.
+//! and our own attributes (and Rebellions' own, [`rebellions`], for the devices the
+//! `rebellions` preset names under `"naming": "pci-ids"`); devices prepare could
+//! never hand over are withdrawn.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, DeviceTaint};
 use kubelet_plugin::slices::{PCIE_ROOT, PCI_BUS_ID};
+use passthrough::config::{DeviceIds, ResourceList};
 use passthrough::inventory::{Entry, Inventory};
 use sysfs_pci::{PciAddress, PciDevice};
 
 use crate::model::{device_name, reason};
+
+mod rebellions;
 
 /// The root bus of `dev`'s PCIe hierarchy as sysfs names it (`pciDDDD:BB`): the
 /// bus of the topmost function on its canonical path (the root port, or the
@@ -81,8 +86,9 @@ fn int(i: u32) -> DeviceAttribute {
     }
 }
 
-/// The ResourceSlice device for one selected function.
-fn slice_device(entry: &Entry) -> Option<Device> {
+/// The ResourceSlice device for one selected function; `list` says whether it
+/// also speaks Rebellions' vocabulary.
+fn slice_device(entry: &Entry, list: &ResourceList) -> Option<Device> {
     let resource = entry.resource()?;
     let d = &entry.device;
     let mut attributes = BTreeMap::from([
@@ -98,6 +104,14 @@ fn slice_device(entry: &Entry) -> Option<Device> {
     if let Some(group) = d.iommu_group {
         attributes.insert("iommuGroup".into(), int(group));
     }
+    let ids = DeviceIds {
+        vendor: d.vendor,
+        device: d.device,
+        class: d.class,
+    };
+    if let Some(product) = list.rebellions_product(&d.address, &ids) {
+        attributes.extend(rebellions::attributes(d, &product));
+    }
     Some(Device {
         name: device_name(&d.address),
         attributes: Some(attributes),
@@ -106,9 +120,9 @@ fn slice_device(entry: &Entry) -> Option<Device> {
 }
 
 /// The devices this node offers, sorted by address: one per selected function
-/// that is not [`withdrawn`].
-pub fn slice_devices(inv: &Inventory) -> Vec<Device> {
-    marked_devices(inv, &BTreeMap::new(), None, None)
+/// that is not [`withdrawn`]; `list` is the resource list `inv` was scanned with.
+pub fn slice_devices(inv: &Inventory, list: &ResourceList) -> Vec<Device> {
+    marked_devices(inv, list, &BTreeMap::new(), None, None)
 }
 
 /// Which devices carry binding conditions, and whose conditions they are.
@@ -135,8 +149,10 @@ pub fn taint_key(driver: &str) -> String {
 /// keep it, and `kubectl get resourceslice -o yaml` says why. Without, the marked
 /// ones are left out, as before taints existed. With `binding`, each of its devices
 /// carries the binding conditions of the `binding` module and `bindsToNode`.
+/// `list` is the resource list `inv` was scanned with.
 pub fn marked_devices(
     inv: &Inventory,
+    list: &ResourceList,
     unhealthy: &BTreeMap<PciAddress, &str>,
     taint_driver: Option<&str>,
     binding: Option<BindingMarks<'_>>,
@@ -156,7 +172,7 @@ pub fn marked_devices(
     entries
         .into_iter()
         .filter_map(|(e, reason)| {
-            let mut d = slice_device(e)?;
+            let mut d = slice_device(e, list)?;
             if let (Some(driver), Some(reason)) = (taint_driver, reason) {
                 d.taints = Some(vec![DeviceTaint {
                     key: taint_key(driver),

@@ -109,7 +109,9 @@ impl kubelet_plugin::Driver for VfioDriver {
             devices: &marked,
         });
         let taints = fields.taints.then_some(self.driver_name.as_str());
-        Ok(marked_devices(&inv, &unhealthy, taints, binding))
+        Ok(marked_devices(
+            &inv, &self.list, &unhealthy, taints, binding,
+        ))
     }
 
     fn health(&self) -> Option<watch::Receiver<HealthReports>> {

@@ -440,6 +440,20 @@ impl ResourceList {
             })
     }
 
+    /// The product Rebellions' own drivers know the function at `address` with `ids`
+    /// by (`RBLN-CA22`), when the `rebellions` preset selects it under `"naming":
+    /// "pci-ids"`: the product part of its resource name (`rebellions.ai/RBLN-CA22_PF`),
+    /// the word Rebellions' DRA driver publishes as its `productName` attribute.
+    /// `None` when another entry selects it, under the `seed` naming, or when nothing
+    /// selects it.
+    pub fn rebellions_product(&self, address: &PciAddress, ids: &DeviceIds) -> Option<String> {
+        self.entries
+            .iter()
+            .find(|entry| entry.selector.matches(address, ids))
+            .filter(|entry| matches!(entry.naming, preset::Naming::RebellionsPciIds))
+            .map(|_| rebellions::pci_ids_product(ids.device))
+    }
+
     /// The vendors any entry selects, sorted (lets callers skip unrelated devices
     /// cheaply).
     pub fn vendors(&self) -> Vec<u16> {

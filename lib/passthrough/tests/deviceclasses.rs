@@ -1,6 +1,7 @@
 //! The DRA DeviceClasses under `manifests/dra/deviceclasses` cover every name the
 //! `rebellions` preset gives a device it knows, in both namings, each class named
-//! after its resource and selecting exactly that `resourceName`.
+//! after its resource and selecting exactly that `resourceName`; Rebellions' own
+//! class names are an opt-in component (`manifests/components/rebellions-dra-classes`).
 
 #![allow(clippy::unwrap_used)]
 
@@ -104,5 +105,77 @@ fn no_class_selects_a_name_no_naming_gives() {
             Some(resource) => assert!(known.contains(&resource), "{class} selects {resource}"),
             None => assert_eq!(class, DRIVER, "only the catch-all class selects no name"),
         }
+    }
+}
+
+/// Rebellions' DRA driver (`npu.rebellions.ai`) and the domain of its attributes.
+const REBELLIONS: &str = "npu.rebellions.ai";
+
+fn component(file: &str) -> String {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../manifests/components/rebellions-dra-classes");
+    std::fs::read_to_string(dir.join(file)).unwrap()
+}
+
+/// The CEL expressions of a DeviceClass document, folded onto one line.
+fn expressions(doc: &str) -> Vec<String> {
+    doc.split("expression: >-")
+        .skip(1)
+        .map(|rest| {
+            rest.lines()
+                .skip(1)
+                .take_while(|l| l.starts_with("          "))
+                .map(str::trim)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect()
+}
+
+/// Rebellions' class names for our devices: an opt-in component (the names are
+/// Rebellions' own, so the default set may not take them), each class pinned to
+/// our driver and testing an attribute of Rebellions' domain before reading it
+/// (a missing one is a CEL error that aborts the claim's allocation), as
+/// Rebellions' chart has them: `vfio-npu.rebellions.ai` selects `type == "vfio"`,
+/// `npu.rebellions.ai` serves `rebellions.ai/npu`.
+#[test]
+fn rebellions_class_names_are_an_opt_in_component_for_our_devices_only() {
+    let kustomization = component("kustomization.yaml");
+    assert!(kustomization.contains("kind: Component"), "{kustomization}");
+    assert!(kustomization.contains("  - deviceclasses.yaml"));
+    let text = component("deviceclasses.yaml");
+    let docs: Vec<&str> = text
+        .split("\n---\n")
+        .filter(|d| d.contains("kind: DeviceClass"))
+        .collect();
+    let found = documents(&text);
+    let names: Vec<&str> = found.iter().map(|(n, ..)| n.as_str()).collect();
+    assert_eq!(names, ["vfio-npu.rebellions.ai", REBELLIONS]);
+    let extended: Vec<Option<&str>> = found.iter().map(|(_, _, e)| e.as_deref()).collect();
+    assert_eq!(extended, [None, Some("rebellions.ai/npu")]);
+    let read = format!("device.attributes[\"{REBELLIONS}\"].");
+    for (doc, name) in docs.iter().zip(&names) {
+        let exprs = expressions(doc);
+        assert_eq!(exprs.len(), 1, "{name}: {exprs:?}");
+        let e = &exprs[0];
+        assert!(
+            e.starts_with(&format!("device.driver == \"{DRIVER}\" && ")),
+            "{name} does not pin our driver first: {e}"
+        );
+        let guard = format!("\"type\" in device.attributes[\"{REBELLIONS}\"]");
+        let guarded = e.find(&guard).unwrap_or_else(|| panic!("{name}: {e}"));
+        assert!(
+            e.find(&read).is_none_or(|at| at > guarded),
+            "{name} reads an attribute of {REBELLIONS} before testing it is there: {e}"
+        );
+    }
+    assert!(expressions(docs[0])[0].ends_with(&format!("{read}type == \"vfio\"")));
+    // Not in the default set, which installs beside Rebellions' driver.
+    for (class, _, extended) in documents(&manifests()) {
+        assert!(
+            class.ends_with(&format!(".{DRIVER}")) || class == DRIVER,
+            "{class}"
+        );
+        assert_ne!(extended.as_deref(), Some("rebellions.ai/npu"), "{class}");
     }
 }

@@ -108,6 +108,20 @@ impl Host {
             .driver_of(&address.parse().context("an NPU address")?))
     }
 
+    /// Gives the NPU at `address` the PCI device id `device` (`0x1250` makes it
+    /// an ATOM CA25), as another card in that slot would have.
+    pub fn set_device_id(&self, address: &str, device: u16) -> Result<()> {
+        let a = address.parse().context("an NPU address")?;
+        let dir = self.fake.canonical_dir(&a);
+        std::fs::write(dir.join("device"), format!("0x{device:04x}\n"))?;
+        // pci:v<vendor, 8 hex digits>d<device, 8 hex digits>sv…
+        let alias = std::fs::read_to_string(dir.join("modalias"))?;
+        if let (Some(head), Some(tail)) = (alias.get(..14), alias.get(22..)) {
+            std::fs::write(dir.join("modalias"), format!("{head}{device:08X}{tail}"))?;
+        }
+        Ok(())
+    }
+
     /// Sets the NPU's count of fatal PCIe errors since boot, as the kernel's
     /// AER driver reports it (`aer_dev_fatal`, drivers/pci/pcie/aer.c).
     pub fn set_fatal_errors(&self, address: &str, n: u64) -> Result<()> {
@@ -221,6 +235,19 @@ pub fn start_dra(
     binary: &Path,
     extra_env: &[(&str, &str)],
 ) -> Result<DraDriver> {
+    let config = repo().join("manifests/dra/driver/config.json");
+    start_dra_with(plane, node, host, binary, extra_env, &config)
+}
+
+/// [`start_dra`] with the resource list `config` instead of the shipped one.
+pub fn start_dra_with(
+    plane: &ControlPlane,
+    node: &Node,
+    host: &Host,
+    binary: &Path,
+    extra_env: &[(&str, &str)],
+    config: &Path,
+) -> Result<DraDriver> {
     let dir = dra_dir(node);
     std::fs::create_dir_all(&dir)?;
     let pod = driver_pod(plane, node)?;
@@ -237,14 +264,14 @@ pub fn start_dra(
         ])?
         .trim()
         .to_owned();
-    let config = dir.join("driver.kubeconfig");
-    kubeconfig(&config, &plane.server, &plane.pki.ca, &token)?;
+    let kubeconfig_file = dir.join("driver.kubeconfig");
+    kubeconfig(&kubeconfig_file, &plane.server, &plane.pki.ca, &token)?;
     let kubelet = node.kubelet_dir();
     let mut cmd = Command::new(binary);
-    host.common_args(&mut cmd, &repo().join("manifests/dra/driver/config.json"));
+    host.common_args(&mut cmd, config);
     cmd.env_clear()
         .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-        .env("KUBECONFIG", &config)
+        .env("KUBECONFIG", &kubeconfig_file)
         .env("NODE_NAME", &node.name)
         .arg(format!(
             "--modules-root={}",

@@ -12,6 +12,8 @@ use crate::node::BUSYBOX;
 use crate::proc::wait_for;
 use crate::Ctx;
 
+mod rebellions;
+
 pub enum Outcome {
     Passed,
     /// The scenario cannot apply to this release or gate setting, and why.
@@ -31,6 +33,10 @@ pub const ALL: &[(&str, Scenario)] = &[
     ("dra-early-move-labelled", labelled::dra_early_move_labelled),
     ("dra-restarts", dra_restarts),
     ("dra-node-recreated", dra_node_recreated),
+    (
+        "dra-rebellions-vocabulary",
+        rebellions::dra_rebellions_vocabulary,
+    ),
     ("device-plugin-pod", device_plugin_pod),
     (
         "device-plugin-health-and-restarts",

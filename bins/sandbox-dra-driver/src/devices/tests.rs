@@ -11,8 +11,12 @@ fn attr<'d>(d: &'d Device, key: &str) -> &'d DeviceAttribute {
     d.attributes.as_ref().unwrap().get(key).unwrap()
 }
 
+fn list() -> ResourceList {
+    ResourceList::parse(LIST).unwrap()
+}
+
 fn scan(node: &FakeNode) -> Inventory {
-    Inventory::scan(&node.host, &ResourceList::parse(LIST).unwrap()).unwrap()
+    Inventory::scan(&node.host, &list()).unwrap()
 }
 
 /// A root port at 00:01.0 with the two-function card behind it (group 6, the
@@ -46,7 +50,7 @@ fn node(dir: &std::path::Path) -> FakeNode {
 fn one_device_per_selected_function_with_the_fixed_attributes() {
     let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let inv = scan(&node(dir.path()));
-    let devices = slice_devices(&inv);
+    let devices = slice_devices(&inv, &list());
     let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
     assert_eq!(
         names,
@@ -83,7 +87,7 @@ fn one_device_per_selected_function_with_the_fixed_attributes() {
     // The same tree gives the same list, byte for byte.
     assert_eq!(
         serde_json::to_string(&devices).unwrap(),
-        serde_json::to_string(&slice_devices(&inv)).unwrap()
+        serde_json::to_string(&slice_devices(&inv, &list())).unwrap()
     );
 }
 
@@ -101,7 +105,10 @@ fn devices_prepare_could_never_hand_over_are_withdrawn() {
             .group(9),
     );
     let inv = scan(&node);
-    let names: Vec<String> = slice_devices(&inv).into_iter().map(|d| d.name).collect();
+    let names: Vec<String> = slice_devices(&inv, &list())
+        .into_iter()
+        .map(|d| d.name)
+        .collect();
     assert_eq!(
         names,
         ["pci-0000-01-00-0", "pci-0000-80-02-0", "pci-0001-00-03-0"]
@@ -121,7 +128,7 @@ fn a_group_with_an_unreadable_member_is_not_offered() {
     let node = node(dir.path());
     let companion: PciAddress = "0000:01:00.1".parse().unwrap();
     std::fs::write(node.canonical_dir(&companion).join("class"), "junk").unwrap();
-    let names: Vec<String> = slice_devices(&scan(&node))
+    let names: Vec<String> = slice_devices(&scan(&node), &list())
         .into_iter()
         .map(|d| d.name)
         .collect();
@@ -135,8 +142,9 @@ fn resource_name_follows_the_rebellions_naming() {
     node.add_device(&FakeDevice::new("0000:3b:00.0", 0x1eff, 0x1250, 0x12_0000).group(3));
     node.add_device(&FakeDevice::new("0000:5e:00.0", 0x1eff, 0x1221, 0x12_0000).group(4));
     let names = |json: &str| -> Vec<String> {
-        let inv = Inventory::scan(&node.host, &ResourceList::parse(json).unwrap()).unwrap();
-        slice_devices(&inv)
+        let list = ResourceList::parse(json).unwrap();
+        let inv = Inventory::scan(&node.host, &list).unwrap();
+        slice_devices(&inv, &list)
             .iter()
             .map(|d| attr(d, "resourceName").string.clone().unwrap())
             .collect()
@@ -189,6 +197,7 @@ fn binding_conditions_go_on_the_devices_that_need_a_rebind() {
     let set = homes.marked(&inv, Mode::Auto);
     let devices = marked_devices(
         &inv,
+        &list(),
         &BTreeMap::new(),
         None,
         Some(BindingMarks {
@@ -211,4 +220,184 @@ fn binding_conditions_go_on_the_devices_that_need_a_rebind() {
         .find(|d| d.name == "pci-0001-00-03-0")
         .unwrap();
     assert!(own.binding_conditions.is_none() && own.binds_to_node.is_none());
+}
+
+/// A Rebellions CA25 PF (NUMA node 1), a CA22 VF, a device no list names, all
+/// of the `rebellions` preset, and a NIC of an explicit entry.
+fn rebellions_node(dir: &std::path::Path) -> FakeNode {
+    let node = FakeNode::new(dir);
+    node.add_device(
+        &FakeDevice::new("0000:3b:00.0", 0x1eff, 0x1250, 0x12_0000)
+            .group(3)
+            .numa(1),
+    );
+    node.add_device(&FakeDevice::new("0000:5e:00.0", 0x1eff, 0x1220, 0x12_0000).group(4));
+    node.add_device(
+        &FakeDevice::new("0000:5e:00.1", 0x1eff, 0x1221, 0x12_0000)
+            .physfn("0000:5e:00.0")
+            .group(5),
+    );
+    node.add_device(&FakeDevice::new("0000:6f:00.0", 0x1eff, 0x00ab, 0x12_0000).group(6));
+    node.add_device(&FakeDevice::new("0000:80:00.0", 0x8086, 0x10d3, 0x02_0000).group(7));
+    node
+}
+
+const BOTH: &str = r#"{"preset": "rebellions", "naming": "pci-ids",
+    "resources": [{"name": "example.com/NIC_PT", "vendor": "8086"}]}"#;
+
+fn keys(d: &Device) -> Vec<&str> {
+    d.attributes
+        .as_ref()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect()
+}
+
+/// With `"naming": "pci-ids"` a device of the `rebellions` preset also carries
+/// what Rebellions' DRA driver publishes, under its domain (so its CEL reads
+/// `device.attributes["npu.rebellions.ai"].productName`), and the standard NUMA
+/// attributes; a device of an explicit entry does not.
+#[test]
+fn pci_ids_devices_also_speak_rebellions_vocabulary() {
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let node = rebellions_node(dir.path());
+    let list = ResourceList::parse(BOTH).unwrap();
+    let devices = slice_devices(&Inventory::scan(&node.host, &list).unwrap(), &list);
+    let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "pci-0000-3b-00-0",
+            "pci-0000-5e-00-0",
+            "pci-0000-5e-00-1",
+            "pci-0000-6f-00-0",
+            "pci-0000-80-00-0"
+        ],
+        "the devices keep our names"
+    );
+    let ca25 = &devices[0];
+    let s = |d: &Device, k: &str| attr(d, k).string.clone().unwrap();
+    assert_eq!(s(ca25, "npu.rebellions.ai/type"), "vfio");
+    assert_eq!(s(ca25, "npu.rebellions.ai/pciDeviceID"), "1250");
+    assert_eq!(s(ca25, "npu.rebellions.ai/productName"), "RBLN-CA25");
+    assert_eq!(attr(ca25, "npu.rebellions.ai/vf").bool, Some(false));
+    assert_eq!(attr(ca25, "npu.rebellions.ai/iommuGroup").int, Some(3));
+    assert_eq!(attr(ca25, "resource.kubernetes.io/numaNode").int, Some(1));
+    assert_eq!(attr(ca25, "dra.net/numaNode").int, Some(1));
+    assert_eq!(s(ca25, PCI_BUS_ID), "0000:3b:00.0");
+    assert_eq!(s(ca25, PCIE_ROOT), "pci0000:3b");
+    assert_eq!(s(ca25, "resourceName"), "rebellions.ai/RBLN-CA25_PF");
+    assert_eq!(
+        ca25.attributes.as_ref().unwrap().len(),
+        14,
+        "{:?}",
+        keys(ca25)
+    );
+    // The PF and its VF: one product; the VF says so. No NUMA node: none of
+    // the three NUMA attributes.
+    assert_eq!(s(&devices[1], "npu.rebellions.ai/productName"), "RBLN-CA22");
+    assert_eq!(attr(&devices[1], "npu.rebellions.ai/vf").bool, Some(false));
+    let vf = &devices[2];
+    assert_eq!(s(vf, "npu.rebellions.ai/productName"), "RBLN-CA22");
+    assert_eq!(s(vf, "npu.rebellions.ai/pciDeviceID"), "1221");
+    assert_eq!(attr(vf, "npu.rebellions.ai/vf").bool, Some(true));
+    assert!(
+        keys(vf).iter().all(|k| !k.contains("numaNode")),
+        "{:?}",
+        keys(vf)
+    );
+    // Rebellions names only the CA22 and CA25; the resource's rule names all.
+    assert_eq!(s(&devices[3], "npu.rebellions.ai/productName"), "RBLN-00ab");
+    assert_eq!(s(&devices[3], "npu.rebellions.ai/pciDeviceID"), "00ab");
+    let nic = &devices[4];
+    assert_eq!(
+        keys(nic),
+        [
+            "deviceID",
+            "iommuGroup",
+            "resource.kubernetes.io/pciBusID",
+            "resource.kubernetes.io/pcieRoot",
+            "resourceName",
+            "vendorID"
+        ],
+        "an explicit entry's device is not an NPU of Rebellions"
+    );
+    // The API's limit: 32 attributes and capacities per device.
+    assert!(devices
+        .iter()
+        .all(|d| d.attributes.as_ref().unwrap().len() <= 32));
+}
+
+/// The `seed` naming publishes what it did before Rebellions' vocabulary.
+#[test]
+fn seed_devices_carry_only_our_attributes() {
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let node = rebellions_node(dir.path());
+    let list = ResourceList::parse(r#"{"preset": "rebellions"}"#).unwrap();
+    let devices = slice_devices(&Inventory::scan(&node.host, &list).unwrap(), &list);
+    assert_eq!(devices.len(), 4);
+    assert_eq!(
+        keys(&devices[0]),
+        [
+            "deviceID",
+            "iommuGroup",
+            "numaNode",
+            "resource.kubernetes.io/pciBusID",
+            "resource.kubernetes.io/pcieRoot",
+            "resourceName",
+            "vendorID"
+        ]
+    );
+    assert_eq!(
+        attr(&devices[0], "resourceName").string.as_deref(),
+        Some("rebellions.ai/ATOM_CA25_PT")
+    );
+    for d in &devices[1..] {
+        assert_eq!(keys(d).len(), 6, "{:?}", keys(d));
+        assert!(keys(d).iter().all(|k| !k.starts_with("npu.rebellions.ai/")));
+    }
+}
+
+/// Every attribute of Rebellions' domain that the opt-in classes of
+/// `manifests/components/rebellions-dra-classes` read is published for a
+/// `pci-ids` device, with the value they compare it to.
+#[test]
+fn rebellions_class_names_select_what_we_publish() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../manifests/components/rebellions-dra-classes/deviceclasses.yaml");
+    let text = std::fs::read_to_string(path).unwrap();
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let node = rebellions_node(dir.path());
+    let list = ResourceList::parse(BOTH).unwrap();
+    let ca25 = slice_devices(&Inventory::scan(&node.host, &list).unwrap(), &list).remove(0);
+    let domain = rebellions::DOMAIN;
+    let read = format!("device.attributes[\"{domain}\"].");
+    let mut checked = 0;
+    for rest in text.split(&read).skip(1) {
+        let name: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric())
+            .collect();
+        let value = attr(&ca25, &format!("{domain}/{name}"));
+        if let Some(want) = rest
+            .strip_prefix(&format!("{name} == \""))
+            .and_then(|r| r.split('"').next())
+        {
+            assert_eq!(value.string.as_deref(), Some(want), "{name}");
+        }
+        checked += 1;
+    }
+    for rest in text.split(&format!(" in device.attributes[\"{domain}\"]")) {
+        if let Some(name) = rest.rsplit('"').nth(1).filter(|n| !n.contains(' ')) {
+            attr(&ca25, &format!("{domain}/{name}"));
+            checked += 1;
+        }
+    }
+    // The KubeVirt example's selector, in the classes' comment, counts too.
+    assert!(checked >= 4, "{checked}");
+    assert_eq!(
+        attr(&ca25, &format!("{domain}/type")).string.as_deref(),
+        Some(rebellions::TYPE_VFIO)
+    );
 }

@@ -94,6 +94,21 @@ pub(super) fn pci_ids_name(device: u16) -> ResourceName {
         })
 }
 
+/// The product part of the `pci-ids` name of a Rebellions device: `RBLN-CA25` of
+/// `rebellions.ai/RBLN-CA25_PF`, `RBLN-abcc` for a device no list names. Rebellions'
+/// DRA driver publishes the same word as its `productName` attribute.
+pub(super) fn pci_ids_product(device: u16) -> String {
+    let name = pci_ids_name(device);
+    let local = name
+        .as_str()
+        .strip_prefix("rebellions.ai/")
+        .unwrap_or(name.as_str());
+    local
+        .rsplit_once('_')
+        .map_or(local, |(product, _)| product)
+        .to_owned()
+}
+
 /// `RBLN-CA25 (PF)` → `rebellions.ai/RBLN-CA25_PF`.
 fn name_from_db(db: &str, device: u16) -> Result<ResourceName, ResourceNameError> {
     let mut words = db.split_whitespace();
@@ -181,6 +196,22 @@ mod tests {
             (0xabcc, "rebellions.ai/RBLN-abcc_PF"),
         ] {
             assert_eq!(pci_ids_name(device).as_str(), want, "{device:04x}");
+        }
+    }
+
+    #[test]
+    fn the_product_is_the_name_without_its_function() {
+        for (device, want) in [
+            (0x1220, "RBLN-CA22"),
+            (0x1221, "RBLN-CA22"),
+            (0x1250, "RBLN-CA25"),
+            (0x1251, "RBLN-CA25"),
+            (0x1020, "RBLN-CA2"),
+            (0x2030, "RBLN-CR03"),
+            (0x2031, "RBLN-2031"),
+            (0xabcc, "RBLN-abcc"),
+        ] {
+            assert_eq!(pci_ids_product(device), want, "{device:04x}");
         }
     }
 

@@ -147,3 +147,41 @@ fn explicit_names_may_not_take_a_pci_ids_name() {
         "{msg}"
     );
 }
+
+#[test]
+fn only_the_pci_ids_naming_gives_rebellions_products() {
+    let npu = ids(0x1eff, 0x1251, 0x120000);
+    assert_eq!(
+        pci_ids().rebellions_product(&somewhere(), &npu).as_deref(),
+        Some("RBLN-CA25")
+    );
+    let unnamed = ids(0x1eff, 0x00ab, 0x120000);
+    assert_eq!(
+        pci_ids()
+            .rebellions_product(&somewhere(), &unnamed)
+            .as_deref(),
+        Some("RBLN-00ab")
+    );
+    // Not selected, the seed naming, or an explicit entry (even of Rebellions): none.
+    let other_class = ids(0x1eff, 0x1250, 0x020000);
+    assert_eq!(
+        pci_ids().rebellions_product(&somewhere(), &other_class),
+        None
+    );
+    let seed = ResourceList::parse(r#"{"preset": "rebellions"}"#).unwrap();
+    assert_eq!(seed.rebellions_product(&somewhere(), &npu), None);
+    let list = ResourceList::parse(
+        r#"{"preset": "rebellions", "naming": "pci-ids",
+            "resources": [{"name": "example.com/NPU_PT", "vendor": "1eff", "classes": ["0200"]},
+                          {"name": "example.com/NIC_PT", "vendor": "8086"}]}"#,
+    )
+    .unwrap();
+    for explicit in [ids(0x1eff, 0x1250, 0x020000), ids(0x8086, 0x10d3, 0x020000)] {
+        assert!(list.select(&somewhere(), &explicit).is_some());
+        assert_eq!(list.rebellions_product(&somewhere(), &explicit), None);
+    }
+    assert_eq!(
+        list.rebellions_product(&somewhere(), &npu).as_deref(),
+        Some("RBLN-CA25")
+    );
+}
