@@ -112,8 +112,10 @@ impl Claims<'_> {
         configs: &[OpaqueConfig],
         inv: &Inventory,
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
+        // The claim's own configuration is judged first, whatever else is wrong.
+        let iommu = self.configured_iommu(claim, allocations, configs)?;
         let devices = self.resolve(claim, allocations, inv)?;
-        let iommu = self.iommu(claim, &devices, configs)?;
+        self.kernel_serves(claim, &devices, &iommu)?;
         // The files without the device cdevs (read once the devices are on vfio):
         // names no file can be made of are refused before anything is touched.
         let unread: Vec<Nodes> = iommu
@@ -187,9 +189,10 @@ impl Claims<'_> {
         configs: &[OpaqueConfig],
         inv: &Inventory,
     ) -> Result<(), ClaimError> {
-        let devices = self.resolve(claim, allocations, inv)?;
         // A configuration prepare would refuse is refused before anything moves.
-        self.iommu(claim, &devices, configs)?;
+        let iommu = self.configured_iommu(claim, allocations, configs)?;
+        let devices = self.resolve(claim, allocations, inv)?;
+        self.kernel_serves(claim, &devices, &iommu)?;
         // Moved early for an allocation it has since lost (deallocated, then
         // allocated other devices between two looks): that one goes back first.
         let stale = self
@@ -208,6 +211,17 @@ impl Claims<'_> {
             return Ok(());
         }
         let record = self.save_and_move(claim, devices, inv, "early-after-save")?;
+        // What the configuration asks of the kernel is there now, or the move
+        // goes back (prepare would refuse the claim).
+        if let Err(source) = self.nodes(&record.devices, &iommu) {
+            let undo = self.undo(&claim.uid, &record);
+            return Err(failed(
+                claim,
+                "checking the iommufd nodes",
+                Some(undo),
+                source,
+            ));
+        }
         let moved = ClaimRecord {
             phase: ClaimPhase::Moved,
             ..record.clone()
@@ -520,29 +534,38 @@ impl Claims<'_> {
         Ok(())
     }
 
-    /// The kernel interface each of `devices` is handed: its claim's or class's
-    /// `VfioConfig` ([`crate::config`]), checked, or `None` for the node's default.
-    /// iommufd asked of a kernel that makes no device cdev is refused too; either
-    /// refusal comes before anything moves.
-    fn iommu(
+    /// The kernel interface each allocated device is handed: its claim's or
+    /// class's `VfioConfig` ([`crate::config`]), checked, or `None` for the node's
+    /// default; one per allocation, in order.
+    fn configured_iommu(
         &self,
         claim: &ClaimRef,
-        devices: &[ClaimDevice],
+        allocations: &[AllocatedDevice],
         configs: &[OpaqueConfig],
     ) -> Result<Vec<Option<Iommu>>, ClaimError> {
-        let iommu = config::iommu_per_device(
+        config::iommu_per_device(
             &self.files.driver,
             configs,
-            devices.iter().map(|d| d.request_names.as_slice()),
+            allocations.iter().map(|a| a.request_names.as_slice()),
         )
         .map_err(|source| ClaimError::Config {
             claim: claim.to_string(),
             source,
-        })?;
+        })
+    }
+
+    /// Refuses, before anything moves, iommufd asked of a kernel known to make no
+    /// device cdev.
+    fn kernel_serves(
+        &self,
+        claim: &ClaimRef,
+        devices: &[ClaimDevice],
+        iommu: &[Option<Iommu>],
+    ) -> Result<(), ClaimError> {
         let no_cdev = sysfs_pci::cdev::kernel_has_vfio_cdev(self.pt.host) == Some(false);
         if let Some((d, i)) = devices
             .iter()
-            .zip(&iommu)
+            .zip(iommu)
             .find_map(|(d, i)| i.filter(|i| no_cdev && i.iommufd()).map(|i| (d, i)))
         {
             return Err(ClaimError::Refused {
@@ -555,7 +578,7 @@ impl Claims<'_> {
                 ),
             });
         }
-        Ok(iommu)
+        Ok(())
     }
 
     /// The claim's files, as prepare writes them, each device handed `nodes`.

@@ -867,6 +867,16 @@ fn a_bad_configuration_refuses_the_claim_naming_the_field_and_nothing_moves() {
             );
         }
     }
+    // The claim's own configuration is judged before anything else: its group
+    // held by another claim does not hide it.
+    n.prepare(&n.kernel, &claim("other"), &A).unwrap();
+    let configs = [vfio_config(0, &[], iommu("iommufd2"))];
+    let err = n
+        .prepare_with(&n.kernel, &claim("a"), &A, &configs)
+        .unwrap_err();
+    assert!(err.contains("its configuration is refused"), "{err}");
+    n.unprepare(&n.kernel, &claim("other")).unwrap();
+    assert_eq!(n.lost(&before), Vec::<String>::new());
 }
 
 #[test]
@@ -930,6 +940,17 @@ fn iommufd_asked_of_a_kernel_without_the_cdev_is_refused_and_undone() {
         .unwrap_err();
     assert!(
         err.contains("0000:01:00.0 is configured with iommu: iommufd, but the kernel made no VFIO device cdev for it"),
+        "{err}"
+    );
+    assert!(err.contains("its devices were put back"), "{err}");
+    assert_eq!(n.lost(&before), Vec::<String>::new());
+    // The same for an early move: checked once on vfio, and put back.
+    let err = n
+        .move_early_with(&n.kernel, &claim("a"), &A, &configs)
+        .unwrap_err();
+    assert!(err.contains("checking the iommufd nodes"), "{err}");
+    assert!(
+        err.contains("the kernel made no VFIO device cdev for it"),
         "{err}"
     );
     assert!(err.contains("its devices were put back"), "{err}");
