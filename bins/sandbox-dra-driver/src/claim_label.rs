@@ -101,16 +101,10 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
 /// driver's pools.
 pub fn wanted_label(claim: &ResourceClaim, driver: &str) -> Option<String> {
     let ready = crate::binding::ready_condition(driver);
-    let results = claim
-        .status
-        .as_ref()?
-        .allocation
-        .as_ref()?
-        .devices
-        .as_ref()?
-        .results
-        .as_deref()?;
-    let ours: Vec<_> = results.iter().filter(|r| r.driver == driver).collect();
+    let ours: Vec<_> = kubelet_plugin::allocation_results(claim)
+        .iter()
+        .filter(|r| r.driver == driver)
+        .collect();
     let waits = ours.iter().any(|r| {
         r.binding_conditions
             .as_ref()

@@ -22,7 +22,9 @@ use support::error_chain;
 use tokio_stream::StreamExt;
 
 use kubelet_plugin::status::{DeviceCondition, DeviceStatus, Written};
-use kubelet_plugin::{allocated_devices, opaque_configs, AllocatedDevice, ClaimRef, OpaqueConfig};
+use kubelet_plugin::{
+    allocated_devices, allocation_results, opaque_configs, AllocatedDevice, ClaimRef, OpaqueConfig,
+};
 
 use crate::claims::DriverError;
 use crate::metrics::Operation;
@@ -322,15 +324,7 @@ impl ClaimWatcher {
         let allocations = allocated_devices(claim, &cref, &self.driver, &self.pool).ok()?;
         let ready = crate::binding::ready_condition(&self.driver);
         let failed = crate::binding::failed_condition(&self.driver);
-        let status = claim.status.as_ref()?;
-        let results = status
-            .allocation
-            .as_ref()?
-            .devices
-            .as_ref()?
-            .results
-            .as_deref()?;
-        let mine: Vec<_> = results
+        let mine: Vec<_> = allocation_results(claim)
             .iter()
             .filter(|r| r.driver == self.driver && r.pool == self.pool)
             .collect();
@@ -343,6 +337,7 @@ impl ClaimWatcher {
             // move happens at prepare.
             return None;
         }
+        let status = claim.status.as_ref()?;
         let entries = status.devices.as_deref().unwrap_or(&[]);
         let condition = |device: &str, kind: &str| {
             entries

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ObjectReference;
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim};
 use kube::{Api, Client};
 use tokio::sync::Semaphore;
 
@@ -257,6 +257,18 @@ pub async fn read_claim(
     })
 }
 
+/// The results of claim `object`'s allocation (`status.allocation.devices.results`),
+/// of every driver; none while it is not allocated.
+pub fn allocation_results(object: &ResourceClaim) -> &[DeviceRequestAllocationResult] {
+    object
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_deref())
+        .unwrap_or(&[])
+}
+
 /// The devices of `driver` in `pool` that claim `object` (kubelet's `claim`) is
 /// allocated; an error when it is another claim, not allocated, or has none of
 /// them here.
@@ -275,15 +287,18 @@ pub fn allocated_devices(
             want: claim.uid.clone(),
         });
     }
-    let Some(allocation) = object.status.as_ref().and_then(|s| s.allocation.as_ref()) else {
+    if object
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .is_none()
+    {
         return Err(ReadError::NotAllocated { claim: id });
     };
-    let results = allocation
-        .devices
-        .as_ref()
-        .and_then(|d| d.results.as_deref())
-        .unwrap_or(&[]);
-    let ours: Vec<_> = results.iter().filter(|r| r.driver == driver).collect();
+    let ours: Vec<_> = allocation_results(object)
+        .iter()
+        .filter(|r| r.driver == driver)
+        .collect();
     let others: Vec<String> = ours
         .iter()
         .filter(|r| r.pool != pool)

@@ -126,8 +126,9 @@ pub mod slices;
 pub mod status;
 
 pub use claim::{
-    allocated_devices, opaque_configs, read_claim, AllocatedDevice, Claim, ClaimRef, ConfigSource,
-    OpaqueConfig, ReadError, Ticket, POD_CLAIM_NAME_ANNOTATION, READ_TIMEOUT,
+    allocated_devices, allocation_results, opaque_configs, read_claim, AllocatedDevice, Claim,
+    ClaimRef, ConfigSource, OpaqueConfig, ReadError, Ticket, POD_CLAIM_NAME_ANNOTATION,
+    READ_TIMEOUT,
 };
 pub use driver::{
     Answers, Call, CallKind, ClaimError, Driver, Fields, HealthReports, PreparedDevice,
