@@ -259,6 +259,17 @@ impl FakeApiServer {
         lock(&self.store).unserved = group_versions.iter().map(|s| (*s).to_owned()).collect();
     }
 
+    /// `GET /version` answers this major and minor (1.37 unless set).
+    pub fn set_version(&self, major: &str, minor: &str) {
+        lock(&self.store).objects.version = Some((major.to_owned(), minor.to_owned()));
+    }
+
+    /// Turns the `DRAPartitionableDevices` gate off (or on again): ResourceSlice
+    /// writes lose their counter sets and consumed counters.
+    pub fn set_partitionable_devices(&self, on: bool) {
+        lock(&self.store).objects.partitionable_off = !on;
+    }
+
     /// Every later `method` request whose path starts with `prefix` waits `delay`
     /// before it is served (a slow or distant API server); `None` stops that.
     pub fn set_latency(&self, latency: Option<(&str, &str, std::time::Duration)>) {

@@ -237,6 +237,11 @@ impl Route {
 #[derive(Debug, Default)]
 pub(crate) struct Objects {
     pub map: BTreeMap<String, Value>,
+    /// `GET /version`'s major and minor; 1.37 unless set.
+    pub version: Option<(String, String)>,
+    /// The `DRAPartitionableDevices` gate is off: ResourceSlice writes lose their
+    /// counters.
+    pub partitionable_off: bool,
     pub resource_version: u64,
     pub uids: u64,
     /// The recent changes watches are served from.

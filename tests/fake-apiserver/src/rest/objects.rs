@@ -77,6 +77,22 @@ impl Objects {
         query: &str,
         body: Option<Value>,
     ) -> Answer {
+        if path == "/version" {
+            // version.Info (`staging/src/k8s.io/apimachinery/pkg/version/types.go`).
+            let (major, minor) = self
+                .version
+                .clone()
+                .unwrap_or_else(|| ("1".into(), "37".into()));
+            let v = json!({
+                "major": major, "minor": minor, "gitVersion": format!("v{major}.{minor}.0"),
+                "gitCommit": "", "gitTreeState": "clean", "buildDate": "1970-01-01T00:00:00Z",
+                "goVersion": "go1.26.8", "compiler": "gc", "platform": "linux/amd64",
+            });
+            return match method {
+                &Method::GET => (StatusCode::OK, v),
+                _ => method_not_allowed(method, path),
+            };
+        }
         if let Some(list) = discovery(path) {
             return match method {
                 &Method::GET => (StatusCode::OK, list),
@@ -96,9 +112,26 @@ impl Objects {
         if params.iter().any(|(k, v)| k == "watch" && query::truthy(v)) {
             return method_not_allowed(method, &format!("{path}?watch"));
         }
-        if params.iter().any(|(k, _)| k == "dryRun") {
-            return bad_request("dryRun is not served by this stand-in");
+        // dryRun=All on a create: checked like one, answered, never stored
+        // (`staging/src/k8s.io/apiserver/pkg/registry/generic/registry/dryrun.go`,
+        // `DryRunnableStorage.Create`); on other verbs it is not served here.
+        let dry_run = params
+            .iter()
+            .find(|(k, _)| k == "dryRun")
+            .map(|(_, v)| v.as_str());
+        match (dry_run, method) {
+            (None, _) => {}
+            (Some("All"), &Method::POST) => {}
+            (Some("All"), _) => {
+                return bad_request("dryRun is served by this stand-in on create only")
+            }
+            (Some(v), _) => {
+                return bad_request(&format!(
+                    "Invalid dryRun value: {v:?}; the only supported value is \"All\""
+                ))
+            }
         }
+        let dry_run = dry_run.is_some();
         match (method, &route.name, body) {
             (&Method::GET, None, _) => self.get_list(&route, &params),
             (&Method::GET, Some(name), _) => match self.map.get(&route.object_path(name)) {
@@ -108,7 +141,7 @@ impl Objects {
             (&Method::POST, None, Some(obj))
                 if route.namespace.is_some() || !route.kind.namespaced =>
             {
-                self.create(&route, obj)
+                self.create(&route, obj, dry_run)
             }
             (&Method::PUT, Some(name), Some(obj)) => self.update(&route, name, obj),
             (&Method::PATCH, Some(name), Some(patch)) => self.patch(&route, name, &patch),
@@ -233,10 +266,11 @@ impl Objects {
         Ok(())
     }
 
-    fn create(&mut self, route: &Route, mut obj: Value) -> Answer {
+    fn create(&mut self, route: &Route, mut obj: Value, dry_run: bool) -> Answer {
         if let Err(a) = Self::check_body(route, &obj, false) {
             return a;
         }
+        self.drop_disabled_fields(route, &mut obj);
         if meta(&obj, "resourceVersion").is_some_and(|rv| !rv.is_empty()) {
             return bad_request("resourceVersion should not be set on objects to be created");
         }
@@ -276,7 +310,13 @@ impl Objects {
                 &name,
             );
         }
-        let uid = self.next_uid();
+        // A dry run's object gets a uid too, from a range of its own so that the
+        // stored objects' uids stay as they would be without it.
+        let uid = if dry_run {
+            format!("6b1f7c2e-0000-4000-9000-{:012x}", self.uids)
+        } else {
+            self.next_uid()
+        };
         if let Some(m) = meta_mut(&mut obj) {
             m.insert("name".into(), name.clone().into());
             if let Some(ns) = &route.namespace {
@@ -295,7 +335,37 @@ impl Objects {
                 o.remove("status");
             }
         }
+        if dry_run {
+            return (StatusCode::CREATED, obj);
+        }
         (StatusCode::CREATED, self.store(&path, obj))
+    }
+
+    /// What a gate that is off takes from a write: with `DRAPartitionableDevices`
+    /// off, a ResourceSlice's `sharedCounters` and each device's
+    /// `consumesCounters` (`dropDisabledDRAPartitionableDevicesFields`,
+    /// `pkg/registry/resource/resourceslice/strategy.go`; the stored object never
+    /// used them, as ours never do while the gate is off).
+    fn drop_disabled_fields(&self, route: &Route, obj: &mut Value) {
+        if !self.partitionable_off || route.kind.plural != "resourceslices" {
+            return;
+        }
+        if let Some(spec) = obj.get_mut("spec").and_then(Value::as_object_mut) {
+            spec.remove("sharedCounters");
+            spec.remove("perDeviceNodeSelection");
+            for d in spec
+                .get_mut("devices")
+                .and_then(Value::as_array_mut)
+                .into_iter()
+                .flatten()
+            {
+                if let Some(d) = d.as_object_mut() {
+                    for f in ["consumesCounters", "nodeName", "nodeSelector", "allNodes"] {
+                        d.remove(f);
+                    }
+                }
+            }
+        }
     }
 
     /// Checks an update's preconditions against the stored object.
@@ -328,10 +398,11 @@ impl Objects {
         Ok(())
     }
 
-    fn update(&mut self, route: &Route, name: &str, obj: Value) -> Answer {
+    fn update(&mut self, route: &Route, name: &str, mut obj: Value) -> Answer {
         if let Err(a) = Self::check_body(route, &obj, false) {
             return a;
         }
+        self.drop_disabled_fields(route, &mut obj);
         if meta(&obj, "name") != Some(name) {
             return bad_request(&format!(
                 "the name of the object ({}) does not match the name on the URL ({name})",
