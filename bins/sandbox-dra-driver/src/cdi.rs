@@ -91,7 +91,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::model::parse_device_name;
+use crate::model::DeviceName;
 use kubelet_plugin::metadata::{self, MetadataDevice};
 pub use kubelet_plugin::metadata::{AttributeValue, CONTAINER_METADATA_DIR};
 use kubelet_plugin::slices::PCI_BUS_ID;
@@ -116,17 +116,21 @@ pub const LEGACY_CONTAINER_METADATA_DIR: &str = "/var/run/dra-device-attributes"
 /// Permissions of every device node, as in the device plugin's `Allocate`.
 const PERMISSIONS: &str = "mrw";
 
-/// One prepared function of a claim, as prepare knows it.
+/// One prepared device of a claim (a function, or a whole IOMMU group), as
+/// prepare knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpecDevice {
-    /// The ResourceSlice device name; must be `claims::device_name(address)`.
+    /// The ResourceSlice device name: `device_name(address)`, or for a whole
+    /// group `group_device_name(address)` ([`crate::model`]).
     pub device_name: String,
     /// Its pool (the node's name).
     pub pool: String,
     /// The claim requests it satisfies (`request` or `request/subrequest`).
     pub request_names: Vec<String>,
-    /// Its PCI address.
+    /// Its PCI address (a group's lowest function).
     pub address: PciAddress,
+    /// A whole group's other functions, handed over with it.
+    pub functions: Vec<PciAddress>,
     /// Its IOMMU group.
     pub group: u32,
     /// Its ResourceSlice attributes; [`PCI_BUS_ID`] is added when missing.
@@ -134,9 +138,9 @@ pub struct SpecDevice {
     /// Hand out its group nodes (`/dev/vfio/vfio`, `/dev/vfio/<group>`): the legacy
     /// interface.
     pub group_nodes: bool,
-    /// Its iommufd node name (`vfioN` under `/dev/vfio/devices/`), when iommufd is
-    /// asked for: handed out with `/dev/iommu`.
-    pub iommufd_node: Option<String>,
+    /// Its iommufd node names (`vfioN` under `/dev/vfio/devices/`, one per
+    /// function), when iommufd is asked for: handed out with `/dev/iommu`.
+    pub iommufd_nodes: Vec<String>,
     /// Its resource name, whose KubeVirt variable (`PCI_RESOURCE_<NAME>`) names
     /// it to the VM, when it has one.
     pub resource: Option<ResourceName>,
@@ -304,7 +308,9 @@ fn device_nodes(dev: &SpecDevice, dev_root: Option<&str>) -> Vec<Node> {
     };
     legacy
         .into_iter()
-        .chain(sysfs_pci::vmm::iommufd_nodes(dev.iommufd_node.as_deref()))
+        .chain(sysfs_pci::vmm::iommufd_nodes(
+            dev.iommufd_nodes.iter().map(String::as_str),
+        ))
         .map(|r| Node {
             path: format!("/dev/{r}"),
             host_path: dev_root.map(|root| format!("{root}/{r}")),
@@ -316,7 +322,12 @@ fn device_nodes(dev: &SpecDevice, dev_root: Option<&str>) -> Vec<Node> {
 /// A device, checked: its name is its address's, its requests are well formed, its
 /// iommufd node is `vfioN`; returns its attributes with its [`PCI_BUS_ID`].
 fn checked(dev: &SpecDevice) -> Result<BTreeMap<&str, AttributeValue>, CdiError> {
-    if parse_device_name(&dev.device_name) != Some(dev.address) {
+    let named = match DeviceName::parse(&dev.device_name) {
+        Some(DeviceName::Function(a)) => dev.functions.is_empty().then_some(a),
+        Some(DeviceName::Group(a)) => Some(a),
+        None => None,
+    };
+    if named != Some(dev.address) {
         return Err(CdiError::DeviceNameMismatch {
             name: dev.device_name.clone(),
             address: dev.address,
@@ -329,7 +340,7 @@ fn checked(dev: &SpecDevice) -> Result<BTreeMap<&str, AttributeValue>, CdiError>
     dev.request_names
         .iter()
         .try_for_each(|r| base_request(r).map(|_| ()))?;
-    if let Some(node) = &dev.iommufd_node {
+    for node in &dev.iommufd_nodes {
         check_iommufd_node(node)?;
     }
     let bdf = AttributeValue::String(dev.address.to_string());
@@ -424,7 +435,9 @@ pub fn claim_files(
                 ids.push(format!("{kind}=metadata-{base}-{uid}"));
                 if let Some(resource) = &dev.resource {
                     let by_name = env.entry(base).or_default();
-                    by_name.entry(resource).or_default().push(dev.address);
+                    let addresses = by_name.entry(resource).or_default();
+                    addresses.push(dev.address);
+                    addresses.extend(&dev.functions);
                 }
                 devs.push(MetadataDevice {
                     driver,

@@ -35,7 +35,7 @@ use std::path::PathBuf;
 
 use crate::cdi::{self, AttributeValue};
 use crate::config::{self, Iommu};
-use crate::model::{parse_device_name, recorded_claim};
+use crate::model::{recorded_claim, DeviceName};
 use crate::model::{ClaimDevice, ClaimPhase, ClaimRecord, ClaimRecords};
 use kubelet_plugin::slices::PCI_BUS_ID;
 use kubelet_plugin::{AllocatedDevice, ClaimRef, OpaqueConfig, PreparedDevice};
@@ -122,7 +122,7 @@ impl Claims<'_> {
             .iter()
             .map(|i| Nodes {
                 groups: i.is_none_or(Iommu::legacy),
-                cdev: None,
+                cdevs: Vec::new(),
             })
             .collect();
         let named = self
@@ -470,12 +470,13 @@ impl Claims<'_> {
                     a.device, a.pool, self.pool
                 )));
             }
-            let Some(address) = parse_device_name(&a.device) else {
+            let Some(name) = DeviceName::parse(&a.device) else {
                 return Err(not_ours(format!(
                     "device {:?} is not a device this driver publishes",
                     a.device
                 )));
             };
+            let address = name.address();
             let entry = inv
                 .get(&address)
                 .filter(|e| matches!(e.role, Role::Selected { .. }));
@@ -491,6 +492,28 @@ impl Claims<'_> {
                     "device {} ({address}) has no IOMMU group",
                     a.device
                 )));
+            };
+            // The whole group: its lowest selected function names it, and every
+            // other selected function of it goes along.
+            let functions = match name {
+                DeviceName::Function(_) => Vec::new(),
+                DeviceName::Group(_) => {
+                    let mut members: Vec<PciAddress> = inv
+                        .in_group(group)
+                        .filter(|m| matches!(m.role, Role::Selected { .. }))
+                        .map(|m| m.device.address)
+                        .collect();
+                    members.sort_unstable();
+                    if members.first() != Some(&address) {
+                        return Err(not_ours(format!(
+                            "device {} names IOMMU group {group} after {address}, which is not the lowest function of it the resource list selects ({})",
+                            a.device,
+                            members.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+                        )));
+                    }
+                    members.remove(0);
+                    members
+                }
             };
             if let Some((uid, other)) =
                 self.pt.state.records().iter().find(|(uid, c)| {
@@ -511,6 +534,7 @@ impl Claims<'_> {
                 device: a.device.clone(),
                 address,
                 group,
+                functions,
             });
         }
         Ok(devices)
@@ -606,15 +630,23 @@ impl Claims<'_> {
                         AttributeValue::String(r.to_string()),
                     );
                 }
+                if !d.functions.is_empty() {
+                    let all: Vec<String> = d.addresses().map(|a| a.to_string()).collect();
+                    attributes.insert(
+                        "functions".to_owned(),
+                        AttributeValue::String(all.join(",")),
+                    );
+                }
                 cdi::SpecDevice {
                     device_name: d.device.clone(),
                     pool: d.pool.clone(),
                     request_names: d.request_names.clone(),
                     address: d.address,
+                    functions: d.functions.clone(),
                     group: d.group,
                     attributes,
                     group_nodes: nodes.groups,
-                    iommufd_node: nodes.cdev.clone(),
+                    iommufd_nodes: nodes.cdevs.clone(),
                     resource: resource.cloned(),
                 }
             })
@@ -644,34 +676,51 @@ impl Claims<'_> {
             .iter()
             .zip(iommu)
             .map(|(d, iommu)| {
-                let cdev = || sysfs_pci::cdev::vfio_cdev_name(host, &d.address);
+                let cdevs = || {
+                    d.addresses()
+                        .map(|a| (a, sysfs_pci::cdev::vfio_cdev_name(host, &a)))
+                        .collect::<Vec<_>>()
+                };
                 let Some(iommu) = iommu else {
+                    let cdevs = if self.files.iommufd {
+                        cdevs().into_iter().filter_map(|(_, c)| c).collect()
+                    } else {
+                        Vec::new()
+                    };
                     return Ok(Nodes {
                         groups: true,
-                        cdev: self.files.iommufd.then(cdev).flatten(),
+                        cdevs,
                     });
                 };
                 let groups = iommu.legacy();
                 if !iommu.iommufd() {
-                    return Ok(Nodes { groups, cdev: None });
+                    return Ok(Nodes {
+                        groups,
+                        cdevs: Vec::new(),
+                    });
                 }
-                let missing = |what: String| {
+                let missing = |address: PciAddress, what: String| {
                     boxed(ClaimStepError::NoIommufd {
-                        address: d.address,
+                        address,
                         iommu: iommu.as_str(),
                         what,
                     })
                 };
-                let cdev = cdev().ok_or_else(|| {
-                    missing("the kernel made no VFIO device cdev for it (no vfio-dev/vfioN with a dev attribute)".into())
-                })?;
+                let cdevs = cdevs()
+                    .into_iter()
+                    .map(|(a, c)| {
+                        c.ok_or_else(|| {
+                            missing(a, "the kernel made no VFIO device cdev for it (no vfio-dev/vfioN with a dev attribute)".into())
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
                 if !self.pt.kernel.is_dry_run() && !Host::exists(&iommu_node) {
-                    return Err(missing(format!("{} is missing", iommu_node.display())));
+                    return Err(missing(
+                        d.address,
+                        format!("{} is missing", iommu_node.display()),
+                    ));
                 }
-                Ok(Nodes {
-                    groups,
-                    cdev: Some(cdev),
-                })
+                Ok(Nodes { groups, cdevs })
             })
             .collect()
     }
@@ -762,8 +811,8 @@ impl Claims<'_> {
 struct Nodes {
     /// The group nodes (`/dev/vfio/vfio`, `/dev/vfio/<group>`).
     groups: bool,
-    /// Its device cdev (`vfioN`), with `/dev/iommu`.
-    cdev: Option<String>,
+    /// Its functions' device cdevs (`vfioN`), with `/dev/iommu`.
+    cdevs: Vec<String>,
 }
 
 fn prepared_devices(devices: &[ClaimDevice], files: &cdi::ClaimFiles) -> Vec<PreparedDevice> {

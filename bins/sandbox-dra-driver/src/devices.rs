@@ -1,17 +1,23 @@
-//! The devices this node offers: one per selected PCI function, with the standard
-//! and our own attributes (and Rebellions' own, [`rebellions`], for the devices the
+//! The devices this node offers: one per selected PCI function, and one per IOMMU
+//! group of several selected functions (held whole through a counter set, or alone
+//! where the API server keeps no counters), with the standard and our own
+//! attributes (and Rebellions' own, [`rebellions`], for the devices the
 //! `rebellions` preset names under `"naming": "pci-ids"`); devices prepare could
 //! never hand over are withdrawn.
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, DeviceTaint};
+use k8s_openapi::api::resource::v1::{
+    Counter, CounterSet, Device, DeviceAttribute, DeviceCounterConsumption, DeviceTaint,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kubelet_plugin::slices::{PCIE_ROOT, PCI_BUS_ID};
+use kubelet_plugin::Offer;
 use passthrough::config::{DeviceIds, ResourceList};
 use passthrough::inventory::{Entry, Inventory};
 use sysfs_pci::{PciAddress, PciDevice};
 
-use crate::model::{device_name, reason};
+use crate::model::{device_name, group_device_name, reason};
 
 mod rebellions;
 
@@ -120,9 +126,11 @@ fn slice_device(entry: &Entry, list: &ResourceList) -> Option<Device> {
 }
 
 /// The devices this node offers, sorted by address: one per selected function
-/// that is not [`withdrawn`]; `list` is the resource list `inv` was scanned with.
+/// that is not [`withdrawn`], and one per IOMMU group of several selected
+/// functions ([`marked_devices`] with every field kept); `list` is the resource
+/// list `inv` was scanned with.
 pub fn slice_devices(inv: &Inventory, list: &ResourceList) -> Vec<Device> {
-    marked_devices(inv, list, &BTreeMap::new(), None, None)
+    marked_devices(inv, list, &BTreeMap::new(), None, None, true).devices
 }
 
 /// Which devices carry binding conditions, and whose conditions they are.
@@ -140,6 +148,60 @@ pub fn taint_key(driver: &str) -> String {
     format!("{driver}/unhealthy")
 }
 
+/// The counter set of IOMMU group `group` when it holds several selected
+/// functions: `iommu-group-<group>`.
+pub fn counter_set_name(group: u32) -> String {
+    format!("iommu-group-{group}")
+}
+
+/// The one counter of a group's set: each of its function devices and its group
+/// device takes it whole, so one allocation at a time holds the group.
+pub const GROUP_COUNTER: &str = "held";
+
+fn one() -> BTreeMap<String, Counter> {
+    BTreeMap::from([(
+        GROUP_COUNTER.to_owned(),
+        Counter {
+            value: Quantity("1".into()),
+        },
+    )])
+}
+
+/// The selected functions of each IOMMU group that holds several, by group, each
+/// list ascending.
+fn shared_groups(inv: &Inventory) -> BTreeMap<u32, Vec<PciAddress>> {
+    let mut groups: BTreeMap<u32, Vec<PciAddress>> = BTreeMap::new();
+    for e in inv.selected() {
+        if let Some(g) = e.device.iommu_group {
+            groups.entry(g).or_default().push(e.device.address);
+        }
+    }
+    groups.retain(|_, members| members.len() > 1);
+    for members in groups.values_mut() {
+        members.sort_unstable();
+    }
+    groups
+}
+
+/// The device for a whole group: the attributes of its lowest function (so its
+/// `pciBusID` is that function, the one a VM is handed when it takes one address
+/// per request), and `functions` (every address, comma-separated) and
+/// `functionCount`.
+fn group_device(lowest: Device, members: &[PciAddress]) -> Device {
+    let mut attributes = lowest.attributes.unwrap_or_default();
+    let list: Vec<String> = members.iter().map(ToString::to_string).collect();
+    attributes.insert("functions".into(), string(list.join(",")));
+    attributes.insert(
+        "functionCount".into(),
+        int(u32::try_from(members.len()).unwrap_or(u32::MAX)),
+    );
+    Device {
+        name: group_device_name(&members[0]),
+        attributes: Some(attributes),
+        ..Device::default()
+    }
+}
+
 /// The devices this node offers, sorted by address, with the ones that should not
 /// get new claims marked: `unhealthy` maps such a device to its reason (the health
 /// board's), and an unpreparable one ([`withdrawn`]) has reason `Unpreparable`.
@@ -150,46 +212,111 @@ pub fn taint_key(driver: &str) -> String {
 /// ones are left out, as before taints existed. With `binding`, each of its devices
 /// carries the binding conditions of the `binding` module and `bindsToNode`.
 /// `list` is the resource list `inv` was scanned with.
+///
+/// An IOMMU group with several selected functions cannot be split between claims
+/// (all of it moves to vfio-pci for any one of them). With `counters` (the API
+/// server keeps counter sets) it is a counter set of capacity one, which each of
+/// its function devices and one more device for the whole group
+/// (`group-<lowest address>`) consume whole: the scheduler gives one function or
+/// the whole group to one claim, and nothing more of it to anyone until that claim
+/// lets go. Without, only the group device is offered. A group device is marked
+/// when any of its functions is (the first reason found), and carries binding
+/// conditions when any of them does.
 pub fn marked_devices(
     inv: &Inventory,
     list: &ResourceList,
     unhealthy: &BTreeMap<PciAddress, &str>,
     taint_driver: Option<&str>,
     binding: Option<BindingMarks<'_>>,
-) -> Vec<Device> {
-    let mut entries: Vec<(&Entry, Option<&str>)> = inv
-        .selected()
-        .map(|e| {
-            let reason = unhealthy
-                .get(&e.device.address)
-                .copied()
-                .or_else(|| withdraw_reason(inv, e).map(|_| reason::UNPREPARABLE));
-            (e, reason)
-        })
-        .filter(|(_, reason)| taint_driver.is_some() || reason.is_none())
-        .collect();
-    entries.sort_by_key(|(e, _)| e.device.address);
-    entries
-        .into_iter()
-        .filter_map(|(e, reason)| {
-            let mut d = slice_device(e, list)?;
-            if let (Some(driver), Some(reason)) = (taint_driver, reason) {
-                d.taints = Some(vec![DeviceTaint {
-                    key: taint_key(driver),
-                    value: Some(reason.to_owned()),
-                    effect: "NoSchedule".into(),
-                    time_added: None,
-                }]);
+    counters: bool,
+) -> Offer {
+    let reason_of = |e: &Entry| {
+        unhealthy
+            .get(&e.device.address)
+            .copied()
+            .or_else(|| withdraw_reason(inv, e).map(|_| reason::UNPREPARABLE))
+    };
+    let mark = |d: &mut Device, reason: Option<&str>, bind: bool| {
+        if let (Some(driver), Some(reason)) = (taint_driver, reason) {
+            d.taints = Some(vec![DeviceTaint {
+                key: taint_key(driver),
+                value: Some(reason.to_owned()),
+                effect: "NoSchedule".into(),
+                time_added: None,
+            }]);
+        }
+        if let Some(b) = binding.filter(|_| bind) {
+            d.binding_conditions = Some(vec![crate::binding::ready_condition(b.driver)]);
+            d.binding_failure_conditions = Some(vec![crate::binding::failed_condition(b.driver)]);
+            d.binds_to_node = Some(true);
+        }
+    };
+    let marked = |a: &PciAddress| binding.is_some_and(|b| b.devices.contains(a));
+    let offered = |reason: Option<&str>| taint_driver.is_some() || reason.is_none();
+    let shared = shared_groups(inv);
+    let mut entries: Vec<&Entry> = inv.selected().collect();
+    entries.sort_by_key(|e| e.device.address);
+    let mut offer = Offer::default();
+    for e in entries {
+        let address = e.device.address;
+        let Some(mut d) = slice_device(e, list) else {
+            continue;
+        };
+        let group = e.device.iommu_group.and_then(|g| shared.get_key_value(&g));
+        let Some((&g, members)) = group else {
+            let reason = reason_of(e);
+            if offered(reason) {
+                mark(&mut d, reason, marked(&address));
+                offer.devices.push(d);
             }
-            if let Some(b) = binding.filter(|b| b.devices.contains(&e.device.address)) {
-                d.binding_conditions = Some(vec![crate::binding::ready_condition(b.driver)]);
-                d.binding_failure_conditions =
-                    Some(vec![crate::binding::failed_condition(b.driver)]);
-                d.binds_to_node = Some(true);
+            continue;
+        };
+        let consumes = || {
+            Some(vec![DeviceCounterConsumption {
+                counter_set: counter_set_name(g),
+                counters: one(),
+            }])
+        };
+        let reason = reason_of(e);
+        if counters && offered(reason) {
+            mark(&mut d, reason, marked(&address));
+            d.consumes_counters = consumes();
+            offer.devices.push(d);
+        }
+        if members.last() != Some(&address) {
+            continue;
+        }
+        // The group's last function: the group device after it, named after and
+        // described as its lowest function.
+        let lowest = inv.get(&members[0]).and_then(|l| slice_device(l, list));
+        let Some(lowest) = lowest else {
+            continue;
+        };
+        let reason = members
+            .iter()
+            .filter_map(|m| inv.get(m))
+            .find_map(&reason_of);
+        if offered(reason) {
+            let mut whole = group_device(lowest, members);
+            mark(&mut whole, reason, members.iter().any(marked));
+            if counters {
+                whole.consumes_counters = consumes();
             }
-            Some(d)
-        })
-        .collect()
+            offer.devices.push(whole);
+        }
+    }
+    // One set per group any offered device draws on.
+    for d in &offer.devices {
+        for c in d.consumes_counters.iter().flatten() {
+            if !offer.counter_sets.iter().any(|s| s.name == c.counter_set) {
+                offer.counter_sets.push(CounterSet {
+                    name: c.counter_set.clone(),
+                    counters: one(),
+                });
+            }
+        }
+    }
+    offer
 }
 
 #[cfg(test)]

@@ -7,10 +7,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::resource::v1::Device;
 use kubelet_plugin::{
-    Answers, Call, CallKind, Claim, ClaimError, ClaimRef, Fields, HealthReports, PreparedDevice,
-    PublishError, Published, Republish,
+    Answers, Call, CallKind, Claim, ClaimError, ClaimRef, Fields, HealthReports, Offer,
+    PreparedDevice, PublishError, Published, Republish,
 };
 use node_agent::cluster::Cluster;
 use node_agent::watch::{AsyncNodeWatch, Options};
@@ -89,11 +88,13 @@ impl kubelet_plugin::Driver for VfioDriver {
         out
     }
 
-    /// One device per selected function; one that should get no new claim (its
-    /// health, or unpreparable) carries a taint, or is left out where the API server
-    /// drops taints; one whose group leaves a native driver carries the binding
+    /// One device per selected function, and one per IOMMU group of several, held
+    /// whole through counter sets where the API server keeps them
+    /// ([`marked_devices`]); one that should get no new claim (its health, or
+    /// unpreparable) carries a taint, or is left out where the API server drops
+    /// taints; one whose group leaves a native driver carries the binding
     /// conditions, where kept.
-    fn devices(&self, fields: Fields) -> Result<Vec<Device>, DriverError> {
+    fn devices(&self, fields: Fields) -> Result<Offer, DriverError> {
         let inv = Inventory::scan(&self.host, &self.list).map_err(DriverError::NodeScan)?;
         let unhealthy = self
             .health
@@ -110,7 +111,12 @@ impl kubelet_plugin::Driver for VfioDriver {
         });
         let taints = fields.taints.then_some(self.driver_name.as_str());
         Ok(marked_devices(
-            &inv, &self.list, &unhealthy, taints, binding,
+            &inv,
+            &self.list,
+            &unhealthy,
+            taints,
+            binding,
+            fields.counters,
         ))
     }
 

@@ -38,7 +38,7 @@ use sysfs_pci::deadline::StuckList;
 use sysfs_pci::{Host, PciAddress};
 use tokio::sync::watch;
 
-use crate::model::{device_name, reason};
+use crate::model::{device_name, group_device_name, reason};
 
 /// One device's report, and why it should get no new claim (the value of its
 /// taint in the slice), if so.
@@ -276,10 +276,56 @@ impl HealthBoard {
             changed = true;
         }
         if changed {
-            let all: Vec<DeviceHealth> = inner.known.values().map(|k| k.report.clone()).collect();
+            let mut all: Vec<DeviceHealth> =
+                inner.known.values().map(|k| k.report.clone()).collect();
+            all.extend(group_reports(&inner.known, &inner.groups));
             self.tx.send_replace(Arc::new(all));
         }
     }
+}
+
+/// The health of each whole-group device ([`crate::model::group_device_name`]):
+/// for every IOMMU group of several known functions, unhealthy when any of them
+/// is, with their messages, changed when the last of them changed.
+fn group_reports(
+    known: &BTreeMap<PciAddress, Known>,
+    groups: &BTreeMap<PciAddress, Option<u32>>,
+) -> Vec<DeviceHealth> {
+    let mut members: BTreeMap<u32, Vec<&PciAddress>> = BTreeMap::new();
+    for a in known.keys() {
+        if let Some(Some(g)) = groups.get(a) {
+            members.entry(*g).or_default().push(a);
+        }
+    }
+    members
+        .into_values()
+        .filter(|m| m.len() > 1)
+        .filter_map(|m| {
+            let reports: Vec<&DeviceHealth> = m.iter().map(|a| &known[*a].report).collect();
+            let first = reports.first()?;
+            let bad: Vec<String> = m
+                .iter()
+                .zip(&reports)
+                .filter(|(_, r)| r.health == Health::Unhealthy)
+                .map(|(a, r)| format!("{a}: {}", r.message))
+                .collect();
+            let (health, message) = if bad.is_empty() {
+                (
+                    Health::Healthy,
+                    format!("all {} functions healthy", m.len()),
+                )
+            } else {
+                (Health::Unhealthy, bad.join("; "))
+            };
+            Some(DeviceHealth {
+                pool: first.pool.clone(),
+                device: group_device_name(m[0]),
+                health,
+                message: truncate(message),
+                since: reports.iter().map(|r| r.since).max().unwrap_or(first.since),
+            })
+        })
+        .collect()
 }
 
 /// One device's health on `inv`, its reason and why.

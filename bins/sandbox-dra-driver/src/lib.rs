@@ -31,13 +31,16 @@ mod worker;
 
 pub use binding::{Mode, OriginalDrivers};
 pub use claims::{ClaimError, ClaimStepError, Claims, DriverError, Failure, Files, Recovery};
-pub use devices::{marked_devices, pcie_root, slice_devices, taint_key, withdrawn, Withdrawn};
+pub use devices::{
+    counter_set_name, marked_devices, pcie_root, slice_devices, taint_key, withdrawn, Withdrawn,
+    GROUP_COUNTER,
+};
 pub use driver::{follow_node, VfioDriver};
 pub use health::HealthBoard;
 pub use metrics::Metrics;
 pub use model::{
-    device_name, parse_device_name, reason, ClaimDevice, ClaimPhase, ClaimRecord, ClaimRecords,
-    StateFile, DEFAULT_DRIVER_NAME,
+    device_name, group_device_name, parse_device_name, reason, ClaimDevice, ClaimPhase,
+    ClaimRecord, ClaimRecords, DeviceName, StateFile, DEFAULT_DRIVER_NAME,
 };
 pub use watcher::{watch_claims, ClaimWatch, ClaimWatcher, LeaseRef, LABELLER_CHECK};
 pub use worker::{prepared_claims, Setup, Worker};

@@ -45,6 +45,17 @@ pub struct ClaimDevice {
     pub address: PciAddress,
     /// Its IOMMU group, which moves with it.
     pub group: u32,
+    /// The other selected functions of its group, when the device is the whole
+    /// group ([`group_device_name`]); `address` is the lowest.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub functions: Vec<PciAddress>,
+}
+
+impl ClaimDevice {
+    /// Every function it hands over: its own address, then the group's others.
+    pub fn addresses(&self) -> impl Iterator<Item = PciAddress> + '_ {
+        std::iter::once(self.address).chain(self.functions.iter().copied())
+    }
 }
 
 /// A claim the driver holds devices for.
@@ -92,7 +103,7 @@ impl Records for ClaimRecords {
     fn devices(&self) -> Vec<PciAddress> {
         self.0
             .values()
-            .flat_map(|c| c.devices.iter().map(|d| d.address))
+            .flat_map(|c| c.devices.iter().flat_map(ClaimDevice::addresses))
             .collect()
     }
 }
@@ -117,6 +128,41 @@ pub fn parse_device_name(name: &str) -> Option<PciAddress> {
     let text = format!("{domain}:{bus}:{dev}.{func}");
     let address: PciAddress = text.parse().ok()?;
     (device_name(&address) == name).then_some(address)
+}
+
+/// The ResourceSlice device name of a whole IOMMU group of several selected
+/// functions, after its lowest function: `0000:01:00.0` → `group-0000-01-00-0`.
+pub fn group_device_name(lowest: &PciAddress) -> String {
+    let s = lowest.to_string().replace([':', '.'], "-");
+    format!("group-{s}")
+}
+
+/// What a device name of ours stands for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceName {
+    /// One function ([`device_name`]).
+    Function(PciAddress),
+    /// The IOMMU group of this function, whole ([`group_device_name`]).
+    Group(PciAddress),
+}
+
+impl DeviceName {
+    /// The function named (the lowest of a group).
+    pub fn address(self) -> PciAddress {
+        match self {
+            Self::Function(a) | Self::Group(a) => a,
+        }
+    }
+
+    /// Reads a name [`device_name`] or [`group_device_name`] made.
+    pub fn parse(name: &str) -> Option<Self> {
+        if let Some(a) = parse_device_name(name) {
+            return Some(Self::Function(a));
+        }
+        let rest = name.strip_prefix("group-")?;
+        let a = parse_device_name(&format!("pci-{rest}"))?;
+        Some(Self::Group(a))
+    }
 }
 
 /// The claim `uid` as its record names it.
@@ -165,6 +211,24 @@ mod tests {
             "pci-0000-01-00-9",
         ] {
             assert_eq!(parse_device_name(bad), None, "{bad}");
+            assert_eq!(DeviceName::parse(bad), None, "{bad}");
+        }
+        assert_eq!(group_device_name(&a), "group-0000-01-00-1");
+        assert_eq!(
+            DeviceName::parse("group-0000-01-00-1"),
+            Some(DeviceName::Group(a))
+        );
+        assert_eq!(
+            DeviceName::parse("pci-0000-01-00-1"),
+            Some(DeviceName::Function(a))
+        );
+        for bad in [
+            "group-",
+            "group-0000-01-00",
+            "group-pci-0000-01-00-1",
+            "Group-0000-01-00-1",
+        ] {
+            assert_eq!(DeviceName::parse(bad), None, "{bad}");
         }
     }
 }

@@ -11,8 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use k8s_openapi::api::resource::v1::Device;
-use kubelet_plugin::{Answers, Claim, ClaimRef, Fields, Plugin, PreparedDevice};
+use kubelet_plugin::{Answers, Claim, ClaimRef, Fields, Offer, Plugin, PreparedDevice};
 use node_agent::programs::{DRA_DRIVER, VFIO_MANAGER};
 use passthrough::owner::{Contender, Owner, OwnerError};
 use support::error_chain;
@@ -159,7 +158,7 @@ impl kubelet_plugin::Driver for Refusing {
     }
 
     /// Never asked: nothing is published while the node is not ours.
-    fn devices(&self, _fields: Fields) -> Result<Vec<Device>, DriverError> {
-        Ok(Vec::new())
+    fn devices(&self, _fields: Fields) -> Result<Offer, DriverError> {
+        Ok(Offer::default())
     }
 }

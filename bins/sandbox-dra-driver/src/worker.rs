@@ -19,7 +19,7 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::model::{ClaimPhase, StateFile};
+use crate::model::{ClaimDevice, ClaimPhase, StateFile};
 use kubelet_plugin::{AllocatedDevice, Claim, ClaimRef, OpaqueConfig, PreparedDevice, Ticket};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
@@ -408,7 +408,7 @@ fn held_for_vms(setup: &Setup, leaving: Option<&str>) -> BTreeSet<PciAddress> {
             Some(uid.as_str()) != leaving
                 && matches!(c.phase, ClaimPhase::Prepared | ClaimPhase::Moved)
         })
-        .flat_map(|(_, c)| c.devices.iter().map(|d| d.address))
+        .flat_map(|(_, c)| c.devices.iter().flat_map(ClaimDevice::addresses))
         .collect()
 }
 

@@ -63,7 +63,8 @@ fn device(bdf: &str, group: u32, requests: &[&str], numa: Option<i64>) -> SpecDe
         group,
         attributes,
         group_nodes: true,
-        iommufd_node: None,
+        iommufd_nodes: Vec::new(),
+        functions: Vec::new(),
         resource: "rebellions.ai/ATOM_CA22_PT".parse().ok(),
     }
 }
@@ -329,7 +330,7 @@ fn a_template_claim_mounts_under_its_pod_claim_name_and_says_so() {
 #[test]
 fn iommufd_adds_the_iommu_and_device_nodes_after_the_group() {
     let mut devs = two_devices();
-    devs[1].iommufd_node = Some("vfio3".into());
+    devs[1].iommufd_nodes = vec!["vfio3".into()];
     let f = files(&devs);
     let spec: CdiSpec = serde_json::from_str(&f.cdi.1).expect("spec");
     let card = &spec.devices[0];
@@ -494,7 +495,7 @@ fn hostile_names_are_refused_with_what_they_are() {
     }
     for node in ["", "vfio", "vfio-1", "../../etc", "vfio1/x", "iommu"] {
         let mut d = two_devices();
-        d[0].iommufd_node = Some(node.into());
+        d[0].iommufd_nodes = vec![node.into()];
         assert_eq!(what(run(&c, p, &d, DRIVER)), "iommufd node", "{node:?}");
     }
     for name in ["", "../x", "pci-0000-01-00-0", "gpu-0"] {

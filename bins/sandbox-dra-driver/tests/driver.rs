@@ -75,10 +75,14 @@ async fn the_slice_offers_each_selected_function_with_its_attributes_and_no_comp
     let server = cluster();
     let mut driver = scene.start(&server).await;
     driver
-        .wait_until("the ResourceSlice", || !slices(&server).is_empty())
+        .wait_until("both ResourceSlices", || slices(&server).len() == 2)
         .await;
     let all = slices(&server);
-    assert_eq!(all.len(), 1, "one slice: {all:?}");
+    assert_eq!(
+        all.len(),
+        2,
+        "the devices' slice and their counter sets' (1.35 on): {all:?}"
+    );
     let slice = &all[0];
     assert_eq!(
         slice["metadata"]["name"],
@@ -94,7 +98,7 @@ async fn the_slice_offers_each_selected_function_with_its_attributes_and_no_comp
     assert_eq!(spec["nodeName"], NODE);
     assert_eq!(
         spec["pool"],
-        json!({"name": NODE, "generation": 1, "resourceSliceCount": 1})
+        json!({"name": NODE, "generation": 1, "resourceSliceCount": 2})
     );
     let nic = |bdf: &str, group: i64, numa: i64, root: &str| {
         json!({
@@ -112,11 +116,23 @@ async fn the_slice_offers_each_selected_function_with_its_attributes_and_no_comp
     };
     // 0000:01:00.2 (the audio companion in group 5) and 0000:04:00.0 (selected by
     // no resource) are not offered; the nvme has no NUMA node, so no numaNode.
+    // The card's two functions share IOMMU group 5: each, and the group whole,
+    // take its one counter.
+    let held = json!([{"counterSet": "iommu-group-5", "counters": {"held": {"value": "1"}}}]);
+    let in_group = |mut d: Value| {
+        d["consumesCounters"] = held.clone();
+        d
+    };
+    let mut whole = in_group(nic("0000:01:00.0", 5, 0, "pci0000:00"));
+    whole["name"] = json!("group-0000-01-00-0");
+    whole["attributes"]["functions"] = s("0000:01:00.0,0000:01:00.1");
+    whole["attributes"]["functionCount"] = i(2);
     assert_eq!(
         spec["devices"],
         json!([
-            nic("0000:01:00.0", 5, 0, "pci0000:00"),
-            nic("0000:01:00.1", 5, 0, "pci0000:00"),
+            in_group(nic("0000:01:00.0", 5, 0, "pci0000:00")),
+            in_group(nic("0000:01:00.1", 5, 0, "pci0000:00")),
+            whole,
             nic("0000:02:00.0", 6, 1, "pci0000:02"),
             {
                 "name": "pci-0000-03-00-0",
@@ -131,10 +147,17 @@ async fn the_slice_offers_each_selected_function_with_its_attributes_and_no_comp
             },
         ])
     );
+    assert!(spec.get("sharedCounters").is_none());
+    let counters = &all[1]["spec"];
+    assert!(counters.get("devices").is_none(), "{counters}");
+    assert_eq!(
+        counters["sharedCounters"],
+        json!([{"name": "iommu-group-5", "counters": {"held": {"value": "1"}}}])
+    );
     // Without POD_NAME/POD_NAMESPACE a stop cannot be told from an uninstall: kept.
     let (status, log) = driver.terminate().await;
     assert_eq!(status.code(), Some(0), "{log}");
-    assert_eq!(slices(&server).len(), 1, "{log}");
+    assert_eq!(slices(&server).len(), 2, "{log}");
     assert!(log.contains("keeping this node's ResourceSlice"), "{log}");
 }
 
@@ -159,7 +182,7 @@ async fn a_wiped_slice_is_back_at_once_without_waiting_for_the_resync() {
     let server = cluster();
     let mut driver = scene.start(&server).await; // --resync-interval 1h
     driver
-        .wait_until("the ResourceSlice", || slices(&server).len() == 1)
+        .wait_until("both ResourceSlices", || slices(&server).len() == 2)
         .await;
     let mut took = Vec::new();
     let uid = |s: &Value| s["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
@@ -173,11 +196,11 @@ async fn a_wiped_slice_is_back_at_once_without_waiting_for_the_resync() {
             "round {round}: not wiped"
         );
         driver
-            .wait_until("the ResourceSlice back", || slices(&server).len() == 1)
+            .wait_until("the ResourceSlices back", || slices(&server).len() == 2)
             .await;
         took.push(start.elapsed());
         let slice = &slices(&server)[0];
-        assert_eq!(slice["spec"]["devices"].as_array().unwrap().len(), 4);
+        assert_eq!(slice["spec"]["devices"].as_array().unwrap().len(), 5);
     }
     // A change by another writer is undone as well.
     let mut slice = slices(&server).remove(0);
@@ -190,7 +213,7 @@ async fn a_wiped_slice_is_back_at_once_without_waiting_for_the_resync() {
             slices(&server).first().is_some_and(|s| {
                 s["spec"]["devices"]
                     .as_array()
-                    .is_some_and(|d| d.len() == 4)
+                    .is_some_and(|d| d.len() == 5)
             })
         })
         .await;
@@ -208,9 +231,11 @@ async fn a_wiped_slice_is_back_at_once_without_waiting_for_the_resync() {
 }
 
 #[tokio::test]
-async fn three_hundred_functions_are_published_as_one_pool_of_three_slices() {
+async fn a_hundred_functions_are_published_as_one_pool_of_three_slices() {
     let scene = Scene::new();
-    for i in 0..296u32 {
+    // With the four of the scene: 100 functions and the card's group device in
+    // two slices of devices, and its counter set in a third.
+    for i in 0..96u32 {
         scene.node.add_device(
             &sysfs_pci::testing::FakeDevice::new(
                 &format!("0000:{:02x}:{:02x}.0", 0x10 + i / 32, i % 32),
@@ -233,7 +258,7 @@ async fn three_hundred_functions_are_published_as_one_pool_of_three_slices() {
             (
                 s["metadata"]["name"].as_str().unwrap().to_owned(),
                 s["spec"]["pool"].clone(),
-                s["spec"]["devices"].as_array().unwrap().len(),
+                s["spec"]["devices"].as_array().map_or(0, Vec::len),
             )
         })
         .collect();
@@ -242,17 +267,13 @@ async fn three_hundred_functions_are_published_as_one_pool_of_three_slices() {
     assert_eq!(
         pools,
         [
-            (
-                "node-a-vfio-sandbox-rebellions-ai".into(),
-                pool.clone(),
-                128
-            ),
+            ("node-a-vfio-sandbox-rebellions-ai".into(), pool.clone(), 64),
             (
                 "node-a-vfio-sandbox-rebellions-ai-1".into(),
                 pool.clone(),
-                128
+                37
             ),
-            ("node-a-vfio-sandbox-rebellions-ai-2".into(), pool, 44),
+            ("node-a-vfio-sandbox-rebellions-ai-2".into(), pool, 0),
         ]
     );
 }

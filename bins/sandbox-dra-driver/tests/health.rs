@@ -48,10 +48,14 @@ async fn kubelet_sees_each_device_healthy_and_a_prepared_one_turn_unhealthy_with
             .unwrap();
         let mut cache = HealthCache::default();
         until(&mut stream, &mut cache, "every device", |c| {
-            c.devices.len() == 4
+            c.devices.len() == 5
         })
         .await;
-        for (key, d) in &cache.devices {
+        // The card's two functions share IOMMU group 5: its group device too.
+        let group = &cache.devices["node-a/group-0000-01-00-0"];
+        assert_eq!(group.health, "Healthy", "{group:?}");
+        assert_eq!(group.message, "all 2 functions healthy");
+        for (key, d) in cache.devices.iter().filter(|(k, _)| !k.contains("group-")) {
             assert!(key.starts_with("node-a/pci-0000-0"), "{key}");
             assert_eq!(d.health, "Healthy", "{key}: {d:?}");
             assert_eq!(d.timeout_seconds, 60, "{key}");
@@ -91,6 +95,12 @@ async fn kubelet_sees_each_device_healthy_and_a_prepared_one_turn_unhealthy_with
     assert!(d.message.contains("/dev/vfio/5 is missing"), "{d:?}");
     assert!(d.message.contains("prepared for a VM"), "{d:?}");
     assert_eq!(cache.health("node-a/pci-0000-02-00-0"), Some("Healthy"));
+    // The whole group is unhealthy with it, and says which function and why.
+    let group = "node-a/group-0000-01-00-0";
+    assert_eq!(cache.health(group), Some("Unhealthy"));
+    let g = &cache.devices[group];
+    assert!(g.message.contains("0000:01:00.0: "), "{g:?}");
+    assert!(g.message.contains("/dev/vfio/5 is missing"), "{g:?}");
     // And back.
     std::fs::write(&node, "").unwrap();
     until(&mut stream, &mut cache, "the card healthy again", |c| {

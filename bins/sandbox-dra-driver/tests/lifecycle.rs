@@ -189,7 +189,7 @@ async fn a_rollout_keeps_the_slice_and_an_uninstall_deletes_it() {
 
     let mut driver = scene.start_with(&server, &pod_env).await;
     driver
-        .wait_until("the ResourceSlice", || !slices(&server).is_empty())
+        .wait_until("both ResourceSlices", || slices(&server).len() == 2)
         .await;
     let (status, log) = driver.terminate().await;
     assert_eq!(status.code(), Some(0), "{log}");
@@ -200,7 +200,7 @@ async fn a_rollout_keeps_the_slice_and_an_uninstall_deletes_it() {
             "still selected by DaemonSet vfio-sandbox/sandbox-dra-driver",
         ],
     );
-    assert_eq!(slices(&server).len(), 1, "a rollout keeps the slice");
+    assert_eq!(slices(&server).len(), 2, "a rollout keeps the slices");
 
     let mut driver = scene.start_with(&server, &pod_env).await;
     let published = slices(&server)[0]["metadata"]["resourceVersion"].clone();
@@ -247,13 +247,13 @@ async fn a_failed_stop_lookup_keeps_the_slice() {
     let pod_env = [("POD_NAME", POD), ("POD_NAMESPACE", DRIVER_NS)];
     let mut driver = scene.start_with(&server, &pod_env).await;
     driver
-        .wait_until("the ResourceSlice", || !slices(&server).is_empty())
+        .wait_until("both ResourceSlices", || slices(&server).len() == 2)
         .await;
     // The Pod lookup at stop is forbidden (its namespaced Role is missing, say).
     server.fail_next_on("GET", 1, 403);
     let (status, log) = driver.terminate().await;
     assert_eq!(status.code(), Some(0), "{log}");
-    assert_eq!(slices(&server).len(), 1, "the slice is kept:\n{log}");
+    assert_eq!(slices(&server).len(), 2, "the slices are kept:\n{log}");
 }
 
 // ------------------------------------------- 8. claims that outlive their unprepare

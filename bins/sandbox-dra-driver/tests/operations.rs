@@ -75,7 +75,7 @@ async fn ready_means_registered_and_published() {
     assert_eq!(code, Some(0), "{out}");
     assert_contains(
         &out,
-        &["ready: registered with kubelet; 1 ResourceSlice(s) published (node-a-vfio-sandbox-rebellions-ai)"],
+        &["ready: registered with kubelet; 2 ResourceSlice(s) published (node-a-vfio-sandbox-rebellions-ai, node-a-vfio-sandbox-rebellions-ai-1)"],
     );
 
     // kubelet refuses a registration (NotifyRegistrationStatus false): not ready
@@ -209,7 +209,7 @@ async fn prepare_failures_are_counted_by_reason_and_posted_on_their_claims() {
         )
         .await;
     driver
-        .wait_until("the slice", || !slices(&server).is_empty())
+        .wait_until("both slices", || slices(&server).len() == 2)
         .await;
     let address = metrics_address(&driver).expect("no metrics address in the log");
     let mut client = scene.client(Version::V1).await;
@@ -229,7 +229,7 @@ async fn prepare_failures_are_counted_by_reason_and_posted_on_their_claims() {
     );
     assert_eq!(
         value(&text, r#"vfio_sandbox_dra_devices{state="published"}"#),
-        4.0
+        5.0
     );
     server.set_latency(Some((
         "GET",
@@ -293,10 +293,10 @@ async fn prepare_failures_are_counted_by_reason_and_posted_on_their_claims() {
             1.0,
         ),
         (r#"vfio_sandbox_dra_devices{state="prepared"}"#, 0.0),
-        (r#"vfio_sandbox_dra_devices{state="published"}"#, 4.0),
+        (r#"vfio_sandbox_dra_devices{state="published"}"#, 5.0),
         (
             r#"vfio_sandbox_dra_slice_writes_total{action="create"}"#,
-            1.0,
+            2.0,
         ),
         (
             r#"vfio_sandbox_dra_slice_writes_total{action="error"}"#,

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::resource::v1::Device;
+use k8s_openapi::api::resource::v1::{CounterSet, Device};
 use tokio::sync::watch;
 
 use crate::claim::{Claim, ClaimRef, ReadError};
@@ -37,6 +37,9 @@ pub struct Fields {
     /// `bindingConditions`, `bindingFailureConditions` and `bindsToNode` (gates
     /// `DRADeviceBindingConditions` and `DRAResourceClaimDeviceStatus`).
     pub binding_conditions: bool,
+    /// `sharedCounters` and `consumesCounters` (gate `DRAPartitionableDevices`):
+    /// known before the first counter set is published (a dry-run create).
+    pub counters: bool,
 }
 
 impl Default for Fields {
@@ -44,6 +47,26 @@ impl Default for Fields {
         Self {
             taints: true,
             binding_conditions: true,
+            counters: true,
+        }
+    }
+}
+
+/// What a driver offers on its node: its devices, and the counter sets they draw
+/// on (`consumesCounters`), which the plugin publishes in the same pool.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Offer {
+    /// The devices.
+    pub devices: Vec<Device>,
+    /// The counter sets, each named once.
+    pub counter_sets: Vec<CounterSet>,
+}
+
+impl From<Vec<Device>> for Offer {
+    fn from(devices: Vec<Device>) -> Self {
+        Self {
+            devices,
+            counter_sets: Vec::new(),
         }
     }
 }
@@ -87,9 +110,10 @@ pub trait Driver: Send + Sync + 'static {
         Ok(())
     }
 
-    /// This node's devices, to publish, with only the `fields` the API server keeps.
-    /// Called on a blocking thread at every publication pass.
-    fn devices(&self, fields: Fields) -> Result<Vec<Device>, Self::Error>;
+    /// This node's devices (and the counter sets they draw on), to publish, with
+    /// only the `fields` the API server keeps. Called on a blocking thread at every
+    /// publication pass.
+    fn devices(&self, fields: Fields) -> Result<Offer, Self::Error>;
 
     /// Device health, streamed to kubelet (`DRAResourceHealth`); `None` serves no
     /// health service and advertises none.

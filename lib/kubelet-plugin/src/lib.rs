@@ -14,11 +14,12 @@
 //!   server (its uid checked, its allocation present, its devices of this driver in
 //!   this node's pool kept), eight at a time, within the call's time limit, which
 //!   the driver's work shares;
-//! - **ResourceSlices**: one pool per node, in slices of at most 128 devices at one
+//! - **ResourceSlices**: one pool per node, in slices of at most 64 devices at one
 //!   generation, owned by the Node, written only when something changed, conflicts
 //!   retried, restored within moments when someone else deletes or changes them
-//!   (kubelet's wipes), and the newer device fields (taints, binding conditions)
-//!   left out once the API server shows it drops them ([`Fields`]);
+//!   (kubelet's wipes), counter sets laid out as the server's version wants them,
+//!   and the newer device fields (taints, binding conditions, counters) left out
+//!   once the API server shows it drops them ([`Fields`]);
 //! - **health**: the driver's reports streamed to kubelet (`DRAResourceHealth` v1
 //!   and v1alpha1), resent before kubelet would time them out;
 //! - **readiness**: a ready file kept while kubelet has accepted the registration
@@ -37,7 +38,7 @@
 //!
 //! use k8s_openapi::api::resource::v1::Device;
 //! use kubelet_plugin::{
-//!     Answers, Claim, ClaimRef, Clients, Config, Driver, Fields, Plugin, PreparedDevice,
+//!     Answers, Claim, ClaimRef, Clients, Config, Driver, Fields, Offer, Plugin, PreparedDevice,
 //! };
 //!
 //! const DRIVER: &str = "example.com";
@@ -86,13 +87,12 @@
 //!         claims.into_iter().map(|c| (c.uid, Ok(()))).collect()
 //!     }
 //!
-//!     fn devices(&self, _fields: Fields) -> Result<Vec<Device>, Unknown> {
-//!         Ok(["dev-0", "dev-1"]
-//!             .map(|name| Device {
-//!                 name: name.into(),
-//!                 ..Device::default()
-//!             })
-//!             .into())
+//!     fn devices(&self, _fields: Fields) -> Result<Offer, Unknown> {
+//!         let devices = ["dev-0", "dev-1"].map(|name| Device {
+//!             name: name.into(),
+//!             ..Device::default()
+//!         });
+//!         Ok(Vec::from(devices).into())
 //!     }
 //! }
 //!
@@ -131,7 +131,7 @@ pub use claim::{
     READ_TIMEOUT,
 };
 pub use driver::{
-    Answers, Call, CallKind, ClaimError, Driver, Fields, HealthReports, PreparedDevice,
+    Answers, Call, CallKind, ClaimError, Driver, Fields, HealthReports, Offer, PreparedDevice,
     PublishError, Published,
 };
 pub use health::{DeviceHealth, Health};

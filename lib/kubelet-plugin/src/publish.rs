@@ -26,7 +26,7 @@ use support::error_chain;
 use tokio::sync::Notify;
 use tokio_stream::StreamExt;
 
-use crate::driver::{Driver, Fields, PublishError, Published};
+use crate::driver::{Driver, Fields, Offer, PublishError, Published};
 use crate::ready::Readiness;
 use crate::slices::Slices;
 
@@ -86,6 +86,10 @@ pub(crate) struct Observed {
     taints_dropped: AtomicBool,
     /// A write came back without the binding conditions it carried.
     binding_dropped: AtomicBool,
+    /// The server drops counter sets (asked, or seen in a write).
+    counters_dropped: AtomicBool,
+    /// The server was asked whether it keeps counter sets.
+    counters_asked: AtomicBool,
 }
 
 impl<D: Driver> Publisher<D> {
@@ -171,13 +175,33 @@ impl<D: Driver> Publisher<D> {
         Fields {
             taints: !self.seen.taints_dropped.load(SeqCst),
             binding_conditions: !self.seen.binding_dropped.load(SeqCst),
+            counters: !self.seen.counters_dropped.load(SeqCst),
+        }
+    }
+
+    /// Before the first counter set is published, asks the server whether it keeps
+    /// them, so that no device is ever published without the counters that keep
+    /// its group whole. A server that cannot be asked (a webhook that refuses dry
+    /// runs) is judged by the first write instead.
+    async fn ask_about_counters(&self, slices: &Slices) {
+        if self.seen.counters_asked.swap(true, SeqCst) {
+            return;
+        }
+        match slices.counters_kept().await {
+            Ok(true) => {}
+            Ok(false) => {
+                self.seen.counters_dropped.store(true, SeqCst);
+                tracing::warn!("the API server drops the counter sets of ResourceSlices (its DRAPartitionableDevices gate is off, or it predates them); publishing without them, as the driver offers its devices then");
+            }
+            Err(e) => {
+                self.seen.counters_asked.store(false, SeqCst);
+                tracing::warn!(error = %error_chain(&e), "cannot ask the API server whether it keeps counter sets; the first write will tell");
+            }
         }
     }
 
     /// The driver's devices for the fields the server keeps.
-    async fn devices(
-        &self,
-    ) -> Result<Vec<k8s_openapi::api::resource::v1::Device>, PublishError<D::Error>> {
+    async fn devices(&self) -> Result<Offer, PublishError<D::Error>> {
         let driver = self.driver.clone();
         let fields = self.fields();
         tokio::task::spawn_blocking(move || driver.devices(fields))
@@ -188,9 +212,19 @@ impl<D: Driver> Publisher<D> {
 
     /// One publication pass.
     async fn pass(&self) -> Result<Published, PublishError<D::Error>> {
-        let mut devices = self.devices().await?;
+        let mut offer = self.devices().await?;
         let mut slices = self.slices.lock().await;
-        let mut report = slices.reconcile(&devices).await?;
+        if !offer.counter_sets.is_empty() && !self.seen.counters_asked.load(SeqCst) {
+            self.ask_about_counters(&slices).await;
+            if self.seen.counters_dropped.load(SeqCst) {
+                drop(slices);
+                offer = self.devices().await?;
+                slices = self.slices.lock().await;
+            }
+        }
+        let mut report = slices
+            .reconcile_pool(&offer.devices, &offer.counter_sets)
+            .await?;
         let taints_lost = report.taints_dropped && !self.seen.taints_dropped.swap(true, SeqCst);
         if taints_lost {
             tracing::warn!("the API server drops the taints of ResourceSlice devices (its DRADeviceTaints gate is off, or it predates device taints); publishing without them");
@@ -199,17 +233,24 @@ impl<D: Driver> Publisher<D> {
         if binding_lost {
             tracing::warn!("the API server drops the binding conditions of ResourceSlice devices (its DRADeviceBindingConditions or DRAResourceClaimDeviceStatus gate is off, or it predates them); publishing without them");
         }
-        if taints_lost || binding_lost {
+        let counters_lost =
+            report.counters_dropped && !self.seen.counters_dropped.swap(true, SeqCst);
+        if counters_lost {
+            tracing::warn!("the API server dropped the counter sets of ResourceSlices (its DRAPartitionableDevices gate is off, or it predates them); publishing without them, as the driver offers its devices then");
+        }
+        if taints_lost || binding_lost || counters_lost {
             drop(slices);
-            devices = self.devices().await?;
+            offer = self.devices().await?;
             slices = self.slices.lock().await;
-            report = slices.reconcile(&devices).await?;
+            report = slices
+                .reconcile_pool(&offer.devices, &offer.counter_sets)
+                .await?;
         }
         drop(slices);
         tracing::debug!(?report, "ResourceSlices reconciled");
         *support::lock(&self.seen.ours) = report.versions.iter().cloned().collect();
         Ok(Published {
-            devices: devices.len(),
+            devices: offer.devices.len(),
             report,
         })
     }

@@ -1,7 +1,8 @@
 //! This node's ResourceSlices: one pool per node (pool = node name), in as many
-//! ResourceSlices of at most 128 devices as it needs, `spec.nodeName` set, owned by
+//! ResourceSlices of at most 64 devices as it needs, `spec.nodeName` set, owned by
 //! the Node so they die with it, written only when something changed and retrying
-//! conflicts ([`Slices`]).
+//! conflicts ([`Slices`]). Counter sets (partitionable devices, KEP-4815) go where
+//! the API server's version wants them ([`CounterLayout`]).
 //!
 //! ```no_run
 //! # async fn f(client: kube::Client, devices: Vec<k8s_openapi::api::resource::v1::Device>) -> Result<(), Box<dyn std::error::Error>> {
@@ -15,7 +16,9 @@
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{Device, ResourcePool, ResourceSlice, ResourceSliceSpec};
+use k8s_openapi::api::resource::v1::{
+    CounterSet, Device, ResourcePool, ResourceSlice, ResourceSliceSpec,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions};
 use kube::Client;
@@ -24,9 +27,18 @@ use kube::Client;
 pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 /// Standard attribute: the PCIe root complex above a device (`pci0000:00`).
 pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
-/// The most devices one ResourceSlice may hold (API validation); a larger pool is
-/// published as several slices.
-pub const MAX_DEVICES_PER_SLICE: usize = 128;
+/// The most devices one ResourceSlice of ours holds; a larger pool is published as
+/// several slices. The API server allows 128, but only 64 once a device of the
+/// slice has taints or consumes counters (1.35 on,
+/// `ResourceSliceMaxDevicesWithAdvancedFeatures` in `pkg/apis/resource/types.go`),
+/// and ours may have both.
+pub const MAX_DEVICES_PER_SLICE: usize = 64;
+/// The most counter sets one slice holds beside no devices (1.35 on,
+/// `ResourceSliceMaxCounterSets`).
+pub const MAX_COUNTER_SETS_PER_SLICE: usize = 8;
+/// The most counters, in all its sets, one slice holds beside its devices (1.33 and
+/// 1.34, `ResourceSliceMaxSharedCounters`).
+pub const MAX_COUNTERS_BESIDE_DEVICES: usize = 32;
 /// Upper bound for one request to the API server.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often [`Slices::reconcile`] re-reads and tries again after a conflict.
@@ -123,6 +135,142 @@ pub struct Report {
     pub taints_dropped: bool,
     /// The server dropped the binding conditions this reconcile wrote.
     pub binding_dropped: bool,
+    /// The server dropped the counter sets or the consumed counters this reconcile
+    /// wrote (its `DRAPartitionableDevices` gate is off).
+    pub counters_dropped: bool,
+}
+
+/// Where a pool's counter sets go, which the API server's version decides
+/// (`validateResourceSliceSpec` in `pkg/apis/resource/validation/validation.go`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CounterLayout {
+    /// 1.33 and 1.34: a device's counter sets in its own slice, at most
+    /// [`MAX_COUNTERS_BESIDE_DEVICES`] counters per slice.
+    BesideDevices,
+    /// 1.35 on: counter sets in slices of their own, at most
+    /// [`MAX_COUNTER_SETS_PER_SLICE`] each, and never beside devices.
+    Apart,
+}
+
+impl CounterLayout {
+    /// The layout a server of version `major.minor` validates; a version that
+    /// cannot be read is taken as the newer kind (`minor` may carry a `+`).
+    pub fn for_version(major: &str, minor: &str) -> Self {
+        let digits = |s: &str| {
+            s.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+                .parse::<u32>()
+                .ok()
+        };
+        match (digits(major), digits(minor)) {
+            (Some(1), Some(minor)) if minor <= 34 => Self::BesideDevices,
+            _ => Self::Apart,
+        }
+    }
+}
+
+/// What one slice of the pool holds.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Chunk {
+    /// Its devices (`None` in a slice of counter sets alone).
+    pub devices: Option<Vec<Device>>,
+    /// Its counter sets.
+    pub counters: Option<Vec<CounterSet>>,
+}
+
+impl Chunk {
+    fn devices(&self) -> &[Device] {
+        self.devices.as_deref().unwrap_or(&[])
+    }
+}
+
+fn counters_in(sets: &[CounterSet]) -> usize {
+    sets.iter().map(|s| s.counters.len()).sum()
+}
+
+/// The counter sets `d` draws on.
+fn consumed_sets(d: &Device) -> impl Iterator<Item = &str> {
+    d.consumes_counters
+        .iter()
+        .flatten()
+        .map(|c| c.counter_set.as_str())
+}
+
+/// The pool cut into slices: `devices` in order, [`MAX_DEVICES_PER_SLICE`] a slice,
+/// and `sets` as `layout` wants them: after the devices in slices of their own, or
+/// each in the slice of the devices that consume it, those devices kept together
+/// (a device that draws on several sets joins them all into one unit). At least
+/// one slice, empty when there is nothing.
+pub fn chunks(devices: &[Device], sets: &[CounterSet], layout: CounterLayout) -> Vec<Chunk> {
+    let mut out: Vec<Chunk> = Vec::new();
+    if sets.is_empty() || layout == CounterLayout::Apart {
+        out.extend(devices.chunks(MAX_DEVICES_PER_SLICE).map(|c| Chunk {
+            devices: Some(c.to_vec()),
+            counters: None,
+        }));
+        out.extend(sets.chunks(MAX_COUNTER_SETS_PER_SLICE).map(|c| Chunk {
+            devices: None,
+            counters: Some(c.to_vec()),
+        }));
+    } else {
+        // Units: the devices that share a set travel together with it.
+        let mut units: Vec<(Vec<Device>, Vec<String>)> = Vec::new();
+        for d in devices {
+            let names: Vec<String> = consumed_sets(d).map(str::to_owned).collect();
+            let joined: Vec<usize> = (0..units.len())
+                .filter(|&i| units[i].1.iter().any(|n| names.contains(n)))
+                .collect();
+            let mut unit = (vec![d.clone()], names);
+            for &i in joined.iter().rev() {
+                let (ds, ns) = units.remove(i);
+                unit.0.splice(0..0, ds);
+                unit.1.extend(ns);
+            }
+            let at = joined.first().copied().unwrap_or(units.len());
+            units.insert(at, unit);
+        }
+        let set = |n: &String| sets.iter().find(|s| &s.name == n).cloned();
+        let mut orphans: Vec<CounterSet> = sets
+            .iter()
+            .filter(|s| !units.iter().any(|u| u.1.contains(&s.name)))
+            .cloned()
+            .collect();
+        let mut current = Chunk::default();
+        for (ds, mut names) in units {
+            names.sort();
+            names.dedup();
+            let mine: Vec<CounterSet> = names.iter().filter_map(set).collect();
+            let have = current.counters.as_deref().unwrap_or(&[]);
+            let full = current.devices().len() + ds.len() > MAX_DEVICES_PER_SLICE
+                || counters_in(have) + counters_in(&mine) > MAX_COUNTERS_BESIDE_DEVICES;
+            if full && current.devices.is_some() {
+                out.push(std::mem::take(&mut current));
+            }
+            current.devices.get_or_insert_with(Vec::new).extend(ds);
+            if !mine.is_empty() {
+                current.counters.get_or_insert_with(Vec::new).extend(mine);
+            }
+        }
+        if current.devices.is_some() {
+            out.push(current);
+        }
+        // Sets no device draws on: a slice of their own (valid on every server).
+        while !orphans.is_empty() {
+            let rest = orphans.split_off(orphans.len().min(MAX_COUNTER_SETS_PER_SLICE));
+            out.push(Chunk {
+                devices: None,
+                counters: Some(std::mem::replace(&mut orphans, rest)),
+            });
+        }
+    }
+    if out.is_empty() {
+        out.push(Chunk {
+            devices: Some(Vec::new()),
+            counters: None,
+        });
+    }
+    out
 }
 
 /// What a write that may race another writer came to.
@@ -174,6 +322,8 @@ pub struct Slices {
     client: Client,
     driver: String,
     node: String,
+    /// Learnt from the server's version the first time counter sets are written.
+    layout: Option<CounterLayout>,
 }
 
 impl std::fmt::Debug for Slices {
@@ -229,6 +379,15 @@ fn same_devices(have: Option<&Vec<Device>>, want: &[Device]) -> bool {
         })
 }
 
+/// A slice holds what `chunk` says: its devices, its counter sets, and a device
+/// list only where the chunk has one (1.35 on refuses both in one slice).
+fn same_content(s: &ResourceSlice, chunk: &Chunk) -> bool {
+    let sets = |c: Option<&Vec<CounterSet>>| c.map_or(&[][..], Vec::as_slice).to_vec();
+    same_devices(s.spec.devices.as_ref(), chunk.devices())
+        && (chunk.devices.is_some() || s.spec.devices.as_ref().is_none_or(Vec::is_empty))
+        && sets(s.spec.shared_counters.as_ref()) == sets(chunk.counters.as_ref())
+}
+
 /// Whether the server dropped a list we wrote: a device we sent with a non-empty
 /// `field` came back without it.
 fn dropped(sent: &[Device], written: &ResourceSlice, field: impl Fn(&Device) -> bool) -> bool {
@@ -258,6 +417,22 @@ fn binding_dropped(sent: &[Device], written: &ResourceSlice) -> bool {
     })
 }
 
+/// Whether the server dropped the counter sets or consumed counters we wrote (the
+/// `DRAPartitionableDevices` gate off; `dropDisabledDRAPartitionableDevicesFields`,
+/// same file).
+fn counters_dropped(sent: &Chunk, written: &ResourceSlice) -> bool {
+    let sets_sent = sent.counters.as_ref().is_some_and(|c| !c.is_empty());
+    let sets_back = written
+        .spec
+        .shared_counters
+        .as_ref()
+        .is_some_and(|c| !c.is_empty());
+    (sets_sent && !sets_back)
+        || dropped(sent.devices(), written, |d| {
+            d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty())
+        })
+}
+
 fn version(s: &ResourceSlice) -> (String, String) {
     (
         s.metadata.name.clone().unwrap_or_default(),
@@ -272,7 +447,72 @@ impl Slices {
             client,
             driver: driver.to_owned(),
             node: node.to_owned(),
+            layout: None,
         }
+    }
+
+    /// Where this server wants counter sets: read once from its version
+    /// (`GET /version`).
+    pub async fn counter_layout(&mut self) -> Result<CounterLayout, SliceError> {
+        if let Some(layout) = self.layout {
+            return Ok(layout);
+        }
+        let action = "read the API server's version";
+        let info = bounded(action, self.client.apiserver_version())
+            .await?
+            .map_err(|e| request_error(action, e))?;
+        let layout = CounterLayout::for_version(&info.major, &info.minor);
+        tracing::debug!(major = %info.major, minor = %info.minor, ?layout, "counter sets laid out for this API server");
+        self.layout = Some(layout);
+        Ok(layout)
+    }
+
+    /// Whether the server keeps counter sets in a ResourceSlice (its
+    /// `DRAPartitionableDevices` gate is on), asked before any is published: a
+    /// create of a slice with one counter set, as a dry run (`dryRun=All`: checked,
+    /// admitted and answered, never stored), and whether the answer still has it.
+    pub async fn counters_kept(&self) -> Result<bool, SliceError> {
+        let name = {
+            let suffix = "-counters-probe";
+            format!("{}{suffix}", cut(&self.slice_name(), 253 - suffix.len()))
+        };
+        let action = format!("create ResourceSlice {name} as a dry run");
+        let slice = ResourceSlice {
+            metadata: ObjectMeta {
+                name: Some(name),
+                ..ObjectMeta::default()
+            },
+            spec: ResourceSliceSpec {
+                driver: self.driver.clone(),
+                node_name: Some(self.node.clone()),
+                pool: ResourcePool {
+                    name: self.node.clone(),
+                    generation: 0,
+                    resource_slice_count: 1,
+                },
+                shared_counters: Some(vec![CounterSet {
+                    name: "probe".into(),
+                    counters: [(
+                        "probe".to_owned(),
+                        k8s_openapi::api::resource::v1::Counter {
+                            value: k8s_openapi::apimachinery::pkg::api::resource::Quantity(
+                                "1".into(),
+                            ),
+                        },
+                    )]
+                    .into(),
+                }]),
+                ..ResourceSliceSpec::default()
+            },
+        };
+        let pp = PostParams {
+            dry_run: true,
+            ..PostParams::default()
+        };
+        let back = bounded(&action, self.api().create(&pp, &slice))
+            .await?
+            .map_err(|e| request_error(&action, e))?;
+        Ok(back.spec.shared_counters.is_some_and(|c| !c.is_empty()))
     }
 
     /// The pool: this node's name.
@@ -345,7 +585,7 @@ impl Slices {
         })
     }
 
-    fn spec(&self, devices: &[Device], generation: i64, count: usize) -> ResourceSliceSpec {
+    fn spec(&self, chunk: &Chunk, generation: i64, count: usize) -> ResourceSliceSpec {
         ResourceSliceSpec {
             driver: self.driver.clone(),
             node_name: Some(self.node.clone()),
@@ -354,7 +594,8 @@ impl Slices {
                 generation,
                 resource_slice_count: i64::try_from(count).unwrap_or(i64::MAX),
             },
-            devices: Some(devices.to_vec()),
+            devices: chunk.devices.clone(),
+            shared_counters: chunk.counters.clone(),
             ..ResourceSliceSpec::default()
         }
     }
@@ -366,12 +607,23 @@ impl Slices {
     /// are deleted; when nothing differs nothing is written. A write that meets a
     /// conflict re-reads and tries again, [`ATTEMPTS`] times.
     pub async fn reconcile(&mut self, devices: &[Device]) -> Result<Report, SliceError> {
+        self.reconcile_pool(devices, &[]).await
+    }
+
+    /// [`Slices::reconcile`] for a pool whose devices draw on counter `sets`,
+    /// which go where the server wants them ([`chunks`], [`Slices::counter_layout`]).
+    pub async fn reconcile_pool(
+        &mut self,
+        devices: &[Device],
+        sets: &[CounterSet],
+    ) -> Result<Report, SliceError> {
         let owner = self.owner().await?;
-        let chunks: Vec<&[Device]> = if devices.is_empty() {
-            vec![&[]]
+        let layout = if sets.is_empty() {
+            CounterLayout::Apart
         } else {
-            devices.chunks(MAX_DEVICES_PER_SLICE).collect()
+            self.counter_layout().await?
         };
+        let chunks = chunks(devices, sets, layout);
         let names = slice_names(&self.node, &self.driver, chunks.len());
         for _ in 0..ATTEMPTS {
             let slices = self.list().await?;
@@ -403,6 +655,7 @@ impl Slices {
                     versions: slices.iter().map(version).collect(),
                     taints_dropped: false,
                     binding_dropped: false,
+                    counters_dropped: false,
                 });
             }
             let generation = top + 1;
@@ -410,6 +663,7 @@ impl Slices {
             let mut raced = false;
             let mut dropped = false;
             let mut binding_lost = false;
+            let mut counters_lost = false;
             for ((name, have), chunk) in names.iter().zip(&current).zip(&chunks) {
                 let written = match have {
                     Some(s) => {
@@ -423,8 +677,9 @@ impl Slices {
                 };
                 match written {
                     Write::Done(s) => {
-                        dropped |= taints_dropped(chunk, &s);
-                        binding_lost |= binding_dropped(chunk, &s);
+                        dropped |= taints_dropped(chunk.devices(), &s);
+                        binding_lost |= binding_dropped(chunk.devices(), &s);
+                        counters_lost |= counters_dropped(chunk, &s);
                         versions.push(version(&s));
                     }
                     Write::Raced => {
@@ -463,6 +718,7 @@ impl Slices {
                 versions,
                 taints_dropped: dropped,
                 binding_dropped: binding_lost,
+                counters_dropped: counters_lost,
             });
         }
         Err(SliceError::Conflicts {
@@ -475,7 +731,7 @@ impl Slices {
     fn up_to_date(
         &self,
         s: &ResourceSlice,
-        devices: &[Device],
+        chunk: &Chunk,
         owner: &OwnerReference,
         top: i64,
         count: usize,
@@ -484,7 +740,7 @@ impl Slices {
         pool.name == self.node
             && usize::try_from(pool.resource_slice_count) == Ok(count)
             && pool.generation == top
-            && same_devices(s.spec.devices.as_ref(), devices)
+            && same_content(s, chunk)
             && s.spec.node_selector.is_none()
             && s.spec.all_nodes.is_none_or(|a| !a)
             && s.metadata
@@ -497,7 +753,7 @@ impl Slices {
     async fn replace(
         &self,
         current: &ResourceSlice,
-        devices: &[Device],
+        chunk: &Chunk,
         owner: &OwnerReference,
         generation: i64,
         count: usize,
@@ -505,7 +761,7 @@ impl Slices {
         let name = current.metadata.name.clone().unwrap_or_default();
         let action = format!("update ResourceSlice {name}");
         let mut slice = current.clone();
-        slice.spec = self.spec(devices, generation, count);
+        slice.spec = self.spec(chunk, generation, count);
         let mut owners: Vec<OwnerReference> = slice
             .metadata
             .owner_references
@@ -534,7 +790,7 @@ impl Slices {
     async fn create(
         &self,
         name: &str,
-        devices: &[Device],
+        chunk: &Chunk,
         owner: &OwnerReference,
         generation: i64,
         count: usize,
@@ -546,7 +802,7 @@ impl Slices {
                 owner_references: Some(vec![owner.clone()]),
                 ..ObjectMeta::default()
             },
-            spec: self.spec(devices, generation, count),
+            spec: self.spec(chunk, generation, count),
         };
         match bounded(&action, self.api().create(&PostParams::default(), &slice)).await? {
             Ok(s) => Ok(Write::Done(s)),
@@ -660,5 +916,108 @@ mod tests {
         }
         assert!(binding_dropped(&sent, &back));
         assert!(taints_dropped(&sent, &back));
+    }
+
+    fn pair(g: usize) -> [Device; 2] {
+        let d = |f: usize| Device {
+            name: format!("g{g}-f{f}"),
+            consumes_counters: Some(vec![
+                k8s_openapi::api::resource::v1::DeviceCounterConsumption {
+                    counter_set: format!("g{g}"),
+                    counters: Default::default(),
+                },
+            ]),
+            ..Device::default()
+        };
+        [d(0), d(1)]
+    }
+
+    fn set(g: usize) -> CounterSet {
+        CounterSet {
+            name: format!("g{g}"),
+            counters: [(
+                "held".to_owned(),
+                k8s_openapi::api::resource::v1::Counter {
+                    value: k8s_openapi::apimachinery::pkg::api::resource::Quantity("1".into()),
+                },
+            )]
+            .into(),
+        }
+    }
+
+    #[test]
+    fn chunks_keep_the_limits_of_each_layout_and_a_group_with_its_set() {
+        // 40 groups of two and 10 devices alone: 90 devices, 40 sets.
+        let mut devices: Vec<Device> = (0..40).flat_map(pair).collect();
+        devices.extend((0..10).map(|i| Device {
+            name: format!("solo-{i}"),
+            ..Device::default()
+        }));
+        let sets: Vec<CounterSet> = (0..40).map(set).collect();
+        for layout in [CounterLayout::BesideDevices, CounterLayout::Apart] {
+            let out = chunks(&devices, &sets, layout);
+            let all: Vec<&Device> = out.iter().flat_map(|c| c.devices()).collect();
+            assert_eq!(all.len(), 90, "{layout:?}: every device once");
+            let names: Vec<&str> = out
+                .iter()
+                .flat_map(|c| c.counters.iter().flatten())
+                .map(|s| s.name.as_str())
+                .collect();
+            assert_eq!(names.len(), 40, "{layout:?}: every set once");
+            for c in &out {
+                assert!(c.devices().len() <= MAX_DEVICES_PER_SLICE);
+                let n = c.counters.as_ref().map_or(0, Vec::len);
+                match layout {
+                    CounterLayout::Apart => {
+                        assert!(c.devices.is_none() || c.counters.is_none(), "never both");
+                        assert!(n <= MAX_COUNTER_SETS_PER_SLICE);
+                    }
+                    CounterLayout::BesideDevices => {
+                        assert!(n <= MAX_COUNTERS_BESIDE_DEVICES);
+                        // Every set a device draws on is in its slice.
+                        for d in c.devices() {
+                            for used in consumed_sets(d) {
+                                assert!(
+                                    c.counters.iter().flatten().any(|s| s.name == used),
+                                    "{} without {used}",
+                                    d.name
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(chunks(&devices, &sets, CounterLayout::Apart).len(), 2 + 5);
+        assert_eq!(
+            chunks(&devices, &sets, CounterLayout::BesideDevices).len(),
+            2,
+            "32 sets fill the first slice"
+        );
+        assert_eq!(
+            chunks(&[], &[], CounterLayout::BesideDevices),
+            [Chunk {
+                devices: Some(Vec::new()),
+                counters: None
+            }]
+        );
+    }
+
+    #[test]
+    fn versions_choose_the_layout() {
+        for (major, minor, want) in [
+            ("1", "34", CounterLayout::BesideDevices),
+            ("1", "33+", CounterLayout::BesideDevices),
+            ("1", "35", CounterLayout::Apart),
+            ("1", "37", CounterLayout::Apart),
+            ("2", "0", CounterLayout::Apart),
+            ("", "", CounterLayout::Apart),
+        ] {
+            assert_eq!(
+                CounterLayout::for_version(major, minor),
+                want,
+                "{major}.{minor}"
+            );
+        }
     }
 }

@@ -10,9 +10,8 @@ use std::time::{Duration, Instant};
 
 use fake_apiserver::objects::{self, DeviceResult};
 use fake_apiserver::{paths, FakeApiServer};
-use k8s_openapi::api::resource::v1::Device;
 use kubelet_peer::dra::{self, ClaimRef, Dra, PreparedDevice, Version};
-use kubelet_plugin::{Answers, Claim, Clients, Config, Fields, Plugin, ServeError};
+use kubelet_plugin::{Answers, Claim, Clients, Config, Fields, Offer, Plugin, ServeError};
 use tokio::sync::oneshot;
 
 const DRIVER: &str = "vfio-sandbox.rebellions.ai";
@@ -111,8 +110,8 @@ impl kubelet_plugin::Driver for Recorder {
             .collect()
     }
 
-    fn devices(&self, _fields: Fields) -> Result<Vec<Device>, Refusal> {
-        Ok(Vec::new())
+    fn devices(&self, _fields: Fields) -> Result<Offer, Refusal> {
+        Ok(Offer::default())
     }
 }
 

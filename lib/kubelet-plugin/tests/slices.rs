@@ -13,7 +13,10 @@ use std::collections::BTreeMap;
 
 use fake_apiserver::objects::{self, DeviceResult};
 use fake_apiserver::{paths, FakeApiServer};
-use k8s_openapi::api::resource::v1::{Device, DeviceAttribute};
+use k8s_openapi::api::resource::v1::{
+    Counter, CounterSet, Device, DeviceAttribute, DeviceCounterConsumption,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kubelet_plugin::slices::{slice_names, Action, SliceError, Slices};
 use kubelet_plugin::{read_claim, AllocatedDevice, ClaimRef, ReadError, Ticket};
 use serde_json::{json, Value};
@@ -397,11 +400,11 @@ fn pool(s: &FakeApiServer) -> Vec<(String, i64, i64, usize)> {
 }
 
 #[test]
-fn three_hundred_devices_are_one_pool_of_three_slices_kept_in_step() {
+fn a_hundred_and_fifty_devices_are_one_pool_of_three_slices_kept_in_step() {
     let s = server();
     let rt = rt();
     let mut slices = Slices::new(client(&rt, &s), DRIVER, NODE);
-    let r = rt.block_on(slices.reconcile(&many(300))).unwrap();
+    let r = rt.block_on(slices.reconcile(&many(150))).unwrap();
     assert_eq!((r.action, r.generation), (Action::Created, 1));
     let (a, b, c) = (
         SLICE.to_string(),
@@ -412,9 +415,9 @@ fn three_hundred_devices_are_one_pool_of_three_slices_kept_in_step() {
     assert_eq!(
         pool(&s),
         [
-            (a.clone(), 1, 3, 128),
-            (b.clone(), 1, 3, 128),
-            (c.clone(), 1, 3, 44)
+            (a.clone(), 1, 3, 64),
+            (b.clone(), 1, 3, 64),
+            (c.clone(), 1, 3, 22)
         ]
     );
     let all: Vec<String> = ours(&s)
@@ -422,35 +425,35 @@ fn three_hundred_devices_are_one_pool_of_three_slices_kept_in_step() {
         .flat_map(|o| o["spec"]["devices"].as_array().unwrap().clone())
         .map(|d| d["name"].as_str().unwrap().to_owned())
         .collect();
-    assert_eq!(all.len(), 300, "every device once");
+    assert_eq!(all.len(), 150, "every device once");
 
     // Nothing changed: nothing written.
     s.clear_requests();
-    let r = rt.block_on(slices.reconcile(&many(300))).unwrap();
+    let r = rt.block_on(slices.reconcile(&many(150))).unwrap();
     assert_eq!((r.action, r.generation), (Action::Unchanged, 1));
     assert!(writes(&s).is_empty(), "{:?}", writes(&s));
 
     // One slice deleted by someone else: the whole pool moves to a new generation.
     assert!(s.remove(&paths::resourceslice(&b)));
-    let r = rt.block_on(slices.reconcile(&many(300))).unwrap();
+    let r = rt.block_on(slices.reconcile(&many(150))).unwrap();
     assert_eq!((r.action, r.generation), (Action::Updated, 2));
     assert_eq!(
         pool(&s),
         [
-            (a.clone(), 2, 3, 128),
-            (b.clone(), 2, 3, 128),
-            (c.clone(), 2, 3, 44)
+            (a.clone(), 2, 3, 64),
+            (b.clone(), 2, 3, 64),
+            (c.clone(), 2, 3, 22)
         ]
     );
 
     // The pool shrinks to two slices: both rewritten, the third deleted after.
     s.clear_requests();
-    let r = rt.block_on(slices.reconcile(&many(200))).unwrap();
+    let r = rt.block_on(slices.reconcile(&many(100))).unwrap();
     assert_eq!(
         (r.action, r.generation, r.deleted.clone()),
         (Action::Updated, 3, vec![c.clone()])
     );
-    assert_eq!(pool(&s), [(a.clone(), 3, 2, 128), (b.clone(), 3, 2, 72)]);
+    assert_eq!(pool(&s), [(a.clone(), 3, 2, 64), (b.clone(), 3, 2, 36)]);
     assert_eq!(
         writes(&s),
         [
@@ -647,4 +650,113 @@ fn hostile_allocations_are_read_without_judging_device_names() {
     let message = e.to_string();
     assert!(message.ends_with("and 995 more"), "{message}");
     assert!(message.len() < 400, "{message}");
+}
+
+/// A device of IOMMU group `g`'s counter set, and the set.
+fn counted(name: &str, set: &str) -> Device {
+    Device {
+        name: name.into(),
+        consumes_counters: Some(vec![DeviceCounterConsumption {
+            counter_set: set.into(),
+            counters: BTreeMap::from([("held".to_owned(), one())]),
+        }]),
+        ..Device::default()
+    }
+}
+
+fn one() -> Counter {
+    Counter {
+        value: Quantity("1".into()),
+    }
+}
+
+fn counter_set(name: &str) -> CounterSet {
+    CounterSet {
+        name: name.into(),
+        counters: BTreeMap::from([("held".to_owned(), one())]),
+    }
+}
+
+/// Each slice's device names and counter set names, in slice order.
+fn shapes(s: &FakeApiServer) -> Vec<(Vec<String>, Vec<String>)> {
+    let names = |v: &Value, key: &str| -> Vec<String> {
+        v[key]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|d| d["name"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    ours(s)
+        .iter()
+        .map(|o| {
+            (
+                names(&o["spec"], "devices"),
+                names(&o["spec"], "sharedCounters"),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn counter_sets_go_beside_their_devices_before_1_35_and_apart_from_1_35() {
+    let devices = vec![
+        counted("a0", "g1"),
+        counted("a1", "g1"),
+        Device {
+            name: "b".into(),
+            ..Device::default()
+        },
+    ];
+    let sets = vec![counter_set("g1")];
+    let strs = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    for (minor, want) in [
+        ("34", vec![(strs(&["a0", "a1", "b"]), strs(&["g1"]))]),
+        (
+            "35",
+            vec![(strs(&["a0", "a1", "b"]), vec![]), (vec![], strs(&["g1"]))],
+        ),
+        (
+            "37+",
+            vec![(strs(&["a0", "a1", "b"]), vec![]), (vec![], strs(&["g1"]))],
+        ),
+    ] {
+        let s = server();
+        s.set_version("1", minor);
+        let rt = rt();
+        let mut slices = Slices::new(client(&rt, &s), DRIVER, NODE);
+        assert!(rt.block_on(slices.counters_kept()).unwrap());
+        assert!(ours(&s).is_empty(), "a dry run stores nothing");
+        let r = rt.block_on(slices.reconcile_pool(&devices, &sets)).unwrap();
+        assert!(!r.counters_dropped, "1.{minor}");
+        assert_eq!(shapes(&s), want, "1.{minor}");
+        // Written once: the same pool again writes nothing.
+        s.clear_requests();
+        let r = rt.block_on(slices.reconcile_pool(&devices, &sets)).unwrap();
+        assert_eq!(r.action, Action::Unchanged, "1.{minor}");
+        assert!(writes(&s).is_empty(), "1.{minor}: {:?}", writes(&s));
+    }
+}
+
+#[test]
+fn a_server_with_partitionable_devices_off_is_seen_to_drop_counters() {
+    let s = server();
+    s.set_partitionable_devices(false);
+    let rt = rt();
+    let mut slices = Slices::new(client(&rt, &s), DRIVER, NODE);
+    assert!(!rt.block_on(slices.counters_kept()).unwrap());
+    let devices = vec![counted("a0", "g1"), counted("a1", "g1")];
+    let r = rt
+        .block_on(slices.reconcile_pool(&devices, &[counter_set("g1")]))
+        .unwrap();
+    assert!(r.counters_dropped);
+    // Without counters the pool is one slice again; the counter slice goes.
+    let r = rt
+        .block_on(slices.reconcile(&[Device {
+            name: "g".into(),
+            ..Device::default()
+        }]))
+        .unwrap();
+    assert!(!r.counters_dropped);
+    assert_eq!(shapes(&s), [(vec!["g".to_owned()], vec![])]);
 }

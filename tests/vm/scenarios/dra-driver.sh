@@ -69,13 +69,18 @@ expect_contains "GetInfo: a DRA plugin" /tmp/reg.json '"type":"DRAPlugin","name"
 expect_contains "GetInfo: its endpoint" /tmp/reg.json "\"endpoint\":\"/var/lib/kubelet/plugins/$DRIVER/dra.sock\""
 expect_contains "GetInfo: v1 first, then v1beta1, then both health services" /tmp/reg.json \
     '"supported_versions":["v1.DRAPlugin","v1beta1.DRAPlugin","v1.DRAResourceHealth","v1alpha1.DRAResourceHealth"],"chosen":"v1"'
-wait_for "the ResourceSlice is published" 10 -- sh -c 'fake-apiserver request GET /apis/resource.k8s.io/v1/resourceslices | grep -q pci-0000'
+wait_for "the ResourceSlices are published (devices, then counter sets)" 10 -- sh -c \
+    "fake-apiserver request GET /apis/resource.k8s.io/v1/resourceslices | grep -q iommu-group-$CARD_GROUP"
 slices
 for b in "$CARD_FN0" "$CARD_FN1" "$SOLO_NIC"; do
     expect_contains "slice offers $b" /tmp/slices.json "\"resource.kubernetes.io/pciBusID\":{\"string\":\"$b\"}"
 done
 expect_contains "slice: this node's pool" /tmp/slices.json "\"nodeName\":\"$NODE\""
 expect_contains "slice: the card's IOMMU group" /tmp/slices.json "\"iommuGroup\":{\"int\":$CARD_GROUP}"
+expect_contains "slice: the card's group whole, as one more device" /tmp/slices.json \
+    "\"name\":\"group-$(dev_name "$CARD_FN0" | sed 's/^pci-//')\""
+expect_contains "slice: the card's group is one counter set its devices take whole" /tmp/slices.json \
+    "\"name\":\"iommu-group-$CARD_GROUP\""
 step "slice: the NVMe (not selected) is not offered" -- sh -c "! grep -q $NVME_PF /tmp/slices.json"
 wait_for "readiness probe: ready once registered and published" 10 -- sandbox-dra-driver ready
 

@@ -204,7 +204,9 @@ fn binding_conditions_go_on_the_devices_that_need_a_rebind() {
             driver: "d.example.com",
             devices: &set,
         }),
-    );
+        true,
+    )
+    .devices;
     let card = &devices[0];
     assert_eq!(
         card.binding_conditions.as_deref(),
@@ -400,4 +402,148 @@ fn rebellions_class_names_select_what_we_publish() {
         attr(&ca25, &format!("{domain}/type")).string.as_deref(),
         Some(rebellions::TYPE_VFIO)
     );
+}
+
+/// Two selected functions of one NIC in IOMMU group 9 (no ACS between them), and
+/// one more NIC alone in group 7.
+fn shared_group_node(dir: &std::path::Path) -> FakeNode {
+    let node = FakeNode::new(dir);
+    for f in ["0000:03:00.0", "0000:03:00.1"] {
+        node.add_device(
+            &FakeDevice::new(f, 0x8086, 0x10d3, 0x02_0000)
+                .driver("e1000e")
+                .group(9),
+        );
+    }
+    node.add_device(&FakeDevice::new("0000:80:02.0", 0x8086, 0x10d3, 0x02_0000).group(7));
+    node
+}
+
+fn consumed(d: &Device) -> Vec<String> {
+    d.consumes_counters
+        .iter()
+        .flatten()
+        .map(|c| {
+            let counters: Vec<String> = c
+                .counters
+                .iter()
+                .map(|(k, v)| format!("{k}={}", v.value.0))
+                .collect();
+            format!("{}:{}", c.counter_set, counters.join(","))
+        })
+        .collect()
+}
+
+#[test]
+fn a_group_of_several_functions_is_held_whole_through_one_counter_or_offered_as_one_device() {
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let inv = scan(&shared_group_node(dir.path()));
+    let none = BTreeMap::new();
+
+    // Counters kept: each function and the whole group draw the group's one unit.
+    let offer = marked_devices(&inv, &list(), &none, None, None, true);
+    let names: Vec<&str> = offer.devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "pci-0000-03-00-0",
+            "pci-0000-03-00-1",
+            "group-0000-03-00-0",
+            "pci-0000-80-02-0"
+        ]
+    );
+    for d in &offer.devices[..3] {
+        assert_eq!(consumed(d), ["iommu-group-9:held=1"], "{}", d.name);
+    }
+    assert!(
+        offer.devices[3].consumes_counters.is_none(),
+        "a group of one"
+    );
+    assert_eq!(offer.counter_sets.len(), 1);
+    assert_eq!(offer.counter_sets[0].name, "iommu-group-9");
+    assert_eq!(offer.counter_sets[0].counters["held"].value.0, "1");
+    let whole = &offer.devices[2];
+    assert_eq!(
+        attr(whole, PCI_BUS_ID).string.as_deref(),
+        Some("0000:03:00.0")
+    );
+    assert_eq!(
+        attr(whole, "functions").string.as_deref(),
+        Some("0000:03:00.0,0000:03:00.1")
+    );
+    assert_eq!(attr(whole, "functionCount").int, Some(2));
+    assert_eq!(attr(whole, "iommuGroup").int, Some(9));
+    assert_eq!(
+        attr(whole, "resourceName").string.as_deref(),
+        Some("example.com/NIC_PT")
+    );
+
+    // No counters: the group is one device, and nothing else of it is offered.
+    let offer = marked_devices(&inv, &list(), &none, None, None, false);
+    let names: Vec<&str> = offer.devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(names, ["group-0000-03-00-0", "pci-0000-80-02-0"]);
+    assert!(offer.counter_sets.is_empty());
+    assert!(offer.devices.iter().all(|d| d.consumes_counters.is_none()));
+    assert_eq!(
+        offer,
+        marked_devices(&inv, &list(), &none, None, None, false)
+    );
+}
+
+#[test]
+fn a_group_device_is_marked_when_any_of_its_functions_is() {
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let inv = scan(&shared_group_node(dir.path()));
+    let sick: PciAddress = "0000:03:00.1".parse().unwrap();
+    let unhealthy = BTreeMap::from([(sick, reason::GONE)]);
+    let taint = |d: &Device| {
+        d.taints
+            .iter()
+            .flatten()
+            .map(|t| t.value.clone().unwrap_or_default())
+            .collect::<Vec<_>>()
+    };
+    for counters in [true, false] {
+        let offer = marked_devices(
+            &inv,
+            &list(),
+            &unhealthy,
+            Some("d.example.com"),
+            None,
+            counters,
+        );
+        let whole = offer
+            .devices
+            .iter()
+            .find(|d| d.name == "group-0000-03-00-0")
+            .unwrap();
+        assert_eq!(taint(whole), ["Gone"], "counters {counters}");
+        if counters {
+            let fns: Vec<Vec<String>> = offer.devices[..2].iter().map(taint).collect();
+            assert_eq!(fns, [vec![], vec!["Gone".to_owned()]]);
+        }
+    }
+    // Taints dropped: the sick function and the group are left out; the healthy
+    // function is still offered, and still draws on the group's counter.
+    let offer = marked_devices(&inv, &list(), &unhealthy, None, None, true);
+    let names: Vec<&str> = offer.devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(names, ["pci-0000-03-00-0", "pci-0000-80-02-0"]);
+    assert_eq!(consumed(&offer.devices[0]), ["iommu-group-9:held=1"]);
+    assert_eq!(offer.counter_sets.len(), 1);
+    // Binding conditions: the group device carries them when a function does.
+    let set = std::collections::BTreeSet::from([sick]);
+    let offer = marked_devices(
+        &inv,
+        &list(),
+        &BTreeMap::new(),
+        None,
+        Some(BindingMarks {
+            driver: "d.example.com",
+            devices: &set,
+        }),
+        false,
+    );
+    assert_eq!(offer.devices[0].name, "group-0000-03-00-0");
+    assert_eq!(offer.devices[0].binds_to_node, Some(true));
+    assert!(offer.devices[1].binds_to_node.is_none());
 }
