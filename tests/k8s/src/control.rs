@@ -19,7 +19,8 @@ pub enum Gates {
     Defaults,
     /// The DRA gates this project's features need turned on, where the release
     /// has them off by default (1.34: binding conditions, device taints,
-    /// extended resources on DRA, device health in pod status).
+    /// extended resources on DRA, device health in pod status, partitionable
+    /// devices).
     Features,
 }
 
@@ -55,6 +56,7 @@ pub fn feature_gates(release: Release, gates: Gates, kubelet: bool) -> Vec<&'sta
             "DRADeviceBindingConditions",
             "DRADeviceTaints",
             "DRAExtendedResource",
+            "DRAPartitionableDevices",
             "ResourceHealthStatus",
         ]
     }

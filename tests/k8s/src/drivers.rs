@@ -31,8 +31,9 @@ pub fn repo() -> PathBuf {
 }
 
 /// The fake host: two ATOM CA22 NPUs, each alone in its IOMMU group and on
-/// vfio-pci, with their group nodes as character devices (a runtime creates a
-/// container's device nodes only from real ones), their own driver
+/// vfio-pci, and two functions of a NIC that share one ([`PAIR`]), with their
+/// group nodes as character devices (a runtime creates a container's device
+/// nodes only from real ones), the NPUs' own driver
 /// (`rebellions`) registered, and a PCI core that moves them when a driver
 /// writes the sysfs attributes ([`PciCore`]).
 pub struct Host {
@@ -47,6 +48,13 @@ pub const NATIVE: &str = "rebellions";
 /// The NPUs: address and IOMMU group.
 pub const NPUS: &[(&str, u32)] = &[("0000:41:00.0", 21), ("0000:42:00.0", 22)];
 
+/// Two functions of one NIC (Intel I350, `8086:1521`) that share IOMMU group
+/// [`PAIR_GROUP`], as behind a switch without ACS; on vfio-pci like the NPUs,
+/// and selected by no shipped resource list (only `dra-group-unsplittable`
+/// selects them).
+pub const PAIR: [&str; 2] = ["0000:43:00.0", "0000:43:00.1"];
+pub const PAIR_GROUP: u32 = 23;
+
 impl Host {
     pub fn create(dir: &Path) -> Result<Self> {
         let fake = FakeNode::new(dir);
@@ -60,6 +68,14 @@ impl Host {
                 &FakeDevice::new(address, 0x1eff, 0x1220, 0x12_0000)
                     .driver("vfio-pci")
                     .group(*group)
+                    .numa(0),
+            );
+        }
+        for address in PAIR {
+            fake.add_device(
+                &FakeDevice::new(address, 0x8086, 0x1521, 0x02_0000)
+                    .driver("vfio-pci")
+                    .group(PAIR_GROUP)
                     .numa(0),
             );
         }
@@ -152,6 +168,7 @@ fn char_devices(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(&vfio)?;
     let mut nodes = vec![vfio.join("vfio")];
     nodes.extend(NPUS.iter().map(|(_, g)| vfio.join(g.to_string())));
+    nodes.push(vfio.join(PAIR_GROUP.to_string()));
     for path in nodes {
         match std::fs::symlink_metadata(&path) {
             Ok(m) if m.file_type().is_char_device() => continue,

@@ -12,6 +12,7 @@ use crate::node::BUSYBOX;
 use crate::proc::wait_for;
 use crate::Ctx;
 
+mod groups;
 mod rebellions;
 
 pub enum Outcome {
@@ -37,6 +38,7 @@ pub const ALL: &[(&str, Scenario)] = &[
         "dra-rebellions-vocabulary",
         rebellions::dra_rebellions_vocabulary,
     ),
+    ("dra-group-unsplittable", groups::dra_group_unsplittable),
     ("device-plugin-pod", device_plugin_pod),
     (
         "device-plugin-health-and-restarts",
