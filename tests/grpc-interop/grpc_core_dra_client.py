@@ -219,7 +219,8 @@ def dra(version, client, pb, checks, name, uid, devices):
 
 def health(version, client, pb, checks):
     """The first message of the health stream: every selected device of the fake
-    node, Healthy, in this node's pool, with the driver's 60 s timeout."""
+    node and the group device of its two-function card, Healthy, in this node's
+    pool, with the driver's 60 s timeout."""
     stream = client.NodeWatchResources(pb.NodeWatchResourcesRequest(), timeout=DEADLINE)
     first = checks.call(f"{version} NodeWatchResources", lambda: next(stream))
     stream.cancel()
@@ -227,8 +228,10 @@ def health(version, client, pb, checks):
         return
     got = sorted((d.device.pool_name, d.device.device_name, d.health, d.health_check_timeout_seconds)
                  for d in first.devices)
+    # The card's two functions share IOMMU group 5: its group device too.
     want = [(NODE, n, pb.HEALTHY, 60) for n in
-            ["pci-0000-01-00-0", "pci-0000-01-00-1", "pci-0000-02-00-0", "pci-0000-03-00-0"]]
+            ["group-0000-01-00-0", "pci-0000-01-00-0", "pci-0000-01-00-1", "pci-0000-02-00-0",
+             "pci-0000-03-00-0"]]
     checks.check(f"{version} NodeWatchResources: every device Healthy",
                  got == want and all(d.message for d in first.devices), f"{first}")
 
