@@ -57,6 +57,38 @@ fn wait_log(log: &(std::path::PathBuf, usize), line: &str, timeout: Duration) ->
     })
 }
 
+/// The driver's log lines for each scope of its claim watch.
+const LABELLED_SCOPE: &str =
+    "the claim labeller holds its Lease: watching only the ResourceClaims labelled for this node";
+const ALL_SCOPE: &str =
+    "no claim labeller holds and renews its Lease: watching every ResourceClaim";
+
+/// Waits until the driver's last word on its scope, past `since`, is `line`
+/// (one of the two above): it logs a scope only when it changes, every
+/// `LABELLER_CHECK` (15 s) at most, so a failover slow enough to
+/// span one of its looks leaves it watching every claim until its next look.
+fn wait_scope(log: &(std::path::PathBuf, usize), line: &str, timeout: Duration) -> Result<()> {
+    wait_for(
+        &format!("the DRA driver's claim watch: {line:?}"),
+        timeout,
+        || {
+            let text = std::fs::read(&log.0)?;
+            let new = String::from_utf8_lossy(text.get(log.1..).unwrap_or_default());
+            let last = |l: &str| new.rfind(l);
+            let other = if line == LABELLED_SCOPE {
+                ALL_SCOPE
+            } else {
+                LABELLED_SCOPE
+            };
+            Ok(match (last(line), last(other)) {
+                (Some(a), Some(b)) => (a > b).then_some(()),
+                (Some(_), None) => Some(()),
+                _ => None,
+            })
+        },
+    )
+}
+
 /// A pod with a claim of NPU `a` runs once the driver moved it early: the claim
 /// waited on `VfioReady`, which is `True`. Gives the claim.
 fn early_move(ctx: &Ctx, pod: &str, a: &str) -> Result<serde_json::Value> {
@@ -121,11 +153,7 @@ fn through_the_labeller(ctx: &mut Ctx) -> Result<Outcome> {
         &ctx.dra_binary(),
         &[("POD_NAMESPACE", DRIVER_NS)],
     )?);
-    wait_log(
-        &since,
-        "the claim labeller holds its Lease: watching only the ResourceClaims labelled for this node",
-        Duration::from_secs(30),
-    )?;
+    wait_log(&since, LABELLED_SCOPE, Duration::from_secs(30))?;
     wait_for(
         &format!("the slice to publish {a} with binding conditions"),
         Duration::from_secs(30),
@@ -162,18 +190,17 @@ fn through_the_labeller(ctx: &mut Ctx) -> Result<Outcome> {
     delete_pod(&ctx.plane, "lb-failover")?;
     wait_driver(ctx, a, drivers::NATIVE, "given back after its pod")?;
 
+    // The driver watches labelled claims again once it has seen the new
+    // leader renew (a look of it may have fallen in the failover's gap).
+    wait_scope(&since, LABELLED_SCOPE, Duration::from_secs(40))?;
     // The labeller stops: its SIGTERM releases the Lease, the driver watches
     // every claim again (its next look, within 15 s), and the early move goes
     // on without labels.
-    let since = driver_log(ctx)?;
+    let stopping = driver_log(ctx)?;
     drop(standby);
     drop(leader);
     wait_holder(&ctx.plane, "", "released on SIGTERM", secs(30))?;
-    wait_log(
-        &since,
-        "no claim labeller holds and renews its Lease: watching every ResourceClaim",
-        Duration::from_secs(40),
-    )?;
+    wait_log(&stopping, ALL_SCOPE, Duration::from_secs(40))?;
     let claim = early_move(ctx, "lb-alone", a)?;
     ensure!(
         claim["metadata"]["labels"][&key].is_null(),
