@@ -129,6 +129,28 @@ fn dra(ctx: &mut Ctx) -> Result<&mut drivers::DraDriver> {
     Ok(ctx.dra.as_mut().expect("started above"))
 }
 
+/// Stops the DRA driver and starts it again with the resource list `list`
+/// (JSON), written as `file` in its directory; the next [`dra`] after the
+/// scenario stops it starts the shipped one.
+fn restart_dra_with_list(ctx: &mut Ctx, file: &str, list: &str) -> Result<()> {
+    if let Some(mut d) = ctx.dra.take() {
+        d.proc.stop();
+    }
+    let dir = drivers::dra_dir(&ctx.node);
+    std::fs::create_dir_all(&dir)?;
+    let config = dir.join(file);
+    std::fs::write(&config, list)?;
+    ctx.dra = Some(drivers::start_dra_with(
+        &ctx.plane,
+        &ctx.node,
+        &ctx.host,
+        &ctx.dra_binary(),
+        &[],
+        &config,
+    )?);
+    Ok(())
+}
+
 fn ensure_ns(plane: &ControlPlane, ns: &str) -> Result<()> {
     plane.apply(&format!(
         "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {ns}\n"

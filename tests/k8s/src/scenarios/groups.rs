@@ -13,9 +13,10 @@ use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 
 use super::{
-    delete_pod, describe, ensure_ns, gate_on, our_slices, pod, pod_output, Outcome, NS, SHOW,
+    delete_pod, describe, ensure_ns, gate_on, our_slices, pod, pod_output, restart_dra_with_list,
+    Outcome, NS, SHOW,
 };
-use crate::drivers::{self, DRIVER, PAIR, PAIR_GROUP};
+use crate::drivers::{DRIVER, PAIR, PAIR_GROUP};
 use crate::proc::wait_for;
 use crate::Ctx;
 
@@ -78,24 +79,11 @@ fn claim_pod(name: &str, template: &str) -> String {
 
 pub(super) fn dra_group_unsplittable(ctx: &mut Ctx) -> Result<Outcome> {
     ensure_ns(&ctx.plane, NS)?;
-    if let Some(mut d) = ctx.dra.take() {
-        d.proc.stop();
-    }
-    let dir = drivers::dra_dir(&ctx.node);
-    std::fs::create_dir_all(&dir)?;
-    let config = dir.join("dual.json");
-    std::fs::write(
-        &config,
-        format!(r#"{{"resources":[{{"name":"{RESOURCE}","vendor":"8086","devices":["1521"]}}]}}"#),
+    restart_dra_with_list(
+        ctx,
+        "dual.json",
+        &format!(r#"{{"resources":[{{"name":"{RESOURCE}","vendor":"8086","devices":["1521"]}}]}}"#),
     )?;
-    ctx.dra = Some(drivers::start_dra_with(
-        &ctx.plane,
-        &ctx.node,
-        &ctx.host,
-        &ctx.dra_binary(),
-        &[],
-        &config,
-    )?);
     let result = contest(ctx);
     // The node as found: the shipped resource list, no pod, class or template of ours.
     let plane = &ctx.plane;

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use super::{
     claim_addresses, delete_pod, dra, ensure_ns, gate_on, generated_claim, our_slices, pod,
-    pod_output, Outcome, NS, SHOW,
+    pod_output, restart_dra_with_list, Outcome, NS, SHOW,
 };
 use crate::control::{path_str, ControlPlane};
 use crate::drivers::{self, DRIVER, NPUS};
@@ -109,18 +109,11 @@ fn with_classes(ctx: &mut Ctx) -> Result<Outcome> {
         d.proc.stop();
     }
     ctx.host.set_device_id(CA25_AT, CA25_ID)?;
-    let dir = drivers::dra_dir(&ctx.node);
-    std::fs::create_dir_all(&dir)?;
-    let config = dir.join("pci-ids.json");
-    std::fs::write(&config, r#"{"preset": "rebellions", "naming": "pci-ids"}"#)?;
-    ctx.dra = Some(drivers::start_dra_with(
-        &ctx.plane,
-        &ctx.node,
-        &ctx.host,
-        &ctx.dra_binary(),
-        &[],
-        &config,
-    )?);
+    restart_dra_with_list(
+        ctx,
+        "pci-ids.json",
+        r#"{"preset": "rebellions", "naming": "pci-ids"}"#,
+    )?;
     check_published(&ctx.plane)?;
     let mut notes = vec![kubevirt_example(ctx)?];
     // Each class of Rebellions' names, one device.
