@@ -179,23 +179,25 @@ impl<D: Driver> Publisher<D> {
         }
     }
 
-    /// Before the first counter set is published, asks the server whether it keeps
-    /// them, so that no device is ever published without the counters that keep
-    /// its group whole. A server that cannot be asked (a webhook that refuses dry
+    /// Before the first counter set is published, asks the server once whether it
+    /// keeps them, so that no device is ever published without the counters that
+    /// keep its group whole; true when it does not (the offer must be made again
+    /// without them). A server that cannot be asked (a webhook that refuses dry
     /// runs) is judged by the first write instead.
-    async fn ask_about_counters(&self, slices: &Slices) {
+    async fn counters_dropped_on_asking(&self, slices: &Slices) -> bool {
         if self.seen.counters_asked.swap(true, SeqCst) {
-            return;
+            return false;
         }
         match slices.counters_kept().await {
-            Ok(true) => {}
+            Ok(true) => false,
             Ok(false) => {
                 self.seen.counters_dropped.store(true, SeqCst);
                 tracing::warn!("the API server drops the counter sets of ResourceSlices (its DRAPartitionableDevices gate is off, or it predates them); publishing without them, as the driver offers its devices then");
+                true
             }
             Err(e) => {
-                self.seen.counters_asked.store(false, SeqCst);
                 tracing::warn!(error = %error_chain(&e), "cannot ask the API server whether it keeps counter sets; the first write will tell");
+                false
             }
         }
     }
@@ -214,13 +216,10 @@ impl<D: Driver> Publisher<D> {
     async fn pass(&self) -> Result<Published, PublishError<D::Error>> {
         let mut offer = self.devices().await?;
         let mut slices = self.slices.lock().await;
-        if !offer.counter_sets.is_empty() && !self.seen.counters_asked.load(SeqCst) {
-            self.ask_about_counters(&slices).await;
-            if self.seen.counters_dropped.load(SeqCst) {
-                drop(slices);
-                offer = self.devices().await?;
-                slices = self.slices.lock().await;
-            }
+        if !offer.counter_sets.is_empty() && self.counters_dropped_on_asking(&slices).await {
+            drop(slices);
+            offer = self.devices().await?;
+            slices = self.slices.lock().await;
         }
         let mut report = slices
             .reconcile_pool(&offer.devices, &offer.counter_sets)
