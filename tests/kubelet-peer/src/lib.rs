@@ -27,8 +27,10 @@
 //! `DRAPlugin` service, dialing as grpc-go does ([`grpcgo`]: the percent-encoded
 //! socket path as `:authority` where kubelet dials a bare path).
 
+pub mod container;
 pub mod dra;
 pub mod grpcgo;
+pub mod vmm;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};

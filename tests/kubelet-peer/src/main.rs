@@ -7,6 +7,9 @@
 //! kubelet-peer allocate --dir D --endpoint E ID...    # env and device specs
 //! kubelet-peer watch    --dir D --endpoint E --after CMD --expect ID=Health --within 1s
 //!
+//! kubelet-peer vmm (--allocate FILE | --cdi ID... | --cdi-from FILE) [--iommufd] [--hold]
+//!                                                     # QEMU takes the container's devices
+//!
 //! kubelet-peer dra register  --registry D [--timeout 10s]          # PluginInfo as JSON
 //! kubelet-peer dra prepare   --registry D [--version v1|v1beta1] --claim NS/NAME/UID...
 //! kubelet-peer dra unprepare --registry D [--version v1|v1beta1] --claim NS/NAME/UID...
@@ -25,13 +28,17 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kubelet_api::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, Empty, ListAndWatchResponse,
 };
+use kubelet_peer::container::{self, Edits};
 use kubelet_peer::dra::ClaimRef;
 use kubelet_peer::dra::{self, Dra, KubeletVersion, Version};
+use kubelet_peer::vmm;
 use kubelet_peer::{connect, Kubelet};
+use std::os::unix::process::CommandExt;
 use tokio_stream::StreamExt;
 
 #[derive(Debug, Parser)]
@@ -80,6 +87,58 @@ enum Cmd {
     /// Play kubelet's side of DRA: registration and the DRAPlugin service.
     #[command(subcommand)]
     Dra(DraCmd),
+    /// Start QEMU, as KubeVirt's virt-launcher does, in a container given an
+    /// Allocate answer or CDI devices: paused, with a vfio-pci device per address
+    /// of its PCI_RESOURCE_* variables; check through QMP that every device is
+    /// realized with the host's ids and its BARs mapped. Prints one `realized`
+    /// line per device; exits 1, with QEMU's own message, when QEMU refuses.
+    Vmm(VmmArgs),
+    /// Run CMD in a container: a mount namespace whose /dev holds only runc's
+    /// default devices and the given nodes, with the given mounts and
+    /// environment (JSON of `kubelet_peer::container::Edits`). Used by `vmm`.
+    #[command(hide = true)]
+    Container {
+        #[arg(long)]
+        edits: String,
+        #[arg(last = true, required = true)]
+        cmd: Vec<String>,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+struct VmmArgs {
+    /// The output of `kubelet-peer allocate` (env, device and mount lines).
+    #[arg(long, conflicts_with_all = ["cdi", "cdi_from"])]
+    allocate: Option<PathBuf>,
+    /// A CDI device id as kubelet hands it to the runtime (repeat).
+    #[arg(long)]
+    cdi: Vec<String>,
+    /// The JSON `kubelet-peer dra prepare` printed: every CDI id in it.
+    #[arg(long)]
+    cdi_from: Option<PathBuf>,
+    /// Where CDI specs are (repeat; default: /etc/cdi and /var/run/cdi).
+    #[arg(long)]
+    cdi_dir: Vec<PathBuf>,
+    /// Leave this device node out of the container (repeat), to show what QEMU
+    /// does without it.
+    #[arg(long)]
+    without_node: Vec<String>,
+    /// Use the iommufd backend (`-object iommufd`, the device cdev) instead of
+    /// the group's VFIO container.
+    #[arg(long)]
+    iommufd: bool,
+    /// Keep the VM until SIGTERM or SIGINT, then quit QEMU and wait for it.
+    #[arg(long)]
+    hold: bool,
+    /// The QEMU program (default: qemu-system-<this architecture>).
+    #[arg(long)]
+    qemu: Option<String>,
+    /// Guest RAM, all of it mapped for DMA when QEMU starts.
+    #[arg(long, default_value = "64M")]
+    memory: String,
+    /// Give up on QEMU after this long.
+    #[arg(long, default_value = "120s", value_parser = duration)]
+    timeout: Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -261,6 +320,7 @@ fn lines(msg: &ListAndWatchResponse) -> Vec<String> {
 async fn run(cli: Cli) -> anyhow::Result<bool> {
     match cli.command {
         Cmd::Dra(cmd) => run_dra(cmd).await,
+        Cmd::Vmm(_) | Cmd::Container { .. } => unreachable!("run without the runtime"),
         Cmd::Serve => {
             let kubelet = Kubelet::start(&cli.dir).await?;
             loop {
@@ -298,6 +358,10 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
                         "device {} {} {}",
                         d.host_path, d.container_path, d.permissions
                     )
+                });
+                c.mounts.iter().for_each(|m| {
+                    let mode = if m.read_only { "ro" } else { "rw" };
+                    println!("mount {} {} {mode}", m.host_path, m.container_path)
                 });
             }
             Ok(true)
@@ -346,8 +410,197 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
     }
 }
 
+/// The CDI ids of a `dra prepare` answer, in order.
+fn cdi_ids(v: &serde_json::Value, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, v) in m {
+                match (k.as_str(), v) {
+                    ("cdi_device_ids", serde_json::Value::Array(ids)) => {
+                        out.extend(ids.iter().filter_map(|i| i.as_str().map(String::from)))
+                    }
+                    _ => cdi_ids(v, out),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter().for_each(|v| cdi_ids(v, out)),
+        _ => {}
+    }
+}
+
+fn vmm(a: VmmArgs) -> anyhow::Result<bool> {
+    let mut edits = if let Some(file) = &a.allocate {
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        Edits::from_allocate(&text)?
+    } else {
+        let mut ids = a.cdi.clone();
+        if let Some(file) = &a.cdi_from {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not JSON", file.display()))?;
+            cdi_ids(&v, &mut ids);
+        }
+        anyhow::ensure!(
+            !ids.is_empty(),
+            "no CDI device: give --allocate, --cdi or --cdi-from"
+        );
+        let dirs = if a.cdi_dir.is_empty() {
+            vec![PathBuf::from("/etc/cdi"), PathBuf::from("/var/run/cdi")]
+        } else {
+            a.cdi_dir.clone()
+        };
+        println!("CDI devices: {}", ids.join(" "));
+        Edits::from_cdi(&dirs, &ids)?
+    };
+    for n in &a.without_node {
+        let before = edits.nodes.len();
+        edits.nodes.retain(|x| &x.path != n);
+        anyhow::ensure!(
+            edits.nodes.len() < before,
+            "--without-node {n}: the container has no such node"
+        );
+    }
+    let mut nodes: Vec<&str> = edits.nodes.iter().map(|n| n.path.as_str()).collect();
+    nodes.sort_unstable();
+    println!(
+        "container: nodes {}; env {}",
+        nodes.join(" "),
+        edits.env.join(" ")
+    );
+    let opts = vmm::Options {
+        qemu: a.qemu.clone().unwrap_or_else(vmm::default_qemu),
+        iommufd: a.iommufd,
+        memory: a.memory.clone(),
+        timeout: a.timeout,
+        firmware: vmm::has_firmware(),
+    };
+    let backend = if a.iommufd { "iommufd" } else { "legacy" };
+    let vmm::Up {
+        vm,
+        devices,
+        realized_after: took,
+        firmware,
+    } = match vmm::start(&edits, &opts)? {
+        Ok(up) => up,
+        Err(f) => {
+            println!("QEMU refused ({backend}): {}", f.what);
+            f.stderr.lines().for_each(|l| println!("qemu: {l}"));
+            return Ok(false);
+        }
+    };
+    let mut ok = true;
+    for d in &devices {
+        let sysfs = |attr: &str| {
+            std::fs::read_to_string(format!("/sys/bus/pci/devices/{}/{attr}", d.address))
+                .map(|s| s.trim().trim_start_matches("0x").to_string())
+                .unwrap_or_default()
+        };
+        let host_ids = format!("{}:{}", sysfs("vendor"), sysfs("device"));
+        let bars: Vec<String> = d
+            .bars
+            .iter()
+            .map(|(bar, size, addr)| match addr {
+                Some(a) if d.mapped.contains(bar) => format!("BAR{bar}@{a:#x}/{size}:mmap"),
+                Some(a) => format!("BAR{bar}@{a:#x}/{size}:trapped"),
+                None => format!("BAR{bar}@unassigned/{size}"),
+            })
+            .collect();
+        println!(
+            "realized {} {} ({backend}) {}",
+            d.address,
+            d.ids,
+            bars.join(" ")
+        );
+        if d.ids != host_ids {
+            println!(
+                "MISMATCH {}: QEMU reads {}, the host's sysfs says {host_ids}",
+                d.address, d.ids
+            );
+            ok = false;
+        }
+        if !opts.firmware {
+            continue;
+        }
+        if d.bars.iter().any(|b| b.2.is_none()) {
+            println!(
+                "UNASSIGNED {}: the firmware left a memory BAR without an address",
+                d.address
+            );
+            ok = false;
+        }
+        if d.mapped.is_empty() {
+            println!(
+                "UNMAPPED {}: no BAR is backed by the device's mapped regions",
+                d.address
+            );
+            ok = false;
+        }
+    }
+    let firmware = if opts.firmware {
+        format!(
+            "the firmware assigned their BARs in {} ms",
+            firmware.as_millis()
+        )
+    } else {
+        "no firmware runs on this machine here, so the BARs stay unassigned".to_string()
+    };
+    println!(
+        "QEMU (pid {}) realized {} device(s) in {} ms; {firmware}",
+        vm.pid(),
+        devices.len(),
+        took.as_millis(),
+    );
+    if a.hold && ok {
+        use nix::sys::signal::{SigSet, Signal};
+        let mut set = SigSet::empty();
+        set.add(Signal::SIGTERM);
+        set.add(Signal::SIGINT);
+        set.thread_block()?;
+        println!("holding");
+        std::io::Write::flush(&mut std::io::stdout())?;
+        let sig = set.wait()?;
+        println!("{sig}: quitting QEMU");
+    }
+    let out = vm.output();
+    let status = vm.quit()?;
+    out.lines().for_each(|l| println!("qemu: {l}"));
+    println!("QEMU exited: {status}");
+    Ok(ok)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    match cli.command {
+        Cmd::Container { edits, cmd } => {
+            let err = (|| -> anyhow::Result<std::convert::Infallible> {
+                let edits: Edits = serde_json::from_str(&edits).context("--edits")?;
+                container::enter(&edits)?;
+                let e = std::process::Command::new(&cmd[0])
+                    .args(&cmd[1..])
+                    .env_clear()
+                    .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+                    .envs(edits.env_pairs())
+                    .exec();
+                Err(e).with_context(|| format!("executing {}", cmd[0]))
+            })();
+            let Err(e) = err;
+            eprintln!("kubelet-peer container: error: {e:#}");
+            return ExitCode::from(127);
+        }
+        Cmd::Vmm(a) => {
+            return match vmm(a) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::from(1),
+                Err(e) => {
+                    eprintln!("kubelet-peer: error: {e:#}");
+                    ExitCode::from(2)
+                }
+            };
+        }
+        _ => {}
+    }
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
