@@ -265,6 +265,24 @@ for k in "${kernels[@]}"; do
     prepare_kernel "$k"
 done
 
+# The guest's QEMU (scripts/vm/fetch-qemu.sh), per architecture, only when a
+# scenario asks for it (`# vm: needs=qemu`): the archive is appended to that
+# scenario's initramfs alone. guest_qemu[ARCH] is its path.
+declare -A guest_qemu=()
+if grep -lqE '^#[[:space:]]*vm:.*needs=([^ ]*,)?qemu(,|[[:space:]]|$)' "${scenarios[@]}"; then
+    for arch in "${!arch_bins[@]}"; do
+        deb_arch=amd64
+        [[ "$arch" == aarch64 ]] && deb_arch=arm64
+        if env_text="$("$here/fetch-qemu.sh" --arch "$deb_arch")"; then
+            eval "$env_text"
+            guest_qemu[$arch]="$GUEST_QEMU_CPIO"
+            vm_log "guest QEMU for $arch: $GUEST_QEMU_VERSION, $(du -h "$GUEST_QEMU_CPIO" | cut -f1) archive"
+        else
+            vm_log "warning: no guest QEMU for $arch; scenarios that need it fail"
+        fi
+    done
+fi
+
 # ---- per-scenario run ---------------------------------------------------------------
 
 # has_binary ARCH NAME -- true when NAME is one of the guest's programs that the
@@ -329,8 +347,13 @@ run_scenario() {
         esac
     done < <(sed -n 's/^#[[:space:]]*vm:[[:space:]]*//p' "$file" | tr -s ' \t' '\n' | sed '/^$/d')
     [[ "$timeout" =~ ^[1-9][0-9]*$ ]] || errors+=("bad timeout '$timeout'")
-    local b
+    local b qemu_cpio=""
     for b in "${needs[@]}"; do
+        if [[ "$b" == qemu ]]; then
+            qemu_cpio="${guest_qemu[${k_arch[$kernel]}]:-}"
+            [[ -n "$qemu_cpio" ]] || errors+=("needs the guest's QEMU, which scripts/vm/fetch-qemu.sh did not provide")
+            continue
+        fi
         has_binary "${k_arch[$kernel]}" "$b" ||
             errors+=("needs project binary '$b', which was not built or is not one of the guest's programs")
     done
@@ -375,7 +398,7 @@ run_scenario() {
     done
     (cd "$sdir" && printf '%s\n' "${files[@]}" |
         cpio -o -H newc -R 0:0 --quiet) >"$kdir/$name.cpio"
-    cat "${k_base[$kernel]}" "$kdir/$name.cpio" >"$kdir/$name.initrd"
+    cat "${k_base[$kernel]}" ${qemu_cpio:+"$qemu_cpio"} "$kdir/$name.cpio" >"$kdir/$name.initrd"
 
     local cmdline qemu=()
     if [[ "${k_arch[$kernel]}" == aarch64 ]]; then
