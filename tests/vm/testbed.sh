@@ -326,6 +326,74 @@ _tb_vfs_settled() {
     [ "$_tb_n" -eq "$2" ]
 }
 
+# ---- a VMM (QEMU in the guest; scenarios with `# vm: needs=qemu`) -----------
+
+# vm_alloc_file FILE BDF... -- write what the device plugin's Allocate gives a
+# container for BDF... (as `kubelet-peer allocate` prints it): KubeVirt's
+# variable, /dev/vfio/vfio and each group node; for devices that reached
+# vfio-pci another way (by hand, by vfio-manager).
+vm_alloc_file() {
+    _tb_f=$1
+    shift
+    _tb_list=$(echo "$*" | tr ' ' ',')
+    {
+        echo "env PCI_RESOURCE_EXAMPLE_COM_NIC_PT=$_tb_list"
+        echo "device /dev/vfio/vfio /dev/vfio/vfio mrw"
+        for _tb_b in "$@"; do group_of "$_tb_b"; done | sort -u | while read -r _tb_g; do
+            echo "device /dev/vfio/$_tb_g /dev/vfio/$_tb_g mrw"
+        done
+    } >"$_tb_f"
+}
+
+# vm_hold NAME LOG -- VMM-ARGS...
+# Starts `kubelet-peer vmm VMM-ARGS --hold` in the background (its pid in
+# VM_HOLDER, its output in LOG): PASS once QEMU holds its devices, FAIL with
+# QEMU's own words when it exits first or is not up within 180 s.
+vm_hold() {
+    _tb_name=$1
+    _tb_log=$2
+    shift 2
+    [ "${1:-}" = "--" ] && shift
+    kubelet-peer vmm "$@" --hold >"$_tb_log" 2>&1 &
+    VM_HOLDER=$!
+    _tb_start=$(_tb_now_ms)
+    while ! grep -qx holding "$_tb_log"; do
+        if ! kill -0 "$VM_HOLDER" 2>/dev/null; then
+            fail "$_tb_name" "kubelet-peer vmm ended before QEMU held the devices" "$_tb_log"
+            return 1
+        fi
+        if [ $(($(_tb_now_ms) - _tb_start)) -ge 180000 ]; then
+            fail "$_tb_name" "QEMU not holding the devices after 180 s" "$_tb_log"
+            return 1
+        fi
+        sleep 0.2
+    done
+    pass "$_tb_name"
+}
+
+# vm_release NAME -- stop the VM of vm_hold: PASS when QEMU quit and the
+# device files are closed (kubelet-peer waits for QEMU's exit).
+vm_release() {
+    kill -TERM "$VM_HOLDER" 2>/dev/null
+    wait "$VM_HOLDER"
+    expect_eq "$1" "$?" 0
+}
+
+# nic_works NAME BDF -- BDF's native NIC driver works: its interface comes up
+# and reports a carrier within 10 s.
+nic_works() {
+    _tb_if=""
+    for _tb_n in "/sys/bus/pci/devices/$2"/net/*; do
+        [ -e "$_tb_n" ] && _tb_if=$(basename "$_tb_n")
+    done
+    if [ -z "$_tb_if" ]; then
+        fail "$1" "$2 has no network interface (driver: $(driver_of "$2"))"
+        return 1
+    fi
+    ip link set "$_tb_if" up 2>/dev/null || ifconfig "$_tb_if" up
+    wait_for "$1 ($_tb_if)" 10 -- grep -qx 1 "/sys/class/net/$_tb_if/carrier"
+}
+
 # ---- internals --------------------------------------------------------------
 
 # Milliseconds since boot.

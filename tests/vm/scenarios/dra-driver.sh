@@ -2,12 +2,14 @@
 # kubelet-like peer in the guest, the driver registered with the peer and its
 # ResourceSlice published; a claim for the two-function card moves both functions
 # (the whole IOMMU group) to vfio-pci with the group node, CDI spec and metadata
-# file in place, and unprepare gives them back to e1000e. Then: the card and a
+# file in place, QEMU in a container given the claim's CDI devices takes the
+# card, and unprepare gives them back to e1000e. Then: the card and a
 # second device prepared for two claims at once (v1beta1), a third claim on the
-# card's group refused, a held group refusing unprepare until it is let go,
+# card's group refused, a group a running QEMU holds refusing unprepare until
+# the VM quits (then e1000e drives the NICs again),
 # kill -9 between steps and in the middle of a bind (failpoints build) followed
 # by a restart that converges, and a stop that keeps or deletes the slice.
-# vm: needs=sandbox-dra-driver,sandbox-dra-driver-failpoints,kubelet-peer,fake-apiserver
+# vm: needs=sandbox-dra-driver,sandbox-dra-driver-failpoints,kubelet-peer,fake-apiserver,qemu
 # vm: timeout=300
 # shellcheck shell=sh
 # Every move here happens at prepare, as on a cluster without binding conditions;
@@ -115,6 +117,14 @@ expect_contains "state: the claim is prepared" "$STATE" '"phase": "prepared"'
 step "prepare again (kubelet retries): the same answer" -- peer prepare --version v1 --claim "vms/vm-card/$uid_card"
 expect_eq "the same answer" "$(cat "$TB_OUT")" "$(cat /tmp/prep-card.json)"
 
+note "a VM takes the claim: QEMU in a container given its CDI devices"
+step "QEMU realizes CARD_FN0 from the CDI spec" -- kubelet-peer vmm --cdi-from /tmp/prep-card.json
+cp "$TB_OUT" /tmp/vmm-card.out
+run_logged cat /tmp/vmm-card.out
+expect_contains "CARD_FN0 realized with the host's ids, BAR 0 mapped" /tmp/vmm-card.out "realized $CARD_FN0 8086:10d3 (legacy) BAR0@"
+realize_ms=$(sed -n 's/.* realized [0-9]* device(s) in \([0-9]*\) ms.*/\1/p' /tmp/vmm-card.out)
+note "time to a VM: path=dra-prepare prepare_ms=$((t1 - t0)) qemu_realize_ms=${realize_ms:-0}"
+
 note "device health as kubelet reads it: the prepared card leaves vfio-pci and comes back"
 card_key="$NODE/$(dev_name "$CARD_FN0")"
 step "health stream: the prepared card is Healthy" -- peer health --until "$card_key=Healthy"
@@ -159,7 +169,8 @@ uid_card=$(claim vm-card2 "$CARD_FN0")
 uid_solo=$(claim vm-solo "$SOLO_NIC")
 step "prepare vm-card2 and vm-solo in one call" -- peer prepare --version v1beta1 \
     --claim "vms/vm-card2/$uid_card" --claim "vms/vm-solo/$uid_solo"
-run_logged cat "$TB_OUT"
+cp "$TB_OUT" /tmp/prep-two.json
+run_logged cat /tmp/prep-two.json
 expect_driver "CARD_FN0 on vfio-pci" "$CARD_FN0" vfio-pci
 expect_driver "CARD_FN1 on vfio-pci" "$CARD_FN1" vfio-pci
 expect_driver "SOLO_NIC on vfio-pci" "$SOLO_NIC" vfio-pci
@@ -172,18 +183,21 @@ expect_fail "an unknown uid is refused" 1 -- peer prepare --version v1 --claim "
 expect_contains "the refusal names both uids" "$TB_OUT" "kubelet asked for not-its-uid"
 
 note "a VM holds the card's group: unprepare waits for it"
-sh -c "exec 3<>/dev/vfio/$CARD_GROUP; echo holding; sleep 600" >/tmp/holder.log 2>&1 &
-holder=$!
-wait_for "holder has the group open" 5 -- grep -q holding /tmp/holder.log
+# vm-card2's CDI devices only (its device's and its request's), as its pod gets them.
+card_ids=$(grep -o "\"$DRIVER/vfio=[^\"]*-$uid_card\"" /tmp/prep-two.json | sort -u | sed 's/^"/--cdi /; s/"$//' | tr '\n' ' ')
+# shellcheck disable=SC2086 # one word per flag and id
+vm_hold "QEMU holds vm-card2's card" /tmp/vm-card2.log -- $card_ids
+run_logged cat /tmp/vm-card2.log
 expect_fail "unprepare vm-card2 fails while the group is held" 1 -- \
     peer unprepare --version v1 --claim "vms/vm-card2/$uid_card"
 expect_contains "the error names the group node" "$TB_OUT" "/dev/vfio/$CARD_GROUP still open"
 expect_driver "held CARD_FN0 stays on vfio-pci" "$CARD_FN0" vfio-pci
-kill "$holder"
-wait "$holder" 2>/dev/null
-step "unprepare vm-card2 once the group is let go" -- peer unprepare --version v1 --claim "vms/vm-card2/$uid_card"
+vm_release "QEMU quits"
+step "unprepare vm-card2 once the VM is gone" -- peer unprepare --version v1 --claim "vms/vm-card2/$uid_card"
 expect_driver "CARD_FN0 back on e1000e" "$CARD_FN0" e1000e
 expect_driver "CARD_FN1 back on e1000e" "$CARD_FN1" e1000e
+nic_works "e1000e drives CARD_FN0 again: link up" "$CARD_FN0"
+nic_works "e1000e drives CARD_FN1 again: link up" "$CARD_FN1"
 
 note "kill -9 between steps: a restarted driver still restores"
 step "kill -9 the driver (vm-solo prepared)" -- kill -9 "$driver"

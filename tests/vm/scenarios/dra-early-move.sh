@@ -14,7 +14,9 @@
 # probe, the claim saved as moved): the restarted driver converges (the claim
 # ready) and gives everything back when the claim is deleted; and kill -9 at
 # each step of that give-back (override, unbind, probe), finished by the restart.
-# vm: needs=sandbox-dra-driver,sandbox-dra-driver-failpoints,kubelet-peer,fake-apiserver
+# QEMU takes the early-moved claim's devices from its CDI spec (and through
+# iommufd too on the bed's own kernel).
+# vm: needs=sandbox-dra-driver,sandbox-dra-driver-failpoints,kubelet-peer,fake-apiserver,qemu
 # vm: timeout=300
 # shellcheck shell=sh
 
@@ -33,12 +35,16 @@ fake-apiserver serve --listen 127.0.0.1:6443 --kubeconfig /tmp/kubeconfig \
 wait_for "the stand-in API server serves" 10 -- test -s /tmp/kubeconfig
 export KUBECONFIG=/tmp/kubeconfig NODE_NAME=$NODE
 
+# On the bed's own kernel the claims also get the device cdev and /dev/iommu,
+# so a VM can take them through iommufd too.
+IOMMUFD=""
+[ "$TESTBED_KERNEL" = iommufd ] && IOMMUFD=--iommufd
 starts=0
 start_driver() {
     bin=${1:-sandbox-dra-driver}
     starts=$((starts + 1))
     DLOG=/tmp/dra.$starts.log
-    "$bin" --prepare-timeout 5s >"$DLOG" 2>&1 &
+    "$bin" --prepare-timeout 5s $IOMMUFD >"$DLOG" 2>&1 &
     driver=$!
     wait_for "$bin serves its registration socket" 20 -- grep -q "serving registration" "$DLOG"
 }
@@ -66,8 +72,9 @@ expect_contains "slice: the ready condition" /tmp/slices.json "\"bindingConditio
 expect_contains "slice: the failure condition" /tmp/slices.json "\"bindingFailureConditions\":[\"$DRIVER/VfioFailed\"]"
 expect_contains "slice: bound to the node" /tmp/slices.json '"bindsToNode":true'
 
-note "allocated: moved before binding; prepare writes files only"
+note "allocated: moved before binding; prepare writes files only; QEMU takes the card"
 t0=$(_tb_now_ms)
+t_alloc=$t0
 uid=$(claim vm-card "$CARD_FN0")
 step "the scheduler's PreBind wait ends: ready" -- prebind vm-card
 t1=$(_tb_now_ms)
@@ -82,9 +89,24 @@ step "no CDI spec before prepare" -- sh -c "! test -e '$CDI/$DRIVER-vfio_$uid.js
 t0=$(_tb_now_ms)
 step "NodePrepareResources v1 for vm-card" -- peer prepare --version v1 --claim "vms/vm-card/$uid"
 t1=$(_tb_now_ms)
+cp "$TB_OUT" /tmp/prep-card.json
 note "prepare after the early move took $((t1 - t0)) ms (peer to answer)"
 step "the CDI spec is written" -- test -s "$CDI/$DRIVER-vfio_$uid.json"
 expect_contains "state: the claim is prepared" "$STATE" '"phase": "prepared"'
+step "QEMU realizes CARD_FN0 from the CDI spec" -- kubelet-peer vmm --cdi-from /tmp/prep-card.json
+t2=$(_tb_now_ms)
+cp "$TB_OUT" /tmp/vmm-card.out
+run_logged cat /tmp/vmm-card.out
+expect_contains "CARD_FN0 realized with the host's ids, BAR 0 mapped" /tmp/vmm-card.out "realized $CARD_FN0 8086:10d3 (legacy) BAR0@"
+realize_ms=$(sed -n 's/.* realized [0-9]* device(s) in \([0-9]*\) ms.*/\1/p' /tmp/vmm-card.out)
+# The stand-in scheduler's PreBind wait polls every second (upstream: 5 s).
+note "time to a VM: path=dra-early-move allocation_to_prepared_ms=$((t1 - t_alloc)) qemu_realize_ms=${realize_ms:-0} qemu_step_ms=$((t2 - t1))"
+if [ -n "$IOMMUFD" ]; then
+    step "QEMU (iommufd) realizes CARD_FN0 from the CDI spec" -- kubelet-peer vmm --cdi-from /tmp/prep-card.json --iommufd
+    cp "$TB_OUT" /tmp/vmm-card-fd.out
+    run_logged cat /tmp/vmm-card-fd.out
+    expect_contains "CARD_FN0 realized through iommufd, BAR 0 mapped" /tmp/vmm-card-fd.out "realized $CARD_FN0 8086:10d3 (iommufd) BAR0@"
+fi
 step "NodeUnprepareResources v1 for vm-card" -- peer unprepare --version v1 --claim "vms/vm-card/$uid"
 card_back "after unprepare"
 delete_claim vm-card

@@ -6,8 +6,11 @@
 # them; the modern virtio-net device, with "driver": "auto", binds to the
 # virtio_vfio_pci variant driver that its alias in modules.alias picks. On Debian's kernels (no cdev: the
 # kernel still lists vfio-dev/vfioN in sysfs, without a dev attribute or node)
-# the same flags offer nothing iommufd and nothing fails.
-# vm: needs=vfio-manager,sandbox-validator,sandbox-device-plugin,sandbox-dra-driver,kubelet-peer,fake-apiserver
+# the same flags offer nothing iommufd and nothing fails. QEMU, in a container
+# given each claim's CDI devices or the Allocate answer, takes the devices with
+# the backend they are for (legacy, and iommufd where the kernel has it) and
+# refuses the other one.
+# vm: needs=vfio-manager,sandbox-validator,sandbox-device-plugin,sandbox-dra-driver,kubelet-peer,fake-apiserver,qemu
 # vm: timeout=300
 # shellcheck shell=sh
 
@@ -101,11 +104,19 @@ config_claim() {
 uid=$(config_claim vm-legacy '"iommu":"legacy"')
 step "prepare a claim asking for iommu: legacy (the driver runs with --iommufd)" -- \
     kubelet-peer dra prepare --registry "$REG" --version v1 --claim "vms/vm-legacy/$uid"
+cp "$TB_OUT" /tmp/prep-legacy.json
 spec=$CDI/$DRIVER-vfio_$uid.json
 run_logged cat "$spec"
 expect_contains "legacy: the group node" "$spec" "\"path\": \"/dev/vfio/$solo_group\""
 expect_not_contains "legacy: no /dev/iommu" "$spec" "/dev/iommu"
 expect_not_contains "legacy: no device cdev" "$spec" "/dev/vfio/devices/"
+step "QEMU (legacy VFIO) takes vm-legacy's devices" -- kubelet-peer vmm --cdi-from /tmp/prep-legacy.json
+expect_contains "SOLO_NIC realized (legacy)" "$TB_OUT" "realized $SOLO_NIC 8086:10d3 (legacy)"
+expect_fail "QEMU with iommufd cannot start from vm-legacy's devices" 1 -- \
+    kubelet-peer vmm --cdi-from /tmp/prep-legacy.json --iommufd
+cp "$TB_OUT" /tmp/vmm-nofd.out
+run_logged cat /tmp/vmm-nofd.out
+expect_contains "QEMU says why" /tmp/vmm-nofd.out "-device vfio-pci,host=$SOLO_NIC,id=hostdev0,rombar=0,iommufd=iommufd0: vfio $SOLO_NIC: "
 step "unprepare it" -- kubelet-peer dra unprepare --registry "$REG" --version v1 --claim "vms/vm-legacy/$uid"
 expect_driver "SOLO_NIC back on e1000e" "$SOLO_NIC" e1000e
 
@@ -113,6 +124,7 @@ uid=$(config_claim vm-iommufd '"iommu":"iommufd"')
 if [ "$want_cdev" = yes ]; then
     step "prepare a claim asking for iommu: iommufd" -- \
         kubelet-peer dra prepare --registry "$REG" --version v1 --claim "vms/vm-iommufd/$uid"
+    cp "$TB_OUT" /tmp/prep-fd.json
     spec=$CDI/$DRIVER-vfio_$uid.json
     run_logged cat "$spec"
     solo_cdev=$(cdev_of "$SOLO_NIC")
@@ -120,7 +132,13 @@ if [ "$want_cdev" = yes ]; then
     expect_contains "iommufd: the device cdev" "$spec" "\"path\": \"/dev/vfio/devices/$solo_cdev\""
     expect_not_contains "iommufd: no /dev/vfio/vfio" "$spec" '"/dev/vfio/vfio"'
     expect_not_contains "iommufd: no group node" "$spec" "\"path\": \"/dev/vfio/$solo_group\""
-    step "the device cdev it hands out opens" -- sh -c "exec 3<>/dev/vfio/devices/$solo_cdev"
+    step "QEMU (iommufd) takes vm-iommufd's devices" -- kubelet-peer vmm --cdi-from /tmp/prep-fd.json --iommufd
+    cp "$TB_OUT" /tmp/vmm-fd.out
+    run_logged cat /tmp/vmm-fd.out
+    expect_contains "SOLO_NIC realized through iommufd, BAR 0 mapped" /tmp/vmm-fd.out "realized $SOLO_NIC 8086:10d3 (iommufd) BAR0@"
+    expect_fail "QEMU with legacy VFIO cannot start from vm-iommufd's devices" 1 -- \
+        kubelet-peer vmm --cdi-from /tmp/prep-fd.json
+    expect_contains "QEMU names the VFIO node it could not open" "$TB_OUT" "/dev/vfio/"
     step "unprepare it" -- kubelet-peer dra unprepare --registry "$REG" --version v1 --claim "vms/vm-iommufd/$uid"
 else
     expect_fail "iommu: iommufd is refused on a kernel without the device cdev" 1 -- \
@@ -217,8 +235,16 @@ fi
 for node in $(awk '$1 == "device" { print $2 }' /tmp/alloc.out); do
     step "$node is a char device in the guest" -- test -c "$node"
 done
-# The group node opens: the legacy path still works next to iommufd.
-step "/dev/vfio/$solo_group opens" -- sh -c "exec 3<>/dev/vfio/$solo_group"
+# The legacy path still works next to iommufd.
+step "QEMU (legacy VFIO) takes the Allocate answer" -- kubelet-peer vmm --allocate /tmp/alloc.out
+expect_contains "CARD_FN1 realized (legacy)" "$TB_OUT" "realized $CARD_FN1 8086:10d3 (legacy)"
+if [ "$want_cdev" = yes ]; then
+    step "QEMU (iommufd) takes the Allocate answer" -- kubelet-peer vmm --allocate /tmp/alloc.out --iommufd
+    cp "$TB_OUT" /tmp/vmm-alloc-fd.out
+    run_logged cat /tmp/vmm-alloc-fd.out
+    expect_contains "SOLO_NIC realized (iommufd)" /tmp/vmm-alloc-fd.out "realized $SOLO_NIC 8086:10d3 (iommufd)"
+    expect_contains "CARD_FN1 realized (iommufd)" /tmp/vmm-alloc-fd.out "realized $CARD_FN1 8086:10d3 (iommufd)"
+fi
 if [ -n "${VIRTIO_NIC:-}" ]; then
     wait_for "plugin registers example.com/VNET_PT" 10 -- grep -q "registered example.com/VNET_PT" /tmp/regs.log
     VEP=$(awk '$2 == "example.com/VNET_PT" { e = $3 } END { print e }' /tmp/regs.log)
@@ -229,6 +255,10 @@ if [ -n "${VIRTIO_NIC:-}" ]; then
     expect_contains "VIRTIO_NIC's device cdev $c handed out" /tmp/valloc.out \
         "device /dev/vfio/devices/$c /dev/vfio/devices/$c mrw"
     step "/dev/vfio/devices/$c is a char device" -- test -c "/dev/vfio/devices/$c"
+    step "QEMU (iommufd) takes VIRTIO_NIC on the variant driver" -- kubelet-peer vmm --allocate /tmp/valloc.out --iommufd
+    cp "$TB_OUT" /tmp/vmm-vnet.out
+    run_logged cat /tmp/vmm-vnet.out
+    expect_contains "VIRTIO_NIC realized (iommufd)" /tmp/vmm-vnet.out "realized $VIRTIO_NIC 1af4:1041 (iommufd)"
 fi
 kill -TERM "$plugin"
 wait "$plugin"

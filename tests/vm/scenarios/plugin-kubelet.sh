@@ -1,6 +1,9 @@
 # sandbox-device-plugin on the real kernel: vfio-manager binds the stand-ins, the
 # plugin registers with the kubelet-like peer, Allocate hands out real /dev/vfio
-# nodes, and health follows a hand-made unbind within one second.
+# nodes that QEMU, in a container given exactly that answer, takes (and cannot
+# start without the group node), and health follows a hand-made unbind within
+# one second.
+# vm: needs=qemu
 # shellcheck shell=sh
 
 export VFIO_SANDBOX_CONFIG=/tmp/list.json
@@ -43,6 +46,18 @@ expect_fail "Allocate of an unknown ID is refused" 2 -- \
     kubelet-peer --dir "$D" allocate --endpoint "$EP" 0000:09:00.0
 expect_contains "refusal names the ID" "$TB_OUT" "unknown device IDs: 0000:09:00.0"
 
+note "a VM takes what Allocate gave: QEMU in a container with exactly those nodes and variables"
+step "QEMU realizes both devices" -- kubelet-peer vmm --allocate /tmp/alloc.out
+cp "$TB_OUT" /tmp/vmm.out
+run_logged cat /tmp/vmm.out
+expect_contains "SOLO_NIC realized with the host's ids, BAR 0 mapped" /tmp/vmm.out "realized $SOLO_NIC 8086:10d3 (legacy) BAR0@"
+expect_contains "CARD_FN1 realized with the host's ids" /tmp/vmm.out "realized $CARD_FN1 8086:10d3 (legacy)"
+expect_fail "without the card's group node QEMU cannot start" 1 -- \
+    kubelet-peer vmm --allocate /tmp/alloc.out --without-node "/dev/vfio/$CARD_GROUP"
+cp "$TB_OUT" /tmp/vmm-nonode.out
+run_logged cat /tmp/vmm-nonode.out
+expect_contains "QEMU names the node it could not open" /tmp/vmm-nonode.out "Could not open '/dev/vfio/$CARD_GROUP'"
+
 note "health follows the kernel"
 step "unbinding SOLO_NIC by hand: Unhealthy within 1 s" -- kubelet-peer --dir "$D" watch --endpoint "$EP" \
     --after "echo $SOLO_NIC > /sys/bus/pci/devices/$SOLO_NIC/driver/unbind" \
@@ -66,4 +81,30 @@ wait "$plugin"
 expect_eq "plugin exits 0 on SIGTERM" "$?" 0
 step "plugin removed its socket" -- sh -c "! test -e '$D/$EP'"
 run_logged tail -n 20 /tmp/plugin.log
+
+note "time to a VM: the node labelled (vfio-manager run starts, as its DaemonSet pod would) to QEMU realizing the device"
+step "vfio-manager unbind --all" -- vfio-manager unbind --all
+expect_driver "SOLO_NIC back on e1000e" "$SOLO_NIC" e1000e
+t0=$(_tb_now_ms)
+vfio-manager run --resync-interval 1h >/tmp/run.log 2>&1 &
+manager=$!
+wait_for "vfio-manager run writes its ready file" 60 -- test -e /run/vfio-manager/ready
+t1=$(_tb_now_ms)
+regs_before=$(grep -c 'registered example.com/NIC_PT' /tmp/regs.log)
+sandbox-device-plugin >/tmp/plugin2.log 2>&1 &
+plugin=$!
+wait_for "the plugin registers again" 20 -- sh -c "test \$(grep -c 'registered example.com/NIC_PT' /tmp/regs.log) -gt $regs_before"
+t2=$(_tb_now_ms)
+EP=$(awk '$2 == "example.com/NIC_PT" { e = $3 } END { print e }' /tmp/regs.log)
+step "Allocate SOLO_NIC" -- kubelet-peer --dir "$D" allocate --endpoint "$EP" "$SOLO_NIC"
+cp "$TB_OUT" /tmp/alloc2.out
+step "QEMU realizes SOLO_NIC" -- kubelet-peer vmm --allocate /tmp/alloc2.out
+t3=$(_tb_now_ms)
+cp "$TB_OUT" /tmp/vmm2.out
+run_logged cat /tmp/vmm2.out
+expect_contains "SOLO_NIC realized" /tmp/vmm2.out "realized $SOLO_NIC 8086:10d3 (legacy) BAR0@"
+realize_ms=$(sed -n 's/.* realized [0-9]* device(s) in \([0-9]*\) ms.*/\1/p' /tmp/vmm2.out)
+note "time to a VM: path=vfio-manager label_to_vm_ms=$((t3 - t0)) manager_ready_ms=$((t1 - t0)) plugin_registered_ms=$((t2 - t1)) allocate_and_qemu_ms=$((t3 - t2)) qemu_realize_ms=${realize_ms:-0}"
+kill -TERM "$plugin" "$manager"
+wait "$plugin" "$manager"
 kill "$peer" 2>/dev/null
