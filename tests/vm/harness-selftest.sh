@@ -147,7 +147,7 @@ check "arm64 stall-after-start: booted once" "$([[ $(boots stall-after-start "$t
 check "arm64 stall-after-start: fails on its doubled timeout" "$(has "$out" "FAIL  timeout: no end after 16 s")"
 check "arm64 per-kernel total" "$(has "$(cat "$tmp/out-arm64")" "vm[trixie-arm64]: 2 passed, 1 failed")"
 check "arm64: the guest is qemu-system-aarch64 with an SMMUv3" \
-    "$(grep -q '^# qemu-system-aarch64 -machine virt,accel=tcg,iommu=smmuv3 ' "$tmp/logs/trixie-arm64/stall-once.log"; echo $?)"
+    "$(grep -q '^# qemu-system-aarch64 -machine virt,accel=tcg,gic-version=3,iommu=smmuv3 ' "$tmp/logs/trixie-arm64/stall-once.log"; echo $?)"
 
 echo "selftest: the load factor multiplies the bounds too (VM_LOAD_FACTOR=2: stall 6 s); a bad one is refused"
 mkdir -p "$tmp/state-load"

@@ -21,9 +21,23 @@ pub fn print_bind(report: &BindReport, dry: bool) -> bool {
     report.failed.is_empty()
 }
 
+/// What to say of a group a VM holds.
+pub struct Held<'a> {
+    /// How it gets restored later, e.g. "run unbind again once the VM has stopped".
+    pub again: &'a str,
+    /// Groups said already (by an earlier pass of `run`): not repeated.
+    pub said: &'a [u32],
+}
+
+/// `unbind`'s advice for a held group.
+pub const HELD_BY_UNBIND: Held<'static> = Held {
+    again: "run unbind again once the VM has stopped",
+    said: &[],
+};
+
 /// Prints a restore report (of a dry run when `dry`); true when everything recorded
 /// was put back.
-pub fn print_restore(report: &RestoreReport, dry: bool) -> bool {
+pub fn print_restore(report: &RestoreReport, dry: bool, held: &Held<'_>) -> bool {
     let verb = if dry { "would restore" } else { "restored" };
     for m in &report.reloaded {
         support::outln!(
@@ -37,10 +51,11 @@ pub fn print_restore(report: &RestoreReport, dry: bool) -> bool {
             driver.as_deref().unwrap_or("no driver")
         );
     }
-    for (addr, group) in &report.in_use {
+    for (addr, group) in report.in_use.iter().filter(|(_, g)| !held.said.contains(g)) {
         support::errln!(
             "vfio-manager: warning: skipped {addr}: /dev/vfio/{group} is open (a VM holds the group); \
-             its record is kept, run unbind again once the VM has stopped"
+             its record is kept, {}",
+            held.again
         );
     }
     for addr in &report.gone {

@@ -62,7 +62,9 @@ wait_for "run gives SOLO_NIC back" 30 -- sh -c "[ \"\$(basename \"\$(readlink /s
 sleep 3
 expect_driver "the held CARD_FN0 stays on vfio-pci" "$CARD_FN0" vfio-pci
 expect_driver "the held CARD_FN1 stays on vfio-pci" "$CARD_FN1" vfio-pci
-expect_contains "run says a VM holds the card" /tmp/run.log "a VM holds /dev/vfio/$CARD_GROUP"
+expect_contains "run says a VM holds the card, and that it restores it later" /tmp/run.log \
+    "skipped $CARD_FN0: /dev/vfio/$CARD_GROUP is open (a VM holds the group); its record is kept, it is restored once the VM has stopped"
+expect_eq "run says it once, not at every resync" "$(grep -c "skipped $CARD_FN0: " /tmp/run.log)" 1
 step "the restore label stands while the VM runs" -- labelled
 vm_release "QEMU quits"
 wait_for "run gives the card back once the VM is gone" 30 -- sh -c "[ \"\$(basename \"\$(readlink /sys/bus/pci/devices/$CARD_FN0/driver)\")\" = e1000e ]"

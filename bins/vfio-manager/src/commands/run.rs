@@ -394,10 +394,11 @@ pub fn restore_all(
             ),
         });
     }
-    log.held = held;
+    let said = std::mem::replace(&mut log.held, held);
+    let held = report::Held { again, said: &said };
     let failure = report.failed.first().map(|e| error_chain(e));
     if failure.is_some() && failure == log.failure {
-        return report::print_restore(&report, false);
+        return report::print_restore(&report, false, &held);
     }
     log.failure = failure;
     if let Some(e) = report.failed.first() {
@@ -412,7 +413,7 @@ pub fn restore_all(
             ),
         });
     }
-    report::print_restore(&report, false)
+    report::print_restore(&report, false, &held)
 }
 
 /// Removes the validator's ready file: it vouches for a node in VM mode.

@@ -30,6 +30,7 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
         Ok(report::print_restore(
             &pt.restore_concurrent(&args.which.devices, ctx.bind_jobs),
             args.dry_run,
+            &report::HELD_BY_UNBIND,
         ))
     })?;
     Ok(if ok {

@@ -194,7 +194,8 @@ impl<O: Records> Binder<'_, '_, O> {
         match self.kernel.group_in_use(&self.host.vfio_group_node(group)) {
             Ok(true) => {
                 for (a, _) in members {
-                    tracing::warn!(bdf = %a, group, "a VM holds /dev/vfio/{group}; not restoring it now");
+                    // The callers say it, once per hold (vfio-manager run retries every resync).
+                    tracing::debug!(bdf = %a, group, "a VM holds /dev/vfio/{group}; not restoring it now");
                     report.in_use.push((*a, group));
                 }
                 return report;
