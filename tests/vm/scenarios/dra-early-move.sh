@@ -15,7 +15,8 @@
 # ready) and gives everything back when the claim is deleted; and kill -9 at
 # each step of that give-back (override, unbind, probe), finished by the restart.
 # QEMU takes the early-moved claim's devices from its CDI spec (and through
-# iommufd too on the bed's own kernel).
+# iommufd too on the bed's own kernel); a claim deleted while a QEMU holds its
+# group is given back once QEMU quits.
 # vm: needs=sandbox-dra-driver,sandbox-dra-driver-failpoints,kubelet-peer,fake-apiserver,qemu
 # vm: timeout=300
 # shellcheck shell=sh
@@ -117,6 +118,20 @@ step "vm-gone is ready" -- prebind vm-gone
 expect_driver "CARD_FN0 on vfio-pci" "$CARD_FN0" vfio-pci
 step "the claim is deleted" -- delete_claim vm-gone
 card_back "after the claim was deleted"
+
+note "deleted while a VM holds the group (opened without a prepare): given back once QEMU quits"
+uid=$(claim vm-held "$CARD_FN0")
+step "vm-held is ready" -- prebind vm-held
+vm_alloc_file /tmp/card.alloc "$CARD_FN0"
+vm_hold "QEMU holds the card's group" /tmp/vm-held.log -- --allocate /tmp/card.alloc
+step "the claim is deleted" -- delete_claim vm-held
+wait_for "the driver finds the group held and keeps the card" 20 -- grep -q "cannot give back the devices of a claim moved early" "$DLOG"
+expect_driver "CARD_FN0 stays on vfio-pci while QEMU holds it" "$CARD_FN0" vfio-pci
+expect_driver "CARD_FN1 stays on vfio-pci while QEMU holds it" "$CARD_FN1" vfio-pci
+vm_release "QEMU quits"
+# The give-back is tried again every 10 s.
+card_back "once QEMU let the group go"
+nic_works "e1000e drives CARD_FN0 again: link up" "$CARD_FN0"
 
 note "the race of a move and the claim's deletion, 10 times, the deletion 0 to 180 ms after the allocation"
 recorded=0
