@@ -184,8 +184,8 @@ fi
 grep -E "lived|test result" target/watch-lifetime.log
 step "the test bed's own kernel: Debian's 6.12 source with IOMMUFD, VFIO_DEVICE_CDEV and virtio_vfio_pci (scripts/build-kernel.sh; cached by its config, rebuilt only when that changes)"
 scripts/build-kernel.sh >/dev/null
-step "the iommufd and VFIO cdev scenarios on it, QEMU taking the devices through iommufd (on Debian's kernels they ran above: nothing iommufd offered, nothing fails)"
-scripts/vm/run.sh --no-build --kernel iommufd iommufd-cdev dra-early-move
+step "the iommufd and VFIO cdev scenario on it, QEMU taking the devices through iommufd (on Debian's kernels it ran above: nothing iommufd offered, nothing fails)"
+scripts/vm/run.sh --no-build --kernel iommufd iommufd-cdev
 step "no test fakes in the shipped binaries (symbols of the test bed's x86 static build; the sysfs-pci unit tests as the control)"
 # The control is sysfs-pci's own unit-test binary, from the test build.
 control="$(test_binary sysfs_pci lib)"

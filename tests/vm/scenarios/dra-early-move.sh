@@ -14,8 +14,8 @@
 # probe, the claim saved as moved): the restarted driver converges (the claim
 # ready) and gives everything back when the claim is deleted; and kill -9 at
 # each step of that give-back (override, unbind, probe), finished by the restart.
-# QEMU takes the early-moved claim's devices from its CDI spec (and through
-# iommufd too on the bed's own kernel); a claim deleted while a QEMU holds its
+# QEMU takes the early-moved claim's devices from its CDI spec
+# (iommufd-cdev does so through iommufd); a claim deleted while a QEMU holds its
 # group is given back once QEMU quits.
 # vm: needs=sandbox-dra-driver,sandbox-dra-driver-failpoints,kubelet-peer,fake-apiserver,qemu
 # vm: timeout=300
@@ -36,16 +36,12 @@ fake-apiserver serve --listen 127.0.0.1:6443 --kubeconfig /tmp/kubeconfig \
 wait_for "the stand-in API server serves" 10 -- test -s /tmp/kubeconfig
 export KUBECONFIG=/tmp/kubeconfig NODE_NAME=$NODE
 
-# On the bed's own kernel the claims also get the device cdev and /dev/iommu,
-# so a VM can take them through iommufd too.
-IOMMUFD=""
-[ "$TESTBED_KERNEL" = iommufd ] && IOMMUFD=--iommufd
 starts=0
 start_driver() {
     bin=${1:-sandbox-dra-driver}
     starts=$((starts + 1))
     DLOG=/tmp/dra.$starts.log
-    "$bin" --prepare-timeout 5s $IOMMUFD >"$DLOG" 2>&1 &
+    "$bin" --prepare-timeout 5s >"$DLOG" 2>&1 &
     driver=$!
     wait_for "$bin serves its registration socket" 20 -- grep -q "serving registration" "$DLOG"
 }
@@ -102,12 +98,6 @@ expect_contains "CARD_FN0 realized with the host's ids, BAR 0 mapped" /tmp/vmm-c
 realize_ms=$(sed -n 's/.* realized [0-9]* device(s) in \([0-9]*\) ms.*/\1/p' /tmp/vmm-card.out)
 # The stand-in scheduler's PreBind wait polls every second (upstream: 5 s).
 note "time to a VM: path=dra-early-move allocation_to_prepared_ms=$((t1 - t_alloc)) qemu_realize_ms=${realize_ms:-0} qemu_step_ms=$((t2 - t1))"
-if [ -n "$IOMMUFD" ]; then
-    step "QEMU (iommufd) realizes CARD_FN0 from the CDI spec" -- kubelet-peer vmm --cdi-from /tmp/prep-card.json --iommufd
-    cp "$TB_OUT" /tmp/vmm-card-fd.out
-    run_logged cat /tmp/vmm-card-fd.out
-    expect_contains "CARD_FN0 realized through iommufd, BAR 0 mapped" /tmp/vmm-card-fd.out "realized $CARD_FN0 8086:10d3 (iommufd) BAR0@"
-fi
 step "NodeUnprepareResources v1 for vm-card" -- peer unprepare --version v1 --claim "vms/vm-card/$uid"
 card_back "after unprepare"
 delete_claim vm-card

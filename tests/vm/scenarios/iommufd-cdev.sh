@@ -122,6 +122,11 @@ expect_driver "SOLO_NIC back on e1000e" "$SOLO_NIC" e1000e
 
 uid=$(config_claim vm-iommufd '"iommu":"iommufd"')
 if [ "$want_cdev" = yes ]; then
+    # Moved at allocation (its binding condition), as dra-early-move does it,
+    # so QEMU below proves that path through iommufd too.
+    step "vm-iommufd is moved at allocation: the scheduler's PreBind wait ends" -- \
+        fake-apiserver bind vms/vm-iommufd --poll 1 --timeout 60
+    expect_driver "SOLO_NIC on vfio-pci before the prepare" "$SOLO_NIC" vfio-pci
     step "prepare a claim asking for iommu: iommufd" -- \
         kubelet-peer dra prepare --registry "$REG" --version v1 --claim "vms/vm-iommufd/$uid"
     cp "$TB_OUT" /tmp/prep-fd.json
