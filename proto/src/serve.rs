@@ -31,9 +31,39 @@ use tokio::sync::oneshot;
 
 use crate::authority::AuthorityFix;
 
+/// The longest path a Unix socket can be bound at: `sockaddr_un.sun_path` holds
+/// 108 bytes on Linux, one of them the terminating NUL (`unix(7)`).
+pub const SOCKET_PATH_MAX: usize = 107;
+
+/// A socket path longer than [`SOCKET_PATH_MAX`]: no socket can be bound there.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the socket path {} is {len} bytes long, and a Unix socket path holds at most {max} bytes (sun_path); choose a shorter directory", path.display(), max = SOCKET_PATH_MAX)]
+pub struct SocketPathTooLong {
+    /// The path.
+    pub path: PathBuf,
+    /// Its length in bytes.
+    pub len: usize,
+}
+
+/// Refuses a path no socket can be bound at, before anything is created there:
+/// a server checks each of its socket paths at start (bad configuration).
+pub fn check_socket_path(path: &Path) -> Result<(), SocketPathTooLong> {
+    let len = path.as_os_str().len();
+    if len > SOCKET_PATH_MAX {
+        return Err(SocketPathTooLong {
+            path: path.to_owned(),
+            len,
+        });
+    }
+    Ok(())
+}
+
 /// Why a socket could not be served.
 #[derive(Debug, thiserror::Error)]
 pub enum ListenError {
+    /// The path is too long for a socket.
+    #[error(transparent)]
+    TooLong(#[from] SocketPathTooLong),
     /// The socket's directory could not be made.
     #[error("cannot create directory {}", dir.display())]
     CreateDir {
@@ -125,8 +155,10 @@ impl SocketFile {
 }
 
 /// Makes the socket's directory, removes a stale socket file and listens.
-/// Anything but a socket at the path is refused, never deleted.
+/// Anything but a socket at the path is refused, never deleted; so is a path too
+/// long for a socket, before anything is made.
 pub fn listen(path: &Path) -> Result<(UnixListener, SocketFile), ListenError> {
+    check_socket_path(path)?;
     let io = |action, source| ListenError::Io {
         action,
         path: path.to_owned(),
@@ -261,5 +293,32 @@ mod tests {
         assert!(new.remove_if_ours().unwrap());
         assert_eq!(new.state().unwrap(), SocketState::Gone);
         assert!(!new.remove_if_ours().unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_path_too_long_for_a_socket_is_refused_before_anything_is_made() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().as_os_str().len() + 1;
+        // Exactly at the limit the kernel binds it; one byte more it cannot.
+        let fits = dir.path().join("f".repeat(SOCKET_PATH_MAX - base));
+        assert_eq!(fits.as_os_str().len(), SOCKET_PATH_MAX);
+        let (_l, file) = listen(&fits).expect("107 bytes fit in sun_path");
+        assert_eq!(file.state().unwrap(), SocketState::Ours);
+        let sub = dir.path().join("d".repeat(SOCKET_PATH_MAX - base));
+        let long = sub.join("x.sock");
+        let e = listen(&long).unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, ListenError::TooLong(_)), "{e:?}");
+        assert!(text.contains(&long.display().to_string()), "{text}");
+        assert!(
+            text.contains(&format!("is {} bytes long", SOCKET_PATH_MAX + 7)),
+            "{text}"
+        );
+        assert!(text.contains("at most 107 bytes"), "{text}");
+        assert!(
+            !sub.exists(),
+            "nothing is created for a path that cannot be served"
+        );
+        assert!(check_socket_path(&fits).is_ok());
     }
 }

@@ -71,6 +71,10 @@ fn main() -> ExitCode {
         Ok(l) => l,
         Err(e) => return fail(PROGRAM, &e, EXIT_USAGE),
     };
+    if let Err(e) = kubelet::check_socket_paths(&cli.kubelet_dir) {
+        let e = anyhow::anyhow!("{e} (--kubelet-dir {})", cli.kubelet_dir.display());
+        return fail(PROGRAM, e.as_ref(), EXIT_USAGE);
+    }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -1,4 +1,5 @@
-//! `sandbox-device-plugin --help | head`: a closed stdout never kills it.
+//! `sandbox-device-plugin --help | head`: a closed stdout never kills it; a
+//! directory too deep for a socket is refused at start.
 
 #![allow(clippy::unwrap_used)]
 
@@ -18,5 +19,47 @@ fn a_closed_stdout_never_kills_the_plugin() {
             .unwrap();
         assert_eq!(status.signal(), None, "{args:?}: {status:?}");
         assert_eq!(status.code(), Some(0), "{args:?}: {status:?}");
+    }
+}
+
+/// A device-plugin directory whose socket paths pass the 107 bytes of a Unix
+/// socket address is bad configuration: exit 2 naming the path, its length and
+/// the limit, before anything is made; never a panic.
+#[test]
+fn a_socket_path_too_long_is_refused_at_start() {
+    let root = tempfile::tempdir().unwrap();
+    // 40: kubelet.sock fits, our own socket names do not; 120: neither.
+    for len in [40, 120] {
+        let dir = root.path().join("d".repeat(len));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_sandbox-device-plugin"))
+            .env_clear()
+            .arg("--kubelet-dir")
+            .arg(&dir)
+            .args(["--sysfs-root", &root.path().join("sys").to_string_lossy()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // A plugin that took the directory would serve until stopped.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                child.kill().unwrap();
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{len}: {stderr}");
+        assert!(stderr.contains("at most 107 bytes"), "{stderr}");
+        assert!(stderr.contains(&dir.display().to_string()), "{stderr}");
+        assert!(
+            stderr.contains("is ") && stderr.contains(" bytes long"),
+            "{stderr}"
+        );
+        assert!(stderr.contains("--kubelet-dir"), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(!dir.exists(), "{} was made", dir.display());
     }
 }

@@ -315,6 +315,16 @@ fn main() -> ExitCode {
             "--prepare-timeout is not below kubelet's {KUBELET_CALL_TIMEOUT:?} call limit: kubelet may give up before our answer"
         );
     }
+    // The sockets' paths and names, judged before the API server is asked or
+    // anything on the node is touched.
+    if let Err(e) = plugin_config(&cli, &node_name).check() {
+        let e = Usage(format!(
+            "{e} (--plugins-dir {}, --registry-dir {})",
+            cli.plugins_dir.display(),
+            cli.registry_dir.display()
+        ));
+        return fail(PROGRAM, &e, EXIT_USAGE);
+    }
     let list = match cli.common.resource_list() {
         Ok(l) => l,
         Err(e) => return fail(PROGRAM, &e, EXIT_USAGE),
@@ -620,17 +630,20 @@ async fn run(
         let _ = stop_rx.await;
     });
     tokio::pin!(serving);
-    let result = tokio::select! {
-        _ = sigterm.recv() => { tracing::info!(signal = "SIGTERM", "stopping"); Ok(()) }
-        _ = sigint.recv() => { tracing::info!(signal = "SIGINT", "stopping"); Ok(()) }
-        _ = sighup.recv() => { tracing::info!(signal = "SIGHUP", "stopping"); Ok(()) }
-        r = &mut serving => match r {
+    // `served` says the serving future completed: it is never polled again.
+    let (result, served) = tokio::select! {
+        _ = sigterm.recv() => { tracing::info!(signal = "SIGTERM", "stopping"); (Ok(()), false) }
+        _ = sigint.recv() => { tracing::info!(signal = "SIGINT", "stopping"); (Ok(()), false) }
+        _ = sighup.recv() => { tracing::info!(signal = "SIGHUP", "stopping"); (Ok(()), false) }
+        r = &mut serving => (match r {
             Ok(()) => Err(anyhow::anyhow!("the kubelet API server stopped")),
             Err(e) => Err(e.into()),
-        },
+        }, true),
     };
     let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(5), &mut serving).await;
+    if !served {
+        let _ = tokio::time::timeout(Duration::from_secs(5), &mut serving).await;
+    }
     following_node.abort();
     if let Some(f) = following_claims {
         f.abort();

@@ -54,17 +54,18 @@ pub async fn take_or_wait(
         let _ = stop_rx.await;
     });
     tokio::pin!(serving);
-    let result = loop {
+    // `served` says the serving future completed: it is never polled again.
+    let (result, served) = loop {
         tokio::select! {
-            _ = sigterm.recv() => break Ok(None),
-            _ = sigint.recv() => break Ok(None),
-            _ = sighup.recv() => break Ok(None),
-            r = &mut serving => break Err(match r {
+            _ = sigterm.recv() => break (Ok(None), false),
+            _ = sigint.recv() => break (Ok(None), false),
+            _ = sighup.recv() => break (Ok(None), false),
+            r = &mut serving => break (Err(match r {
                 Ok(()) => anyhow::anyhow!("the kubelet API server stopped"),
                 Err(e) => e.into(),
-            }),
+            }), true),
             _ = tokio::time::sleep(retry) => match Owner::take(lock, &contender) {
-                Ok(owner) => break Ok(Some(owner)),
+                Ok(owner) => break (Ok(Some(owner)), false),
                 Err(e) => refusing.still_refused(&e),
             },
         }
@@ -73,7 +74,9 @@ pub async fn take_or_wait(
         tracing::info!("stopping; the node was never ours");
     }
     let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(5), &mut serving).await;
+    if !served {
+        let _ = tokio::time::timeout(Duration::from_secs(5), &mut serving).await;
+    }
     result
 }
 

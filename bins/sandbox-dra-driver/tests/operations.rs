@@ -418,3 +418,83 @@ async fn an_api_server_before_1_34_is_refused_naming_the_release_needed() {
     let (status, log) = driver.terminate().await;
     assert_eq!(status.code(), Some(0), "{log}");
 }
+
+/// A socket path too long for a Unix socket (107 bytes), in either directory
+/// kubelet dials, is bad configuration: exit 2 naming the path, its length and the
+/// limit, before the API server is asked or anything on the node is made; never
+/// a panic.
+#[test]
+fn a_socket_path_too_long_is_refused_at_start() {
+    let scene = Scene::new();
+    let long = scene.root().join("d".repeat(100));
+    for (flag, socket) in [
+        ("--plugins-dir", long.join("vfio.sandbox.io/dra.sock")),
+        ("--registry-dir", long.join("vfio.sandbox.io-reg.sock")),
+    ] {
+        let short = scene.root().join("short");
+        let other = if flag == "--plugins-dir" {
+            "--registry-dir"
+        } else {
+            "--plugins-dir"
+        };
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_sandbox-dra-driver"))
+            .env_clear()
+            .env("KUBECONFIG", scene.root().join("kubeconfig"))
+            .args(["--node-name", NODE, "--driver-name", "vfio.sandbox.io"])
+            .args([flag, &long.to_string_lossy()])
+            .args([other, &short.to_string_lossy()])
+            .arg("--state-file")
+            .arg(scene.state_file())
+            .arg("--owner-lock")
+            .arg(scene.owner_lock())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {stderr}");
+        let len = socket.as_os_str().len();
+        assert_contains(
+            &stderr,
+            &[
+                &socket.display().to_string(),
+                &format!("is {len} bytes long"),
+                "at most 107 bytes",
+                flag,
+            ],
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        for made in [long.clone(), short, scene.state_file(), scene.owner_lock()] {
+            assert!(!made.exists(), "{flag}: {} was made", made.display());
+        }
+    }
+}
+
+/// A socket that cannot be served after the start's checks (here a regular file
+/// where the service socket goes, never deleted) ends the driver with exit 1
+/// naming the file: the serving that failed is not waited on again (that was an
+/// abort, "`async fn` resumed after completion").
+#[tokio::test]
+async fn a_socket_that_cannot_be_served_is_an_error_not_a_panic() {
+    let scene = Scene::new();
+    let server = cluster();
+    let socket = scene.service_socket();
+    std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+    std::fs::write(&socket, "not a socket").unwrap();
+    let mut child = scene
+        .command("unservable.log")
+        .env("KUBECONFIG", server.write_kubeconfig(scene.root()).unwrap())
+        .env("NODE_NAME", NODE)
+        .spawn()
+        .unwrap();
+    let status = wait_exit(&mut child).await;
+    let log = std::fs::read_to_string(scene.root().join("unservable.log")).unwrap();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert_contains(
+        &log,
+        &[
+            &socket.display().to_string(),
+            "it is a regular file, not a socket",
+        ],
+    );
+    assert!(!log.contains("panicked"), "{log}");
+    assert_eq!(std::fs::read_to_string(&socket).unwrap(), "not a socket");
+}

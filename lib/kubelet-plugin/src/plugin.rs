@@ -109,13 +109,21 @@ impl Config {
     }
 
     /// Refuses what cannot be served: a driver name that is not one path component
-    /// (it names a socket and a directory), an empty node name, a zero call limit.
+    /// (it names a socket and a directory), a socket path too long for a Unix
+    /// socket, an empty node name, a zero call limit.
     pub fn check(&self) -> Result<(), ConfigError> {
         let n = &self.driver_name;
         if n.is_empty() || n == "." || n == ".." || n.contains(['/', '\0']) {
             return Err(ConfigError(format!(
                 "driver name {n:?} cannot name a socket: it must be one path component"
             )));
+        }
+        for (what, path) in [
+            ("registration socket", self.registration_socket()),
+            ("DRA service socket", self.service_socket()),
+        ] {
+            kubelet_api::serve::check_socket_path(&path)
+                .map_err(|e| ConfigError(format!("the {what}: {e}")))?;
         }
         if self.node_name.trim().is_empty() {
             return Err(ConfigError("the node name is empty".into()));

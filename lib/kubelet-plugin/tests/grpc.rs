@@ -567,6 +567,55 @@ fn a_driver_name_must_be_one_path_component_and_a_node_named() {
     );
 }
 
+/// Either socket path past 107 bytes is refused by the configuration check, which
+/// [`Plugin::new`] runs, naming the socket, the path, its length and the limit.
+#[test]
+fn a_socket_path_too_long_for_a_unix_socket_is_refused() {
+    let deep = format!("/{}", "d".repeat(90));
+    for (cfg, which) in [
+        (
+            Config {
+                registry_dir: deep.clone().into(),
+                ..Config::new(DRIVER, NODE)
+            },
+            "registration socket",
+        ),
+        (
+            Config {
+                plugins_dir: deep.clone().into(),
+                ..Config::new(DRIVER, NODE)
+            },
+            "DRA service socket",
+        ),
+    ] {
+        let path = if which.starts_with("registration") {
+            cfg.registration_socket()
+        } else {
+            cfg.service_socket()
+        };
+        let e = cfg.check().unwrap_err().to_string();
+        for part in [
+            which,
+            &path.display().to_string(),
+            &format!("is {} bytes long", path.as_os_str().len()),
+            "at most 107 bytes",
+        ] {
+            assert!(e.contains(part), "{part:?} missing from: {e}");
+        }
+    }
+    // 107 bytes exactly is a socket path.
+    let fits = Config {
+        plugins_dir: format!(
+            "/{}",
+            "p".repeat(107 - 1 - 1 - DRIVER.len() - "/dra.sock".len())
+        )
+        .into(),
+        ..Config::new(DRIVER, NODE)
+    };
+    assert_eq!(fits.service_socket().as_os_str().len(), 107);
+    fits.check().expect("107 bytes fit");
+}
+
 /// Not a NodePrepareResourcesRequest: field 1 holds bytes that do not decode as a
 /// Claim.
 #[derive(Clone, PartialEq, prost::Message)]
