@@ -107,7 +107,8 @@ pub enum SliceError {
 pub enum Action {
     /// None of its slices existed; all were created.
     Created,
-    /// It was out of date; its slices were rewritten at a new generation.
+    /// It was out of date: the one slice that differed was rewritten at the
+    /// pool's generation, or, when more differed, every slice at a new one.
     Updated,
     /// It was up to date: nothing was written.
     Unchanged,
@@ -601,11 +602,15 @@ impl Slices {
     }
 
     /// Brings the node's pool to `devices`, in slices of at most
-    /// [`MAX_DEVICES_PER_SLICE`]: when anything differs — a device, a slice
-    /// missing, the owner, a stray slice of ours — every slice is written (created
-    /// or replaced) at a generation one above every slice seen, then the strays
-    /// are deleted; when nothing differs nothing is written. A write that meets a
-    /// conflict re-reads and tries again, [`ATTEMPTS`] times.
+    /// [`MAX_DEVICES_PER_SLICE`]: when one existing slice differs and nothing
+    /// else does, that slice alone is rewritten at the pool's generation (one
+    /// write is atomic: no consumer sees two generations; a counter slice whose
+    /// counters did not change is not written); when more differs — a second
+    /// slice, a slice missing, a stray slice of ours — every slice is written
+    /// (created or replaced) at a generation one above every slice seen, then the
+    /// strays are deleted, as upstream's `syncPool` does; when nothing differs
+    /// nothing is written. A write that meets a conflict re-reads and tries
+    /// again, [`ATTEMPTS`] times.
     pub async fn reconcile(&mut self, devices: &[Device]) -> Result<Report, SliceError> {
         self.reconcile_pool(devices, &[]).await
     }
@@ -640,11 +645,16 @@ impl Slices {
                 .iter()
                 .filter(|s| !current.iter().flatten().any(|c| std::ptr::eq(*c, *s)))
                 .collect();
-            let up_to_date = strays.is_empty()
-                && current.iter().zip(&chunks).all(|(s, chunk)| {
-                    s.is_some_and(|s| self.up_to_date(s, chunk, &owner, top, chunks.len()))
-                });
-            if up_to_date {
+            let stale: Vec<usize> = current
+                .iter()
+                .zip(&chunks)
+                .enumerate()
+                .filter(|(_, (s, chunk))| {
+                    !s.is_some_and(|s| self.up_to_date(s, chunk, &owner, top, chunks.len()))
+                })
+                .map(|(i, _)| i)
+                .collect();
+            if strays.is_empty() && stale.is_empty() {
                 return Ok(Report {
                     action: Action::Unchanged,
                     names,
@@ -658,13 +668,37 @@ impl Slices {
                     counters_dropped: false,
                 });
             }
-            let generation = top + 1;
+            // One slice to write, and nothing else to change: it is rewritten at
+            // the pool's generation, alone, and the others (the counter slice
+            // among them) are left as they are. Any more, and the generation goes
+            // up on every slice, so no consumer mixes old slices with new ones
+            // (`syncPool` in k8s.io/dynamic-resource-allocation's
+            // resourceslice/resourceslicecontroller.go: "at most one update API
+            // call is necessary").
+            let alone = match stale[..] {
+                [i] if strays.is_empty()
+                    && current[i].is_some_and(|s| {
+                        s.spec.pool.generation == top
+                            && usize::try_from(s.spec.pool.resource_slice_count) == Ok(chunks.len())
+                    }) =>
+                {
+                    Some(i)
+                }
+                _ => None,
+            };
+            let generation = if alone.is_some() { top } else { top + 1 };
             let mut versions = Vec::new();
             let mut raced = false;
             let mut dropped = false;
             let mut binding_lost = false;
             let mut counters_lost = false;
-            for ((name, have), chunk) in names.iter().zip(&current).zip(&chunks) {
+            let mut written_count = 0;
+            for (i, ((name, have), chunk)) in names.iter().zip(&current).zip(&chunks).enumerate() {
+                if alone.is_some_and(|a| a != i) {
+                    versions.extend(have.map(version));
+                    continue;
+                }
+                written_count += 1;
                 let written = match have {
                     Some(s) => {
                         self.replace(s, chunk, &owner, generation, chunks.len())
@@ -706,12 +740,12 @@ impl Slices {
             } else {
                 Action::Updated
             };
-            tracing::info!(slices = %names.join(","), ?action, generation, devices = devices.len(), "ResourceSlices written");
+            tracing::info!(slices = %names.join(","), written = written_count, ?action, generation, devices = devices.len(), "ResourceSlices written");
             let created = current.iter().filter(|s| s.is_none()).count();
             return Ok(Report {
                 action,
                 created,
-                updated: names.len() - created,
+                updated: written_count - created,
                 names,
                 generation,
                 deleted,

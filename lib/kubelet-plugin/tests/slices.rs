@@ -1,6 +1,7 @@
 //! The plugin's API-server side against a stand-in API server, over real HTTP,
 //! through the real kube-rs client: the node's ResourceSlice is created, updated
-//! with a new pool generation, left alone when nothing changed, rewritten after a
+//! (alone at its generation, or the whole pool at a new one), left alone when
+//! nothing changed, rewritten after a
 //! conflict, cleaned of strays and deleted on uninstall; a ResourceClaim's
 //! allocation is read and checked.
 //!
@@ -154,8 +155,11 @@ fn reconcile_creates_the_node_slice_with_pool_owner_and_attributes() {
     );
 }
 
+/// A pool of one slice is one write whatever changes: it is rewritten at its
+/// generation (the Go ResourceSlice controller's "at most one update API call is
+/// necessary"), so no consumer ever sees two generations of it.
 #[test]
-fn a_change_bumps_the_generation_and_no_change_writes_nothing() {
+fn a_change_to_one_slice_is_written_in_place_and_no_change_writes_nothing() {
     let s = server();
     let rt = rt();
     let mut slices = Slices::new(client(&rt, &s), DRIVER, NODE);
@@ -164,16 +168,16 @@ fn a_change_bumps_the_generation_and_no_change_writes_nothing() {
 
     s.clear_requests();
     let r = rt.block_on(slices.reconcile(&devices(true))).unwrap();
-    assert_eq!((r.action, r.generation), (Action::Updated, 2));
+    assert_eq!((r.action, r.generation, r.updated), (Action::Updated, 1, 1));
     assert_eq!(writes(&s), [format!("PUT {}", paths::resourceslice(SLICE))]);
     let slice = s.get(&paths::resourceslice(SLICE)).unwrap();
     assert_eq!(slice["metadata"]["uid"], uid, "updated in place");
-    assert_eq!(slice["spec"]["pool"]["generation"], 2);
+    assert_eq!(slice["spec"]["pool"]["generation"], 1);
     assert_eq!(slice["spec"]["devices"].as_array().unwrap().len(), 2);
 
     s.clear_requests();
     let r = rt.block_on(slices.reconcile(&devices(true))).unwrap();
-    assert_eq!((r.action, r.generation), (Action::Unchanged, 2));
+    assert_eq!((r.action, r.generation), (Action::Unchanged, 1));
     assert!(writes(&s).is_empty(), "{:?}", writes(&s));
     assert_eq!(
         s.requests().len(),
@@ -181,9 +185,9 @@ fn a_change_bumps_the_generation_and_no_change_writes_nothing() {
         "the Node (its uid may have changed) and one list"
     );
 
-    // Devices withdrawn: the slice stays, empty, at the next generation.
+    // Devices withdrawn: the slice stays, empty.
     let r = rt.block_on(slices.reconcile(&[])).unwrap();
-    assert_eq!((r.action, r.generation), (Action::Updated, 3));
+    assert_eq!((r.action, r.generation), (Action::Updated, 1));
     let slice = s.get(&paths::resourceslice(SLICE)).unwrap();
     assert_eq!(slice["spec"]["devices"], json!([]));
 }
@@ -198,7 +202,7 @@ fn a_concurrent_write_is_retried_and_a_persistent_one_reported() {
     s.clear_requests();
     s.race_next("PUT", 1);
     let r = rt.block_on(slices.reconcile(&devices(true))).unwrap();
-    assert_eq!((r.action, r.generation), (Action::Updated, 2));
+    assert_eq!((r.action, r.generation), (Action::Updated, 1));
     assert_eq!(
         writes(&s),
         [
@@ -217,12 +221,12 @@ fn a_concurrent_write_is_retried_and_a_persistent_one_reported() {
     assert!(e.to_string().contains("node-a"), "{e}");
     s.race_next("PUT", 0);
 
-    // Another writer raised the generation: ours goes above it.
+    // Another writer raised the generation: ours keeps the highest.
     let mut slice = s.get(&paths::resourceslice(SLICE)).unwrap();
     slice["spec"]["pool"]["generation"] = json!(9);
     s.put(&paths::resourceslice(SLICE), slice);
     let r = rt.block_on(slices.reconcile(&devices(false))).unwrap();
-    assert_eq!((r.action, r.generation), (Action::Updated, 10));
+    assert_eq!((r.action, r.generation), (Action::Updated, 9));
 }
 
 #[test]
@@ -759,4 +763,74 @@ fn a_server_with_partitionable_devices_off_is_seen_to_drop_counters() {
         .unwrap();
     assert!(!r.counters_dropped);
     assert_eq!(shapes(&s), [(vec!["g".to_owned()], vec![])]);
+}
+
+/// A device that flaps (tainted, then not, over and over) rewrites its own slice
+/// each time, at the pool's generation, and never the counter slice, whose
+/// counters do not change; a change of the counters writes it.
+#[test]
+fn a_flapping_device_never_rewrites_the_counter_slice() {
+    let s = server();
+    s.set_version("1", "37");
+    let rt = rt();
+    let mut slices = Slices::new(client(&rt, &s), DRIVER, NODE);
+    let pool_of = |tainted: bool| {
+        let mut a0 = counted("a0", "g1");
+        if tainted {
+            a0.taints = Some(vec![k8s_openapi::api::resource::v1::DeviceTaint {
+                key: format!("{DRIVER}/unhealthy"),
+                value: Some("Gone".into()),
+                effect: "NoSchedule".into(),
+                time_added: None,
+            }]);
+        }
+        vec![a0, counted("a1", "g1")]
+    };
+    let sets = vec![counter_set("g1")];
+    let r = rt
+        .block_on(slices.reconcile_pool(&pool_of(false), &sets))
+        .unwrap();
+    let (devices_slice, counter_slice) = (r.names[0].clone(), r.names[1].clone());
+    s.clear_requests();
+    const FLAPS: usize = 20;
+    for i in 0..FLAPS {
+        let r = rt
+            .block_on(slices.reconcile_pool(&pool_of(i % 2 == 0), &sets))
+            .unwrap();
+        assert_eq!(
+            (r.action, r.generation, r.updated),
+            (Action::Updated, 1, 1),
+            "flap {i}"
+        );
+    }
+    let w = writes(&s);
+    let to = |name: &str| {
+        let path = format!("PUT {}", paths::resourceslice(name));
+        w.iter().filter(|x| **x == path).count()
+    };
+    assert_eq!(
+        (to(&devices_slice), to(&counter_slice), w.len()),
+        (FLAPS, 0, FLAPS),
+        "{w:?}"
+    );
+    // New counters: the counter slice alone is written.
+    s.clear_requests();
+    let mut two = counter_set("g1");
+    two.counters.insert("spare".into(), one());
+    let r = rt
+        .block_on(slices.reconcile_pool(&pool_of(false), &[two]))
+        .unwrap();
+    assert_eq!((r.generation, r.updated), (1, 1));
+    assert_eq!(
+        writes(&s),
+        [format!("PUT {}", paths::resourceslice(&counter_slice))]
+    );
+    // Counters and a device at once: two slices, so the whole pool moves to a new
+    // generation together.
+    s.clear_requests();
+    let r = rt
+        .block_on(slices.reconcile_pool(&pool_of(true), &sets))
+        .unwrap();
+    assert_eq!((r.generation, r.updated), (2, 2));
+    assert_eq!(writes(&s).len(), 2, "{:?}", writes(&s));
 }
