@@ -116,8 +116,10 @@ fn run_serves_device_states_and_bind_outcomes() {
     let took = started.elapsed();
     drop(stalled);
     assert!(beside.starts_with("HTTP/1.1 200"), "{beside}");
+    // A server that waited on any stalled client would take at least its 3 s
+    // head timeout; a loaded machine can make a free one take a second.
     assert!(
-        took < Duration::from_secs(1),
+        took < Duration::from_millis(2500),
         "a scrape beside 200 slowloris clients took {took:?}"
     );
     let err = stop(child);
