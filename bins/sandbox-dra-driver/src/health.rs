@@ -10,7 +10,9 @@
 //! # What we send
 //!
 //! Every device the driver has seen selected on this node, by its slice name:
-//! - **Unhealthy** when it is gone from the PCI bus, cannot be read, cannot be
+//! - **Unhealthy** on a node that isolates no device interrupts (no interrupt
+//!   remapping, no GICv3 ITS: vfio refuses every VMM its devices; see
+//!   [`sysfs_pci::interrupts`]), and when it is gone from the PCI bus, cannot be read, cannot be
 //!   prepared (withdrawn from the slice: no IOMMU group, a group member with VFs
 //!   enabled), has had a fatal PCIe error since the driver started (`aer_dev_fatal`,
 //!   where sysfs has it), has a sysfs write that has not returned (its driver is
@@ -35,6 +37,7 @@ use node_agent::watch::Changes;
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use sysfs_pci::deadline::StuckList;
+use sysfs_pci::interrupts::{InterruptIsolation, Verdict};
 use sysfs_pci::{Host, PciAddress};
 use tokio::sync::watch;
 
@@ -70,6 +73,10 @@ struct Inner {
     fatal_baseline: BTreeMap<PciAddress, u64>,
     /// Devices with a sysfs write that has not returned, as last seen.
     stuck: BTreeSet<PciAddress>,
+    /// The node's interrupt isolation as last read, once read.
+    interrupts: Option<InterruptIsolation>,
+    /// Why no VM can take a device here, when the node isolates no interrupts.
+    no_isolation: Option<String>,
 }
 
 impl std::fmt::Debug for HealthBoard {
@@ -116,11 +123,63 @@ impl HealthBoard {
     /// Reads the whole node again and tells every stream what changed. A scan that
     /// fails changes nothing (the next event or resync tries again).
     pub fn refresh(&self) {
+        self.read_interrupts();
         match Inventory::scan(&self.host, &self.list) {
             Ok(inv) => self.update(&inv, None),
             Err(e) => {
                 tracing::warn!(error = %support::error_chain(&e), "cannot read the node for device health; keeping the last reports")
             }
+        }
+    }
+
+    /// Reads the node's interrupt isolation ([`sysfs_pci::interrupts`]): without
+    /// it no VMM can take a device, so every device is unhealthy, and so tainted
+    /// (or withdrawn where the API server drops taints) — the scheduler then
+    /// allocates none of them. Said when the verdict changes (a module parameter
+    /// can change at run time; the hardware's state only at a reboot).
+    fn read_interrupts(&self) {
+        self.judge_interrupts(InterruptIsolation::read(&self.host));
+    }
+
+    /// Takes `found` as the node's interrupt isolation; whether the verdict changed.
+    fn judge_interrupts(&self, found: InterruptIsolation) -> bool {
+        let verdict = found.verdict();
+        let mut inner = support::lock(&self.inner);
+        if inner.interrupts.as_ref().map(InterruptIsolation::verdict) == Some(verdict) {
+            return false;
+        }
+        match verdict {
+            Verdict::Isolated(_) => tracing::info!("{}", found.finding()),
+            Verdict::UnsafeAllowed => {
+                tracing::warn!(
+                    "{}; {}",
+                    found.finding(),
+                    found.warning().unwrap_or_default()
+                )
+            }
+            Verdict::Missing => tracing::error!(
+                fix = %found.fix(),
+                "{}: no VM can be given a device on this node, so every device is unhealthy and tainted (withdrawn from the ResourceSlice where the API server drops taints)",
+                found.finding()
+            ),
+        }
+        inner.no_isolation =
+            (verdict == Verdict::Missing).then(|| format!("{}; {}", found.finding(), found.fix()));
+        inner.interrupts = Some(found);
+        true
+    }
+
+    /// On a node without isolation, reads the modules' `allow_unsafe_interrupts`
+    /// again (they can change while the node runs; the chips cannot), and every
+    /// device when that changes the verdict.
+    fn recheck_unsafe_interrupts(&self) {
+        let mut found = match &support::lock(&self.inner).interrupts {
+            Some(f) if f.isolator().is_none() => f.clone(),
+            _ => return,
+        };
+        found.unsafe_allowed = InterruptIsolation::read_unsafe_allowed(&self.host);
+        if self.judge_interrupts(found) {
+            self.refresh();
         }
     }
 
@@ -175,8 +234,10 @@ impl HealthBoard {
     }
 
     /// Looks at the stuck writes again (they end without any event); reads again the
-    /// devices that became stuck or came free.
+    /// devices that became stuck or came free. On a node without interrupt
+    /// isolation, looks at the modules' `allow_unsafe_interrupts` too.
     pub fn check_stuck(&self) {
+        self.recheck_unsafe_interrupts();
         let now: BTreeSet<PciAddress> = self.stuck.get().into_keys().collect();
         let moved: BTreeSet<PciAddress> = {
             let inner = support::lock(&self.inner);
@@ -239,9 +300,14 @@ impl HealthBoard {
                 Some(n) => *inner.fatal_baseline.entry(address).or_insert(n),
                 None => 0,
             };
-            let (health, reason, message) = match stuck.get(&address) {
-                Some(w) => (Health::Unhealthy, Some(reason::STUCK), w.to_string()),
-                None => assess(
+            let (health, reason, message) = match (stuck.get(&address), &inner.no_isolation) {
+                (Some(w), _) => (Health::Unhealthy, Some(reason::STUCK), w.to_string()),
+                (None, Some(why)) if inv.get(&address).is_some() => (
+                    Health::Unhealthy,
+                    Some(reason::NO_INTERRUPT_ISOLATION),
+                    format!("{address} cannot be given to a VM: {why}"),
+                ),
+                (None, _) => assess(
                     &self.host,
                     inv,
                     &address,

@@ -500,6 +500,9 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
         list.clone(),
         kernel.stuck_list(),
     ));
+    // Health, the node's interrupt isolation with it, is judged before the first
+    // publication: a node where no VM can take a device never offers one untainted.
+    health.refresh();
     let worker = match Worker::start(
         sandbox_dra_driver::Setup {
             host: host.clone(),

@@ -190,6 +190,8 @@ pub mod reason {
     pub const UNPREPARABLE: &str = "Unpreparable";
     /// A sysfs write to it has not returned (its driver is stuck in the kernel).
     pub const STUCK: &str = "StuckInKernel";
+    /// The node isolates no device interrupts: no VMM can take a device.
+    pub const NO_INTERRUPT_ISOLATION: &str = "NoInterruptIsolation";
 }
 
 #[cfg(test)]

@@ -302,3 +302,86 @@ fn a_write_stuck_in_the_kernel_makes_the_device_unhealthy_until_it_returns() {
     board.check_stuck();
     assert_eq!(reports.borrow()[0].health, Health::Healthy);
 }
+
+/// On a node that isolates no device interrupts (no `IR-` or `ITS-` interrupt
+/// chip), no VM can take a device, so the driver's first slice already taints
+/// every device `NoInterruptIsolation`, kubelet's health stream says why, and
+/// the log says so once; `allow_unsafe_interrupts=Y` lifts the taints within
+/// seconds (looked at with the stuck writes), with a warning.
+#[tokio::test]
+async fn a_node_without_interrupt_isolation_taints_every_device_from_the_first_slice() {
+    let scene = Scene::new();
+    scene
+        .node
+        .set_interrupt_chips(&["IO-APIC", "PCI-MSIX-0000:01:00.0"]);
+    let server = cluster();
+    let mut driver = scene.start(&server).await;
+    let reg = register(&scene).await;
+    driver
+        .wait_until("the first slice", || !slices(&server).is_empty())
+        .await;
+    // Every write of the slice, the first included, carried the taints.
+    let first = server
+        .requests()
+        .iter()
+        .filter(|(m, p)| m == "POST" && p.contains("/resourceslices"))
+        .count();
+    assert!(first >= 1);
+    let devices: Vec<serde_json::Value> = slices(&server)
+        .iter()
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .collect();
+    assert!(!devices.is_empty());
+    for d in &devices {
+        assert_eq!(
+            d["taints"][0]["value"], "NoInterruptIsolation",
+            "{}",
+            d["name"]
+        );
+        assert_eq!(d["taints"][0]["effect"], "NoSchedule");
+    }
+    let mut stream = HealthStream::open(
+        &reg.endpoint_path(),
+        HealthVersion::V1,
+        KubeletVersion::V1_34,
+    )
+    .await
+    .unwrap();
+    let mut cache = HealthCache::default();
+    until(&mut stream, &mut cache, "every device", |c| {
+        c.devices.len() == 5
+    })
+    .await;
+    let nic = &cache.devices["node-a/pci-0000-02-00-0"];
+    assert_eq!(nic.health, "Unhealthy", "{nic:?}");
+    assert!(
+        nic.message
+            .contains("cannot be given to a VM: no interrupt domain isolates device MSIs"),
+        "{nic:?}"
+    );
+    let log = driver.log();
+    assert_eq!(
+        log.matches("no VM can be given a device on this node")
+            .count(),
+        1,
+        "{log}"
+    );
+
+    scene
+        .node
+        .set_allow_unsafe_interrupts("vfio_iommu_type1", true);
+    driver
+        .wait_until("the taints lifted", || {
+            taints_of(&server, "pci-0000-02-00-0") == Some(serde_json::Value::Null)
+        })
+        .await;
+    assert!(
+        driver
+            .log()
+            .contains("vfio_iommu_type1.allow_unsafe_interrupts=1 lets VMs take devices without interrupt isolation"),
+        "{}",
+        driver.log()
+    );
+    let (status, log) = driver.terminate().await;
+    assert_eq!(status.code(), Some(0), "{log}");
+}

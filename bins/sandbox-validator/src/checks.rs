@@ -11,6 +11,7 @@ use passthrough::VFIO_MODULES;
 use support::error_chain;
 use sysfs_pci::cdev::{kernel_has_vfio_cdev, vfio_cdev_name};
 use sysfs_pci::group::iommu_enabled;
+use sysfs_pci::interrupts::{InterruptIsolation, Verdict};
 use sysfs_pci::module::is_loaded;
 use sysfs_pci::Host;
 
@@ -26,6 +27,9 @@ pub struct Check {
     /// How to fix it, for failures.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hint: Option<String>,
+    /// What a pass gives up, when it does.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
 }
 
 /// A selected device as validated.
@@ -65,6 +69,7 @@ fn pass(name: &'static str, reason: impl Into<String>) -> Check {
         passed: true,
         reason: reason.into(),
         hint: None,
+        warning: None,
     }
 }
 
@@ -74,6 +79,7 @@ fn fail(name: &'static str, reason: impl Into<String>, hint: impl Into<String>) 
         passed: false,
         reason: reason.into(),
         hint: Some(hint.into()),
+        warning: None,
     }
 }
 
@@ -86,6 +92,7 @@ pub fn validate(host: &Host, list: &ResourceList, allow_empty: bool) -> Report {
     let mut checks = vec![
         check_iommu(host),
         check_modules(host),
+        check_interrupts(host),
         check_container(host),
     ];
     let inv = match Inventory::scan(host, list) {
@@ -243,6 +250,25 @@ fn check_modules(host: &Host) -> Check {
         )
     }
 }
+
+/// `interrupt-isolation`: device MSIs are isolated (interrupt remapping, a GICv3
+/// ITS), without which vfio refuses every VMM the devices
+/// ([`sysfs_pci::interrupts`] says what is read and why); a module's
+/// `allow_unsafe_interrupts` passes with a warning.
+fn check_interrupts(host: &Host) -> Check {
+    let found = InterruptIsolation::read(host);
+    match found.verdict() {
+        Verdict::Isolated(_) => pass(NAME_INTERRUPTS, found.finding()),
+        Verdict::UnsafeAllowed => Check {
+            warning: found.warning(),
+            ..pass(NAME_INTERRUPTS, found.finding())
+        },
+        Verdict::Missing => fail(NAME_INTERRUPTS, found.finding(), found.fix()),
+    }
+}
+
+/// The interrupt check's name (also the longest, which the table lines up on).
+pub const NAME_INTERRUPTS: &str = "interrupt-isolation";
 
 fn check_container(host: &Host) -> Check {
     let node = host.vfio_container_node();
@@ -419,6 +445,7 @@ mod tests {
             [
                 "iommu",
                 "vfio-modules",
+                "interrupt-isolation",
                 "vfio-container",
                 "devices-found",
                 "devices-bound",
@@ -536,7 +563,7 @@ mod tests {
         std::fs::write(bad.join("device"), "garbage\n").unwrap();
         let r = validate(&node.host, &list, false);
         assert!(r.passed(), "{:?}", failed(&r));
-        let found = &r.checks[3];
+        let found = &r.checks[4];
         assert_eq!(found.name, "devices-found");
         assert!(
             found.reason.starts_with(

@@ -21,8 +21,14 @@ const PROGRAM: &str = "sandbox-validator";
 
 const LONG_ABOUT: &str = "\
 Checks what actually makes a VM start with the node's selected devices, each check by
-name with a reason and a hint: iommu, vfio-modules, vfio-container, devices-found,
-devices-bound, groups-viable, group-nodes.
+name with a reason and a hint: iommu, vfio-modules, interrupt-isolation,
+vfio-container, devices-found, devices-bound, groups-viable, group-nodes.
+
+interrupt-isolation reads the interrupt chips the kernel lists under
+/sys/kernel/irq: interrupt remapping (IR-*, Intel VT-d and AMD-Vi) or a GICv3 ITS
+(ITS-*) isolates device MSIs; without either, vfio refuses every VM its devices. A
+vfio_iommu_type1 or iommufd loaded with allow_unsafe_interrupts=1 passes with a
+warning saying what it gives up.
 
 On success it writes <status-dir>/vfio-pci-ready (JSON: devices, groups, check results,
 time) atomically; on failure it makes sure that file is absent. With --wait it re-checks
@@ -169,13 +175,21 @@ fn print_changes(
 
 fn print_table(checks: &[&checks::Check]) {
     // Fixed to the longest check name, so updates line up with the first table.
-    let width = "vfio-container".len();
+    let width = checks::NAME_INTERRUPTS.len();
     support::outln!("{:<width$}  RESULT  DETAIL", "CHECK");
     for c in checks {
-        let result = if c.passed { "ok" } else { "FAIL" };
+        let result = match (c.passed, &c.warning) {
+            (true, None) => "ok",
+            (true, Some(_)) => "WARN",
+            (false, _) => "FAIL",
+        };
         support::outln!("{:<width$}  {result:<6}  {}", c.name, c.reason);
         if let Some(h) = &c.hint {
             support::outln!("{:<width$}          hint: {h}", "");
+        }
+        if let Some(w) = &c.warning {
+            support::outln!("{:<width$}          warning: {w}", "");
+            tracing::warn!(check = c.name, "{w}");
         }
     }
 }

@@ -71,7 +71,9 @@ fn one_shot_fails_then_passes_and_keeps_the_ready_file_true() {
     let t = text(&out);
     assert_eq!(out.status.code(), Some(1), "{t}");
     assert!(
-        t.contains("devices-bound   FAIL    not bound: 0000:01:00.0 on e1000e (want vfio-pci)"),
+        t.contains(
+            "devices-bound        FAIL    not bound: 0000:01:00.0 on e1000e (want vfio-pci)"
+        ),
         "{t}"
     );
     assert!(t.contains("hint: run vfio-manager"), "{t}");
@@ -85,7 +87,7 @@ fn one_shot_fails_then_passes_and_keeps_the_ready_file_true() {
         serde_json::from_str(&std::fs::read_to_string(&ready).unwrap()).unwrap();
     assert_eq!(file["devices"][0]["bdf"], "0000:01:00.0");
     assert_eq!(file["groups"], serde_json::json!([5]));
-    assert_eq!(file["checks"].as_array().unwrap().len(), 8);
+    assert_eq!(file["checks"].as_array().unwrap().len(), 9);
     assert!(file["time"].as_u64().unwrap() > 0);
 }
 
@@ -157,7 +159,7 @@ fn wait_prints_only_changes_and_passes_at_the_next_round() {
         "bound during round {bound_during}, passed: {passed:?}"
     );
     assert_eq!(
-        s.matches("devices-bound   FAIL").count(),
+        s.matches("devices-bound        FAIL").count(),
         1,
         "the same failure printed again:\n{s}"
     );
@@ -166,7 +168,7 @@ fn wait_prints_only_changes_and_passes_at_the_next_round() {
         1,
         "one change, one update:\n{s}"
     );
-    assert!(s.contains("devices-bound   ok"), "{s}");
+    assert!(s.contains("devices-bound        ok"), "{s}");
     assert!(
         s.contains("node is ready for VFIO passthrough (1 device(s))"),
         "{s}"
@@ -258,7 +260,7 @@ fn wait_with_timeout_zero_checks_once() {
     let s = text(&out);
     assert_eq!(out.status.code(), Some(1), "{s}");
     assert!(t.elapsed() < Duration::from_secs(5), "{s}");
-    assert_eq!(s.matches("devices-bound   FAIL").count(), 1, "{s}");
+    assert_eq!(s.matches("devices-bound        FAIL").count(), 1, "{s}");
     assert!(s.contains("still failing after 0ns"), "{s}");
 }
 
@@ -302,7 +304,7 @@ fn a_malformed_device_is_named_and_does_not_hide_the_good_one() {
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(doc["devices"][0]["bdf"], "0000:01:00.0");
     assert_eq!(doc["devices"].as_array().unwrap().len(), 1);
-    let found = doc["checks"][3]["reason"].as_str().unwrap();
+    let found = doc["checks"][4]["reason"].as_str().unwrap();
     assert!(
         found.contains("skipped 1 device(s) that cannot be used: 0000:02:00.0: failed to read ")
             && found.contains("0000:02:00.0/class: Is a directory"),
@@ -351,4 +353,71 @@ fn round_of(line: &str) -> Option<(u64, bool)> {
     let round = field("round=")?.parse().ok()?;
     let passed = field("passed=")? == "true";
     Some((round, passed))
+}
+
+/// A node whose interrupt chips show no remapping and no ITS fails
+/// `interrupt-isolation`, naming the chips, the cause and the fix, with every
+/// other check passing; `allow_unsafe_interrupts=Y` passes it with a warning
+/// saying what it gives up; remapping on passes it plainly.
+#[test]
+fn a_node_without_interrupt_isolation_is_not_ready() {
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let node = node(dir.path());
+    bind(&node);
+    let ready = dir.path().join("status/vfio-pci-ready");
+    node.set_interrupt_chips(&["IO-APIC", "PCI-MSIX-0000:01:00.0", "DMAR-MSI"]);
+    let out = cmd(dir.path(), &[]).output().unwrap();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    for part in [
+        "interrupt-isolation  FAIL    no interrupt domain isolates device MSIs (interrupt chips: DMAR-MSI, IO-APIC, PCI-MSIX)",
+        "No interrupt remapping support",
+        "hint: turn interrupt remapping on",
+        "intremap=off",
+        "allow_unsafe_interrupts=1",
+        "node is NOT ready: 1 check(s) failed",
+    ] {
+        assert!(t.contains(part), "{part:?} missing from: {t}");
+    }
+    assert!(!ready.exists());
+
+    node.set_allow_unsafe_interrupts("vfio_iommu_type1", true);
+    let out = cmd(dir.path(), &[]).output().unwrap();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{t}");
+    for part in [
+        "interrupt-isolation  WARN    no interrupt domain isolates device MSIs",
+        "warning: vfio_iommu_type1.allow_unsafe_interrupts=1 lets VMs take devices without interrupt isolation",
+        "raise interrupts on the host",
+    ] {
+        assert!(t.contains(part), "{part:?} missing from: {t}");
+    }
+    assert!(ready.exists());
+    let out = cmd(dir.path(), &["--output", "json"]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let check = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "interrupt-isolation")
+        .unwrap()
+        .clone();
+    assert_eq!(check["passed"], true);
+    assert!(check["warning"]
+        .as_str()
+        .unwrap()
+        .contains("allow_unsafe_interrupts"));
+
+    node.set_allow_unsafe_interrupts("vfio_iommu_type1", false);
+    node.set_interrupt_chips(&["IR-IO-APIC", "IR-PCI-MSIX-0000:01:00.0"]);
+    let out = cmd(dir.path(), &[]).output().unwrap();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{t}");
+    assert!(
+        t.contains(
+            "interrupt-isolation  ok      device interrupts are isolated by interrupt remapping"
+        ),
+        "{t}"
+    );
+    assert!(!t.contains("warning:"), "{t}");
 }

@@ -19,6 +19,7 @@ pub mod deadline;
 pub mod device;
 pub mod group;
 pub mod host;
+pub mod interrupts;
 pub mod kernel;
 pub mod module;
 #[cfg(any(test, feature = "testing"))]

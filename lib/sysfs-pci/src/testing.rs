@@ -128,10 +128,36 @@ impl FakeNode {
             fs::create_dir_all(d).unwrap();
         }
         fs::write(host.drivers_probe(), "").unwrap();
-        Self {
+        let node = Self {
             root: root.to_owned(),
             host,
+        };
+        // Interrupt remapping on, as on a node that can run VMs.
+        node.set_interrupt_chips(&["IR-IO-APIC", "IR-PCI-MSIX-0000:00:01.0"]);
+        node
+    }
+
+    /// Lists `chips` as the node's interrupt chips (`/sys/kernel/irq/<n>/chip_name`),
+    /// replacing those listed before.
+    pub fn set_interrupt_chips(&self, chips: &[&str]) {
+        let dir = self.host.sysfs.join("kernel/irq");
+        let _ = fs::remove_dir_all(&dir);
+        for (n, chip) in chips.iter().enumerate() {
+            let d = dir.join(n.to_string());
+            fs::create_dir_all(&d).unwrap();
+            fs::write(d.join("chip_name"), format!("{chip}\n")).unwrap();
         }
+    }
+
+    /// Sets a module's `allow_unsafe_interrupts` parameter (`Y` or `N`).
+    pub fn set_allow_unsafe_interrupts(&self, module: &str, on: bool) {
+        let d = self.host.module_dir(module).join("parameters");
+        fs::create_dir_all(&d).unwrap();
+        fs::write(
+            d.join("allow_unsafe_interrupts"),
+            if on { "Y\n" } else { "N\n" },
+        )
+        .unwrap();
     }
 
     /// Registers a PCI driver (and its module) in the fake tree.

@@ -199,7 +199,7 @@ if [ "$want_cdev" = yes ]; then
     n=3
     [ -n "${VIRTIO_NIC:-}" ] && n=4
     expect_contains "vfio-cdev checks every device's node and /dev/iommu" /tmp/validator.out \
-        "vfio-cdev       ok      $n device cdev(s) under /dev/vfio/devices and /dev/iommu present"
+        "vfio-cdev            ok      $n device cdev(s) under /dev/vfio/devices and /dev/iommu present"
     # A missing node fails the check by name: hide one (renamed within devtmpfs)
     # the way a /dev without it would.
     card_cdev=$(cdev_of "$CARD_FN1")
@@ -209,7 +209,7 @@ if [ "$want_cdev" = yes ]; then
     mv /dev/vfio/devices/hidden "/dev/vfio/devices/$card_cdev"
 else
     expect_contains "vfio-cdev is skipped with the reason" /tmp/validator.out \
-        "vfio-cdev       ok      skipped: the kernel has no VFIO device cdev (CONFIG_VFIO_DEVICE_CDEV unset)"
+        "vfio-cdev            ok      skipped: the kernel has no VFIO device cdev (CONFIG_VFIO_DEVICE_CDEV unset)"
 fi
 
 note "the device plugin with --iommufd"

@@ -16,7 +16,7 @@ expect_fail "validator exits 1" 1 -- sandbox-validator
 cp "$TB_OUT" /tmp/out
 run_logged cat /tmp/out
 expect_contains "groups-viable names CARD_FN1 and its driver" /tmp/out \
-    "groups-viable   FAIL    group $CARD_GROUP: selected device $CARD_FN1 is on e1000e"
+    "groups-viable        FAIL    group $CARD_GROUP: selected device $CARD_FN1 is on e1000e"
 expect_contains "hint: move the whole group" /tmp/out "vfio-manager bind --device"
 expect_fail "no ready file" 1 -- test -e /run/vfio-sandbox/validations/vfio-pci-ready
 sandbox-validator --output json >/tmp/out.json 2>&1
@@ -37,8 +37,8 @@ expect_fail "validator exits 1" 1 -- sandbox-validator --config /tmp/gpu.json
 cp "$TB_OUT" /tmp/gpu.out
 run_logged cat /tmp/gpu.out
 expect_contains "groups-viable names the companion and its driver" /tmp/gpu.out \
-    "groups-viable   FAIL    group $GPU_GROUP: companion $GPU_AUDIO is on snd_hda_intel"
-expect_contains "devices-bound passes: the selected device is bound" /tmp/gpu.out "devices-bound   ok"
+    "groups-viable        FAIL    group $GPU_GROUP: companion $GPU_AUDIO is on snd_hda_intel"
+expect_contains "devices-bound passes: the selected device is bound" /tmp/gpu.out "devices-bound        ok"
 vm_alloc_file /tmp/gpu.alloc "$GPU_FN0"
 expect_fail "QEMU refuses GPU_FN0 while its audio function is on snd_hda_intel" 1 -- \
     kubelet-peer vmm --allocate /tmp/gpu.alloc

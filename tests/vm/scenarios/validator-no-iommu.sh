@@ -7,7 +7,7 @@ echo '{"resources":[{"name":"example.com/NIC_PT","vendor":"8086","devices":["10d
 expect_fail "validator exits 1" 1 -- sandbox-validator
 cp "$TB_OUT" /tmp/out
 run_logged cat /tmp/out
-expect_contains "iommu fails" /tmp/out "iommu           FAIL    /sys/kernel/iommu_groups is empty or missing: the IOMMU is off"
+expect_contains "iommu fails" /tmp/out "iommu                FAIL    /sys/kernel/iommu_groups is empty or missing: the IOMMU is off"
 expect_contains "with the kernel-command-line hint" /tmp/out "intel_iommu=on (Intel) or amd_iommu=on (AMD)"
 expect_contains "and the group check names the device" /tmp/out "$CARD_FN0 has no IOMMU group"
 expect_contains "pointing at the iommu check" /tmp/out "see the iommu check"

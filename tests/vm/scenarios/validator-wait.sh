@@ -13,7 +13,7 @@ cp "$TB_OUT" /tmp/before.out
 run_logged cat /tmp/before.out
 expect_contains "names CARD_FN0 unbound, with its driver" /tmp/before.out "$CARD_FN0 on e1000e (want vfio-pci)"
 expect_contains "names SOLO_NIC unbound" /tmp/before.out "$SOLO_NIC on e1000e (want vfio-pci)"
-expect_contains "vfio modules reported missing" /tmp/before.out "vfio-modules    FAIL"
+expect_contains "vfio modules reported missing" /tmp/before.out "vfio-modules         FAIL"
 expect_contains "a hint for each failure" /tmp/before.out "hint: run vfio-manager"
 expect_fail "no ready file" 1 -- test -e "$READY"
 
@@ -33,11 +33,11 @@ step "passed within one interval (1000 ms) of binding: ${took} ms" -- test "$too
 # The same failure is printed once, however many rounds it lasted (a round that
 # catches vfio-manager half-way is a different failure and may be printed).
 # So count the first failing line itself, whole, not lines that share its start.
-first=$(grep -m1 "devices-bound   FAIL" /tmp/wait.out)
+first=$(grep -m1 "devices-bound        FAIL" /tmp/wait.out)
 expect_eq "the first failure names CARD_FN0 on e1000e" \
     "$(printf '%s\n' "$first" | grep -c "not bound: $CARD_FN0 on e1000e")" 1
 expect_eq "the first failure was printed once" "$(grep -cxF -- "$first" /tmp/wait.out)" 1
-expect_contains "prints what changed" /tmp/wait.out "devices-bound   ok"
+expect_contains "prints what changed" /tmp/wait.out "devices-bound        ok"
 step "ready file present" -- test -s "$READY"
 run_logged cat "$READY"
 expect_contains "ready file lists CARD_FN0" "$READY" "\"$CARD_FN0\""
