@@ -8,6 +8,10 @@
 //!   group; the directory appears with the first vfio driver, so its watch is made
 //!   again on every wake-up until it exists, and a new watch reads everything (what
 //!   happened before it is unknown);
+//! - with [`Options::owner_lock`], inotify on the node's owner lock directory
+//!   (`passthrough::owner`), which says when the lock file was created, deleted,
+//!   replaced or rewritten, so an owner that lost the node hears of it at once;
+//!   made again on every wake-up until the directory exists, like `/dev/vfio`;
 //! - a periodic resync underneath, for whatever the events cannot see (1 s when
 //!   there are no uevents: outside the host's network namespace, polling must carry
 //!   health; 30 s otherwise, unless the daemon says).
@@ -48,12 +52,15 @@ pub struct Changes {
     pub addresses: BTreeSet<PciAddress>,
     /// Groups whose `/dev/vfio/<group>` node came, went or changed.
     pub groups: BTreeSet<u32>,
+    /// The owner lock file was created, deleted, replaced or rewritten (or its
+    /// directory watched anew).
+    pub owner: bool,
 }
 
 impl Changes {
     /// True when nothing asks to be read again.
     pub fn is_empty(&self) -> bool {
-        !self.full && self.addresses.is_empty() && self.groups.is_empty()
+        !self.full && !self.owner && self.addresses.is_empty() && self.groups.is_empty()
     }
 
     /// A large burst is read as a whole-node rescan.
@@ -66,12 +73,14 @@ impl Changes {
 }
 
 /// How to watch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Options {
     /// The resync period; `None`: [`DEFAULT_RESYNC`] (with or without uevents).
     pub resync: Option<Duration>,
     /// Open the kernel uevent socket (tests of fake trees turn it off).
     pub uevents: bool,
+    /// Watch this owner lock file ([`Changes::owner`]).
+    pub owner_lock: Option<PathBuf>,
 }
 
 impl Default for Options {
@@ -79,6 +88,7 @@ impl Default for Options {
         Self {
             resync: None,
             uevents: true,
+            owner_lock: None,
         }
     }
 }
@@ -133,15 +143,19 @@ impl<T: OwnsFd> Holder<T> for AsyncFd<T> {
     }
 }
 
-/// The event sources: the uevent socket and the `/dev/vfio` watch.
+/// The event sources: the uevent socket, the `/dev/vfio` watch and the owner
+/// lock's directory watch.
 pub struct Sources<U: Holder<OwnedFd>, V: Holder<Inotify>> {
     vfio_dir: PathBuf,
     uevents: Option<U>,
     vfio: Option<V>,
+    /// The owner lock file, when watched.
+    owner_lock: Option<PathBuf>,
+    owner: Option<V>,
 }
 
 impl<U: Holder<OwnedFd>, V: Holder<Inotify>> Sources<U, V> {
-    fn open(host: &Host, uevents: bool) -> Self {
+    fn open(host: &Host, uevents: bool, owner_lock: Option<PathBuf>) -> Self {
         let uevents = if uevents {
             match uevent::socket_nonblocking() {
                 Ok(fd) => U::hold(fd),
@@ -157,10 +171,45 @@ impl<U: Holder<OwnedFd>, V: Holder<Inotify>> Sources<U, V> {
             vfio_dir: host.vfio_dir(),
             uevents,
             vfio: None,
+            owner_lock,
+            owner: None,
         };
         // The caller reads the node once at start: the first watch needs no rescan.
         sources.ensure_vfio_watch();
+        sources.ensure_owner_watch();
         sources
+    }
+
+    /// Makes the owner lock directory's watch if one is wanted and missing; true
+    /// when it made one.
+    fn ensure_owner_watch(&mut self) -> bool {
+        let Some(dir) = self.owner_lock.as_ref().and_then(|l| l.parent()) else {
+            return false;
+        };
+        if self.owner.is_some() {
+            return false;
+        }
+        let mask = WatchMask::CREATE
+            | WatchMask::DELETE
+            | WatchMask::MOVED_FROM
+            | WatchMask::MOVED_TO
+            | WatchMask::CLOSE_WRITE
+            | WatchMask::MODIFY
+            | WatchMask::DELETE_SELF
+            | WatchMask::MOVE_SELF;
+        let Ok(inotify) = Inotify::init() else {
+            return false;
+        };
+        if inotify.watches().add(dir, mask).is_err() {
+            return false;
+        }
+        self.owner = V::hold(inotify);
+        self.owner.is_some()
+    }
+
+    /// True when an owner lock is to be watched and its directory is not yet.
+    fn owner_missing(&self) -> bool {
+        self.owner_lock.is_some() && self.owner.is_none()
     }
 
     /// Makes the `/dev/vfio` watch if it is missing; true when it made one.
@@ -198,6 +247,16 @@ impl<U: Holder<OwnedFd>, V: Holder<Inotify>> Sources<U, V> {
                 changes.full = true;
             }
         }
+        if self.ensure_owner_watch() {
+            changes.owner = true;
+        }
+        let name = self.owner_lock.as_ref().and_then(|l| l.file_name());
+        if let (Some(inotify), Some(name)) = (&mut self.owner, name) {
+            if !drain_owner(inotify.inner_mut(), name, changes) {
+                self.owner = None;
+                changes.owner = true;
+            }
+        }
     }
 
     /// True when the kernel's uevents are watched.
@@ -227,6 +286,33 @@ fn drain_vfio(inotify: &mut Inotify, changes: &mut Changes) -> bool {
             // Group nodes are named by their number; `vfio` is the container.
             if let Some(g) = ev.name.and_then(|n| n.to_str()?.parse().ok()) {
                 changes.groups.insert(g);
+            }
+        }
+    }
+}
+
+/// Reads every queued event of the owner lock's directory, noting those of the
+/// lock file `name`; false when the watch ended (the directory went away).
+fn drain_owner(inotify: &mut Inotify, name: &std::ffi::OsStr, changes: &mut Changes) -> bool {
+    let mut buf = [0u8; 4096];
+    loop {
+        let events = match inotify.read_events(&mut buf) {
+            Ok(events) => events,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return false,
+        };
+        for ev in events {
+            if ev.mask.contains(EventMask::IGNORED) {
+                return false;
+            }
+            if ev.mask.contains(EventMask::Q_OVERFLOW)
+                || ev
+                    .mask
+                    .intersects(EventMask::DELETE_SELF | EventMask::MOVE_SELF)
+                || ev.name == Some(name)
+            {
+                changes.owner = true;
             }
         }
     }
@@ -279,7 +365,7 @@ pub struct NodeWatch {
 impl NodeWatch {
     /// Opens the sources. The caller has just read the node.
     pub fn open(host: &Host, options: Options) -> Self {
-        let sources = Sources::open(host, options.uevents);
+        let sources = Sources::open(host, options.uevents, options.owner_lock.clone());
         let resync = Resync::new(resync_period(&options, &sources));
         tracing::info!(resync = ?resync.period, uevents = sources.has_uevents(), "watching the node");
         Self { sources, resync }
@@ -294,14 +380,18 @@ impl NodeWatch {
         if let Some(v) = &self.sources.vfio {
             fds.push(v.inner().as_fd());
         }
+        if let Some(o) = &self.sources.owner {
+            fds.push(o.inner().as_fd());
+        }
         fds
     }
 
     /// How long to wait at most: until the next resync, or 1 s while `/dev/vfio`
-    /// is not watched yet (it is looked for again on every wake-up).
+    /// or the owner lock's directory is not watched yet (each is looked for again
+    /// on every wake-up).
     pub fn timeout(&self) -> Duration {
         let until = self.resync.next.saturating_duration_since(Instant::now());
-        if self.sources.vfio.is_none() {
+        if self.sources.vfio.is_none() || self.sources.owner_missing() {
             until.min(Duration::from_secs(1))
         } else {
             until
@@ -341,7 +431,7 @@ pub struct AsyncNodeWatch {
 impl AsyncNodeWatch {
     /// Opens the sources. The caller has just read the node. Needs a tokio runtime.
     pub fn open(host: &Host, options: Options) -> Self {
-        let sources = Sources::open(host, options.uevents);
+        let sources = Sources::open(host, options.uevents, options.owner_lock.clone());
         let resync = resync_period(&options, &sources);
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + resync, resync);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -377,7 +467,7 @@ impl AsyncNodeWatch {
             if !changes.is_empty() {
                 return changes.full_if_large();
             }
-            let vfio_missing = self.sources.vfio.is_none();
+            let missing = self.sources.vfio.is_none() || self.sources.owner_missing();
             tokio::select! {
                 _ = self.tick.tick() => {
                     let mut changes = Changes { full: true, ..Changes::default() };
@@ -386,8 +476,10 @@ impl AsyncNodeWatch {
                 }
                 () = readable(self.sources.uevents.as_ref()) => {}
                 () = readable(self.sources.vfio.as_ref()) => {}
-                // /dev/vfio is looked for again every second until it exists.
-                () = tokio::time::sleep(Duration::from_secs(1)), if vfio_missing => {}
+                () = readable(self.sources.owner.as_ref()) => {}
+                // /dev/vfio and the owner lock's directory are looked for again
+                // every second until they exist.
+                () = tokio::time::sleep(Duration::from_secs(1)), if missing => {}
             }
         }
     }

@@ -23,6 +23,7 @@ fn node(vfio: bool) -> (tempfile::TempDir, Host) {
 const QUIET: Options = Options {
     resync: Some(Duration::from_secs(3600)),
     uevents: false,
+    owner_lock: None,
 };
 
 fn touch(path: &Path) {
@@ -128,7 +129,7 @@ fn the_resync_reads_everything() {
     within(async {
         let options = Options {
             resync: Some(Duration::from_millis(50)),
-            uevents: false,
+            ..QUIET
         };
         let mut w = AsyncNodeWatch::open(&host, options);
         assert_eq!(w.resync(), Duration::from_millis(50));
@@ -147,7 +148,7 @@ fn without_uevents_the_default_resync_is_the_polling_one() {
             &host,
             Options {
                 resync: None,
-                uevents: false,
+                ..QUIET
             },
         );
         assert!(!w.has_uevents());
@@ -209,4 +210,48 @@ fn the_poll_front_door_looks_for_vfio_every_second_until_it_exists() {
     assert!(w.collect().full, "a new /dev/vfio watch reads everything");
     assert_eq!(w.fds().len(), 1);
     assert!(w.timeout() > Duration::from_secs(1));
+}
+
+/// The owner lock file deleted, created again, rewritten or replaced by a rename
+/// wakes the watcher with `owner`; another file of its directory does not; a
+/// directory that appears after start is watched from then on, and says so.
+#[test]
+fn the_owner_lock_file_changing_wakes_the_watcher() {
+    let (dir, host) = node(true);
+    let lock = dir.path().join("run/owner/owner.lock");
+    let options = Options {
+        owner_lock: Some(lock.clone()),
+        ..QUIET
+    };
+    within(async {
+        let mut w = AsyncNodeWatch::open(&host, options);
+        // The directory does not exist yet: looked for every second.
+        std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
+        let c = w.next().await;
+        assert!(c.owner && !c.full, "{c:?}");
+        touch(&lock);
+        assert!(w.next().await.owner);
+        std::fs::write(&lock, b"{\"owner\":\"x\"}").unwrap();
+        assert!(w.next().await.owner);
+        std::fs::remove_file(&lock).unwrap();
+        assert!(w.next().await.owner);
+        let other = lock.with_file_name("owner.lock.new");
+        touch(&other);
+        std::fs::rename(&other, &lock).unwrap();
+        let c = w.next().await;
+        assert!(c.owner, "{c:?}");
+        // A group node still names its group, and says nothing of the owner.
+        touch(&host.vfio_group_node(4));
+        let c = w.next().await;
+        assert_eq!((c.groups.len(), c.owner), (1, false), "{c:?}");
+    });
+    // The poll front door takes the same descriptor.
+    let w = NodeWatch::open(
+        &host,
+        Options {
+            owner_lock: Some(lock),
+            ..QUIET
+        },
+    );
+    assert_eq!(w.fds().len(), 2, "/dev/vfio and the owner lock's directory");
 }
