@@ -60,13 +60,28 @@ pub struct Offer {
     pub devices: Vec<Device>,
     /// The counter sets, each named once.
     pub counter_sets: Vec<CounterSet>,
+    /// Why the driver offers nothing for now, when it cannot serve any claim on
+    /// this node (another program owns its devices, say): the pool is published
+    /// empty, and the plugin is not ready (its ready file goes) until an offer
+    /// comes without it. `devices` and `counter_sets` are then not published.
+    pub withdrawn: Option<String>,
+}
+
+impl Offer {
+    /// Nothing offered, and not ready, for `why`.
+    pub fn withdrawn(why: impl Into<String>) -> Self {
+        Self {
+            withdrawn: Some(why.into()),
+            ..Self::default()
+        }
+    }
 }
 
 impl From<Vec<Device>> for Offer {
     fn from(devices: Vec<Device>) -> Self {
         Self {
             devices,
-            counter_sets: Vec::new(),
+            ..Self::default()
         }
     }
 }
@@ -172,6 +187,8 @@ pub struct Published {
     pub devices: usize,
     /// What the write did.
     pub report: Report,
+    /// Why the driver withdrew its devices, when it did ([`Offer::withdrawn`]).
+    pub withdrawn: Option<String>,
 }
 
 /// Why a publication pass failed.

@@ -90,6 +90,8 @@ pub(crate) struct Observed {
     counters_dropped: AtomicBool,
     /// The server was asked whether it keeps counter sets.
     counters_asked: AtomicBool,
+    /// Why the driver withdrew its offer, as last said.
+    withdrawn: Mutex<Option<String>>,
 }
 
 impl<D: Driver> Publisher<D> {
@@ -106,6 +108,7 @@ impl<D: Driver> Publisher<D> {
             last_pass = Some(tokio::time::Instant::now());
             let retry = match self.pass().await {
                 Ok(published) => {
+                    self.readiness.withdrawn(published.withdrawn.clone());
                     self.readiness
                         .published(Some(published.report.names.clone()));
                     self.driver.published(Ok(&published));
@@ -212,13 +215,33 @@ impl<D: Driver> Publisher<D> {
             .map_err(PublishError::Devices)
     }
 
+    /// The driver's offer; an empty one when it withdrew, said once per reason.
+    async fn offer(&self) -> Result<Offer, PublishError<D::Error>> {
+        let offer = self.devices().await?;
+        let mut said = support::lock(&self.seen.withdrawn);
+        if *said != offer.withdrawn {
+            match &offer.withdrawn {
+                Some(why) => {
+                    tracing::warn!(reason = %why, "the driver withdrew its devices: publishing an empty pool, not ready")
+                }
+                None if said.is_some() => tracing::info!("the driver offers its devices again"),
+                None => {}
+            }
+            said.clone_from(&offer.withdrawn);
+        }
+        Ok(match offer.withdrawn {
+            Some(why) => Offer::withdrawn(why),
+            None => offer,
+        })
+    }
+
     /// One publication pass.
     async fn pass(&self) -> Result<Published, PublishError<D::Error>> {
-        let mut offer = self.devices().await?;
+        let mut offer = self.offer().await?;
         let mut slices = self.slices.lock().await;
         if !offer.counter_sets.is_empty() && self.counters_dropped_on_asking(&slices).await {
             drop(slices);
-            offer = self.devices().await?;
+            offer = self.offer().await?;
             slices = self.slices.lock().await;
         }
         let mut report = slices
@@ -239,7 +262,7 @@ impl<D: Driver> Publisher<D> {
         }
         if taints_lost || binding_lost || counters_lost {
             drop(slices);
-            offer = self.devices().await?;
+            offer = self.offer().await?;
             slices = self.slices.lock().await;
             report = slices
                 .reconcile_pool(&offer.devices, &offer.counter_sets)
@@ -251,6 +274,7 @@ impl<D: Driver> Publisher<D> {
         Ok(Published {
             devices: offer.devices.len(),
             report,
+            withdrawn: offer.withdrawn,
         })
     }
 }

@@ -1,5 +1,5 @@
 //! Readiness: a driver is ready when kubelet has accepted its registration and
-//! this node's ResourceSlices are published. The serving process keeps a ready file
+//! this node's ResourceSlices are published, and it has not withdrawn its offer. The serving process keeps a ready file
 //! (JSON) while both hold; [`probe`], a readiness probe's check, reads the file and
 //! checks that the sockets it names are still there.
 
@@ -17,6 +17,8 @@ struct Status {
     registered: bool,
     /// The slices of the last successful publish; `None` after a failed one.
     slices: Option<Vec<String>>,
+    /// Why the driver offers nothing now ([`crate::Offer::withdrawn`]).
+    withdrawn: Option<String>,
 }
 
 /// What the serving process knows, and the file it keeps.
@@ -50,6 +52,11 @@ impl Readiness {
         self.update(|s| s.slices = slices);
     }
 
+    /// Whether, and why, the driver withdrew its offer.
+    pub fn withdrawn(&self, why: Option<String>) {
+        self.update(|s| s.withdrawn = why);
+    }
+
     /// Not registered, nothing published, no ready file: serving stopped.
     pub fn reset(&self) {
         *support::lock(&self.status) = Status::default();
@@ -69,7 +76,11 @@ impl Readiness {
         let was = is_ready(&seen);
         change(&mut seen);
         let now = is_ready(&seen);
-        match (&seen.slices, seen.registered, &self.file) {
+        match (
+            &seen.slices,
+            seen.registered && seen.withdrawn.is_none(),
+            &self.file,
+        ) {
             (_, _, None) => {}
             (Some(slices), true, Some(file)) => {
                 let doc = json!({
@@ -88,6 +99,7 @@ impl Readiness {
                 ready = now,
                 registered = seen.registered,
                 published = seen.slices.is_some(),
+                withdrawn = seen.withdrawn.as_deref().unwrap_or("no"),
                 "readiness changed"
             );
         }
@@ -95,7 +107,7 @@ impl Readiness {
 }
 
 fn is_ready(s: &Status) -> bool {
-    s.registered && s.slices.is_some()
+    s.registered && s.slices.is_some() && s.withdrawn.is_none()
 }
 
 /// The readiness probe: `Ok(what)` when the ready file says registered and
