@@ -61,18 +61,28 @@ SHARED_HOST_PATHS = {
 }
 
 # The node-wide owner lock's directory: vfio-manager and sandbox-dra-driver
-# must share it (it is how they keep each other off a node's devices); two
+# must share it (it is how they keep each other off a node's devices), and the
+# device plugin beside vfio-manager reads it (never takes it); two
 # vfio-managers must not (the second would never get the lock).
 OWNER_LOCK_DIR = "/run/vfio-sandbox/owner"
 
 
 def owner_lock_shared_by_design(path, users_a, users_b):
-    """True for the owner lock directory shared by the DRA driver and vfio-manager."""
-    def runs(users, what):
-        return users and all(n.split("/")[-1].startswith(what) for n, _, _ in users)
+    """True for the owner lock directory shared by the DRA driver and vfio-manager
+    (with the device plugin reading it beside vfio-manager)."""
+    def kind(n):
+        return n.split("/")[-1]
+
+    def dra(users):
+        return users and all(kind(n).startswith("sandbox-dra-driver") for n, _, _ in users)
+
+    def vm_mode(users):
+        takers = [n for n, _, _ in users if kind(n).startswith("vfio-manager")]
+        readers = [n for n, _, ro in users
+                   if kind(n).startswith("sandbox-device-plugin") and ro]
+        return len(takers) == 1 and len(takers) + len(readers) == len(users)
     return path == OWNER_LOCK_DIR and (
-        (runs(users_a, "sandbox-dra-driver") and runs(users_b, "vfio-manager"))
-        or (runs(users_a, "vfio-manager") and runs(users_b, "sandbox-dra-driver")))
+        (dra(users_a) and vm_mode(users_b)) or (vm_mode(users_a) and dra(users_b)))
 
 
 # API versions that a Kubernetes release before the one named does not

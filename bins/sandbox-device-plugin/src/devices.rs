@@ -87,6 +87,9 @@ pub struct Changed {
 #[derive(Debug, Default)]
 pub struct Tracker {
     known: BTreeMap<ResourceName, BTreeMap<PciAddress, DeviceState>>,
+    /// Why no device is usable now whatever its own state: another program owns
+    /// the node's devices ([`owner_problem`]).
+    not_ours: Option<String>,
     /// Skipped devices already logged.
     skip_log: SkipLog,
     /// Whether to look up each device's iommufd character device.
@@ -122,12 +125,38 @@ impl Tracker {
         Ok(self.snapshot())
     }
 
-    /// Every resource with its devices, as ListAndWatch lists them.
+    /// Every resource with its devices, as ListAndWatch lists them: all of them
+    /// Unhealthy while the node is not vfio-manager's.
     pub fn snapshot(&self) -> Snapshot {
+        let mark = |d: &DeviceState| {
+            let mut d = d.clone();
+            if d.problem.is_none() {
+                d.problem.clone_from(&self.not_ours);
+            }
+            d
+        };
         self.known
             .iter()
-            .map(|(r, m)| (r.clone(), m.values().cloned().collect()))
+            .map(|(r, m)| (r.clone(), m.values().map(mark).collect()))
             .collect()
+    }
+
+    /// Sets why no device is usable now (`None`: the node is vfio-manager's, or
+    /// no program owns it); true when that changed, said once.
+    pub fn set_not_ours(&mut self, why: Option<String>) -> bool {
+        if self.not_ours == why {
+            return false;
+        }
+        match &why {
+            Some(w) => {
+                tracing::error!(reason = %w, "every device is Unhealthy: the node's devices are not vfio-manager's")
+            }
+            None => tracing::info!(
+                "the node's devices are vfio-manager's again: device health as the node says"
+            ),
+        }
+        self.not_ours = why;
+        true
     }
 
     /// Reads the whole node; returns the devices whose state changed.
@@ -315,6 +344,37 @@ impl Tracker {
         }
         news.new
     }
+}
+
+/// Why the devices are not usable through this plugin now, read from the node's
+/// owner lock without taking it (`passthrough::owner::Owner::holder`): its record
+/// names another program than vfio-manager (sandbox-dra-driver). A running
+/// vfio-manager holds the lock and its record names it, so a record of another
+/// program means that program took the node, or vfio-manager is not there to
+/// keep it. The record decides, not the `flock`: a holder in another container
+/// is not listed in our `/proc/locks`. `None` without a lock file or record,
+/// while the record names vfio-manager, and when the lock cannot be read (said,
+/// and left to the next look).
+pub fn owner_problem(lock: &std::path::Path) -> Option<String> {
+    let holder = match passthrough::owner::Owner::holder(lock) {
+        Ok(h) => h?,
+        Err(e) => {
+            tracing::warn!(lock = %lock.display(), error = %support::error_chain(&e), "cannot read the node's owner lock");
+            return None;
+        }
+    };
+    let r = holder.record.as_ref()?;
+    let manager = node_agent::programs::VFIO_MANAGER.name;
+    (r.owner != manager).then(|| {
+        format!(
+            "the node's owner lock {} names {} (pid {}, since {}; {} device(s)), not {manager}: no VM can be given the devices through the device plugin",
+            lock.display(),
+            r.owner,
+            r.pid,
+            r.since,
+            r.devices
+        )
+    })
 }
 
 #[cfg(test)]

@@ -78,11 +78,6 @@ pub fn socket_name(resource: &ResourceName, serial: u64) -> String {
     let hash = full.bytes().fold(0x811c_9dc5_u32, |h, b| {
         (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
     });
-    socket_file(&short, hash, serial)
-}
-
-/// The socket file name of a resource's short name and hash, for this process.
-fn socket_file(short: &str, hash: u32, serial: u64) -> String {
     format!(
         "vfio-sandbox-{short}-{hash:08x}-{}-{serial}.sock",
         std::process::id()
@@ -94,13 +89,18 @@ fn socket_file(short: &str, hash: u32, serial: u64) -> String {
 const CHECKED_SERIAL: u64 = 999_999;
 
 /// Refuses a device-plugin directory whose socket paths cannot be Unix socket
-/// addresses: kubelet's `kubelet.sock`, which we dial, and the longest name
-/// [`socket_name`] gives this process (a 24-character short name, and a
-/// millionth start).
-pub fn check_socket_paths(dir: &Path) -> Result<(), kubelet_api::serve::SocketPathTooLong> {
+/// addresses: kubelet's `kubelet.sock`, which we dial, and the socket of each of
+/// `resources` up to its millionth start. (A resource whose first device comes
+/// later is refused then, when its socket is made, naming the path.)
+pub fn check_socket_paths<'a>(
+    dir: &Path,
+    resources: impl IntoIterator<Item = &'a ResourceName>,
+) -> Result<(), kubelet_api::serve::SocketPathTooLong> {
     kubelet_api::serve::check_socket_path(&dir.join(KUBELET_SOCKET))?;
-    let longest = socket_file(&"N".repeat(24), u32::MAX, CHECKED_SERIAL);
-    kubelet_api::serve::check_socket_path(&dir.join(longest))
+    for r in resources {
+        kubelet_api::serve::check_socket_path(&dir.join(socket_name(r, CHECKED_SERIAL)))?;
+    }
+    Ok(())
 }
 
 /// Which kubelet: the identity of its `kubelet.sock` (device, inode and change

@@ -53,6 +53,11 @@ struct Cli {
     /// else 1s so health still follows the node within a second.
     #[arg(long, env = "VFIO_SANDBOX_RESYNC_INTERVAL", value_parser = parse_duration)]
     resync_interval: Option<Duration>,
+    /// The node-wide owner lock of vfio-manager and sandbox-dra-driver, read (never
+    /// taken): while another program than vfio-manager owns the node's devices,
+    /// every device is Unhealthy. Watched, so that turns within a second.
+    #[arg(long, env = "VFIO_SANDBOX_OWNER_LOCK", default_value = passthrough::owner::DEFAULT_OWNER_LOCK, value_name = "FILE")]
+    owner_lock: PathBuf,
     /// Also hand out /dev/iommu and /dev/vfio/devices/vfioN (iommufd) in Allocate.
     #[arg(long, env = "VFIO_SANDBOX_IOMMUFD")]
     iommufd: bool,
@@ -71,7 +76,16 @@ fn main() -> ExitCode {
         Ok(l) => l,
         Err(e) => return fail(PROGRAM, &e, EXIT_USAGE),
     };
-    if let Err(e) = kubelet::check_socket_paths(&cli.kubelet_dir) {
+    // The node read once before anything is made: the first snapshot's resources
+    // name the sockets, whose paths must fit in a Unix socket address.
+    let host = cli.common.host();
+    let mut tracker = devices::Tracker::new(cli.iommufd);
+    tracker.set_not_ours(devices::owner_problem(&cli.owner_lock));
+    let first = match tracker.rescan(&host, &list) {
+        Ok(f) => f,
+        Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
+    };
+    if let Err(e) = kubelet::check_socket_paths(&cli.kubelet_dir, first.keys()) {
         let e = anyhow::anyhow!("{e} (--kubelet-dir {})", cli.kubelet_dir.display());
         return fail(PROGRAM, e.as_ref(), EXIT_USAGE);
     }
@@ -82,21 +96,24 @@ fn main() -> ExitCode {
         Ok(r) => r,
         Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
     };
-    match runtime.block_on(run(cli, list)) {
+    match runtime.block_on(run(cli, list, tracker, first)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(PROGRAM, e.as_ref(), EXIT_NOT_READY),
     }
 }
 
-async fn run(cli: Cli, list: passthrough::config::ResourceList) -> anyhow::Result<()> {
+async fn run(
+    cli: Cli,
+    list: passthrough::config::ResourceList,
+    tracker: devices::Tracker,
+    first: devices::Snapshot,
+) -> anyhow::Result<()> {
     let host = cli.common.host();
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     // A DaemonSet has no terminal to hang up; SIGHUP (whose default action kills
     // us and leaves the sockets behind) is a clean stop like SIGTERM.
     let mut sighup = signal(SignalKind::hangup())?;
-    let mut tracker = devices::Tracker::new(cli.iommufd);
-    let first = tracker.rescan(&host, &list)?;
     if first.is_empty() {
         tracing::warn!("no selected device is bound to its vfio driver yet; waiting");
     }
@@ -121,6 +138,7 @@ async fn run(cli: Cli, list: passthrough::config::ResourceList) -> anyhow::Resul
         tracker,
         publish,
         cli.resync_interval,
+        cli.owner_lock.clone(),
     ));
     let (restart_tx, mut restart) = mpsc::unbounded_channel();
     tokio::spawn(watchers::watch_kubelet_dir(

@@ -37,11 +37,13 @@ pub async fn watch_node(
     mut tracker: Tracker,
     publish: watch::Sender<Arc<Snapshot>>,
     resync: Option<Duration>,
+    owner_lock: PathBuf,
 ) {
     let mut node = AsyncNodeWatch::open(
         &host,
         Options {
             resync,
+            owner_lock: Some(owner_lock.clone()),
             ..Options::default()
         },
     );
@@ -52,8 +54,11 @@ pub async fn watch_node(
             return;
         };
         tracker = back;
+        // The owner lock changed (or a resync): whose the devices are, again.
+        let owner_changed = (work.owner || work.full)
+            && tracker.set_not_ours(crate::devices::owner_problem(&owner_lock));
         match result {
-            Ok(changed) if changed.is_empty() => {}
+            Ok(changed) if changed.is_empty() && !owner_changed => {}
             Ok(changed) => {
                 log_changes(&changed);
                 let snapshot = Arc::new(tracker.snapshot());

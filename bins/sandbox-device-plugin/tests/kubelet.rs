@@ -742,3 +742,83 @@ fn sigterm_stops_serving_and_removes_the_sockets() {
 fn sighup_stops_serving_and_removes_the_sockets_like_sigterm() {
     stops_cleanly_on(nix::sys::signal::Signal::SIGHUP);
 }
+
+/// While the node's owner lock names another program than vfio-manager (the DRA
+/// driver took it), every device is Unhealthy within a second, saying who owns
+/// the node and which lock; said once in the log. Back with vfio-manager, every
+/// device is Healthy again. The lock is only read, never taken.
+#[test]
+fn devices_are_unhealthy_while_another_program_owns_the_node() {
+    let bed = Bed::start();
+    let lock = bed.dir.path().join("run/owner/owner.lock");
+    std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
+    scenario(DEADLINE, async {
+        let kubelet = Kubelet::start(&bed.kubelet_dir()).await.unwrap();
+        let regs = kubelet.registrations_for(&[NIC], STEP).await.unwrap();
+        let mut nic = kubelet.plugin(Registered::of(&regs, NIC)).await.unwrap();
+        let mut stream = nic.list_and_watch(Empty {}).await.unwrap().into_inner();
+        let first = next_message(&mut stream).await;
+        assert!(
+            first.devices.iter().all(|d| d.health == "Healthy"),
+            "{first:?}"
+        );
+
+        // vfio-manager's own record changes nothing.
+        std::fs::write(
+            &lock,
+            "{\"owner\":\"vfio-manager\",\"pid\":1,\"since\":\"x\",\"devices\":3}\n",
+        )
+        .unwrap();
+        let t = Instant::now();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&lock)
+            .unwrap();
+        let record = format!(
+            "{{\"owner\":\"sandbox-dra-driver\",\"pid\":{},\"since\":\"2026-01-01T00:00:00Z\",\"devices\":0}}\n",
+            std::process::id()
+        );
+        // As the driver takes it: the flock first, then its record.
+        let held = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            .map_err(|(_, e)| e)
+            .unwrap();
+        std::fs::write(&lock, &record).unwrap();
+        let msg = loop {
+            let msg = next_message(&mut stream).await;
+            if msg.devices.iter().all(|d| d.health == "Unhealthy") {
+                break msg;
+            }
+        };
+        let took = t.elapsed();
+        assert!(took < Duration::from_secs(1), "unhealthy after {took:?}");
+        assert_eq!(msg.devices.len(), first.devices.len(), "still listed");
+        let log = bed.log();
+        let said = format!(
+            "the node's owner lock {} names sandbox-dra-driver (pid {}, since 2026-01-01T00:00:00Z; 0 device(s)), not vfio-manager",
+            lock.display(),
+            std::process::id()
+        );
+        assert!(log.contains(&said), "{log}");
+        assert_eq!(
+            log.matches("every device is Unhealthy: the node's devices are not vfio-manager's")
+                .count(),
+            1,
+            "{log}"
+        );
+
+        drop(held);
+        std::fs::write(
+            &lock,
+            "{\"owner\":\"vfio-manager\",\"pid\":1,\"since\":\"x\",\"devices\":0}\n",
+        )
+        .unwrap();
+        let msg = loop {
+            let msg = next_message(&mut stream).await;
+            if msg.devices.iter().all(|d| d.health == "Healthy") {
+                break msg;
+            }
+        };
+        assert_eq!(msg.devices.len(), first.devices.len());
+    });
+}

@@ -27,15 +27,23 @@ fn a_closed_stdout_never_kills_the_plugin() {
 /// the limit, before anything is made; never a panic.
 #[test]
 fn a_socket_path_too_long_is_refused_at_start() {
-    let root = tempfile::tempdir().unwrap();
-    // 40: kubelet.sock fits, our own socket names do not; 120: neither.
-    for len in [40, 120] {
+    let root = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    sysfs_pci::testing::nic_node(root.path()).unwrap();
+    // 50: kubelet.sock fits, the sockets of the node's resources do not; 120:
+    // neither.
+    for len in [50, 120] {
         let dir = root.path().join("d".repeat(len));
         let mut child = Command::new(env!("CARGO_BIN_EXE_sandbox-device-plugin"))
             .env_clear()
             .arg("--kubelet-dir")
             .arg(&dir)
             .args(["--sysfs-root", &root.path().join("sys").to_string_lossy()])
+            .args(["--dev-root", &root.path().join("dev").to_string_lossy()])
+            .args(["--config", &root.path().join("list.json").to_string_lossy()])
+            .args([
+                "--owner-lock",
+                &root.path().join("owner.lock").to_string_lossy(),
+            ])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -59,6 +67,9 @@ fn a_socket_path_too_long_is_refused_at_start() {
             "{stderr}"
         );
         assert!(stderr.contains("--kubelet-dir"), "{stderr}");
+        if len == 50 {
+            assert!(stderr.contains("vfio-sandbox-NIC_PT-"), "{stderr}");
+        }
         assert!(!stderr.contains("panicked"), "{stderr}");
         assert!(!dir.exists(), "{} was made", dir.display());
     }

@@ -4,6 +4,7 @@
 //! prepare is posted as a Warning Event on its ResourceClaim.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,7 +25,7 @@ use crate::claims::{DriverError, Failure};
 use crate::devices::{marked_devices, BindingMarks};
 use crate::health::HealthBoard;
 use crate::metrics::{Metrics, Operation};
-use crate::worker::Worker;
+use crate::worker::{OwnerLost, Worker};
 
 /// How often device health looks at the writes stuck in the kernel.
 const STUCK_CHECK: Duration = Duration::from_secs(5);
@@ -48,6 +49,9 @@ pub struct VfioDriver {
     /// Which devices carry binding conditions, and the drivers devices are on
     /// between claims; `None` publishes none.
     pub binding: Option<(Mode, Arc<OriginalDrivers>)>,
+    /// Why the node's owner lock is not ours now (the claims thread keeps it):
+    /// every device is withdrawn meanwhile.
+    pub owner_lost: OwnerLost,
 }
 
 #[tonic::async_trait]
@@ -95,6 +99,9 @@ impl kubelet_plugin::Driver for VfioDriver {
     /// taints; one whose group leaves a native driver carries the binding
     /// conditions, where kept.
     fn devices(&self, fields: Fields) -> Result<Offer, DriverError> {
+        if let Some(why) = support::lock(&self.owner_lost).clone() {
+            return Ok(Offer::withdrawn(why));
+        }
         let inv = Inventory::scan(&self.host, &self.list).map_err(DriverError::NodeScan)?;
         let unhealthy = self
             .health
@@ -168,17 +175,22 @@ fn failure(e: &ClaimError<DriverError>) -> Failure {
 
 /// Follows the node (PCI uevents, `/dev/vfio`, and a resync every `resync`): on
 /// every batch, reads device health again (when kept) and asks for a publication;
-/// a health change asks for one too (it changes a taint).
+/// a health change asks for one too (it changes a taint). With `owner`, the owner
+/// lock at its path is watched too, and a change of it has the claims thread
+/// check at once that the node is still ours (so a driver that lost the node
+/// withdraws its devices within moments, not at the thread's next idle check).
 pub async fn follow_node(
     host: Host,
     resync: Duration,
     health: Option<Arc<HealthBoard>>,
     republish: Republish,
+    owner: Option<(PathBuf, Worker)>,
 ) {
     let mut node = AsyncNodeWatch::open(
         &host,
         Options {
             resync: Some(resync),
+            owner_lock: owner.as_ref().map(|(lock, _)| lock.clone()),
             ..Options::default()
         },
     );
@@ -193,6 +205,9 @@ pub async fn follow_node(
     loop {
         tokio::select! {
             changes = node.next() => {
+                if let (true, Some((_, worker))) = (changes.owner, &owner) {
+                    worker.check_owner();
+                }
                 if let Some(h) = &health {
                     h.refresh_changes(&changes);
                 }

@@ -503,6 +503,7 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
     // Health, the node's interrupt isolation with it, is judged before the first
     // publication: a node where no VM can take a device never offers one untainted.
     health.refresh();
+    let owner_lost = sandbox_dra_driver::OwnerLost::default();
     let worker = match Worker::start(
         sandbox_dra_driver::Setup {
             host: host.clone(),
@@ -516,6 +517,8 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
             metrics: metrics.clone(),
             kernel,
             homes: Some(homes.clone()),
+            owner_lost: owner_lost.clone(),
+            republish: Some(plugin.republish()),
         },
         cli.prepare_timeout,
     ) {
@@ -537,6 +540,7 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
         metrics,
         health: Some(health),
         binding: Some((cli.binding_conditions, homes)),
+        owner_lost,
     });
     match run(&cli, &plugin, &cluster, driver, registry).await {
         Ok(()) => ExitCode::SUCCESS,
@@ -611,6 +615,7 @@ async fn run(
         cli.resync_interval,
         driver.health.clone(),
         plugin.republish(),
+        Some((cli.owner_lock.clone(), driver.worker.clone())),
     ));
     let following_claims = (cli.binding_conditions != Mode::Off).then(|| {
         tokio::spawn(sandbox_dra_driver::watch_claims(

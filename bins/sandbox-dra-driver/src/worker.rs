@@ -20,7 +20,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::model::{ClaimDevice, ClaimPhase, StateFile};
-use kubelet_plugin::{AllocatedDevice, Claim, ClaimRef, OpaqueConfig, PreparedDevice, Ticket};
+use kubelet_plugin::{
+    AllocatedDevice, Claim, ClaimRef, OpaqueConfig, PreparedDevice, Republish, Ticket,
+};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use passthrough::Passthrough;
@@ -59,7 +61,15 @@ pub struct Setup {
     /// Told the driver each recorded device had before it moved, after every job
     /// (which devices need a rebind, for their binding conditions).
     pub homes: Option<Arc<crate::binding::OriginalDrivers>>,
+    /// Why the node's owner lock is not ours now, kept by the claims thread for
+    /// the driver's offer (which withdraws every device meanwhile).
+    pub owner_lost: OwnerLost,
+    /// Told when the node becomes ours, or stops being ours.
+    pub republish: Option<Republish>,
 }
+
+/// Why the node's owner lock is not ours now; `None` while it is.
+pub type OwnerLost = Arc<Mutex<Option<String>>>;
 
 /// Unprepares that answered OK, by claim uid: the ticket of the time.
 #[derive(Default)]
@@ -159,6 +169,17 @@ impl Worker {
             .name("claims".into())
             .spawn(move || work(node, rx, &shown))?;
         Ok(Self { tx, busy, timeout })
+    }
+
+    /// Checks the node's owner lock now (its directory changed), without waiting:
+    /// a change of owner is said, and republished, by the thread.
+    pub fn check_owner(&self) {
+        drop(
+            self.submit("checking the node's owner lock".into(), |node| {
+                check_owner(&mut node.setup);
+                Ok(())
+            }),
+        );
     }
 
     /// The deadline of a job queued now (a claim watcher's; kubelet's calls bring
@@ -338,12 +359,11 @@ pub struct Pending<T>(Option<oneshot::Receiver<Result<T, DriverError>>>);
 
 fn work(mut node: Node, rx: std_mpsc::Receiver<Job>, busy: &Mutex<Option<(String, Instant)>>) {
     share_state(&node.setup);
-    let mut owner_lost: Option<String> = None;
     loop {
         let job = match rx.recv_timeout(OWNER_CHECK) {
             Ok(job) => job,
             Err(std_mpsc::RecvTimeoutError::Timeout) => {
-                check_owner(&mut node.setup.state, &mut owner_lost);
+                check_owner(&mut node.setup);
                 continue;
             }
             Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
@@ -355,27 +375,33 @@ fn work(mut node: Node, rx: std_mpsc::Receiver<Job>, busy: &Mutex<Option<(String
 }
 
 /// How often the idle thread checks that the owner lock is still ours (every save
-/// that records a device checks it too).
+/// that records a device checks it too, and so does a change in the lock's
+/// directory, at once).
 const OWNER_CHECK: Duration = Duration::from_secs(10);
 
 /// Checks that the node's owner lock still keeps every other taker out (a cleanup
 /// of its directory deletes it), taking it again if it can; says so when that
-/// changes. While it is not ours, every prepare and early move is refused at its
-/// first save, naming the lock.
-fn check_owner(state: &mut StateFile, lost: &mut Option<String>) {
-    match state.ensure_owner() {
-        Ok(()) => {
-            if lost.take().is_some() {
-                tracing::info!("the node's owner lock is ours again; preparing claims");
-            }
+/// changes, and has the devices published again (withdrawn while the node is not
+/// ours, back once it is). While it is not ours, every prepare and early move is
+/// refused at its first save, naming the lock.
+fn check_owner(setup: &mut Setup) {
+    let now = setup.state.ensure_owner().err().map(|e| error_chain(&e));
+    let mut lost = support::lock(&setup.owner_lost);
+    if *lost == now {
+        return;
+    }
+    match &now {
+        None => tracing::info!(
+            "the node's owner lock is ours again; publishing the devices and preparing claims"
+        ),
+        Some(why) => {
+            tracing::error!(error = %why, "the node's owner lock is no longer ours: moving no device, every device withdrawn from the ResourceSlices, not ready; claims prepared here are refused")
         }
-        Err(e) => {
-            let why = error_chain(&e);
-            if lost.as_ref() != Some(&why) {
-                tracing::error!(error = %why, "moving no device: the node's owner lock is no longer ours; claims prepared here are refused");
-            }
-            *lost = Some(why);
-        }
+    }
+    lost.clone_from(&now);
+    drop(lost);
+    if let Some(r) = &setup.republish {
+        r.now();
     }
 }
 

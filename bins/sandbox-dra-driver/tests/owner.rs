@@ -14,6 +14,7 @@ mod common;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
+use common::driver::put_v1_claim;
 use common::*;
 use kubelet_peer::dra::{ClaimRef, Version};
 use nix::sys::signal::{kill, Signal};
@@ -271,4 +272,184 @@ async fn a_deleted_or_garbled_lock_does_not_let_the_driver_take_a_node_vfio_mana
         assert!(slices(&server).is_empty(), "{tamper}: published");
         assert!(driver.log().contains(&said), "{}", driver.log());
     }
+}
+
+/// Replaces the owner lock file with one held by this process under `program`'s
+/// name (what a rival that took a lock path left free does): a new file, its
+/// record written, `flock`ed, then renamed over the lock. The lock is held until
+/// the returned file drops.
+fn replace_lock_held_by(lock: &std::path::Path, program: &str) -> nix::fcntl::Flock<std::fs::File> {
+    let new = lock.with_file_name("owner.lock.replacement");
+    let record = format!(
+        "{{\"owner\":\"{program}\",\"pid\":{},\"since\":\"2026-01-01T00:00:00Z\",\"devices\":0}}\n",
+        std::process::id()
+    );
+    std::fs::write(&new, record).unwrap();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&new)
+        .unwrap();
+    let held = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|(_, e)| e)
+        .unwrap();
+    std::fs::rename(&new, lock).unwrap();
+    held
+}
+
+/// The driver that loses the node (its lock replaced by one vfio-manager holds)
+/// withdraws every device from its ResourceSlices and stops being ready within
+/// 2 s, saying once who owns the node and which lock; a claim is refused
+/// meanwhile. Once the lock is free it takes the node again and publishes its
+/// devices again.
+#[tokio::test]
+async fn a_driver_that_lost_the_node_withdraws_its_devices_at_once_and_comes_back() {
+    let scene = Scene::new();
+    let server = cluster();
+    let mut driver = scene.start(&server).await;
+    let _reg = register(&scene).await;
+    let devices = |server: &fake_apiserver::FakeApiServer| -> usize {
+        slices(server)
+            .iter()
+            .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
+            .sum()
+    };
+    driver
+        .wait_until("published and ready", || {
+            devices(&server) > 0 && scene.ready_file().exists()
+        })
+        .await;
+    let published = devices(&server);
+
+    let lost_at = Instant::now();
+    let held = replace_lock_held_by(&scene.owner_lock(), "vfio-manager");
+    driver
+        .wait_until("every device withdrawn and not ready", || {
+            devices(&server) == 0 && !scene.ready_file().exists()
+        })
+        .await;
+    let took = lost_at.elapsed();
+    println!("withdrawn {took:?} after the lock was lost ({published} devices)");
+    assert!(took < Duration::from_secs(2), "withdrawn after {took:?}");
+    assert!(!slices(&server).is_empty(), "the pool stays, empty");
+    let said = format!(
+        "vfio-manager (pid {}, since 2026-01-01T00:00:00Z) owns the devices of this node (lock {})",
+        std::process::id(),
+        scene.owner_lock().display()
+    );
+    let log = driver.log();
+    assert_eq!(
+        log.matches("the node's owner lock is no longer ours")
+            .count(),
+        1,
+        "{log}"
+    );
+    assert!(log.contains(&said), "{log}");
+    let claim = put_v1_claim(&server);
+    let mut client = scene.client(Version::V1).await;
+    let answers = client
+        .prepare(std::slice::from_ref(&claim))
+        .await
+        .unwrap()
+        .claims;
+    assert!(
+        answers[&claim.uid]
+            .error
+            .contains("owns the devices of this node"),
+        "{:?}",
+        answers[&claim.uid]
+    );
+
+    // Free again: the driver takes the lock at its next look (the record's
+    // rewrite wakes it at once) and publishes everything again.
+    drop(held);
+    std::fs::write(
+        scene.owner_lock(),
+        "{\"owner\":\"vfio-manager\",\"pid\":1,\"since\":\"x\",\"devices\":0}\n",
+    )
+    .unwrap();
+    driver
+        .wait_until("devices published again and ready", || {
+            devices(&server) == published && scene.ready_file().exists()
+        })
+        .await;
+    assert_eq!(scene.owner()["owner"], "sandbox-dra-driver");
+    assert!(
+        driver.log().contains("the node's owner lock is ours again"),
+        "{}",
+        driver.log()
+    );
+    let (status, log) = driver.terminate().await;
+    assert_eq!(status.code(), Some(0), "{log}");
+}
+
+/// vfio-manager that loses the node (its lock replaced by one the DRA driver
+/// holds) stops vouching for it within 2 s: its ready file and the validator's
+/// go, and it says once who owns the node and which lock. Once the lock is free
+/// it takes the node again and is ready again.
+#[tokio::test]
+async fn vfio_manager_that_lost_the_node_is_not_ready_at_once_and_comes_back() {
+    let scene = Scene::new();
+    let ready = scene.root().join("run/vfio-manager/ready");
+    let validator_ready = scene.root().join("run/validations/vfio-pci-ready");
+    let mut manager = scene.manager("manager.log");
+    manager.args(["run", "--resync-interval", "1h"]);
+    let mut manager = manager.spawn().unwrap();
+    let log = || std::fs::read_to_string(scene.root().join("manager.log")).unwrap_or_default();
+    let until = |what: &str, f: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + WAIT;
+        while !f() {
+            assert!(Instant::now() < deadline, "{what}: {}", log());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    until("vfio-manager ready", &|| ready.exists());
+    // What the validator writes once it passed.
+    std::fs::create_dir_all(validator_ready.parent().unwrap()).unwrap();
+    std::fs::write(&validator_ready, "{}").unwrap();
+
+    let lost_at = Instant::now();
+    let held = replace_lock_held_by(&scene.owner_lock(), "sandbox-dra-driver");
+    until("no ready file", &|| {
+        !ready.exists() && !validator_ready.exists()
+    });
+    let took = lost_at.elapsed();
+    println!("vfio-manager not ready {took:?} after the lock was lost");
+    assert!(took < Duration::from_secs(2), "not ready after {took:?}");
+    until("said", &|| {
+        log().contains("the node's owner lock is no longer ours")
+    });
+    let said = format!(
+        "sandbox-dra-driver (pid {}, since 2026-01-01T00:00:00Z) owns the devices of this node (lock {})",
+        std::process::id(),
+        scene.owner_lock().display()
+    );
+    let text = log();
+    assert!(text.contains(&said), "{text}");
+    assert_eq!(
+        text.matches("the node's owner lock is no longer ours")
+            .count(),
+        1,
+        "{text}"
+    );
+
+    drop(held);
+    std::fs::write(
+        scene.owner_lock(),
+        "{\"owner\":\"sandbox-dra-driver\",\"pid\":1,\"since\":\"x\",\"devices\":0}\n",
+    )
+    .unwrap();
+    let freed = Instant::now();
+    until("ready again", &|| ready.exists());
+    println!(
+        "vfio-manager ready again {:?} after the lock was free",
+        freed.elapsed()
+    );
+    assert_eq!(scene.owner()["owner"], "vfio-manager");
+    assert!(
+        log().contains("the node's owner lock is ours again"),
+        "{}",
+        log()
+    );
+    stop(&mut manager);
 }

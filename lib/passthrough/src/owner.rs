@@ -423,6 +423,28 @@ impl Owner {
         recorded_by_rival(who)
     }
 
+    /// Who holds the node now, read without taking any lock, for a program that
+    /// only follows the owner and never moves a device (so it can never make a
+    /// taker wait or fail): the record, and whether a live process holds the
+    /// `flock` (`/proc/locks`, which lists only the locks of processes in the
+    /// reader's pid namespace: from another container's, a holder is not seen).
+    /// `None` when there is no lock file.
+    pub fn holder(lock: &Path) -> Result<Option<Holder>, OwnerError> {
+        match std::fs::symlink_metadata(lock) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(IoError::new(Action::Read, lock, e).into()),
+            Ok(_) => {}
+        }
+        let file = open(lock, false)?;
+        let record = read_record(&file, lock)?;
+        let ino = file.metadata().wrap_read(lock)?.ino();
+        let running = std::fs::read_to_string("/proc/locks")
+            .ok()
+            .and_then(|locks| flock_holder(&locks, ino))
+            .is_some();
+        Ok(Some(Holder { record, running }))
+    }
+
     /// The lock file.
     pub fn lock(&self) -> &Path {
         &self.lock
@@ -634,6 +656,38 @@ mod tests {
         assert_eq!(flock_holder(text, 77), None, "a POSIX lock is not ours");
         assert_eq!(flock_holder(text, 5), None);
         assert_eq!(flock_holder("garbage\n\n1: FLOCK", 1), None);
+    }
+
+    #[test]
+    fn the_holder_is_read_without_taking_any_lock() {
+        static A: Program = Program::named("whole-node");
+        static B: Program = Program::named("per-claim");
+        let dir = tempfile::tempdir().unwrap();
+        let lock = dir.path().join("owner.lock");
+        assert!(
+            Owner::holder(&lock).unwrap().is_none(),
+            "no file, no holder"
+        );
+        let who = Contender {
+            program: &A,
+            rival: &B,
+            rival_state: dir.path().join("b.json"),
+        };
+        let owner = Owner::take(&lock, &who).unwrap();
+        let h = Owner::holder(&lock).unwrap().unwrap();
+        assert!(h.running, "{h}");
+        assert_eq!(h.record.unwrap().owner, "whole-node");
+        // Reading it never stood in a taker's way: the gate and the lock are free
+        // for the next one once the owner goes.
+        drop(owner);
+        let h = Owner::holder(&lock).unwrap().unwrap();
+        assert!(!h.running, "{h}");
+        let back = Contender {
+            program: &B,
+            rival: &A,
+            rival_state: dir.path().join("a.json"),
+        };
+        assert!(Owner::take(&lock, &back).is_ok());
     }
 
     #[test]

@@ -384,6 +384,10 @@ pub fn start_device_plugin(
             "--kubelet-dir={}",
             node.kubelet_dir().join("device-plugins").display()
         ))
+        .arg(format!(
+            "--owner-lock={}",
+            node.dir.join("device-plugin/owner.lock").display()
+        ))
         .arg("--resync-interval=1s");
     Proc::spawn("sandbox-device-plugin", cmd, &plane.logs_dir())
 }

@@ -191,11 +191,9 @@ fn run(cli: &Cli, release: Release) -> Result<bool> {
             d.clone()
         }
         None => {
-            let d = sysfs_pci::testing::scratch_root().join(format!(
-                "real-k8s-{}-{}",
-                cli.release,
-                std::process::id()
-            ));
+            // Short: kubelet's directories, and the sockets in them, live
+            // below it, and a socket path holds at most 107 bytes.
+            let d = sysfs_pci::testing::scratch_root().join(format!("k8s-{}", std::process::id()));
             std::fs::create_dir_all(&d)?;
             d
         }

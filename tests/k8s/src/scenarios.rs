@@ -13,6 +13,7 @@ use crate::proc::wait_for;
 use crate::Ctx;
 
 mod groups;
+mod owner;
 mod rebellions;
 
 pub enum Outcome {
@@ -34,6 +35,7 @@ pub const ALL: &[(&str, Scenario)] = &[
     ("dra-early-move-labelled", labelled::dra_early_move_labelled),
     ("dra-restarts", dra_restarts),
     ("dra-node-recreated", dra_node_recreated),
+    ("dra-owner-lost", owner::dra_owner_lost),
     (
         "dra-rebellions-vocabulary",
         rebellions::dra_rebellions_vocabulary,

@@ -198,7 +198,7 @@ pub async fn channel(path: &Path) -> anyhow::Result<Channel> {
 }
 
 /// The plugin binary `bin` pointed at a fake node under `root` (`sys/`, `dev/`,
-/// `kubelet/`), with the variables of the environment that would override it cleared.
+/// `kubelet/`, the owner lock in `run/owner/`), with the variables of the environment that would override it cleared.
 pub fn plugin_command(bin: &Path, root: &Path) -> std::process::Command {
     let mut cmd = std::process::Command::new(bin);
     cmd.arg("--sysfs-root")
@@ -207,6 +207,8 @@ pub fn plugin_command(bin: &Path, root: &Path) -> std::process::Command {
         .arg(root.join("dev"))
         .arg("--kubelet-dir")
         .arg(root.join("kubelet"))
+        .arg("--owner-lock")
+        .arg(root.join("run/owner/owner.lock"))
         .env_remove("VFIO_SANDBOX_CONFIG")
         .env_remove("VFIO_SANDBOX_RESYNC_INTERVAL");
     cmd

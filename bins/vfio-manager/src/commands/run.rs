@@ -169,8 +169,10 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         state: &mut state,
         release: kernel_release(),
     };
+    let validator_ready = node_agent::ready::validator_ready_file(&ctx.validator_status_dir);
     let mut pass = RunState {
         ready_file: &ctx.ready_file,
+        validator_ready: &validator_ready,
         api: &api,
         metrics: &metrics,
         converged: false,
@@ -210,13 +212,16 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
             pass.converge(&mut pt, &list)?;
         }
     }
-    // The node watcher: every batch of PCI uevents and /dev/vfio changes, and the
-    // resync, leads to one more pass SETTLE later (a pass is whole-node and changes
-    // nothing that is already right, so our own binds' events cost one idle pass).
+    // The node watcher: every batch of PCI uevents and /dev/vfio changes, a change
+    // of the owner lock file, and the resync, leads to one more pass SETTLE later
+    // (a pass is whole-node and changes nothing that is already right, so our own
+    // binds' events cost one idle pass). A lock deleted or replaced under us is
+    // so seen at once: taken again, or the node is not ours and we say so.
     let mut node = NodeWatch::open(
         &ctx.host,
         Options {
             resync: Some(args.resync_interval),
+            owner_lock: Some(ctx.owner_lock.clone()),
             ..Options::default()
         },
     );
@@ -437,6 +442,8 @@ fn listing<'a>(addrs: impl Iterator<Item = &'a sysfs_pci::PciAddress>) -> String
 /// What the passes of `run` carry from one to the next.
 struct RunState<'a> {
     ready_file: &'a std::path::Path,
+    /// The validator's ready file, which vouches for the node as ours.
+    validator_ready: &'a std::path::Path,
     api: &'a ApiThread,
     metrics: &'a Metrics,
     /// Whether the last pass found every device bound.
@@ -499,9 +506,21 @@ impl RunState<'_> {
             Err(e) => {
                 let why = error_chain(&e);
                 if self.owner_lost.as_ref() != Some(&why) {
-                    tracing::error!(error = %why, "not binding any device: the node's owner lock is no longer ours");
+                    tracing::error!(error = %why, "the node's owner lock is no longer ours: binding no device, not ready (the ready files are removed) until it is ours again");
                 }
                 self.owner_lost = Some(why);
+                self.converged = false;
+                // Nothing may vouch for a node that is not ours: the validator's
+                // ready file goes with ours.
+                for file in [
+                    self.ready_file.to_path_buf(),
+                    stuck_file(self.ready_file),
+                    self.validator_ready.to_path_buf(),
+                ] {
+                    if let Err(e) = remove_if_present(&file) {
+                        tracing::warn!(error = %error_chain(&e), "cannot remove {}", file.display());
+                    }
+                }
                 return Ok(());
             }
         }
