@@ -20,6 +20,9 @@
 //! # Ok(()) }
 //! ```
 //!
+//! With [`serve_with_readiness`] it also answers `GET /readyz`: 200 with what
+//! the check found, or 503 with why not (an HTTP readiness probe's endpoint).
+//!
 //! The server answers `GET` and `HEAD` on `/metrics`, 404 on any other path and 405
 //! (with `Allow`) on other methods. It is exposed to whatever can reach the port, so
 //! it bounds what a client can cost: request heads over 16 KiB are refused, a head
@@ -56,8 +59,14 @@ pub const FLAG: &str = "--metrics-address";
 /// Content type of the OpenMetrics text that `prometheus-client` encodes.
 pub const CONTENT_TYPE_OPENMETRICS: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
-/// The one path served.
+/// The metrics' path.
 pub const PATH: &str = "/metrics";
+/// The readiness check's path ([`serve_with_readiness`]).
+pub const READY_PATH: &str = "/readyz";
+
+/// A readiness check: `Ok(what)` when ready, `Err(why)` when not. Called for
+/// each request of [`READY_PATH`]: keep it cheap.
+pub type Readiness = Arc<dyn Fn() -> Result<String, String> + Send + Sync>;
 
 /// Largest request head accepted (hyper answers 431 above it).
 const MAX_HEAD: usize = 16 * 1024;
@@ -232,6 +241,19 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Serves `registry` on `listener` until the task is dropped. Never returns and
 /// never panics on client input; a failed connection concerns only its client.
 pub async fn serve(listener: TcpListener, registry: Arc<Registry>) {
+    serve_with(listener, registry, None).await;
+}
+
+/// [`serve`], and `ready` at [`READY_PATH`].
+pub async fn serve_with_readiness(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    ready: Readiness,
+) {
+    serve_with(listener, registry, Some(ready)).await;
+}
+
+async fn serve_with(listener: TcpListener, registry: Arc<Registry>, ready: Option<Readiness>) {
     let connections = Arc::new(Connections::default());
     for id in 0u64.. {
         let stream = match listener.accept().await {
@@ -246,12 +268,13 @@ pub async fn serve(listener: TcpListener, registry: Arc<Registry>) {
         let open = Arc::new(Open::default());
         lock(&connections.open).insert(id, open.clone());
         let registry = registry.clone();
+        let ready = ready.clone();
         let connections = connections.clone();
         tokio::spawn(async move {
             let answering = open.clone();
             let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                 answering.answering.store(true, Ordering::SeqCst);
-                let response = respond(req.method(), req.uri().path(), &registry);
+                let response = respond(req.method(), req.uri().path(), &registry, ready.as_ref());
                 answering.answering.store(false, Ordering::SeqCst);
                 async move { Ok::<_, Infallible>(response) }
             });
@@ -273,8 +296,14 @@ pub async fn serve(listener: TcpListener, registry: Arc<Registry>) {
 }
 
 /// The answer to one request.
-fn respond(method: &Method, path: &str, registry: &Registry) -> Response<Full<Bytes>> {
-    if path != PATH {
+fn respond(
+    method: &Method,
+    path: &str,
+    registry: &Registry,
+    ready: Option<&Readiness>,
+) -> Response<Full<Bytes>> {
+    let ready = ready.filter(|_| path == READY_PATH);
+    if path != PATH && ready.is_none() {
         return plain(
             StatusCode::NOT_FOUND,
             "not found: metrics are at /metrics\n",
@@ -284,6 +313,22 @@ fn respond(method: &Method, path: &str, registry: &Registry) -> Response<Full<By
         let mut r = plain(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
         r.headers_mut()
             .insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return r;
+    }
+    if let Some(check) = ready {
+        let (status, text) = match check() {
+            Ok(what) => (StatusCode::OK, format!("ready: {what}\n")),
+            Err(why) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: {why}\n"),
+            ),
+        };
+        let mut r = Response::new(Full::new(Bytes::from(text)));
+        *r.status_mut() = status;
+        r.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
         return r;
     }
     let mut text = String::new();

@@ -295,3 +295,42 @@ async fn a_scrape_answers_within_a_second_beside_200_slowloris_clients() {
     }
     println!("slowest scrape beside 200 slowloris clients: {slowest:?}");
 }
+
+/// `/readyz` answers what the check says, 200 or 503, each time it is asked;
+/// without a check it is a path like any other (404).
+#[tokio::test]
+async fn readyz_answers_the_check_and_only_when_there_is_one() {
+    let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let check: Readiness = {
+        let ready = ready.clone();
+        Arc::new(move || {
+            if ready.load(Ordering::SeqCst) {
+                Ok("leading".to_owned())
+            } else {
+                Err("no Lease read for 12 s".to_owned())
+            }
+        })
+    };
+    let listener = bind(&parse_address("127.0.0.1:0").unwrap()).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(serve_with_readiness(listener, Arc::new(registry()), check));
+    let r = get(addr, READY_PATH).await;
+    assert!(r.starts_with("HTTP/1.1 503 Service Unavailable\r\n"), "{r}");
+    assert!(r.ends_with("not ready: no Lease read for 12 s\n"), "{r}");
+    ready.store(true, Ordering::SeqCst);
+    let r = get(addr, READY_PATH).await;
+    assert!(r.starts_with("HTTP/1.1 200 OK\r\n"), "{r}");
+    assert!(r.ends_with("ready: leading\n"), "{r}");
+    assert!(get(addr, PATH).await.starts_with("HTTP/1.1 200 OK\r\n"));
+    let r = exchange(
+        server().await,
+        b"GET /readyz HTTP/1.1\r\nHost: node\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 404 Not Found\r\n"), "{r}");
+}
+
+async fn get(addr: SocketAddr, path: &str) -> String {
+    let request = format!("GET {path} HTTP/1.1\r\nHost: node\r\nConnection: close\r\n\r\n");
+    exchange(addr, request.as_bytes()).await
+}
