@@ -38,6 +38,7 @@ use tokio_stream::StreamExt;
 
 use crate::claim_label::{label_change, label_key, label_patch, LabelChange};
 use crate::lease::{Elector, Timing};
+use crate::metrics::LabellerMetrics;
 
 /// The field manager of the labeller's patches.
 pub const FIELD_MANAGER: &str = "sandbox-dra-driver-controller";
@@ -65,6 +66,72 @@ pub struct Labeller {
     pub identity: String,
     /// Lease timing.
     pub timing: Timing,
+    /// Its metrics.
+    pub metrics: Arc<LabellerMetrics>,
+    /// What its readiness check reads.
+    pub health: Arc<Health>,
+}
+
+/// What a replica knows of its own standing, for its readiness check: when a
+/// request about the Lease last succeeded, and whether it leads.
+#[derive(Debug, Default)]
+pub struct Health {
+    inner: std::sync::Mutex<HealthState>,
+}
+
+#[derive(Debug, Default)]
+struct HealthState {
+    leading: bool,
+    holder: String,
+    last_ok: Option<Instant>,
+    last_error: Option<String>,
+}
+
+impl Health {
+    /// A read, take or renewal of the Lease succeeded: `leading`, or standing by
+    /// behind `holder`.
+    fn lease_ok(&self, leading: bool, holder: &str) {
+        let mut s = support::lock(&self.inner);
+        s.leading = leading;
+        holder.clone_into(&mut s.holder);
+        s.last_ok = Some(Instant::now());
+        s.last_error = None;
+    }
+
+    /// A request about the Lease failed.
+    fn lease_failed(&self, error: String) {
+        support::lock(&self.inner).last_error = Some(error);
+    }
+
+    /// Ready while a request about the Lease succeeded within `within` (the
+    /// renew deadline): a leader renewing, or a standby that can read who
+    /// leads. A replica that cannot reach the API server is not ready, and a
+    /// rollout waits for it.
+    pub fn readiness(&self, within: Duration) -> Result<String, String> {
+        let s = support::lock(&self.inner);
+        let Some(at) = s.last_ok else {
+            return Err(match &s.last_error {
+                Some(e) => format!("the Lease was never read: {e}"),
+                None => "the Lease was not read yet".to_owned(),
+            });
+        };
+        let ago = at.elapsed();
+        if ago > within {
+            return Err(format!(
+                "no read or renewal of the Lease succeeded for {:.0?} (last error: {})",
+                ago,
+                s.last_error.as_deref().unwrap_or("none")
+            ));
+        }
+        Ok(if s.leading {
+            format!("leading, the Lease renewed {ago:.1?} ago")
+        } else {
+            format!(
+                "standing by, the Lease (held by {:?}) read {ago:.1?} ago",
+                s.holder
+            )
+        })
+    }
 }
 
 /// Why the labeller stopped.
@@ -111,6 +178,7 @@ impl Labeller {
             return Ok(());
         }
         tracing::info!(lease = %self.lease_ref(), identity = %self.identity, "leading: labelling ResourceClaims with their node");
+        self.metrics.leading(true);
         let (quit_tx, quit_rx) = tokio::sync::oneshot::channel::<()>();
         let labelling = tokio::spawn(self.clone().label(async move {
             let _ = quit_rx.await;
@@ -118,6 +186,7 @@ impl Labeller {
         let outcome = self.lead(&mut elector, &mut stop).await;
         let _ = quit_tx.send(());
         let _ = labelling.await;
+        self.metrics.leading(false);
         if outcome.is_ok() {
             match elector.release().await {
                 Ok(()) => tracing::info!(lease = %self.lease_ref(), "released the Lease"),
@@ -138,9 +207,13 @@ impl Labeller {
         let mut said: Option<String> = None;
         loop {
             match elector.try_acquire_or_renew().await {
-                Ok(true) => return true,
+                Ok(true) => {
+                    self.health.lease_ok(true, &self.identity);
+                    return true;
+                }
                 Ok(false) => {
                     let holder = elector.holder().unwrap_or_default().to_owned();
+                    self.health.lease_ok(false, &holder);
                     if said.as_deref() != Some(&holder) {
                         tracing::info!(lease = %self.lease_ref(), holder = %holder, "standing by: another replica holds the Lease");
                         said = Some(holder);
@@ -148,6 +221,8 @@ impl Labeller {
                 }
                 Err(e) => {
                     tracing::warn!(lease = %self.lease_ref(), error = %e, "cannot read or take the Lease; trying again");
+                    self.metrics.lease_failed();
+                    self.health.lease_failed(e.to_string());
                     said = None;
                 }
             }
@@ -175,12 +250,15 @@ impl Labeller {
             let last = match tokio::time::timeout(left, elector.try_acquire_or_renew()).await {
                 Ok(Ok(true)) => {
                     renewed = Instant::now();
+                    self.health.lease_ok(true, &self.identity);
                     continue;
                 }
                 Ok(Ok(false)) => "another replica holds it".to_owned(),
                 Ok(Err(e)) => e.to_string(),
                 Err(_) => format!("no answer within {left:?}"),
             };
+            self.metrics.lease_failed();
+            self.health.lease_failed(last.clone());
             if renewed.elapsed() >= self.timing.renew_deadline {
                 return Err(ControllerError::LostLease {
                     lease: self.lease_ref(),
@@ -237,12 +315,17 @@ async fn reconcile(
         ..PatchParams::default()
     };
     let patch = label_patch(&labeller.driver, &change, version);
+    let set = matches!(change, LabelChange::Set(_));
     match api.patch(name, &params, &Patch::Merge(&patch)).await {
         Ok(_) => {
             tracing::debug!(claim = %format!("{namespace}/{name}"), "{action}");
+            labeller.metrics.label(set, "ok");
             Ok(Action::await_change())
         }
-        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Ok(Action::await_change()),
+        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
+            labeller.metrics.label(set, "conflict");
+            Ok(Action::await_change())
+        }
         Err(source) => Err(PatchError {
             action,
             claim: format!("{namespace}/{name}"),
@@ -251,8 +334,13 @@ async fn reconcile(
     }
 }
 
-/// A failed patch: said, and the claim looked at again after [`RETRY`].
-fn retry_later(_claim: Arc<ResourceClaim>, error: &PatchError, _labeller: Arc<Labeller>) -> Action {
+/// A failed patch: said, counted, and the claim looked at again after [`RETRY`].
+fn retry_later(claim: Arc<ResourceClaim>, error: &PatchError, labeller: Arc<Labeller>) -> Action {
+    let set = matches!(
+        label_change(&claim, &labeller.driver),
+        Some(LabelChange::Set(_))
+    );
+    labeller.metrics.label(set, "error");
     tracing::warn!(error = %error_chain(error), retry_in = ?RETRY, "cannot label a ResourceClaim");
     Action::requeue(RETRY)
 }

@@ -184,18 +184,33 @@ pub fn step(
 /// `wall` instead; a skewed clock can only delay the right answer by one
 /// duration, since later looks judge by the record's changes.
 pub fn holder_live(record: Option<&Record>, seen: Seen, now: Instant, wall: Timestamp) -> bool {
-    let Some(record) = record.filter(|r| !r.holder.is_empty()) else {
-        return false;
-    };
+    holder_expiry(record, seen, now, wall).is_some()
+}
+
+/// When a live holder's time runs out unless the record changes again (by the
+/// local monotonic clock), as [`holder_live`] judges it; `None` when it is not
+/// live.
+pub fn holder_expiry(
+    record: Option<&Record>,
+    seen: Seen,
+    now: Instant,
+    wall: Timestamp,
+) -> Option<Instant> {
+    let record = record.filter(|r| !r.holder.is_empty())?;
     let lasts = Duration::from_secs(u64::try_from(record.duration_seconds).unwrap_or(0));
-    if seen.first {
-        let Some(renewed) = record.renew_time.as_ref() else {
-            return false;
-        };
+    let ends = if seen.first {
+        let renewed = record.renew_time.as_ref()?;
         let lasts_ms = i64::try_from(lasts.as_millis()).unwrap_or(i64::MAX);
-        return renewed.0.as_millisecond().saturating_add(lasts_ms) > wall.as_millisecond();
-    }
-    seen.changed_at + lasts > now
+        let left_ms = renewed
+            .0
+            .as_millisecond()
+            .saturating_add(lasts_ms)
+            .saturating_sub(wall.as_millisecond());
+        now + Duration::from_millis(u64::try_from(left_ms).ok().filter(|ms| *ms > 0)?)
+    } else {
+        seen.changed_at + lasts
+    };
+    (ends > now).then_some(ends)
 }
 
 /// A replica taking part in the election for one Lease.
@@ -308,6 +323,8 @@ pub struct LeaseReader {
     api: Api<Lease>,
     name: String,
     observer: Observer,
+    /// When the holder last observed stops being live, if it is.
+    expiry: Option<Instant>,
 }
 
 impl LeaseReader {
@@ -317,24 +334,43 @@ impl LeaseReader {
             api,
             name: name.to_owned(),
             observer: Observer::default(),
+            expiry: None,
         }
     }
 
     /// Whether a labeller holds the Lease and renews it ([`holder_live`]). Read
-    /// from the API server's cache (`resourceVersion=0`): a node asks often.
+    /// from the API server's cache (`resourceVersion=0`).
     pub async fn holder_live(&mut self) -> Result<bool, kube::Error> {
         let lease = match self.api.get_with(&self.name, &GetParams::any()).await {
             Ok(l) => Some(l),
             Err(kube::Error::Api(s)) if s.code == 404 => None,
             Err(e) => return Err(e),
         };
+        self.observe(lease.as_ref());
+        Ok(self.live())
+    }
+
+    /// Takes the Lease as read or watched now (`None`: there is none).
+    pub fn observe(&mut self, lease: Option<&Lease>) {
         let now = Instant::now();
-        let Some(record) = lease.as_ref().map(Record::of) else {
+        let Some(record) = lease.map(Record::of) else {
             self.observer.forget();
-            return Ok(false);
+            self.expiry = None;
+            return;
         };
         let seen = self.observer.observe(&record, now);
-        Ok(holder_live(Some(&record), seen, now, Timestamp::now()))
+        self.expiry = holder_expiry(Some(&record), seen, now, Timestamp::now());
+    }
+
+    /// Whether the holder, as last observed, is live now.
+    pub fn live(&self) -> bool {
+        self.expiry.is_some_and(|e| e > Instant::now())
+    }
+
+    /// When the holder's time runs out unless the Lease changes again; `None`
+    /// when it is not live.
+    pub fn expiry(&self) -> Option<Instant> {
+        self.expiry
     }
 }
 

@@ -37,7 +37,7 @@ pub use devices::{
 };
 pub use driver::{follow_node, VfioDriver};
 pub use health::HealthBoard;
-pub use metrics::Metrics;
+pub use metrics::{LabellerMetrics, Metrics};
 pub use model::{
     device_name, group_device_name, parse_device_name, reason, ClaimDevice, ClaimPhase,
     ClaimRecord, ClaimRecords, DeviceName, StateFile, DEFAULT_DRIVER_NAME,

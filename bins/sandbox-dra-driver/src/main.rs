@@ -96,7 +96,13 @@ Run it as a Deployment of two replicas: only the holder of the coordination.k8s.
 <POD_NAMESPACE>/<--lease> acts (client-go's election: 15 s lease, renewed every 2 s, a
 leader that cannot renew for 10 s exits). On SIGTERM it releases the Lease, so the
 standby takes over within 2 s. Nodes never depend on it for prepare, and with
---claim-watch auto they watch every claim while no labeller holds the Lease.
+--claim-watch auto they watch every claim once no labeller has held the Lease for 5 s
+(so at most 20 s after a dead labeller's last renewal).
+
+It serves Prometheus metrics at http://ADDR/metrics (leading or not, label patches by
+change and result, failed Lease requests) and its readiness at http://ADDR/readyz: 200
+while a read or renewal of the Lease succeeded within the last 10 s (leading, or standing
+by), 503 saying why otherwise.
 
 Exit codes: 0 stopped by a signal, 1 the Lease was lost or the API server could not be
 used, 2 bad usage.";
@@ -264,6 +270,10 @@ struct ControllerArgs {
     /// This replica's name in the Lease (downward API: the pod's name).
     #[arg(long, env = "POD_NAME", value_name = "NAME")]
     pod_name: String,
+    /// Serve metrics at http://ADDR/metrics and readiness at http://ADDR/readyz.
+    /// ADDR is IP:PORT or :PORT for every address.
+    #[arg(long, env = "VFIO_SANDBOX_METRICS_ADDRESS", value_name = "ADDR", default_value = ":9405", value_parser = endpoint::parse_address)]
+    metrics_address: ListenAddress,
 }
 
 fn main() -> ExitCode {
@@ -377,6 +387,28 @@ fn controller(args: &ControllerArgs) -> ExitCode {
             (Ok(t), Ok(i)) => (t, i),
             (Err(e), _) | (_, Err(e)) => return fail(PROGRAM, &e, EXIT_NOT_READY),
         };
+        let mut registry = endpoint::registry();
+        let metrics = Arc::new(sandbox_dra_driver::LabellerMetrics::new(&mut registry));
+        let health = Arc::new(sandbox_dra_driver::controller::Health::default());
+        let listener = match endpoint::bind(&args.metrics_address).await {
+            Ok(l) => l,
+            Err(e) => return fail(PROGRAM, &e, EXIT_USAGE),
+        };
+        if let Ok(address) = listener.local_addr() {
+            tracing::info!(%address, "serving metrics at /metrics and readiness at /readyz");
+        }
+        let ready: endpoint::Readiness = {
+            let (health, within) = (
+                health.clone(),
+                sandbox_dra_driver::lease::TIMING.renew_deadline,
+            );
+            Arc::new(move || health.readiness(within))
+        };
+        tokio::spawn(endpoint::serve_with_readiness(
+            listener,
+            Arc::new(registry),
+            ready,
+        ));
         let labeller = Labeller {
             client: cluster.kube_client(),
             watch_client: cluster.watch_client(),
@@ -385,6 +417,8 @@ fn controller(args: &ControllerArgs) -> ExitCode {
             lease: args.lease.clone(),
             identity: args.pod_name.clone(),
             timing: sandbox_dra_driver::lease::TIMING,
+            metrics,
+            health,
         };
         let stop = async move {
             tokio::select! {

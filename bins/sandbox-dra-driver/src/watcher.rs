@@ -124,7 +124,11 @@ pub async fn watch_claims(follow: ClaimWatcher) {
                 .await;
         }
         (ClaimWatch::Auto, Some(lease)) => {
-            let mut labeller = Labeller::new(follow.cluster.kube_client(), lease);
+            let mut labeller = Labeller::new(
+                follow.cluster.kube_client(),
+                follow.cluster.watch_client(),
+                lease,
+            );
             loop {
                 let scope = labeller.look().await;
                 follow

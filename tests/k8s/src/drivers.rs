@@ -342,8 +342,8 @@ pub const LABELLER: &str = "sandbox-dra-driver-controller";
 /// Starts the claim labeller (`sandbox-dra-driver controller`) on the host as
 /// the Deployment runs it: a token of its own account (so the shipped RBAC is
 /// all it may do), `POD_NAMESPACE` and `POD_NAME` = `name`, its name in the
-/// Lease.
-pub fn start_labeller(plane: &ControlPlane, binary: &Path, name: &str) -> Result<Proc> {
+/// Lease. Its metrics and readiness on a port of its own, returned.
+pub fn start_labeller(plane: &ControlPlane, binary: &Path, name: &str) -> Result<(Proc, u16)> {
     let token = plane
         .kubectl(&[
             "create",
@@ -365,7 +365,32 @@ pub fn start_labeller(plane: &ControlPlane, binary: &Path, name: &str) -> Result
         .env("POD_NAMESPACE", DRIVER_NS)
         .env("POD_NAME", name)
         .arg("--log-level=info,sandbox_dra_driver=debug");
-    Proc::spawn(name, cmd, &plane.logs_dir())
+    let port = crate::proc::free_port()?;
+    cmd.arg(format!("--metrics-address=127.0.0.1:{port}"));
+    Ok((Proc::spawn(name, cmd, &plane.logs_dir())?, port))
+}
+
+/// `GET path` on a local port: the status code and the body.
+pub fn http_get(port: u16, path: &str) -> Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("not an HTTP answer: {text:?}"))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_owned();
+    Ok((code, body))
 }
 
 /// Starts `sandbox-device-plugin` on kubelet's device-plugin directory with the

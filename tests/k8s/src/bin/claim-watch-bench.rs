@@ -476,7 +476,8 @@ async fn start_labeller(
         .env("KUBECONFIG", &plane.admin)
         .env("POD_NAMESPACE", ns)
         .env("POD_NAME", "labeller-0")
-        .env("VFIO_SANDBOX_LOG_LEVEL", "info");
+        .env("VFIO_SANDBOX_LOG_LEVEL", "info")
+        .arg("--metrics-address=127.0.0.1:0");
     let labeller = Proc::spawn(&format!("labeller-{ns}"), cmd, &plane.logs_dir())?;
     let lease = format!("/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/{LEASE}");
     let start = Instant::now();
