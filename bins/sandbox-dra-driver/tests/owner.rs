@@ -453,3 +453,70 @@ async fn vfio_manager_that_lost_the_node_is_not_ready_at_once_and_comes_back() {
     );
     stop(&mut manager);
 }
+
+/// A lock file deleted under its holder (a cleanup of its directory) is taken
+/// again at once, by the DRA driver and by vfio-manager alike: the record names
+/// the holder again within a second, and neither stops advertising.
+#[tokio::test]
+async fn a_deleted_lock_is_taken_again_at_once_by_its_holder() {
+    // The driver.
+    let scene = Scene::new();
+    let server = cluster();
+    let mut driver = scene.start(&server).await;
+    let _reg = register(&scene).await;
+    driver
+        .wait_until("published and ready", || {
+            !slices(&server).is_empty() && scene.ready_file().exists()
+        })
+        .await;
+    let version = slices(&server)[0]["metadata"]["resourceVersion"].clone();
+    std::fs::remove_dir_all(scene.owner_lock().parent().unwrap()).unwrap();
+    let deleted = Instant::now();
+    driver
+        .wait_until("the lock taken again", || {
+            scene.owner()["owner"] == "sandbox-dra-driver"
+        })
+        .await;
+    let took = deleted.elapsed();
+    assert!(took < Duration::from_secs(1), "taken again after {took:?}");
+    assert!(
+        driver
+            .log()
+            .contains("was deleted while held; took it again"),
+        "{}",
+        driver.log()
+    );
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(
+        slices(&server)[0]["metadata"]["resourceVersion"],
+        version,
+        "the slice was not touched"
+    );
+    assert!(scene.ready_file().exists());
+    let (status, log) = driver.terminate().await;
+    assert_eq!(status.code(), Some(0), "{log}");
+
+    // vfio-manager.
+    let scene = Scene::new();
+    let ready = scene.root().join("run/vfio-manager/ready");
+    let mut manager = scene.manager("manager.log");
+    manager.args(["run", "--resync-interval", "1h"]);
+    let mut manager = manager.spawn().unwrap();
+    let deadline = Instant::now() + WAIT;
+    while !ready.exists() {
+        assert!(Instant::now() < deadline, "vfio-manager not ready");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    std::fs::remove_file(scene.owner_lock()).unwrap();
+    let deleted = Instant::now();
+    while scene.owner()["owner"] != "vfio-manager" {
+        assert!(
+            deleted.elapsed() < Duration::from_secs(1),
+            "not taken again"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(ready.exists(), "still ready");
+    stop(&mut manager);
+}
