@@ -268,32 +268,35 @@ impl<U: Holder<OwnedFd>, V: Holder<Inotify>> Sources<U, V> {
 /// Reads every queued `/dev/vfio` event; false when the watch ended (the directory
 /// went away).
 fn drain_vfio(inotify: &mut Inotify, changes: &mut Changes) -> bool {
-    let mut buf = [0u8; 4096];
-    loop {
-        let events = match inotify.read_events(&mut buf) {
-            Ok(events) => events,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => return false,
-        };
-        for ev in events {
-            if ev.mask.contains(EventMask::IGNORED) {
-                return false;
-            }
-            if ev.mask.contains(EventMask::Q_OVERFLOW) {
-                changes.full = true;
-            }
-            // Group nodes are named by their number; `vfio` is the container.
-            if let Some(g) = ev.name.and_then(|n| n.to_str()?.parse().ok()) {
-                changes.groups.insert(g);
-            }
+    drain(inotify, |ev| {
+        if ev.mask.contains(EventMask::Q_OVERFLOW) {
+            changes.full = true;
         }
-    }
+        // Group nodes are named by their number; `vfio` is the container.
+        if let Some(g) = ev.name.and_then(|n| n.to_str()?.parse().ok()) {
+            changes.groups.insert(g);
+        }
+    })
 }
 
 /// Reads every queued event of the owner lock's directory, noting those of the
 /// lock file `name`; false when the watch ended (the directory went away).
 fn drain_owner(inotify: &mut Inotify, name: &std::ffi::OsStr, changes: &mut Changes) -> bool {
+    drain(inotify, |ev| {
+        if ev.mask.contains(EventMask::Q_OVERFLOW)
+            || ev
+                .mask
+                .intersects(EventMask::DELETE_SELF | EventMask::MOVE_SELF)
+            || ev.name == Some(name)
+        {
+            changes.owner = true;
+        }
+    })
+}
+
+/// Hands every queued event of `inotify` to `each`, without waiting; false when
+/// the watch ended (its directory went away, or the descriptor failed).
+fn drain(inotify: &mut Inotify, mut each: impl FnMut(&inotify::Event<&std::ffi::OsStr>)) -> bool {
     let mut buf = [0u8; 4096];
     loop {
         let events = match inotify.read_events(&mut buf) {
@@ -306,14 +309,7 @@ fn drain_owner(inotify: &mut Inotify, name: &std::ffi::OsStr, changes: &mut Chan
             if ev.mask.contains(EventMask::IGNORED) {
                 return false;
             }
-            if ev.mask.contains(EventMask::Q_OVERFLOW)
-                || ev
-                    .mask
-                    .intersects(EventMask::DELETE_SELF | EventMask::MOVE_SELF)
-                || ev.name == Some(name)
-            {
-                changes.owner = true;
-            }
+            each(&ev);
         }
     }
 }
