@@ -75,8 +75,6 @@ struct Inner {
     stuck: BTreeSet<PciAddress>,
     /// The node's interrupt isolation as last read, once read.
     interrupts: Option<InterruptIsolation>,
-    /// Why no VM can take a device here, when the node isolates no interrupts.
-    no_isolation: Option<String>,
 }
 
 impl std::fmt::Debug for HealthBoard {
@@ -163,8 +161,6 @@ impl HealthBoard {
                 found.finding()
             ),
         }
-        inner.no_isolation =
-            (verdict == Verdict::Missing).then(|| format!("{}; {}", found.finding(), found.fix()));
         inner.interrupts = Some(found);
         true
     }
@@ -290,6 +286,12 @@ impl HealthBoard {
         );
         let stuck = self.stuck.get();
         inner.stuck = stuck.keys().copied().collect();
+        // Why no VM can take a device here, when the node isolates no interrupts.
+        let no_isolation = inner
+            .interrupts
+            .as_ref()
+            .filter(|f| f.verdict() == Verdict::Missing)
+            .map(|f| format!("{}; {}", f.finding(), f.fix()));
         let mut changed = false;
         for address in addresses {
             if let Some(e) = inv.get(&address) {
@@ -300,7 +302,7 @@ impl HealthBoard {
                 Some(n) => *inner.fatal_baseline.entry(address).or_insert(n),
                 None => 0,
             };
-            let (health, reason, message) = match (stuck.get(&address), &inner.no_isolation) {
+            let (health, reason, message) = match (stuck.get(&address), &no_isolation) {
                 (Some(w), _) => (Health::Unhealthy, Some(reason::STUCK), w.to_string()),
                 (None, Some(why)) if inv.get(&address).is_some() => (
                     Health::Unhealthy,

@@ -193,18 +193,21 @@ impl InterruptIsolation {
 
     /// How to fix a node without isolation.
     pub fn fix(&self) -> String {
-        let arm = self.chips.iter().any(|c| c.starts_with("GIC"));
-        let hardware = if arm {
-            "the platform needs a GICv3 with an ITS for MSIs (a GICv2m frame does not isolate them): enable it in the firmware (ACPI MADT / device tree)".to_owned()
-        } else {
-            match self.vtd_can_remap {
-                Some(true) => "the VT-d unit can remap interrupts but remapping is off: remove intremap=off from the kernel command line (and keep intel_iommu=on), then reboot".to_owned(),
-                _ => "turn interrupt remapping on: enable VT-d / AMD-Vi with interrupt remapping (and x2APIC) in the firmware, keep intremap=off and amd_iommu_intr=legacy off the kernel command line, then reboot".to_owned(),
-            }
-        };
         format!(
-            "{hardware}; as a last resort, knowing what it gives up, load vfio_iommu_type1 with allow_unsafe_interrupts=1"
+            "{}; as a last resort, knowing what it gives up, load vfio_iommu_type1 with allow_unsafe_interrupts=1",
+            self.hardware_fix()
         )
+    }
+
+    /// What makes the hardware isolate MSIs here.
+    fn hardware_fix(&self) -> &'static str {
+        if self.chips.iter().any(|c| c.starts_with("GIC")) {
+            return "the platform needs a GICv3 with an ITS for MSIs (a GICv2m frame does not isolate them): enable it in the firmware (ACPI MADT / device tree)";
+        }
+        match self.vtd_can_remap {
+            Some(true) => "the VT-d unit can remap interrupts but remapping is off: remove intremap=off from the kernel command line (and keep intel_iommu=on), then reboot",
+            _ => "turn interrupt remapping on: enable VT-d / AMD-Vi with interrupt remapping (and x2APIC) in the firmware, keep intremap=off and amd_iommu_intr=legacy off the kernel command line, then reboot",
+        }
     }
 
     /// What passing without isolation gives up, when a module allows it.
@@ -218,7 +221,7 @@ impl InterruptIsolation {
             format!(
                 "{} lets VMs take devices without interrupt isolation: a guest's device can then write any MSI and raise interrupts on the host or in other guests; {}",
                 on.join(" and "),
-                self.fix().split("; as a last resort").next().unwrap_or_default()
+                self.hardware_fix()
             )
         })
     }
