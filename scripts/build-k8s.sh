@@ -4,12 +4,13 @@
 # kubelet and kubectl from k8s.io/kubernetes, and etcd from
 # go.etcd.io/etcd/server/v3 at the version that release pins; and the container
 # runtime kubelet runs pods with: containerd, its runc shim and ctr, from
-# github.com/containerd/containerd/v2. Each is a Go module under
+# github.com/containerd/containerd/v2; and helm (helm.sh/helm/v3), which
+# installs the chart. Each is a Go module under
 # tests/k8s/<name>/ holding only go.mod and go.sum: the commands are its `tool`
 # directives, and (for a release) each k8s.io staging module is replaced by its
 # tagged version (k8s.io/kubernetes requires them at v0.0.0).
 #
-# Usage: scripts/build-k8s.sh [NAME...]   (v1.34, v1.37, containerd; default: all)
+# Usage: scripts/build-k8s.sh [NAME...]   (v1.34, v1.37, containerd, helm; default: all)
 #
 # Prints, per module, the directory holding its binaries. They are cached
 # under $HOME/.cache/vfio-sandbox/k8s/<release>/<hash of go.mod and go.sum>/, so

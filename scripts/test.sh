@@ -146,12 +146,12 @@ done
 step "CDI runtime: Debian's podman (runc) runs a container with a prepared claim's CDI devices and sees the PCI_RESOURCE_<NAME> variables, the VFIO nodes and the metadata files"
 pkg_ensure test.sh podman:podman runc:runc busybox-static:/bin/busybox
 lint_cargo test --workspace --test cdi_runtime --locked -- --ignored --nocapture
-step "the real Kubernetes, from its Go modules: kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kubectl and etcd of v1.34 and v1.37, and containerd 2 (scripts/build-k8s.sh; cached per module and flags, so a warm machine builds nothing)"
+step "the real Kubernetes, from its Go modules: kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kubectl and etcd of v1.34 and v1.37, containerd 2 and helm (scripts/build-k8s.sh; cached per module and flags, so a warm machine builds nothing)"
 pkg_ensure test.sh runc:runc busybox-static:/bin/busybox containernetworking-plugins:/usr/lib/cni/loopback \
     openssl:openssl util-linux:nsenter
-mapfile -t k8s_built < <(scripts/build-k8s.sh v1.34 v1.37 containerd)
-((${#k8s_built[@]} == 3)) || { echo "scripts/build-k8s.sh did not give three build directories" >&2; exit 1; }
-step "the drivers against the real Kubernetes (tests/k8s, real-k8s): v1.34 with the DRA gates on and with its defaults, v1.37 with its defaults; shipped RBAC and DeviceClasses, real kubelet and containerd running busybox pods"
+mapfile -t k8s_built < <(scripts/build-k8s.sh v1.34 v1.37 containerd helm)
+((${#k8s_built[@]} == 4)) || { echo "scripts/build-k8s.sh did not give four build directories" >&2; exit 1; }
+step "the drivers against the real Kubernetes (tests/k8s, real-k8s): v1.34 with the DRA gates on and with its defaults, v1.37 with its defaults; the chart installed with helm (its RBAC and DeviceClasses), real kubelet and containerd running busybox pods"
 # The three runs are independent (their own ports, scratch, cgroups and mount
 # namespaces) and mostly wait on the components: side by side. Each line they
 # print names its run.
@@ -159,7 +159,7 @@ k8s_runs=()
 for run in "v1.34 features ${k8s_built[0]}" "v1.34 defaults ${k8s_built[0]}" "v1.37 defaults ${k8s_built[1]}"; do
     read -r release gates bins <<<"$run"
     target/debug/real-k8s --release "$(awk '$1 == "k8s.io/kubernetes" { print $2 }' "tests/k8s/$release/go.mod")" \
-        --gates "$gates" --k8s-bins "$bins" --containerd-bins "${k8s_built[2]}" --our-bins target/debug &
+        --gates "$gates" --k8s-bins "$bins" --containerd-bins "${k8s_built[2]}" --helm "${k8s_built[3]}/helm" --our-bins target/debug &
     k8s_runs+=($!)
 done
 k8s_failed=0

@@ -1,7 +1,7 @@
-//! The DRA DeviceClasses under `manifests/dra/deviceclasses` cover every name the
-//! `rebellions` preset gives a device it knows, in both namings, each class named
-//! after its resource and selecting exactly that `resourceName`; Rebellions' own
-//! class names are an opt-in component (`manifests/components/rebellions-dra-classes`).
+//! The DRA DeviceClasses the chart installs (`charts/vfio-sandbox/files/deviceclasses`)
+//! cover every name the `rebellions` preset gives a device it knows, in both namings,
+//! each class named after its resource and selecting exactly that `resourceName`;
+//! Rebellions' own class names are opt-in (`draDriver.rebellionsClasses`).
 
 #![allow(clippy::unwrap_used)]
 
@@ -11,14 +11,35 @@ use passthrough::config::rebellions_names;
 
 const DRIVER: &str = "vfio-sandbox.rebellions.ai";
 
+fn chart() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../charts/vfio-sandbox")
+}
+
+/// The chart's template that installs the class files, and the lines of it that
+/// decide whether `file` is installed.
+fn installs(file: &str) -> String {
+    let template =
+        std::fs::read_to_string(chart().join("templates/dra-deviceclasses.yaml")).unwrap();
+    let mut gate = String::new();
+    for line in template.lines() {
+        if line.contains("{{- if ") {
+            gate = line.to_owned();
+        }
+        if line.contains(&format!("files/deviceclasses/{file}")) {
+            return format!("{gate}\n{line}");
+        }
+    }
+    panic!("{file} is not installed by templates/dra-deviceclasses.yaml")
+}
+
 fn manifests() -> String {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../manifests/dra/deviceclasses");
+    let dir = chart().join("files/deviceclasses");
     let mut text = String::new();
     for file in ["rebellions.yaml", "rebellions-pci-ids.yaml"] {
-        let kustomization = std::fs::read_to_string(dir.join("kustomization.yaml")).unwrap();
+        let gate = installs(file);
         assert!(
-            kustomization.contains(&format!("- {file}")),
-            "{file} is not installed"
+            gate.contains(".Values.draDriver.deviceClasses"),
+            "{file} is installed under {gate}"
         );
         text.push_str(&std::fs::read_to_string(dir.join(file)).unwrap());
         text.push_str("\n---\n");
@@ -111,10 +132,9 @@ fn no_class_selects_a_name_no_naming_gives() {
 /// Rebellions' DRA driver (`npu.rebellions.ai`) and the domain of its attributes.
 const REBELLIONS: &str = "npu.rebellions.ai";
 
-fn component(file: &str) -> String {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../manifests/components/rebellions-dra-classes");
-    std::fs::read_to_string(dir.join(file)).unwrap()
+fn vocabulary() -> String {
+    std::fs::read_to_string(chart().join("files/deviceclasses/rebellions-dra-vocabulary.yaml"))
+        .unwrap()
 }
 
 /// The CEL expressions of a DeviceClass document, folded onto one line.
@@ -132,18 +152,21 @@ fn expressions(doc: &str) -> Vec<String> {
         .collect()
 }
 
-/// Rebellions' class names for our devices: an opt-in component (the names are
+/// Rebellions' class names for our devices: opt-in (the names are
 /// Rebellions' own, so the default set may not take them), each class pinned to
 /// our driver and testing an attribute of Rebellions' domain before reading it
 /// (a missing one is a CEL error that aborts the claim's allocation), as
 /// Rebellions' chart has them: `vfio-npu.rebellions.ai` selects `type == "vfio"`,
 /// `npu.rebellions.ai` serves `rebellions.ai/npu`.
 #[test]
-fn rebellions_class_names_are_an_opt_in_component_for_our_devices_only() {
-    let kustomization = component("kustomization.yaml");
-    assert!(kustomization.contains("kind: Component"), "{kustomization}");
-    assert!(kustomization.contains("  - deviceclasses.yaml"));
-    let text = component("deviceclasses.yaml");
+fn rebellions_class_names_are_opt_in_for_our_devices_only() {
+    let gate = installs("rebellions-dra-vocabulary.yaml");
+    assert!(
+        gate.contains(".Values.draDriver.rebellionsClasses")
+            && !gate.contains(".Values.draDriver.deviceClasses"),
+        "{gate}"
+    );
+    let text = vocabulary();
     let docs: Vec<&str> = text
         .split("\n---\n")
         .filter(|d| d.contains("kind: DeviceClass"))

@@ -38,7 +38,7 @@ pub fn daemonset(ns: &str, name: &str, node_selector: &[(&str, &str)]) -> Value 
     })
 }
 
-/// A DaemonSet shaped like the shipped vfio-manager's (manifests/base/vfio-manager.yaml):
+/// A DaemonSet shaped like the shipped vfio-manager's (the chart's templates/vfio-manager.yaml):
 /// no node selector, and a required node affinity of two ORed terms, the `selector`
 /// labels (VM mode) or `restore_label=true` (a restore to finish).
 pub fn daemonset_with_restore_label(

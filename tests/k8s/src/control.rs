@@ -107,6 +107,8 @@ pub struct ControlPlane {
     pub gates: Gates,
     /// The node whose kubelet has a token.
     pub node: String,
+    /// helm (scripts/build-k8s.sh helm), for the chart.
+    pub helm: Option<PathBuf>,
     // Stopped in reverse order of start (fields drop in declaration order).
     scheduler: Option<Proc>,
     kcm: Option<Proc>,
@@ -220,6 +222,7 @@ impl ControlPlane {
             release,
             gates,
             node: node.to_owned(),
+            helm: None,
             scheduler: None,
             kcm: None,
             apiserver,
@@ -316,6 +319,22 @@ impl ControlPlane {
         run(Command::new(self.bins.join("kubectl"))
             .arg(format!("--kubeconfig={}", self.admin.display()))
             .args(args))
+    }
+
+    /// helm, as the cluster's admin, with its caches and configuration in the
+    /// scratch directory.
+    pub fn helm(&self, args: &[&str]) -> Result<String> {
+        let helm = self
+            .helm
+            .as_ref()
+            .context("real-k8s was not given --helm")?;
+        let home = self.dir.join("helm");
+        run(Command::new(helm)
+            .arg(format!("--kubeconfig={}", self.admin.display()))
+            .args(args)
+            .env("HELM_CACHE_HOME", home.join("cache"))
+            .env("HELM_CONFIG_HOME", home.join("config"))
+            .env("HELM_DATA_HOME", home.join("data")))
     }
 
     /// `kubectl … -o json`, parsed.

@@ -17,7 +17,7 @@ use crate::pcicore::PciCore;
 use crate::pki::kubeconfig;
 use crate::proc::{wait_for, Proc};
 
-/// The DRA driver's name (the shipped default) and namespace (manifests/dra/driver).
+/// The DRA driver's name (the shipped default) and the namespace the scenarios install the chart's DRA values in.
 pub const DRIVER: &str = "vfio-sandbox.rebellions.ai";
 pub const DRIVER_NS: &str = "vfio-sandbox-dra";
 pub const DRIVER_SA: &str = "sandbox-dra-driver";
@@ -188,16 +188,30 @@ fn char_devices(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The rendered shipped manifests of the DRA overlay, applied as they are
-/// (the DaemonSet lands on no node: ours does not carry its label).
+/// The chart (`charts/vfio-sandbox`).
+pub fn chart() -> PathBuf {
+    repo().join("charts/vfio-sandbox")
+}
+
+/// The release of the chart with its DRA values (`examples/dra.yaml`).
+pub const DRA_RELEASE: &str = "vfio-sandbox-dra";
+
+/// `helm install` of the chart with its DRA values, as a user installs it (the
+/// DaemonSet lands on no node: ours does not carry its label).
 pub fn install_dra_manifests(plane: &ControlPlane) -> Result<()> {
-    let rendered = plane.kubectl(&[
-        "kustomize",
-        path_str(&repo().join("manifests/overlays/dra")),
-    ])?;
+    let chart = chart();
     plane
-        .apply(&rendered)
-        .context("applying manifests/overlays/dra")?;
+        .helm(&[
+            "install",
+            DRA_RELEASE,
+            path_str(&chart),
+            "--namespace",
+            DRIVER_NS,
+            "--create-namespace",
+            "-f",
+            path_str(&chart.join("examples/dra.yaml")),
+        ])
+        .context("helm install of the chart with examples/dra.yaml")?;
     // The claim labeller's Deployment would pull an image the node does not
     // have; the scenarios that need the labeller run its binary on the host.
     plane
@@ -210,6 +224,31 @@ pub fn install_dra_manifests(plane: &ControlPlane) -> Result<()> {
         ])
         .context("scaling the claim labeller's Deployment to 0")?;
     Ok(())
+}
+
+/// The resource list the chart ships (its ConfigMap with the default values),
+/// written to a file in the control plane's directory.
+pub fn shipped_config(plane: &ControlPlane) -> Result<PathBuf> {
+    let path = plane.dir.join("shipped-config.json");
+    if path.exists() {
+        return Ok(path);
+    }
+    let rendered = plane.helm(&[
+        "template",
+        "shipped",
+        path_str(&chart()),
+        "--show-only",
+        "templates/config.yaml",
+    ])?;
+    // The template writes the value with `quote`: a double-quoted string, in
+    // the syntax YAML and JSON share.
+    let quoted = rendered
+        .lines()
+        .find_map(|l| l.trim_start().strip_prefix("config.json: "))
+        .context("the chart's ConfigMap has no config.json")?;
+    let config: String = serde_json::from_str(quoted).context("reading the chart's config.json")?;
+    std::fs::write(&path, config)?;
+    Ok(path)
 }
 
 /// A running DRA driver.
@@ -252,7 +291,7 @@ pub fn start_dra(
     binary: &Path,
     extra_env: &[(&str, &str)],
 ) -> Result<DraDriver> {
-    let config = repo().join("manifests/dra/driver/config.json");
+    let config = shipped_config(plane)?;
     start_dra_with(plane, node, host, binary, extra_env, &config)
 }
 
@@ -336,7 +375,7 @@ pub fn start_dra_with(
     })
 }
 
-/// The claim labeller's account and Lease (`manifests/dra/driver/controller.yaml`).
+/// The claim labeller's account and Lease (the chart's `templates/dra-controller.yaml`).
 pub const LABELLER: &str = "sandbox-dra-driver-controller";
 
 /// Starts the claim labeller (`sandbox-dra-driver controller`) on the host as
@@ -402,7 +441,7 @@ pub fn start_device_plugin(
     binary: &Path,
 ) -> Result<Proc> {
     let mut cmd = Command::new(binary);
-    host.common_args(&mut cmd, &repo().join("manifests/base/config.json"));
+    host.common_args(&mut cmd, &shipped_config(plane)?);
     cmd.env_clear()
         .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         .arg(format!(

@@ -49,6 +49,9 @@ struct Cli {
     /// Our binaries (sandbox-dra-driver, sandbox-device-plugin).
     #[arg(long, value_name = "DIR")]
     our_bins: PathBuf,
+    /// helm (scripts/build-k8s.sh helm), which installs the chart.
+    #[arg(long, value_name = "FILE")]
+    helm: PathBuf,
     /// Scratch directory (default: a new one under /dev/shm or the temp dir).
     #[arg(long, value_name = "DIR")]
     dir: Option<PathBuf>,
@@ -201,7 +204,7 @@ fn run(cli: &Cli, release: Release) -> Result<bool> {
     let label = format!("{} ({})", cli.release, cli.gates);
     println!("real-k8s {label}: scratch and logs in {}", dir.display());
     let start = Instant::now();
-    let plane = ControlPlane::start(
+    let mut plane = ControlPlane::start(
         &cli.k8s_bins,
         &dir.join("cluster"),
         release,
@@ -209,6 +212,7 @@ fn run(cli: &Cli, release: Release) -> Result<bool> {
         "node-a",
     )
     .context("starting the control plane")?;
+    plane.helm = Some(cli.helm.clone());
     println!(
         "real-k8s {label}: control plane up in {:.1} s",
         start.elapsed().as_secs_f64()

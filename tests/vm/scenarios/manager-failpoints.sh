@@ -50,7 +50,7 @@ kill_at bind-after-probe --unload-module e1000e
 
 # ---- leaving VM mode -------------------------------------------------------
 # The stand-in API server holds what a cluster would: the Node with the deploy
-# label, the DaemonSet shaped like manifests/base/vfio-manager.yaml (deploy label
+# label, the DaemonSet shaped like the chart's vfio-manager (deploy label
 # OR restore label, two required node-affinity terms) and its pods on the Node.
 NODE=vm-node
 NS=vfio-sandbox

@@ -361,13 +361,13 @@ fn seed_devices_carry_only_our_attributes() {
     }
 }
 
-/// Every attribute of Rebellions' domain that the opt-in classes of
-/// `manifests/components/rebellions-dra-classes` read is published for a
+/// Every attribute of Rebellions' domain that the chart's opt-in classes
+/// (`draDriver.rebellionsClasses`) read is published for a
 /// `pci-ids` device, with the value they compare it to.
 #[test]
 fn rebellions_class_names_select_what_we_publish() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../manifests/components/rebellions-dra-classes/deviceclasses.yaml");
+        .join("../../charts/vfio-sandbox/files/deviceclasses/rebellions-dra-vocabulary.yaml");
     let text = std::fs::read_to_string(path).unwrap();
     let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
     let node = rebellions_node(dir.path());

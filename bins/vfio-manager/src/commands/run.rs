@@ -85,7 +85,7 @@ pub struct Args {
     restore_label: String,
 }
 
-/// The restore label of the shipped manifests (overlays/nvidia has its own).
+/// The restore label the chart sets by default (a release with a `nameSuffix` has its own).
 pub const DEFAULT_RESTORE_LABEL: &str = "vfio-sandbox.rebellions.ai/vfio-manager.restore-pending";
 
 /// How long the start waits for the restore label before it binds anything.

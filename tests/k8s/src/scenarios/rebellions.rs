@@ -1,5 +1,5 @@
 //! `dra-rebellions-vocabulary`: the real scheduler allocates our devices through
-//! Rebellions' own DeviceClass names (`manifests/components/rebellions-dra-classes`)
+//! Rebellions' own DeviceClass names (the chart's `draDriver.rebellionsClasses`)
 //! and the claims written for Rebellions' DRA driver, once the driver speaks its
 //! vocabulary (`"naming": "pci-ids"`).
 
@@ -65,13 +65,7 @@ spec:
 
 pub(super) fn dra_rebellions_vocabulary(ctx: &mut Ctx) -> Result<Outcome> {
     ensure_ns(&ctx.plane, NS)?;
-    let classes = ctx.plane.kubectl(&[
-        "kustomize",
-        path_str(&drivers::repo().join("manifests/components/rebellions-dra-classes")),
-    ])?;
-    ctx.plane
-        .apply(&classes)
-        .context("applying the rebellions-dra-classes component")?;
+    rebellions_classes(&ctx.plane, true)?;
     let result = with_classes(ctx);
     // The node as found: the shipped driver's naming, the CA22s, no class of
     // Rebellions' names, none of our claims.
@@ -88,18 +82,29 @@ pub(super) fn dra_rebellions_vocabulary(ctx: &mut Ctx) -> Result<Outcome> {
         NS,
         "--ignore-not-found",
     ]);
-    let _ = plane.kubectl(&[
-        "delete",
-        "deviceclass",
-        VFIO_CLASS,
-        NPU_CLASS,
-        "--ignore-not-found",
-    ]);
+    let _ = rebellions_classes(plane, false);
     if let Some(mut d) = ctx.dra.take() {
         d.proc.stop();
     }
     ctx.host.set_device_id(CA25_AT, CA22_ID)?;
     result
+}
+
+/// `helm upgrade` of the DRA release with Rebellions' class names on or off.
+fn rebellions_classes(plane: &ControlPlane, on: bool) -> Result<()> {
+    plane
+        .helm(&[
+            "upgrade",
+            drivers::DRA_RELEASE,
+            path_str(&drivers::chart()),
+            "--namespace",
+            drivers::DRIVER_NS,
+            "--reuse-values",
+            "--set",
+            &format!("draDriver.rebellionsClasses={on}"),
+        ])
+        .with_context(|| format!("helm upgrade with draDriver.rebellionsClasses={on}"))?;
+    Ok(())
 }
 
 fn with_classes(ctx: &mut Ctx) -> Result<Outcome> {
