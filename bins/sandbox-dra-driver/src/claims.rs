@@ -417,6 +417,8 @@ impl Claims<'_> {
             .groups()
             .into_iter()
             .filter(|g| {
+                // Unknown is for the restore to refuse (GroupUnprobed), with
+                // its cause.
                 self.pt
                     .kernel
                     .group_in_use(&self.pt.host.vfio_group_node(*g))

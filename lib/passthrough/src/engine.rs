@@ -116,6 +116,23 @@ pub enum PassthroughError {
     /// The state file could not be written: stop before touching more.
     #[error(transparent)]
     State(#[from] StateError),
+    /// Whether a VM holds a group could not be told (its node could not be
+    /// opened for a reason other than `EBUSY`): its members stay on their vfio
+    /// driver, recorded, as if a VM held it.
+    #[error(
+        "IOMMU group {group} not restored: cannot tell whether a VM holds it, so {} stay on \
+         their vfio driver",
+        members.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    )]
+    GroupUnprobed {
+        /// The group.
+        group: u32,
+        /// Its recorded members.
+        members: Vec<PciAddress>,
+        /// Why its node could not be probed.
+        #[source]
+        source: support::io::IoError,
+    },
     /// Restoring a device failed.
     #[error("cannot restore {address}")]
     Restore {

@@ -281,6 +281,36 @@ fn restore_skips_a_group_a_vm_holds_and_keeps_its_records() {
     assert!(b.state.state().devices.is_empty());
 }
 
+/// A group whose node cannot be opened (a device cgroup refuses it: EPERM) may be
+/// a VM's: it is not restored, its records stay, and the failure names the
+/// group, its members and the cause.
+#[test]
+fn restore_keeps_a_group_it_cannot_probe() {
+    let mut b = bed();
+    let inv = b.inv();
+    b.pt().bind(&inv, &[]);
+    let node4 = b.node.host.vfio_group_node(4);
+    b.kernel.unprobeable_groups.lock().unwrap().insert(node4);
+    let report = b.pt().restore(&[]);
+    assert_eq!(report.failed.len(), 1, "{:?}", report.failed);
+    let text = support::error_chain(&report.failed[0]);
+    assert!(
+        text.contains("IOMMU group 4 not restored: cannot tell whether a VM holds it")
+            && text.contains("0000:01:00.0, 0000:01:00.1 stay on their vfio driver")
+            && text.contains("/dev/vfio/4")
+            && text.contains("Operation not permitted"),
+        "{text}"
+    );
+    assert_eq!(b.driver("0000:01:00.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(b.driver("0000:01:00.1").as_deref(), Some("vfio-pci"));
+    assert_eq!(b.driver("0000:02:00.0").as_deref(), Some("e1000e"));
+    assert_eq!(b.state.state().devices.len(), 2);
+    b.kernel.unprobeable_groups.lock().unwrap().clear();
+    let report = b.pt().restore(&[]);
+    assert_eq!(report.restored.len(), 2);
+    assert!(b.state.state().devices.is_empty());
+}
+
 #[test]
 fn a_crash_between_unbind_and_probe_still_converges_and_restores() {
     let mut b = bed();

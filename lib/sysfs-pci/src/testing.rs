@@ -450,6 +450,9 @@ pub struct FakeKernel {
     pub hang_on: Mutex<Option<(String, Arc<Gate>)>>,
     /// Group nodes reported in use.
     pub busy_groups: Mutex<BTreeSet<PathBuf>>,
+    /// Group nodes whose open fails with `EPERM`, as a device cgroup that does
+    /// not allow them makes it fail in a container.
+    pub unprobeable_groups: Mutex<BTreeSet<PathBuf>>,
     /// What a probe of the device does instead of attaching its override's (or its
     /// native) driver: `Some(driver)` another driver wins it, `None` no driver
     /// takes the device (the wanted driver's probe refused it).
@@ -497,6 +500,7 @@ impl FakeKernel {
             fail_on: Mutex::default(),
             hang_on: Mutex::default(),
             busy_groups: Mutex::default(),
+            unprobeable_groups: Mutex::default(),
             probe_outcome: Mutex::default(),
             loaded: Mutex::default(),
             module_drivers: Mutex::default(),
@@ -818,6 +822,13 @@ impl Kernel for FakeKernel {
     }
 
     fn group_in_use(&self, node: &Path) -> Result<bool, IoError> {
+        if lock(&self.unprobeable_groups).contains(node) {
+            return Err(IoError::new(
+                Action::Open,
+                node,
+                std::io::Error::from_raw_os_error(nix::libc::EPERM),
+            ));
+        }
         Ok(lock(&self.busy_groups).contains(node))
     }
 }

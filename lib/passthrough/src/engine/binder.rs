@@ -201,8 +201,15 @@ impl<O: Records> Binder<'_, '_, O> {
                 return report;
             }
             Ok(false) => {}
-            Err(e) => {
-                tracing::warn!(group, error = %error_chain(&e), "cannot probe group use; restoring anyway")
+            // Unbinding a device a VM holds would take it from under the VM:
+            // unknown is treated as held (the record stays for the next try).
+            Err(source) => {
+                report.failed.push(PassthroughError::GroupUnprobed {
+                    group,
+                    members: members.iter().map(|(a, _)| *a).collect(),
+                    source,
+                });
+                return report;
             }
         }
         for (address, record) in members {
