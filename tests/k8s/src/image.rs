@@ -11,7 +11,12 @@ use serde_json::json;
 
 use crate::proc::run;
 
-const BUSYBOX: &str = "/bin/busybox";
+const BUSYBOX_BINARY: &str = "/bin/busybox";
+
+/// The image pods run, and the sandbox image containerd is told to use.
+pub const BUSYBOX: &str = "docker.io/library/busybox:vfio-sandbox-test";
+/// The sandbox ("pause") image: busybox sleeping.
+pub const PAUSE: &str = "registry.k8s.io/pause:vfio-sandbox-test";
 
 /// Writes the archive of an image named `name` running `entrypoint`, and
 /// returns its path.
@@ -30,9 +35,9 @@ pub fn busybox_archive(dir: &Path, name: &str, entrypoint: &[&str]) -> Result<Pa
     for d in ["etc", "proc", "sys", "dev", "tmp", "var/run"] {
         std::fs::create_dir_all(rootfs.join(d))?;
     }
-    std::fs::copy(BUSYBOX, rootfs.join("bin/busybox"))
-        .with_context(|| format!("copying {BUSYBOX} (Debian's busybox-static)"))?;
-    let applets = run(Command::new(BUSYBOX).arg("--list"))?;
+    std::fs::copy(BUSYBOX_BINARY, rootfs.join("bin/busybox"))
+        .with_context(|| format!("copying {BUSYBOX_BINARY} (Debian's busybox-static)"))?;
+    let applets = run(Command::new(BUSYBOX_BINARY).arg("--list"))?;
     for applet in applets
         .lines()
         .map(str::trim)

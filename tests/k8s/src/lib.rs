@@ -4,5 +4,7 @@
 //! (`claim-watch-bench`) runs the same kube-apiserver the scenarios run.
 
 pub mod control;
+pub mod guest;
+pub mod image;
 pub mod pki;
 pub mod proc;

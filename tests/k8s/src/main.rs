@@ -11,7 +11,7 @@
 //! containernetworking-plugins, and openssl.
 
 mod drivers;
-mod image;
+
 mod node;
 mod pcicore;
 mod scenarios;
@@ -160,6 +160,12 @@ fn check_inputs(cli: &Cli) -> Result<Release> {
                 missing.push(format!("{} ({flag})", path.display()));
             }
         }
+    }
+    let helm_runs = std::fs::metadata(&cli.helm)
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false);
+    if !helm_runs {
+        missing.push(format!("{} (--helm)", cli.helm.display()));
     }
     if !missing.is_empty() {
         bail!("no executable {}", missing.join(", "));

@@ -33,9 +33,7 @@ use crate::control::{feature_gates, ControlPlane, KUBELET_TOKEN};
 use crate::pki::kubeconfig;
 use crate::proc::{free_port, run, wait_for, Proc};
 
-/// The image pods run, and the sandbox image containerd is told to use.
-pub const BUSYBOX: &str = "docker.io/library/busybox:vfio-sandbox-test";
-pub const PAUSE: &str = "registry.k8s.io/pause:vfio-sandbox-test";
+pub use real_k8s::image::{BUSYBOX, PAUSE};
 
 /// containerd's binaries the run needs, in `--containerd-bins` (containerd finds
 /// its shim there, on PATH).
@@ -271,7 +269,7 @@ state = "{state}"
             (BUSYBOX, vec!["/bin/sh"]),
             (PAUSE, vec!["/bin/sleep", "2147483647"]),
         ] {
-            let archive = crate::image::busybox_archive(&images, name, &entrypoint)?;
+            let archive = real_k8s::image::busybox_archive(&images, name, &entrypoint)?;
             self.ctr(&[
                 "images",
                 "import",

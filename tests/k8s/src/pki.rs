@@ -1,5 +1,5 @@
 //! The cluster's keys, made with the machine's `openssl`: a CA, the API
-//! server's serving certificate (for 127.0.0.1 and the in-cluster names), and the
+//! server's serving certificate (for 127.0.0.1, 10.0.2.2 — the host as a test-bed guest sees it — and the in-cluster names), and the
 //! ServiceAccount token signing key pair. Clients authenticate with bearer
 //! tokens: the components with static tokens (`--token-auth-file`), the drivers
 //! with ServiceAccount tokens the API server issues.
@@ -71,7 +71,7 @@ impl Pki {
             "basicConstraints=CA:FALSE\n\
              keyUsage=critical,digitalSignature,keyEncipherment\n\
              extendedKeyUsage=serverAuth\n\
-             subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,\
+             subjectAltName=IP:127.0.0.1,IP:10.0.2.2,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,\
              DNS:kubernetes.default,DNS:kubernetes.default.svc\n",
         )?;
         openssl(

@@ -49,6 +49,11 @@ fn dirs_with_binaries(root: &std::path::Path) -> Vec<String> {
         args.push(flag.to_string());
         args.push(dir.display().to_string());
     }
+    let helm = root.join("helm");
+    std::fs::write(&helm, "#!/bin/sh\nexit 1\n").unwrap();
+    std::fs::set_permissions(&helm, std::fs::Permissions::from_mode(0o755)).unwrap();
+    args.push("--helm".to_owned());
+    args.push(helm.display().to_string());
     args
 }
 
@@ -67,6 +72,7 @@ fn help_names_every_input() {
         "--release",
         "--gates",
         "--our-bins",
+        "--helm",
         "--keep",
     ] {
         assert!(help.contains(flag), "--help lacks {flag}:\n{help}");

@@ -1,0 +1,326 @@
+//! A Kubernetes node in the real-kernel test bed: Debian 12's kernel under
+//! QEMU with the bed's emulated IOMMU and stand-in devices, running kubelet,
+//! containerd and runc (`scripts/vm/node.sh` assembles it, `scripts/vm/
+//! node-init.sh` is its `/init`), joined to a control plane on the host over
+//! QEMU's user network: the guest reaches the host's loopback as 10.0.2.2, so
+//! the API server's certificate names that address too ([`crate::pki`]).
+//!
+//! What the node runs is what a user's node runs: pods from images in its
+//! containerd, `/sys`, `/dev` and `/lib/modules` the kernel's own. The harness
+//! reads the node through a shell the guest serves on a forwarded port, as an
+//! operator would through ssh (kubelet's own port is not reachable from the
+//! API server here, so `kubectl logs` and `exec` are not used).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::control::{ControlPlane, KUBELET_TOKEN};
+use crate::image::busybox_archive;
+use crate::pki::kubeconfig;
+use crate::proc::{free_port, run, wait_for, Proc};
+
+pub use crate::image::{BUSYBOX, PAUSE};
+
+/// The guest's address of the host's loopback (QEMU's user network).
+pub const HOST_FROM_GUEST: &str = "10.0.2.2";
+
+/// What `scripts/vm/node.sh` built.
+pub struct Artifacts {
+    /// The initramfs, without the node's credentials.
+    pub initrd: PathBuf,
+    /// QEMU's command: the program, the machine and its devices.
+    pub qemu_args: Vec<String>,
+}
+
+/// Builds the node's kernel, initramfs and disk into `dir`: our image from
+/// `image_archive`, kubelet from `k8s_bins`, containerd from `containerd_bins`.
+pub fn build(
+    repo: &Path,
+    dir: &Path,
+    k8s_bins: &Path,
+    containerd_bins: &Path,
+    image_archive: &Path,
+) -> Result<Artifacts> {
+    let images = dir.join("images");
+    std::fs::create_dir_all(&images)?;
+    for (name, file, entrypoint) in [
+        (BUSYBOX, "busybox.tar", vec!["/bin/sh"]),
+        (PAUSE, "pause.tar", vec!["/bin/sleep", "2147483647"]),
+    ] {
+        let archive = busybox_archive(&dir.join("image-work"), name, &entrypoint)?;
+        std::fs::rename(&archive, images.join(file))?;
+    }
+    let out = dir.join("node");
+    let env = run(Command::new(repo.join("scripts/vm/node.sh"))
+        .arg(&out)
+        .env("K8S_BINS", k8s_bins)
+        .env("CONTAINERD_BINS", containerd_bins)
+        .env("IMAGE_ARCHIVE", image_archive)
+        .env("NODE_IMAGES", &images))
+    .context("scripts/vm/node.sh")?;
+    let value = |key: &str| -> Result<String> {
+        env.lines()
+            .find_map(|l| l.strip_prefix(&format!("{key}=")))
+            .map(|v| v.trim_matches('\'').to_owned())
+            .with_context(|| format!("scripts/vm/node.sh printed no {key}"))
+    };
+    let args = std::fs::read_to_string(value("NODE_QEMU_ARGS")?)?;
+    Ok(Artifacts {
+        initrd: PathBuf::from(value("NODE_INITRD")?),
+        qemu_args: args.lines().map(str::to_owned).collect(),
+    })
+}
+
+/// The name an OCI archive of `scripts/image.sh` gives its image
+/// (`org.opencontainers.image.ref.name` of its index), as (repository, tag).
+pub fn image_ref(archive: &Path) -> Result<(String, String)> {
+    let index = run(Command::new("tar")
+        .arg("-xOf")
+        .arg(archive)
+        .arg("index.json"))?;
+    let index: serde_json::Value = serde_json::from_str(&index)
+        .with_context(|| format!("the index of {}", archive.display()))?;
+    let name = index["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"]
+        .as_str()
+        .with_context(|| format!("{} names no image", archive.display()))?;
+    let (repo, tag) = name
+        .rsplit_once(':')
+        .with_context(|| format!("{name}: no tag"))?;
+    Ok((repo.to_owned(), tag.to_owned()))
+}
+
+/// The running guest.
+pub struct Guest {
+    /// Its name, the Node's.
+    pub name: String,
+    /// The serial console's file.
+    pub console: PathBuf,
+    shell_port: u16,
+    qemu: Proc,
+}
+
+impl Guest {
+    /// Boots the node for `plane` and waits until its Node is Ready.
+    pub fn boot(plane: &ControlPlane, dir: &Path, built: &Artifacts) -> Result<Self> {
+        let config = dir.join("config/node-config");
+        std::fs::create_dir_all(&config)?;
+        let port = plane
+            .server
+            .rsplit(':')
+            .next()
+            .context("the API server's address has no port")?;
+        std::fs::copy(&plane.pki.ca, config.join("ca.crt"))?;
+        kubeconfig(
+            &config.join("kubelet.kubeconfig"),
+            &format!("https://{HOST_FROM_GUEST}:{port}"),
+            Path::new("/node-config/ca.crt"),
+            KUBELET_TOKEN,
+        )?;
+        std::fs::write(
+            config.join("node.env"),
+            format!("NODE_NAME={}\n", plane.node),
+        )?;
+        std::fs::write(config.join("kubelet.yaml"), kubelet_config())?;
+        std::fs::write(config.join("containerd.toml"), CONTAINERD_CONFIG)?;
+        // The pods' network: a bridge with addresses from host-local, as a
+        // plain CNI install has it (Debian's containernetworking-plugins).
+        std::fs::write(
+            config.join("10-pods.conflist"),
+            r#"{"cniVersion": "1.0.0", "name": "pods", "plugins": [{"type": "bridge",
+  "bridge": "cni0", "isGateway": true, "ipMasq": false,
+  "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.0.0/24"}]],
+           "routes": [{"dst": "0.0.0.0/0"}]}}]}"#,
+        )?;
+        let cpio = dir.join("config.cpio");
+        run(Command::new("sh").arg("-c").arg(format!(
+            "cd '{}' && find node-config | cpio -o -H newc -R 0:0 --quiet > '{}'",
+            dir.join("config").display(),
+            cpio.display()
+        )))?;
+        let initrd = dir.join("initrd");
+        let mut bytes = std::fs::read(&built.initrd)?;
+        bytes.extend(std::fs::read(&cpio)?);
+        std::fs::write(&initrd, bytes)?;
+
+        let shell_port = free_port()?;
+        let console = plane.logs_dir().join("guest-console.log");
+        let mut args = built.qemu_args.iter();
+        let program = args.next().context("node.sh gave no QEMU command")?;
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .arg("-netdev")
+            .arg(format!(
+                "user,id=node_net,hostfwd=tcp:127.0.0.1:{shell_port}-:2323"
+            ))
+            .arg("-initrd")
+            .arg(&initrd)
+            .arg("-append")
+            // As the bed boots (scripts/vm/run.sh): no_timer_check against the
+            // early timer check that stalls under a loaded host.
+            .arg("console=ttyS0 panic=-1 quiet cryptomgr.notests no_timer_check intel_iommu=on iommu=pt")
+            .arg("-serial")
+            .arg(format!("file:{}", console.display()));
+        let qemu = Proc::spawn("qemu", cmd, &plane.logs_dir())?;
+        let mut guest = Self {
+            name: plane.node.clone(),
+            console,
+            shell_port,
+            qemu,
+        };
+        let start = Instant::now();
+        wait_for(
+            "the guest's Node to be Ready",
+            Duration::from_secs(300),
+            || {
+                guest.qemu.check()?;
+                let console = std::fs::read_to_string(&guest.console).unwrap_or_default();
+                if let Some(line) = console.lines().find(|l| l.contains("NODE FAIL")) {
+                    bail!("the node did not come up: {line}");
+                }
+                let ready = plane
+                    .kubectl(&[
+                        "get",
+                        "node",
+                        &guest.name,
+                        "-o",
+                        "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
+                    ])
+                    .unwrap_or_default();
+                Ok((ready == "True").then_some(()))
+            },
+        )
+        .with_context(|| guest.console_tail())?;
+        println!(
+            "guest-node: {} Ready {:.1} s after QEMU started ({})",
+            guest.name,
+            start.elapsed().as_secs_f64(),
+            guest.boot_events()
+        );
+        Ok(guest)
+    }
+
+    /// The console's `NODE <event> uptime=<s>` lines, as `event s, ...`.
+    pub fn boot_events(&self) -> String {
+        std::fs::read_to_string(&self.console)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let rest = l.trim_start_matches('\r').strip_prefix("NODE ")?;
+                let (event, up) = rest.split_once(" uptime=")?;
+                Some(format!("{event} {}", up.trim()))
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    fn console_tail(&self) -> String {
+        format!(
+            "the guest's console ({}):\n{}",
+            self.console.display(),
+            crate::proc::tail(&self.console, 30)
+        )
+    }
+
+    /// Runs `script` in the guest's shell; gives its exit status and output
+    /// (stdout and stderr).
+    pub fn sh(&self, script: &str) -> Result<(i32, String)> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.shell_port))
+            .context("connecting to the guest's shell")?;
+        stream.set_read_timeout(Some(Duration::from_secs(180)))?;
+        stream.write_all(format!("{{ {script}\n}} 2>&1\necho \"__rc=$?\"\nexit\n").as_bytes())?;
+        stream.shutdown(std::net::Shutdown::Write)?;
+        let mut out = String::new();
+        stream
+            .read_to_string(&mut out)
+            .context("reading the guest's shell")?;
+        let (body, rc) = out
+            .rsplit_once("__rc=")
+            .with_context(|| format!("the guest's shell ended early: {out}"))?;
+        let rc = rc.trim().parse().unwrap_or(-1);
+        Ok((rc, body.to_owned()))
+    }
+
+    /// Runs `script` in the guest and gives its output; fails on a non-zero status.
+    pub fn check_sh(&self, script: &str) -> Result<String> {
+        let (rc, out) = self.sh(script)?;
+        if rc != 0 {
+            bail!("in the guest, `{script}` exited {rc}: {}", out.trim());
+        }
+        Ok(out)
+    }
+
+    /// The driver `bdf` is bound to in the guest (`none` for none).
+    pub fn driver(&self, bdf: &str) -> Result<String> {
+        let out = self.check_sh(&format!(
+            "d=/sys/bus/pci/devices/{bdf}/driver; if [ -e $d ]; then basename $(readlink $d); else echo none; fi"
+        ))?;
+        Ok(out.trim().to_owned())
+    }
+
+    /// Fails if QEMU has exited.
+    pub fn check(&mut self) -> Result<()> {
+        self.qemu.check()
+    }
+}
+
+/// kubelet's configuration in the guest (KubeletConfiguration,
+/// k8s.io/kubelet/config/v1beta1/types.go), as JSON, which is YAML.
+fn kubelet_config() -> String {
+    serde_json::json!({
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "address": "0.0.0.0",
+        "port": 10250,
+        "readOnlyPort": 0,
+        "healthzPort": 0,
+        "authentication": {"anonymous": {"enabled": true}, "webhook": {"enabled": false}},
+        "authorization": {"mode": "AlwaysAllow"},
+        "cgroupDriver": "cgroupfs",
+        "failSwapOn": false,
+        "resolvConf": "",
+        "containerRuntimeEndpoint": "unix:///run/containerd/containerd.sock",
+        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
+                         "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "syncFrequency": "5s",
+        "nodeStatusUpdateFrequency": "5s",
+    })
+    .to_string()
+}
+
+/// containerd's configuration in the guest (version 3): the native
+/// snapshotter, our pause image, runc, cgroupfs, CDI specs from /var/run/cdi,
+/// the CNI network in /etc/cni/net.d.
+const CONTAINERD_CONFIG: &str = r#"version = 3
+root = "/data/state/containerd/root"
+state = "/run/containerd"
+[grpc]
+  address = "/run/containerd/containerd.sock"
+[ttrpc]
+  address = "/run/containerd/containerd.sock.ttrpc"
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "native"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "registry.k8s.io/pause:vfio-sandbox-test"
+[plugins."io.containerd.cri.v1.runtime"]
+  cdi_spec_dirs = ["/var/run/cdi"]
+  [plugins."io.containerd.cri.v1.runtime".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+        BinaryName = "/usr/sbin/runc"
+        SystemdCgroup = false
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["/usr/lib/cni"]
+    conf_dir = "/etc/cni/net.d"
+[plugins."io.containerd.grpc.v1.cri"]
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+"#;
