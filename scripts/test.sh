@@ -198,7 +198,7 @@ scripts/check-no-fakes.sh "${shipped[@]}" -- "$control"
 step "the same on Debian 13's arm64 kernel (qemu-system-aarch64, SMMUv3) with cross-built aarch64 binaries" && scripts/vm/run.sh --kernel trixie-arm64 tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
 step "the container image (buildah, vfs, chroot) from the test bed's amd64 and arm64 static binaries: each binary's --version inside the amd64 image and under qemu-user from the arm64 one, size per architecture"
 scripts/image.sh --profile testbed --archive target/image/vfio-sandbox-testbed.tar --remove
-step "the chart as a user installs it, on the real kernel: kubelet, containerd and runc of v1.37 in the test bed's guest, joined to a control plane on the host; helm install, the label, vfio-manager binding from its pod, the validator holding the plugin back, registration, a pod given its device; helm uninstall; the privileges each step needs, with the real runc (tests/k8s, guest-node)"
+step "the chart as a user installs it, on the real kernel: kubelet, containerd and runc of v1.37 in the test bed's guest, joined to a control plane on the host; helm install, the label, vfio-manager binding from its pod, the validator holding the plugin back, registration, a pod given its device; helm uninstall; bad values refused; the privileges each step needs, with the real runc (tests/k8s, guest-node)"
 target/debug/guest-node --release "$(awk '$1 == "k8s.io/kubernetes" { print $2 }' tests/k8s/v1.37/go.mod)" \
     --k8s-bins "${k8s_built[1]}" --containerd-bins "${k8s_built[2]}" --helm "${k8s_built[3]}/helm" \
     --image-archive target/image/vfio-sandbox-testbed.tar

@@ -16,6 +16,9 @@
 //! - `uninstall`: `helm uninstall` while the devices are bound: every device
 //!   back on its native driver, no file of ours left in the node's `/run`,
 //!   `/var/run/cdi` or kubelet's plugin directories.
+//! - `bad-input`: a typo'd key fails at `helm install` (the schema), and a
+//!   resource list whose entries overlap (which no schema sees) fails
+//!   vfio-manager's pod with exit 2 naming both entries, nothing moved.
 //! - `privileges`: what the shipped security contexts need, measured with the
 //!   real runc: vfio-manager's work in containers given less than `privileged`.
 
@@ -167,9 +170,10 @@ fn run(cli: &Cli) -> Result<bool> {
         dir: dir.clone(),
     };
     type Step = fn(&mut Run) -> Result<String>;
-    let steps: [(&str, Step); 3] = [
+    let steps: [(&str, Step); 4] = [
         ("install", install),
         ("uninstall", uninstall),
+        ("bad-input", bad_input),
         ("privileges", privileges),
     ];
     let mut ok = true;
@@ -524,6 +528,115 @@ fn uninstall(run: &mut Run) -> Result<String> {
     ))
 }
 
+fn bad_input(run: &mut Run) -> Result<String> {
+    let chart = run.chart();
+    let standalone = chart.join("examples/standalone.yaml");
+    // The schema: refused before anything is created.
+    let refused = run
+        .plane
+        .helm(&[
+            "install",
+            RELEASE,
+            path_str(&chart),
+            "--namespace",
+            NS,
+            "-f",
+            path_str(&standalone),
+            "--set",
+            "vfioManger.enabled=false",
+        ])
+        .err()
+        .context("helm install with the key vfioManger was accepted")?;
+    let refused = format!("{refused:#}");
+    ensure!(
+        refused.contains("additional properties 'vfioManger' not allowed"),
+        "helm's refusal does not name the key: {refused}"
+    );
+    ensure!(
+        run.plane
+            .helm(&["status", RELEASE, "--namespace", NS])
+            .is_err(),
+        "a release exists after the refused install"
+    );
+    // Two entries that select the same device: only the binaries see it.
+    let values = run.dir.join("overlapping.yaml");
+    std::fs::write(
+        &values,
+        "config:\n  preset: []\nsandboxDevicePlugin:\n  resourceList:\n    \
+         - {name: example.com/NIC_PT, vendor: \"8086\", devices: [\"10d3\"]}\n    \
+         - {name: example.com/ANY_INTEL, vendor: \"8086\"}\n",
+    )?;
+    run.plane
+        .helm(&[
+            "install",
+            RELEASE,
+            path_str(&chart),
+            "--namespace",
+            NS,
+            "-f",
+            path_str(&standalone),
+            "-f",
+            path_str(&values),
+            "--set",
+            &format!("image.repository={}", run.image.0),
+            "--set",
+            &format!("image.tag={}", run.image.1),
+        ])
+        .context("helm install with overlapping entries")?;
+    let (pod, code) = wait_for(
+        "vfio-manager's container to exit",
+        Duration::from_secs(180),
+        || {
+            for pod in run.pods("vfio-manager")? {
+                let code = run.pod_field(
+                    &pod,
+                    "{.status.containerStatuses[0].lastState.terminated.exitCode}\
+                     {.status.containerStatuses[0].state.terminated.exitCode}",
+                )?;
+                if !code.trim().is_empty() {
+                    return Ok(Some((pod, code.trim().to_owned())));
+                }
+            }
+            Ok(None)
+        },
+    )?;
+    ensure!(code.starts_with('2'), "vfio-manager exited {code}, not 2");
+    let log = run.log(NS, &pod, "vfio-manager")?;
+    let line = log
+        .lines()
+        .find(|l| l.contains("overlaps"))
+        .with_context(|| format!("vfio-manager's log names no overlap:\n{log}"))?
+        .trim()
+        .to_owned();
+    ensure!(
+        line.contains("example.com/ANY_INTEL") && line.contains("example.com/NIC_PT"),
+        "the refusal does not name both entries: {line}"
+    );
+    ensure!(
+        run.drivers()?.iter().all(|d| d == "e1000e"),
+        "a device moved: {:?}",
+        run.drivers()?
+    );
+    run.plane
+        .helm(&[
+            "uninstall",
+            RELEASE,
+            "--namespace",
+            NS,
+            "--wait",
+            "--timeout",
+            "3m",
+        ])
+        .context("helm uninstall")?;
+    Ok(format!(
+        "helm install refused vfioManger; overlapping entries: vfio-manager exits {code}: {line}; \
+         nothing moved"
+    ))
+}
+
+/// A pod of our image running `vfio-manager ARGS` with vfio-manager's mounts
+/// and the security context `context` (YAML under `securityContext:`); waits
+/// for it to end and gives its exit code and log.
 fn manager_pod(run: &Run, name: &str, args: &str, context: &str) -> Result<(i32, String)> {
     let image = format!("{}:{}", run.image.0, run.image.1);
     let pod = format!(
