@@ -126,7 +126,19 @@ impl Guest {
             format!("NODE_NAME={}\n", plane.node),
         )?;
         std::fs::write(config.join("kubelet.yaml"), kubelet_config())?;
-        std::fs::write(config.join("containerd.toml"), CONTAINERD_CONFIG)?;
+        // containerd as on the host's node, its state on the data disk; it may
+        // set any OOM score here.
+        let containerd = crate::containerd::config(
+            &crate::containerd::Paths {
+                root: Path::new("/data/state/containerd/root"),
+                state: Path::new("/run/containerd"),
+                socket: Path::new("/run/containerd/containerd.sock"),
+                cdi: Path::new("/var/run/cdi"),
+                cni: Path::new("/etc/cni/net.d"),
+            },
+            false,
+        );
+        std::fs::write(config.join("containerd.toml"), containerd)?;
         // The pods' network: a bridge with addresses from host-local, as a
         // plain CNI install has it (Debian's containernetworking-plugins).
         std::fs::write(
@@ -293,34 +305,3 @@ fn kubelet_config() -> String {
     })
     .to_string()
 }
-
-/// containerd's configuration in the guest (version 3): the native
-/// snapshotter, our pause image, runc, cgroupfs, CDI specs from /var/run/cdi,
-/// the CNI network in /etc/cni/net.d.
-const CONTAINERD_CONFIG: &str = r#"version = 3
-root = "/data/state/containerd/root"
-state = "/run/containerd"
-[grpc]
-  address = "/run/containerd/containerd.sock"
-[ttrpc]
-  address = "/run/containerd/containerd.sock.ttrpc"
-[plugins."io.containerd.cri.v1.images"]
-  snapshotter = "native"
-  [plugins."io.containerd.cri.v1.images".pinned_images]
-    sandbox = "registry.k8s.io/pause:vfio-sandbox-test"
-[plugins."io.containerd.cri.v1.runtime"]
-  cdi_spec_dirs = ["/var/run/cdi"]
-  [plugins."io.containerd.cri.v1.runtime".containerd]
-    default_runtime_name = "runc"
-    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
-        BinaryName = "/usr/sbin/runc"
-        SystemdCgroup = false
-  [plugins."io.containerd.cri.v1.runtime".cni]
-    bin_dirs = ["/usr/lib/cni"]
-    conf_dir = "/etc/cni/net.d"
-[plugins."io.containerd.grpc.v1.cri"]
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-"#;

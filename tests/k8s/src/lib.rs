@@ -3,6 +3,7 @@
 //! kubeconfigs ([`pki`]) and its processes ([`proc`]). The claim watch benchmark
 //! (`claim-watch-bench`) runs the same kube-apiserver the scenarios run.
 
+pub mod containerd;
 pub mod control;
 pub mod guest;
 pub mod image;

@@ -196,48 +196,19 @@ impl Node {
 
     fn start_containerd(&mut self, plane: &ControlPlane) -> Result<()> {
         let d = self.dir.join("containerd");
-        // CRI's configuration (containerd 2, version 3): the native snapshotter
-        // (no overlay mounts to clean up), our sandbox image, cgroupfs, CDI
-        // specs from the drivers' directory, and a CNI network of loopback only
-        // (Debian's containernetworking-plugins), which is enough for the
-        // runtime to report its network ready (and so the Node Ready); the
-        // test pods use the host's network, which needs no CNI call. A process
-        // here may not lower its OOM score (no CAP_SYS_RESOURCE), which kubelet
-        // asks for the sandbox (-998): containerd keeps such scores at its own.
-        let config = format!(
-            r#"version = 3
-root = "{root}"
-state = "{state}"
-[grpc]
-  address = "{sock}"
-[ttrpc]
-  address = "{sock}.ttrpc"
-[plugins."io.containerd.cri.v1.images"]
-  snapshotter = "native"
-  [plugins."io.containerd.cri.v1.images".pinned_images]
-    sandbox = "{PAUSE}"
-[plugins."io.containerd.cri.v1.runtime"]
-  restrict_oom_score_adj = true
-  cdi_spec_dirs = ["{cdi}"]
-  [plugins."io.containerd.cri.v1.runtime".containerd]
-    default_runtime_name = "runc"
-    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
-        BinaryName = "/usr/sbin/runc"
-        SystemdCgroup = false
-  [plugins."io.containerd.cri.v1.runtime".cni]
-    bin_dirs = ["/usr/lib/cni"]
-    conf_dir = "{cni}"
-[plugins."io.containerd.grpc.v1.cri"]
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-"#,
-            root = d.join("root").display(),
-            state = d.join("state").display(),
-            sock = self.socket().display(),
-            cdi = self.cdi_dir().display(),
-            cni = self.dir.join("cni").display(),
+        // A CNI network of loopback only is enough for the runtime to report
+        // its network ready (and so the Node Ready); the test pods use the
+        // host's network, which needs no CNI call. A process here may not lower
+        // its OOM score.
+        let config = real_k8s::containerd::config(
+            &real_k8s::containerd::Paths {
+                root: &d.join("root"),
+                state: &d.join("state"),
+                socket: &self.socket(),
+                cdi: &self.cdi_dir(),
+                cni: &self.dir.join("cni"),
+            },
+            true,
         );
         std::fs::write(d.join("config.toml"), config)?;
         std::fs::write(

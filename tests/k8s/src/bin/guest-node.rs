@@ -252,6 +252,28 @@ impl Run {
         self.repo.join("charts/vfio-sandbox")
     }
 
+    /// `helm install` of the chart with the standalone values, then `values`,
+    /// and the image imported on the node.
+    fn install(&self, values: &Path) -> Result<String> {
+        let chart = self.chart();
+        self.plane.helm(&[
+            "install",
+            RELEASE,
+            path_str(&chart),
+            "--namespace",
+            NS,
+            "--create-namespace",
+            "-f",
+            path_str(&chart.join("examples/standalone.yaml")),
+            "-f",
+            path_str(values),
+            "--set",
+            &format!("image.repository={}", self.image.0),
+            "--set",
+            &format!("image.tag={}", self.image.1),
+        ])
+    }
+
     fn kubectl(&self, args: &[&str]) -> Result<String> {
         self.plane.kubectl(args)
     }
@@ -335,26 +357,8 @@ impl Run {
 fn install(run: &mut Run) -> Result<String> {
     let values = run.dir.join("guest-values.yaml");
     std::fs::write(&values, VALUES)?;
-    let chart = run.chart();
     let t = Instant::now();
-    run.plane
-        .helm(&[
-            "install",
-            RELEASE,
-            path_str(&chart),
-            "--namespace",
-            NS,
-            "--create-namespace",
-            "-f",
-            path_str(&chart.join("examples/standalone.yaml")),
-            "-f",
-            path_str(&values),
-            "--set",
-            &format!("image.repository={}", run.image.0),
-            "--set",
-            &format!("image.tag={}", run.image.1),
-        ])
-        .context("helm install")?;
+    run.install(&values).context("helm install")?;
     let helm_secs = t.elapsed().as_secs_f64();
     // Nothing lands on the unlabelled node: the DaemonSet controller has
     // seen the Node long before, and schedules nothing.
@@ -566,22 +570,7 @@ fn bad_input(run: &mut Run) -> Result<String> {
          - {name: example.com/NIC_PT, vendor: \"8086\", devices: [\"10d3\"]}\n    \
          - {name: example.com/ANY_INTEL, vendor: \"8086\"}\n",
     )?;
-    run.plane
-        .helm(&[
-            "install",
-            RELEASE,
-            path_str(&chart),
-            "--namespace",
-            NS,
-            "-f",
-            path_str(&standalone),
-            "-f",
-            path_str(&values),
-            "--set",
-            &format!("image.repository={}", run.image.0),
-            "--set",
-            &format!("image.tag={}", run.image.1),
-        ])
+    run.install(&values)
         .context("helm install with overlapping entries")?;
     let (pod, code) = wait_for(
         "vfio-manager's container to exit",
