@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the real Kubernetes of each release the suite tests against, from
 # their Go modules: kube-apiserver, kube-scheduler, kube-controller-manager,
-# kubelet and kubectl from k8s.io/kubernetes, and etcd from
+# kubelet, kube-proxy (v1.37, for the guest node) and kubectl from k8s.io/kubernetes, and etcd from
 # go.etcd.io/etcd/server/v3 at the version that release pins; and the container
 # runtime kubelet runs pods with: containerd, its runc shim and ctr, from
 # github.com/containerd/containerd/v2; and helm (helm.sh/helm/v3), which
