@@ -62,8 +62,8 @@ pub struct Settings {
 
 /// A socket name unique to this process, resource and start: the resource's short
 /// name (at most 24 characters), a hash of the full name (two domains may share a
-/// short name), the pid and a serial. Short enough that the path in the default
-/// directory stays well under `sun_path`'s 108 bytes.
+/// short name), this process's [`instance`] token and a serial. Short enough that
+/// the path in the default directory stays well under `sun_path`'s 108 bytes.
 pub fn socket_name(resource: &ResourceName, serial: u64) -> String {
     let full = resource.as_str();
     let short: String = full
@@ -80,8 +80,33 @@ pub fn socket_name(resource: &ResourceName, serial: u64) -> String {
     });
     format!(
         "vfio-sandbox-{short}-{hash:08x}-{}-{serial}.sock",
-        std::process::id()
+        instance()
     )
+}
+
+/// This process's part of its socket names: eight hex digits of its pid and its
+/// start time. The pid alone repeats in every pod (each plugin is PID 1 of its
+/// container), and kubelet refuses a registration on a socket path it still
+/// holds an endpoint for (pkg/kubelet/cm/devicemanager/manager.go,
+/// `PluginConnected`: "device plugin already connected"), then forgets the
+/// client of that path (plugin/v1beta1/handler.go, `deregisterClient`), so the
+/// predecessor's endpoint is never cleaned up and the path stays refused: a
+/// rolled-out pod reusing its predecessor's name could never register.
+fn instance() -> &'static str {
+    static INSTANCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    INSTANCE.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        // FNV-1a over both, so the low bits of each count.
+        let token = [u128::from(std::process::id()), nanos]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .fold(0x811c_9dc5_u32, |h, b| {
+                (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+            });
+        format!("{token:08x}")
+    })
 }
 
 /// How many starts of one resource's server the socket path check allows for: a
