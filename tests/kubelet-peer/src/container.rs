@@ -61,6 +61,33 @@ pub struct Edits {
 }
 
 impl Edits {
+    /// The edits a runtime made to the container this process runs in, as far
+    /// as a VMM needs them: its `PCI_RESOURCE_*` variables and its
+    /// `/dev/vfio` nodes (already there; listed, not made).
+    pub fn of_this_container() -> anyhow::Result<Self> {
+        let mut e = Edits::default();
+        let mut vars: Vec<(String, String)> = std::env::vars()
+            .filter(|(k, _)| k.starts_with("PCI_RESOURCE_"))
+            .collect();
+        vars.sort();
+        e.env = vars.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+        for dir in ["/dev/vfio", "/dev/vfio/devices"] {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                if entry.file_type().is_ok_and(|t| !t.is_dir()) {
+                    let path = entry.path().to_string_lossy().into_owned();
+                    e.nodes.push(Node {
+                        path: path.clone(),
+                        host_path: path,
+                    });
+                }
+            }
+        }
+        Ok(e)
+    }
+
     /// The edits of `kubelet-peer allocate`'s output: `env K=V`, `device HOST
     /// CONTAINER PERMS` and `mount HOST CONTAINER ro|rw` lines.
     pub fn from_allocate(text: &str) -> anyhow::Result<Self> {

@@ -7,7 +7,7 @@
 //! kubelet-peer allocate --dir D --endpoint E ID...    # env and device specs
 //! kubelet-peer watch    --dir D --endpoint E --after CMD --expect ID=Health --within 1s
 //!
-//! kubelet-peer vmm (--allocate FILE | --cdi ID... | --cdi-from FILE) [--iommufd] [--hold]
+//! kubelet-peer vmm (--allocate FILE | --cdi ID... | --cdi-from FILE | --in-pod) [--iommufd] [--hold]
 //!                                                     # QEMU takes the container's devices
 //!
 //! kubelet-peer dra register  --registry D [--timeout 10s]          # PluginInfo as JSON
@@ -127,6 +127,12 @@ struct VmmArgs {
     /// the group's VFIO container.
     #[arg(long)]
     iommufd: bool,
+    /// The VM's container is the one this process runs in (a pod's, as
+    /// virt-launcher runs in its pod): the devices are the PCI_RESOURCE_*
+    /// variables of this process's environment, and QEMU starts here, with
+    /// no container of its own.
+    #[arg(long, conflicts_with_all = ["allocate", "cdi", "cdi_from", "without_node"])]
+    in_pod: bool,
     /// Keep the VM until SIGTERM or SIGINT, then quit QEMU and wait for it.
     #[arg(long)]
     hold: bool,
@@ -429,7 +435,9 @@ fn cdi_ids(v: &serde_json::Value, out: &mut Vec<String>) {
 }
 
 fn vmm(a: VmmArgs) -> anyhow::Result<bool> {
-    let mut edits = if let Some(file) = &a.allocate {
+    let mut edits = if a.in_pod {
+        Edits::of_this_container()?
+    } else if let Some(file) = &a.allocate {
         let text =
             std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
         Edits::from_allocate(&text)?
@@ -475,6 +483,7 @@ fn vmm(a: VmmArgs) -> anyhow::Result<bool> {
         memory: a.memory.clone(),
         timeout: a.timeout,
         firmware: vmm::has_firmware(),
+        contained: !a.in_pod,
     };
     let backend = if a.iommufd { "iommufd" } else { "legacy" };
     let vmm::Up {

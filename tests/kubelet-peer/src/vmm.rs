@@ -46,6 +46,10 @@ pub struct Options {
     /// aarch64 `virt` machine has none without UEFI, which takes far too long
     /// to start under nested emulation: its BARs stay unassigned.
     pub firmware: bool,
+    /// Start QEMU in a container made from the edits (`kubelet-peer
+    /// container`); false: QEMU starts in this process's own container, a
+    /// pod's.
+    pub contained: bool,
 }
 
 /// Whether this architecture's machine has a firmware that assigns BARs here.
@@ -168,18 +172,30 @@ pub fn start(edits: &Edits, opts: &Options) -> anyhow::Result<Result<Up, Failed>
     let socket = std::env::temp_dir().join(format!("kubelet-peer-vmm-{}.qmp", std::process::id()));
     let _ = std::fs::remove_file(&socket);
     let started = Instant::now();
-    let mut child = Command::new(std::env::current_exe().context("this program's path")?)
-        .arg("container")
-        .arg("--edits")
-        .arg(serde_json::to_string(edits)?)
-        .arg("--")
-        .arg(&opts.qemu)
+    let mut command = if opts.contained {
+        let mut c = Command::new(std::env::current_exe().context("this program's path")?);
+        c.arg("container")
+            .arg("--edits")
+            .arg(serde_json::to_string(edits)?)
+            .arg("--")
+            .arg(&opts.qemu);
+        c
+    } else {
+        Command::new(&opts.qemu)
+    };
+    let mut child = command
         .args(qemu_args(&addrs, opts.iommufd, &opts.memory, &socket))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .context("starting the container")?;
+        .with_context(|| {
+            if opts.contained {
+                "starting the container".to_owned()
+            } else {
+                format!("starting {}", opts.qemu)
+            }
+        })?;
     let stderr = Arc::new(Mutex::new(String::new()));
     for stream in [
         child
