@@ -40,11 +40,13 @@ step() {
     echo "==== $*"
 }
 lifetime_pid=""
+guest_node_pid=""
 finish() {
     local rc=$?
     progress_stop
     # The background watch test of a run that stopped early has nothing to report.
     [[ -z "$lifetime_pid" ]] || kill "$lifetime_pid" 2>/dev/null || true
+    [[ -z "$guest_node_pid" ]] || kill "$guest_node_pid" 2>/dev/null || true
     [[ -z "$step_start" ]] || step_took
     local total="$SECONDS s (CPU $(($(cpu_ticks) / clock_ticks)) s)"
     if ((rc == 0)); then
@@ -195,10 +197,21 @@ for b in vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver
     shipped+=("target/x86_64-unknown-linux-gnu/testbed/$b")
 done
 scripts/check-no-fakes.sh "${shipped[@]}" -- "$control"
-step "the same on Debian 13's arm64 kernel (qemu-system-aarch64, SMMUv3) with cross-built aarch64 binaries" && scripts/vm/run.sh --kernel trixie-arm64 tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
-step "the container image (buildah, vfs, chroot) from the test bed's amd64 and arm64 static binaries: each binary's --version inside the amd64 image and under qemu-user from the arm64 one, size per architecture"
+step "the container image (buildah, vfs, chroot) from the test bed's amd64 and arm64 static binaries (the arm64 ones built here, for the arm64 scenarios too): each binary's --version inside the amd64 image and under qemu-user from the arm64 one, size per architecture"
 scripts/image.sh --profile testbed --archive target/image/vfio-sandbox-testbed.tar --remove
-step "the chart as a user installs it, on the real kernel: kubelet, containerd and runc of v1.37 in the test bed's guest, joined to a control plane on the host; helm install, the label, vfio-manager binding from its pod, the validator holding the plugin back, registration, a pod given its device; helm uninstall; bad values refused; the privileges each step needs, with the real runc (tests/k8s, guest-node)"
+step "the chart as a user installs it, on the real kernel, started in the background beside the arm64 scenarios (each is one QEMU/TCG vCPU): kubelet, kube-proxy, containerd and runc of v1.37 in the test bed's guest, joined to a control plane on the host; helm install, the label, vfio-manager binding from its pod, the validator holding the plugin back, registration, a VM pod's QEMU taking its device; helm upgrade (new tag and resource list) under it; the node leaving VM mode under it, vfio-manager killed mid-restore; helm uninstall; the DRA driver, its claim labeller and the owner lock; bad values refused; the privileges each step needs, with the real runc (tests/k8s, guest-node; its output in target/guest-node.log)"
 target/debug/guest-node --release "$(awk '$1 == "k8s.io/kubernetes" { print $2 }' tests/k8s/v1.37/go.mod)" \
     --k8s-bins "${k8s_built[1]}" --containerd-bins "${k8s_built[2]}" --helm "${k8s_built[3]}/helm" \
-    --image-archive target/image/vfio-sandbox-testbed.tar
+    --image-archive target/image/vfio-sandbox-testbed.tar --vmm target/x86_64-unknown-linux-gnu/testbed/kubelet-peer \
+    >target/guest-node.log 2>&1 &
+guest_node_pid=$!
+step "the same real-kernel scenarios on Debian 13's arm64 kernel (qemu-system-aarch64, SMMUv3) with cross-built aarch64 binaries, beside the guest node"
+scripts/vm/run.sh --kernel trixie-arm64 tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
+step "the guest node's result (started two steps above)"
+progress_start "test.sh: still waiting for guest-node (target/guest-node.log)"
+guest_node_rc=0
+wait "$guest_node_pid" || guest_node_rc=$?
+guest_node_pid=""
+progress_stop
+cat target/guest-node.log
+((guest_node_rc == 0)) || { echo "guest-node failed: its FAIL line above names the step, its logs the directory" >&2; exit 1; }

@@ -6,8 +6,8 @@
 # that is vfio-manager's to load), the data disk (/dev/vda: kubelet,
 # containerd, the images), the network of QEMU's user mode (10.0.2.15; the
 # host's loopback is 10.0.2.2), containerd with the images imported, and
-# kubelet with the configuration and credentials the harness put in
-# /node-config/. A shell for the harness listens on TCP 2323 (QEMU forwards a
+# kubelet and kube-proxy (nftables) with the configuration and credentials
+# the harness put in /node-config/. A shell for the harness listens on TCP 2323 (QEMU forwards a
 # host port to it): the harness reads sysfs and the pods' logs through it and
 # kills processes with it, as an operator would with ssh.
 #
@@ -55,7 +55,8 @@ dmesg -n 3
 hostname "$NODE_NAME"
 event init
 
-for m in virtio_blk virtio_net ext4 bridge veth e1000e nvme virtio_pci snd_hda_intel; do
+for m in virtio_blk virtio_net ext4 bridge veth overlay e1000e nvme virtio_pci snd_hda_intel \
+    nf_tables nft_ct nft_numgen nft_fib_inet nft_masq nft_nat nft_chain_nat nft_reject_inet nft_reject_ipv4 nft_reject_ipv6 nft_objref nf_conntrack_netlink; do
     out=$(/sbin/modprobe "$m" 2>&1) || fail "modprobe $m: $out"
 done
 i=0
@@ -101,7 +102,7 @@ until ctr --address=/run/containerd/containerd.sock version >/dev/null 2>&1; do
 done
 for img in /data/images/*.tar; do
     out=$(ctr --address=/run/containerd/containerd.sock -n k8s.io images import --local \
-        --snapshotter native "$img" 2>&1) || fail "importing $img: $out"
+        --snapshotter overlayfs "$img" 2>&1) || fail "importing $img: $out"
 done
 event containerd
 
@@ -109,4 +110,7 @@ kubelet --config=/node-config/kubelet.yaml --kubeconfig=/node-config/kubelet.kub
     --hostname-override="$NODE_NAME" --node-ip=10.0.2.15 --v=2 \
     >/data/state/kubelet.log 2>&1 &
 event kubelet
+kube-proxy --config=/node-config/kube-proxy.yaml --hostname-override="$NODE_NAME" --v=2 \
+    >/data/state/kube-proxy.log 2>&1 &
+event kube-proxy
 exec sleep 2147483647

@@ -17,10 +17,14 @@ pub struct Paths<'a> {
     pub cdi: &'a Path,
     /// The CNI network's configuration directory.
     pub cni: &'a Path,
+    /// The snapshotter: `native` (a copy per container, no overlay mounts to
+    /// clean up) on the host's node, `overlayfs` (containerd's default) in the
+    /// guest, where a copy of an image per container is slow.
+    pub snapshotter: &'a str,
 }
 
-/// CRI's configuration (containerd 2, version 3): the native snapshotter (no
-/// overlay mounts to clean up), our sandbox image, runc with cgroupfs, CDI specs
+/// CRI's configuration (containerd 2, version 3): the given snapshotter, our
+/// sandbox image, runc with cgroupfs, CDI specs
 /// from the drivers' directory and the CNI plugins of Debian's
 /// containernetworking-plugins. `restrict_oom_score_adj` for a containerd that
 /// may not lower its OOM score (no CAP_SYS_RESOURCE), which kubelet asks for
@@ -40,7 +44,7 @@ state = "{state}"
 [ttrpc]
   address = "{sock}.ttrpc"
 [plugins."io.containerd.cri.v1.images"]
-  snapshotter = "native"
+  snapshotter = "{snapshotter}"
   [plugins."io.containerd.cri.v1.images".pinned_images]
     sandbox = "{PAUSE}"
 [plugins."io.containerd.cri.v1.runtime"]
@@ -60,6 +64,7 @@ state = "{state}"
   stream_server_port = "0"
 "#,
         root = paths.root.display(),
+        snapshotter = paths.snapshotter,
         state = paths.state.display(),
         sock = paths.socket.display(),
         cdi = paths.cdi.display(),

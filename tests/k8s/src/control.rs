@@ -70,13 +70,19 @@ fn gate_flag(names: &[&str]) -> Vec<String> {
     vec![format!("--feature-gates={}", list.join(","))]
 }
 
+/// A guest node's address of the host's loopback (QEMU's user network).
+pub const HOST_FROM_GUEST: &str = "10.0.2.2";
+
 /// The static tokens: the harness's admin, the controller manager, the
-/// scheduler and the node's kubelet.
+/// scheduler, the node's kubelet and kube-proxy.
 pub const ADMIN_TOKEN: &str = "admin-token-for-tests";
 const KCM_TOKEN: &str = "kcm-token-for-tests";
 const SCHEDULER_TOKEN: &str = "scheduler-token-for-tests";
 /// The node's kubelet's static token (`system:node:<node>` in `system:nodes`).
 pub const KUBELET_TOKEN: &str = "kubelet-token-for-tests";
+/// kube-proxy's, as `system:kube-proxy` (bound to `system:node-proxier` by the
+/// server's bootstrap policy).
+pub const KUBE_PROXY_TOKEN: &str = "kube-proxy-token-for-tests";
 
 /// The release's binaries the run needs, in `--k8s-bins`.
 pub const BINARIES: [&str; 6] = [
@@ -152,7 +158,8 @@ impl ControlPlane {
                 "{ADMIN_TOKEN},admin,admin,\"system:masters\"\n\
                  {KCM_TOKEN},system:kube-controller-manager,kcm\n\
                  {SCHEDULER_TOKEN},system:kube-scheduler,scheduler\n\
-                 {KUBELET_TOKEN},system:node:{node},kubelet,\"system:nodes\"\n"
+                 {KUBELET_TOKEN},system:node:{node},kubelet,\"system:nodes\"\n\
+                 {KUBE_PROXY_TOKEN},system:kube-proxy,kube-proxy\n"
             ),
         )?;
         // Every request of the drivers' ServiceAccounts, so a refusal names the
@@ -178,9 +185,12 @@ impl ControlPlane {
             ))
             .arg(format!("--client-ca-file={}", pki.ca.display()))
             .arg(format!("--secure-port={port}"))
-            .args(["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"])
-            // The `kubernetes` Service's endpoints may not be loopback addresses.
-            .arg("--endpoint-reconciler-type=none")
+            // The `kubernetes` Service's endpoint, which may not be a loopback
+            // address: the one a guest node reaches the host's loopback at
+            // (QEMU's user network), where its kube-proxy sends pods that use
+            // their in-cluster configuration.
+            .arg("--bind-address=127.0.0.1")
+            .arg(format!("--advertise-address={HOST_FROM_GUEST}"))
             .arg("--service-cluster-ip-range=10.96.0.0/24")
             .arg("--service-account-issuer=https://kubernetes.default.svc")
             .arg(format!(

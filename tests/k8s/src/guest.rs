@@ -3,7 +3,9 @@
 //! containerd and runc (`scripts/vm/node.sh` assembles it, `scripts/vm/
 //! node-init.sh` is its `/init`), joined to a control plane on the host over
 //! QEMU's user network: the guest reaches the host's loopback as 10.0.2.2, so
-//! the API server's certificate names that address too ([`crate::pki`]).
+//! the API server's certificate names that address too ([`crate::pki`]),
+//! and the API server advertises it as the `kubernetes` Service's endpoint:
+//! the node's kube-proxy (nftables) sends a pod's in-cluster requests there.
 //!
 //! What the node runs is what a user's node runs: pods from images in its
 //! containerd, `/sys`, `/dev` and `/lib/modules` the kernel's own. The harness
@@ -19,15 +21,23 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::control::{ControlPlane, KUBELET_TOKEN};
-use crate::image::busybox_archive;
+use crate::control::{ControlPlane, HOST_FROM_GUEST, KUBELET_TOKEN, KUBE_PROXY_TOKEN};
+use crate::image::{busybox_archive, busybox_archive_with};
 use crate::pki::kubeconfig;
 use crate::proc::{free_port, run, wait_for, Proc};
 
 pub use crate::image::{BUSYBOX, PAUSE};
 
-/// The guest's address of the host's loopback (QEMU's user network).
-pub const HOST_FROM_GUEST: &str = "10.0.2.2";
+/// The VM pods' image: busybox, QEMU and `kubelet-peer`.
+pub const VMM: &str = "localhost/vmm:vfio-sandbox-test";
+/// QEMU in that image: scripts/vm/fetch-qemu.sh's wrapper, which runs the
+/// tree under `/opt/qemu`.
+pub const VMM_QEMU: &str = "/usr/bin/qemu-system-x86_64";
+/// Where the node keeps that tree (`/opt/qemu` of the VM pods: a hostPath).
+pub const VMM_QEMU_DIR: &str = "/data/vmm/opt/qemu";
+
+/// The pods' addresses (the CNI bridge's range; kube-proxy's cluster CIDR).
+const POD_SUBNET: &str = "10.244.0.0/24";
 
 /// What `scripts/vm/node.sh` built.
 pub struct Artifacts {
@@ -38,30 +48,56 @@ pub struct Artifacts {
 }
 
 /// Builds the node's kernel, initramfs and disk into `dir`: our image from
-/// `image_archive`, kubelet from `k8s_bins`, containerd from `containerd_bins`.
+/// `image_archive`, kubelet from `k8s_bins`, containerd from `containerd_bins`,
+/// and the VM image ([`VMM`]) around the static `kubelet-peer` at `vmm`.
 pub fn build(
     repo: &Path,
     dir: &Path,
     k8s_bins: &Path,
     containerd_bins: &Path,
     image_archive: &Path,
+    vmm: &Path,
 ) -> Result<Artifacts> {
     let images = dir.join("images");
     std::fs::create_dir_all(&images)?;
+    let work = dir.join("image-work");
     for (name, file, entrypoint) in [
         (BUSYBOX, "busybox.tar", vec!["/bin/sh"]),
         (PAUSE, "pause.tar", vec!["/bin/sleep", "2147483647"]),
     ] {
-        let archive = busybox_archive(&dir.join("image-work"), name, &entrypoint)?;
+        let archive = busybox_archive(&work, name, &entrypoint)?;
         std::fs::rename(&archive, images.join(file))?;
     }
+    // The VM's image: QEMU as the bed's guests run it (scripts/vm/fetch-qemu.sh,
+    // cached) and kubelet-peer's `vmm`, which starts it on the pod's devices
+    // and checks them through QMP (the real-kernel scenarios' check).
+    let qemu = run(&mut Command::new(repo.join("scripts/vm/fetch-qemu.sh")))
+        .context("scripts/vm/fetch-qemu.sh")?;
+    let cpio = qemu
+        .lines()
+        .find_map(|l| l.strip_prefix("GUEST_QEMU_CPIO="))
+        .map(|v| v.trim_matches('\'').to_owned())
+        .context("scripts/vm/fetch-qemu.sh printed no GUEST_QEMU_CPIO")?;
+    // QEMU itself (65 MB) is on the node's disk, mounted into the VM's pod
+    // (VMM_QEMU_DIR): in the image, importing it costs the guest a minute.
+    let archive = busybox_archive_with(&work, VMM, &["/bin/kubelet-peer"], |root| {
+        std::fs::copy(vmm, root.join("bin/kubelet-peer"))
+            .with_context(|| format!("copying {}", vmm.display()))?;
+        run(Command::new("sh").arg("-c").arg(format!(
+            "cd '{}' && cpio -idm --quiet usr/bin/qemu-system-x86_64 < '{cpio}'",
+            root.display()
+        )))?;
+        Ok(())
+    })?;
+    std::fs::rename(&archive, images.join("vmm.tar"))?;
     let out = dir.join("node");
     let env = run(Command::new(repo.join("scripts/vm/node.sh"))
         .arg(&out)
         .env("K8S_BINS", k8s_bins)
         .env("CONTAINERD_BINS", containerd_bins)
         .env("IMAGE_ARCHIVE", image_archive)
-        .env("NODE_IMAGES", &images))
+        .env("NODE_IMAGES", &images)
+        .env("NODE_QEMU_CPIO", &cpio))
     .context("scripts/vm/node.sh")?;
     let value = |key: &str| -> Result<String> {
         env.lines()
@@ -121,6 +157,13 @@ impl Guest {
             Path::new("/node-config/ca.crt"),
             KUBELET_TOKEN,
         )?;
+        kubeconfig(
+            &config.join("kube-proxy.kubeconfig"),
+            &format!("https://{HOST_FROM_GUEST}:{port}"),
+            Path::new("/node-config/ca.crt"),
+            KUBE_PROXY_TOKEN,
+        )?;
+        std::fs::write(config.join("kube-proxy.yaml"), kube_proxy_config())?;
         std::fs::write(
             config.join("node.env"),
             format!("NODE_NAME={}\n", plane.node),
@@ -135,6 +178,7 @@ impl Guest {
                 socket: Path::new("/run/containerd/containerd.sock"),
                 cdi: Path::new("/var/run/cdi"),
                 cni: Path::new("/etc/cni/net.d"),
+                snapshotter: "overlayfs",
             },
             false,
         );
@@ -143,10 +187,11 @@ impl Guest {
         // plain CNI install has it (Debian's containernetworking-plugins).
         std::fs::write(
             config.join("10-pods.conflist"),
-            r#"{"cniVersion": "1.0.0", "name": "pods", "plugins": [{"type": "bridge",
-  "bridge": "cni0", "isGateway": true, "ipMasq": false,
-  "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.0.0/24"}]],
-           "routes": [{"dst": "0.0.0.0/0"}]}}]}"#,
+            serde_json::json!({"cniVersion": "1.0.0", "name": "pods", "plugins": [{
+                "type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false,
+                "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_SUBNET}]],
+                         "routes": [{"dst": "0.0.0.0/0"}]}}]})
+            .to_string(),
         )?;
         let cpio = dir.join("config.cpio");
         run(Command::new("sh").arg("-c").arg(format!(
@@ -302,6 +347,26 @@ fn kubelet_config() -> String {
         "imageGCLowThresholdPercent": 99,
         "syncFrequency": "5s",
         "nodeStatusUpdateFrequency": "5s",
+    })
+    .to_string()
+}
+
+/// kube-proxy's configuration: nftables (the guest has `nft`, not iptables),
+/// and every packet to a Service masqueraded, since the only endpoint is the
+/// host's API server behind QEMU's user network, which answers the guest's
+/// own address and no pod's. Conntrack limits stay as the kernel has them.
+fn kube_proxy_config() -> String {
+    serde_json::json!({
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "clientConnection": {"kubeconfig": "/node-config/kube-proxy.kubeconfig"},
+        "mode": "nftables",
+        "clusterCIDR": POD_SUBNET,
+        "nftables": {"masqueradeAll": true},
+        "conntrack": {"maxPerCore": 0, "min": 0,
+                      "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
+        "metricsBindAddress": "127.0.0.1:10249",
+        "healthzBindAddress": "127.0.0.1:10256",
     })
     .to_string()
 }

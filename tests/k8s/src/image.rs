@@ -21,6 +21,17 @@ pub const PAUSE: &str = "registry.k8s.io/pause:vfio-sandbox-test";
 /// Writes the archive of an image named `name` running `entrypoint`, and
 /// returns its path.
 pub fn busybox_archive(dir: &Path, name: &str, entrypoint: &[&str]) -> Result<PathBuf> {
+    busybox_archive_with(dir, name, entrypoint, |_| Ok(()))
+}
+
+/// As [`busybox_archive`], with more files: `fill` gets the root file system's
+/// directory, busybox already in it, and adds what the image needs.
+pub fn busybox_archive_with(
+    dir: &Path,
+    name: &str,
+    entrypoint: &[&str],
+    fill: impl FnOnce(&Path) -> Result<()>,
+) -> Result<PathBuf> {
     let safe: String = name
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
@@ -45,6 +56,7 @@ pub fn busybox_archive(dir: &Path, name: &str, entrypoint: &[&str]) -> Result<Pa
     {
         std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet))?;
     }
+    fill(&rootfs)?;
 
     let layer = work.join("layer.tar");
     tar(&rootfs, &layer)?;

@@ -207,6 +207,7 @@ impl Node {
                 socket: &self.socket(),
                 cdi: &self.cdi_dir(),
                 cni: &self.dir.join("cni"),
+                snapshotter: "native",
             },
             true,
         );

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
 use real_k8s::control::{path_str, ControlPlane, Gates, Release};
-use real_k8s::guest::{self, Guest, BUSYBOX};
+use real_k8s::guest::{self, Guest, VMM};
 use real_k8s::proc::wait_for;
 
 #[derive(Parser, Debug)]
@@ -51,6 +51,10 @@ struct Cli {
     /// (scripts/image.sh --archive).
     #[arg(long, value_name = "FILE")]
     image_archive: PathBuf,
+    /// A static `kubelet-peer` (scripts/build-static.sh): the VM pods run its
+    /// `vmm`, QEMU taking their devices.
+    #[arg(long, value_name = "FILE")]
+    vmm: PathBuf,
     /// The release, v1.<minor>[.<patch>].
     #[arg(long)]
     release: String,
@@ -60,6 +64,11 @@ struct Cli {
     /// Keep the scratch directory (logs) even when every step passes.
     #[arg(long)]
     keep: bool,
+    /// Run only these steps (comma-separated, in the run's order), on a fresh
+    /// node: `dra`, `bad-input` and `privileges` start from one; the others
+    /// need the steps before them.
+    #[arg(long, value_delimiter = ',', value_name = "STEP")]
+    steps: Vec<String>,
 }
 
 /// The stand-ins the resource list selects (scripts/vm/devices.sh).
@@ -68,8 +77,29 @@ const CARD_FN1: &str = "0000:01:00.1";
 const SOLO_NIC: &str = "0000:02:00.0";
 const DEVICES: [&str; 3] = [CARD_FN0, CARD_FN1, SOLO_NIC];
 const RESOURCE: &str = "example.com/NIC_PT";
+/// The "GPU" the rollout adds to the resource list: a virtio-rng function
+/// with an HD-audio companion in its group, as a GPU has.
+const GPU_FN0: &str = "0000:04:00.0";
+const GPU_AUDIO: &str = "0000:04:00.1";
+const GPU_RESOURCE: &str = "example.com/GPU_PT";
+/// Every device a step may move, each with its native driver.
+const NATIVE: [(&str, &str); 5] = [
+    (CARD_FN0, "e1000e"),
+    (CARD_FN1, "e1000e"),
+    (SOLO_NIC, "e1000e"),
+    (GPU_FN0, "virtio-pci"),
+    (GPU_AUDIO, "snd_hda_intel"),
+];
+/// The restore label the chart gives vfio-manager.
+const RESTORE_LABEL: &str = "vfio-sandbox.rebellions.ai/vfio-manager.restore-pending";
 const NS: &str = "vfio-sandbox";
 const RELEASE: &str = "vfio-sandbox";
+const DRA_NS: &str = "vfio-sandbox-dra";
+const DRA_RELEASE: &str = "vfio-sandbox-dra";
+/// The label examples/dra.yaml puts the DRA driver on nodes with.
+const DRA_LABEL: &str = "rebellions.ai/npu.deploy.sandbox-dra-driver";
+/// The class of every device of the driver (files/deviceclasses/rebellions.yaml).
+const DRA_CLASS: &str = "vfio-sandbox.rebellions.ai";
 const NODE: &str = "node-vm";
 const WORKLOAD: &str = "rebellions.ai/npu.workload.config";
 
@@ -90,6 +120,11 @@ sandboxDevicePlugin:
 struct Run {
     /// Our image's repository and tag, as imported on the node.
     image: (String, String),
+    /// The group the VM pod holds (the install step starts it).
+    vm_group: Option<String>,
+    /// The namespace the pod helpers look in: the VM-mode release's, or the
+    /// DRA release's during the DRA step.
+    ns: &'static str,
     plane: ControlPlane,
     guest: Guest,
     repo: PathBuf,
@@ -142,6 +177,7 @@ fn run(cli: &Cli) -> Result<bool> {
         &cli.k8s_bins,
         &cli.containerd_bins,
         &cli.image_archive,
+        &cli.vmm,
     )?;
     println!(
         "guest-node: node assembled in {:.1} s",
@@ -164,20 +200,35 @@ fn run(cli: &Cli) -> Result<bool> {
     let guest = Guest::boot(&plane, &dir.join("guest"), &built)?;
     let mut run = Run {
         image: guest::image_ref(&cli.image_archive)?,
+        vm_group: None,
+        ns: NS,
         plane,
         guest,
         repo,
         dir: dir.clone(),
     };
     type Step = fn(&mut Run) -> Result<String>;
-    let steps: [(&str, Step); 4] = [
+    let steps: [(&str, Step); 7] = [
         ("install", install),
+        ("rollout", rollout),
+        ("leave", leave),
         ("uninstall", uninstall),
+        ("dra", dra),
         ("bad-input", bad_input),
         ("privileges", privileges),
     ];
+    for name in &cli.steps {
+        ensure!(
+            steps.iter().any(|(n, _)| n == name),
+            "--steps: no step {name} (the steps: {})",
+            steps.map(|(n, _)| n).join(", ")
+        );
+    }
     let mut ok = true;
     for (name, step) in steps {
+        if !cli.steps.is_empty() && !cli.steps.iter().any(|s| s == name) {
+            continue;
+        }
         let t = Instant::now();
         let result = step(&mut run).and_then(|note| {
             run.guest.check()?;
@@ -236,6 +287,17 @@ fn diagnose(run: &Run) {
                     .join("\n")
             }),
     );
+    // The node's own logs, beside the control plane's.
+    for (command, name) in [
+        ("cat /data/state/kubelet.log", "guest-kubelet.log"),
+        ("cat /data/state/containerd.log", "guest-containerd.log"),
+        ("cat /data/state/kube-proxy.log", "guest-kube-proxy.log"),
+        ("tail -n +1 /var/log/pods/*/*/*.log", "guest-pods.log"),
+    ] {
+        if let Ok((_, text)) = run.guest.sh(command) {
+            let _ = std::fs::write(run.plane.logs_dir().join(name), text);
+        }
+    }
     show(
         "the node's images and kubelet's log",
         run.guest
@@ -284,7 +346,7 @@ impl Run {
             "get",
             "pods",
             "-n",
-            NS,
+            self.ns,
             "-l",
             &format!("app.kubernetes.io/name={app}"),
             "-o",
@@ -299,7 +361,7 @@ impl Run {
             "pod",
             pod,
             "-n",
-            NS,
+            self.ns,
             "-o",
             &format!("jsonpath={path}"),
         ])
@@ -345,6 +407,63 @@ impl Run {
         DEVICES.iter().map(|d| self.guest.driver(d)).collect()
     }
 
+    /// The driver of each device of [`NATIVE`], in its order.
+    fn all_drivers(&self) -> Result<Vec<String>> {
+        NATIVE.iter().map(|(d, _)| self.guest.driver(d)).collect()
+    }
+
+    /// Waits until every device of [`NATIVE`] is on its native driver.
+    fn wait_native(&self, limit: Duration) -> Result<()> {
+        let native: Vec<&str> = NATIVE.iter().map(|(_, n)| *n).collect();
+        wait_for("every device on its native driver", limit, || {
+            Ok((self.all_drivers()? == native).then_some(()))
+        })
+        .with_context(|| {
+            format!(
+                "drivers of {:?}: {:?}",
+                NATIVE.map(|(d, _)| d),
+                self.all_drivers().ok()
+            )
+        })
+    }
+
+    /// The node's label `key`, if it has one.
+    fn node_label(&self, key: &str) -> Result<Option<String>> {
+        let labels = self.kubectl(&["get", "node", NODE, "-o", "jsonpath={.metadata.labels}"])?;
+        let labels: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(&labels).context("the node's labels")?;
+        Ok(labels.get(key).and_then(|v| v.as_str()).map(str::to_owned))
+    }
+
+    fn set_workload(&self, value: &str) -> Result<()> {
+        self.kubectl(&[
+            "label",
+            "node",
+            NODE,
+            &format!("{WORKLOAD}={value}"),
+            "--overwrite",
+        ])
+        .map(drop)
+    }
+
+    /// Whether the group of `/dev/vfio/<group>` is open elsewhere: the kernel
+    /// answers EBUSY to a second open of a group.
+    fn group_busy(&self, group: &str) -> Result<bool> {
+        // In a child shell: a failed `exec` redirection ends the shell it runs in.
+        let (rc, out) = self
+            .guest
+            .sh(&format!("sh -c 'exec 3<>/dev/vfio/{group}'"))?;
+        if rc == 0 {
+            return Ok(false);
+        }
+        ensure!(
+            out.contains("busy"),
+            "opening /dev/vfio/{group} failed otherwise: {}",
+            out.trim()
+        );
+        Ok(true)
+    }
+
     fn wait_drivers(&self, want: &str, limit: Duration) -> Result<()> {
         wait_for(&format!("every device on {want}"), limit, || {
             let got = self.drivers()?;
@@ -352,6 +471,29 @@ impl Run {
         })
         .with_context(|| format!("drivers of {DEVICES:?}: {:?}", self.drivers().ok()))
     }
+}
+
+/// A pod named `name` in `default` whose QEMU takes the devices it is given
+/// (`kubelet-peer vmm --in-pod`, holding them until the pod is deleted):
+/// `resources` is the container's resources block below `resources:`, and
+/// `claims` the pod's resourceClaims block (or nothing). QEMU pins the VM's
+/// RAM for DMA, which needs IPC_LOCK or a memlock limit that covers it
+/// (KubeVirt's virt-handler raises virt-launcher's limit; a pod has the cap).
+/// QEMU's tree comes from the node's disk (virt-launcher's image carries its
+/// own; importing one that size costs the guest a minute).
+fn vm_pod(name: &str, resources: &str, claims: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  \
+         terminationGracePeriodSeconds: 30\n  restartPolicy: Never\n{claims}  \
+         containers:\n  - name: vmm\n    image: {VMM}\n    imagePullPolicy: Never\n    \
+         args: ['vmm', '--in-pod', '--hold', '--memory', '32M', '--qemu', '{qemu}']\n    \
+         securityContext:\n      capabilities:\n        add: [IPC_LOCK]\n    \
+         volumeMounts:\n    - {{name: qemu, mountPath: /opt/qemu, readOnly: true}}\n    \
+         resources:\n      {resources}\n  \
+         volumes:\n  - {{name: qemu, hostPath: {{path: {dir}, type: Directory}}}}\n",
+        qemu = guest::VMM_QEMU,
+        dir = guest::VMM_QEMU_DIR,
+    )
 }
 
 fn install(run: &mut Run) -> Result<String> {
@@ -428,27 +570,36 @@ fn install(run: &mut Run) -> Result<String> {
         || Ok((run.allocatable()? == "3").then_some(())),
     )?;
 
-    // A pod asking for one device, as virt-launcher would: it gets the group
-    // node and KubeVirt's variable, and holds the group open as a VMM does.
-    let pod = format!(
-        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: vm\n  namespace: default\nspec:\n  \
-         nodeName: {NODE}\n  terminationGracePeriodSeconds: 1\n  restartPolicy: Never\n  \
-         containers:\n  - name: vmm\n    image: {BUSYBOX}\n    imagePullPolicy: Never\n    \
-         command: ['/bin/sh', '-c', 'ls /dev/vfio; env | grep PCI_RESOURCE; \
-         for g in /dev/vfio/[0-9]*; do exec 3<>$g; echo holding $g; done; exec sleep 1000000']\n    \
-         resources:\n      limits:\n        {RESOURCE}: 1\n"
-    );
-    run.plane.apply(&pod)?;
-    wait_for("the VM pod's group held", Duration::from_secs(120), || {
-        let log = run.log("default", "vm", "vmm")?;
-        Ok(log.contains("holding").then_some(log))
-    })?;
-    let log = run.log("default", "vm", "vmm")?;
+    // A pod asking for one device, as virt-launcher's would: QEMU in it takes
+    // the device of its PCI_RESOURCE_* variable through the group node it was
+    // given, and holds it until the pod is deleted.
+    run.plane.apply(&vm_pod(
+        "vm",
+        &format!("limits:\n        {RESOURCE}: 1"),
+        "",
+    ))?;
+    let log = wait_for(
+        "the VM pod's QEMU to hold its device",
+        Duration::from_secs(240),
+        || {
+            let log = run.log("default", "vm", "vmm")?;
+            ensure!(
+                !log.contains("QEMU refused") && !log.contains("error:"),
+                "the VM pod's QEMU failed:\n{log}"
+            );
+            Ok(log.contains("holding").then_some(log))
+        },
+    )?;
     let var = log
         .lines()
-        .find_map(|l| l.strip_prefix("PCI_RESOURCE_EXAMPLE_COM_NIC_PT="))
+        .find_map(|l| {
+            l.split_once("PCI_RESOURCE_EXAMPLE_COM_NIC_PT=")
+                .map(|(_, v)| v)
+        })
         .with_context(|| format!("no PCI_RESOURCE_EXAMPLE_COM_NIC_PT in the pod:\n{log}"))?
-        .trim()
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
         .to_owned();
     ensure!(
         DEVICES.contains(&var.as_str()),
@@ -457,24 +608,358 @@ fn install(run: &mut Run) -> Result<String> {
     let group = run.guest.check_sh(&format!(
         "basename $(readlink /sys/bus/pci/devices/{var}/iommu_group)"
     ))?;
+    let group = group.trim();
+    let nodes = log
+        .lines()
+        .find_map(|l| l.strip_prefix("container: nodes "))
+        .and_then(|l| l.split(';').next())
+        .with_context(|| format!("the VM pod's log lists no device nodes:\n{log}"))?
+        .trim()
+        .to_owned();
     ensure!(
-        log.lines().any(|l| l.trim() == group.trim()),
-        "the pod's /dev/vfio lacks group {} of {var}:\n{log}",
-        group.trim()
+        nodes == format!("/dev/vfio/{group} /dev/vfio/vfio"),
+        "the VM pod's /dev/vfio holds {nodes}, not exactly group {group} of {var} and the container node"
     );
+    let realized = log
+        .lines()
+        .find(|l| l.starts_with(&format!("realized {var} ")))
+        .with_context(|| format!("QEMU did not realize {var}:\n{log}"))?
+        .to_owned();
+    run.vm_group = Some(group.to_owned());
     Ok(format!(
         "helm install {helm_secs:.1} s; label to vfio-manager Ready (3 devices on vfio-pci) \
          {bound_secs:.1} s, to the device plugin Ready {plugin_secs:.1} s (its validator printed \
-         {waited} lines before passing); allocatable {RESOURCE} 3; the pod was given {var} and \
-         /dev/vfio/{}; pods {manager}, {plugin}",
-        group.trim()
+         {waited} lines before passing); allocatable {RESOURCE} 3; the VM pod was given {var} \
+         and {nodes}, its QEMU: {realized}; pods {manager}, {plugin}"
+    ))
+}
+
+/// The resource list after the rollout: the NICs as before, and the "GPU".
+const ROLLOUT_VALUES: &str = r#"sandboxDevicePlugin:
+  resourceList:
+    - name: example.com/NIC_PT
+      vendor: "8086"
+      devices: ["10d3"]
+    - name: example.com/GPU_PT
+      vendor: "1af4"
+      devices: ["1044"]
+"#;
+
+fn rollout(run: &mut Run) -> Result<String> {
+    let group = run
+        .vm_group
+        .clone()
+        .context("the install step started no VM pod")?;
+    // The new release of the image: the same content under a new tag, as a
+    // registry would serve it (the node has no registry to pull from).
+    let (repo, tag) = run.image.clone();
+    let next = format!("{tag}-next");
+    run.guest.check_sh(&format!(
+        "ctr --address=/run/containerd/containerd.sock -n k8s.io images tag {repo}:{tag} {repo}:{next}"
+    ))?;
+    let old_manager = run.pods("vfio-manager")?;
+    let old_plugin = run.pods("sandbox-device-plugin")?;
+    let values = run.dir.join("rollout-values.yaml");
+    std::fs::write(&values, ROLLOUT_VALUES)?;
+    let t = Instant::now();
+    run.plane
+        .helm(&[
+            "upgrade",
+            RELEASE,
+            path_str(&run.chart()),
+            "--namespace",
+            NS,
+            "--reuse-values",
+            "-f",
+            path_str(&values),
+            "--set",
+            &format!("image.tag={next}"),
+        ])
+        .context("helm upgrade")?;
+    // Until both DaemonSets report the new pods available, every NIC stays on
+    // vfio-pci (sampled as fast as the guest's shell answers) and the VM
+    // pod's group stays open.
+    let mut samples = 0;
+    let mut manager_ready = None;
+    let mut available = None;
+    let image = format!("{repo}:{next}");
+    wait_for(
+        "the rollout of both DaemonSets",
+        Duration::from_secs(300),
+        || {
+            let drivers = run.drivers()?;
+            samples += 1;
+            ensure!(
+                drivers.iter().all(|d| d == "vfio-pci"),
+                "during the rollout a NIC left vfio-pci: {drivers:?} ({DEVICES:?})"
+            );
+            let status = run.kubectl(&[
+                "get",
+                "daemonsets",
+                "-n",
+                NS,
+                "-o",
+                "jsonpath={range .items[*]}{.metadata.name}={.status.updatedNumberScheduled}/\
+             {.status.numberAvailable}/{.status.desiredNumberScheduled} {end}",
+            ])?;
+            if manager_ready.is_none() {
+                for pod in run.pods("vfio-manager")? {
+                    let (ready, img) = (
+                        run.pod_field(&pod, "{.status.conditions[?(@.type==\"Ready\")].status}")?,
+                        run.pod_field(&pod, "{.spec.containers[0].image}")?,
+                    );
+                    if ready == "True" && img == image {
+                        manager_ready = Some(t.elapsed());
+                    }
+                }
+            }
+            let vfio_manager_done = status
+                .split_whitespace()
+                .any(|s| s.starts_with("vfio-manager=") && s.ends_with("=1/1/1"));
+            if vfio_manager_done && available.is_none() {
+                available = Some(t.elapsed());
+            }
+            let all_done = status.split_whitespace().all(|s| s.ends_with("=1/1/1"));
+            Ok(all_done.then_some(()))
+        },
+    )?;
+    let rolled = t.elapsed().as_secs_f64();
+    let new_manager = run.pods("vfio-manager")?;
+    let new_plugin = run.pods("sandbox-device-plugin")?;
+    ensure!(
+        new_manager.iter().all(|p| !old_manager.contains(p))
+            && new_plugin.iter().all(|p| !old_plugin.contains(p)),
+        "the rollout kept an old pod: vfio-manager {old_manager:?} -> {new_manager:?}, \
+         plugin {old_plugin:?} -> {new_plugin:?}"
+    );
+    for pod in new_manager.iter().chain(&new_plugin) {
+        let img = run.pod_field(pod, "{.spec.containers[0].image}")?;
+        ensure!(img == image, "pod {pod} runs {img}, not {image}");
+    }
+    let (ready, available) = (
+        manager_ready.context("vfio-manager's new pod was never seen Ready")?,
+        available.context("vfio-manager's DaemonSet was never seen available")?,
+    );
+    // minReadySeconds (10 s in the chart's values): the DaemonSet counts the new
+    // pod available only that long after it is Ready.
+    let held_back = available.saturating_sub(ready).as_secs_f64();
+    ensure!(
+        held_back >= 9.0,
+        "vfio-manager's DaemonSet counted its new pod available {held_back:.1} s after Ready \
+         (minReadySeconds is 10)"
+    );
+    // The VM pod: still running, still holding its group.
+    let phase = run.kubectl(&[
+        "get",
+        "pod",
+        "vm",
+        "-n",
+        "default",
+        "-o",
+        "jsonpath={.status.phase}/{.status.containerStatuses[0].restartCount}",
+    ])?;
+    ensure!(
+        phase == "Running/0",
+        "the VM pod is {phase} after the rollout"
+    );
+    ensure!(
+        run.group_busy(&group)?,
+        "the VM pod's group {group} is no longer held after the rollout"
+    );
+    // The new list: the "GPU" and its audio companion bound, both resources
+    // registered by the new plugin.
+    for (bdf, what) in [(GPU_FN0, "the GPU"), (GPU_AUDIO, "its audio companion")] {
+        let driver = run.guest.driver(bdf)?;
+        ensure!(
+            driver == "vfio-pci",
+            "{what} {bdf} is on {driver} after the rollout"
+        );
+    }
+    wait_for(
+        &format!("allocatable {RESOURCE} = 3 and {GPU_RESOURCE} = 1"),
+        Duration::from_secs(120),
+        || {
+            let gpu = run.kubectl(&[
+                "get",
+                "node",
+                NODE,
+                "-o",
+                &format!(
+                    "jsonpath={{.status.allocatable.{}}}",
+                    GPU_RESOURCE.replace('.', "\\.")
+                ),
+            ])?;
+            Ok((run.allocatable()? == "3" && gpu == "1").then_some(()))
+        },
+    )?;
+    Ok(format!(
+        "helm upgrade (tag {next}, {GPU_RESOURCE} added) to both DaemonSets rolled: {rolled:.1} s; \
+         vfio-manager's new pod Ready at {:.1} s, counted available {held_back:.1} s later; \
+         the NICs on vfio-pci in all {samples} samples; the VM pod's group {group} held throughout; \
+         {GPU_FN0} and {GPU_AUDIO} on vfio-pci; pods {} and {}",
+        ready.as_secs_f64(),
+        new_manager.join(","),
+        new_plugin.join(","),
+    ))
+}
+
+/// The node leaves VM mode while the VM pod runs: vfio-manager's pod stays
+/// through its restore label, puts back what is free, waits for the held
+/// group (killed with SIGKILL while it waits, and restarted by kubelet), and
+/// once the VM pod is gone puts back the rest, removes the label and only
+/// then is removed by the DaemonSet controller.
+fn leave(run: &mut Run) -> Result<String> {
+    let group = run
+        .vm_group
+        .clone()
+        .context("the install step started no VM pod")?;
+    ensure!(
+        run.node_label(RESTORE_LABEL)?.as_deref() == Some("true"),
+        "vfio-manager did not label the node with {RESTORE_LABEL} while it holds devices"
+    );
+    let manager = run.ready_pod("vfio-manager", Duration::from_secs(10))?;
+    let held: Vec<String> = run
+        .guest
+        .check_sh(&format!("ls /sys/kernel/iommu_groups/{group}/devices"))?
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    let t = Instant::now();
+    run.set_workload("container")?;
+    // What is free goes back; the held group stays.
+    wait_for("every free device back", Duration::from_secs(120), || {
+        let drivers = run.all_drivers()?;
+        let free_back = NATIVE
+            .iter()
+            .zip(&drivers)
+            .all(|((bdf, native), got)| held.iter().any(|h| h == bdf) || got == native);
+        Ok(free_back.then_some(()))
+    })?;
+    let free_secs = t.elapsed().as_secs_f64();
+    for bdf in &held {
+        let driver = run.guest.driver(bdf)?;
+        ensure!(
+            driver == "vfio-pci",
+            "held {bdf} left vfio-pci under the VM: {driver}"
+        );
+    }
+    ensure!(
+        run.pods("vfio-manager")? == [manager.clone()],
+        "vfio-manager's pod did not stay while the group is held: {:?}",
+        run.pods("vfio-manager")?
+    );
+    wait_for(
+        "the device plugin's pod gone",
+        Duration::from_secs(120),
+        || Ok(run.pods("sandbox-device-plugin")?.is_empty().then_some(())),
+    )?;
+
+    // SIGKILL mid-restore: kubelet restarts the container in the same pod.
+    let restarts = |run: &Run| -> Result<u32> {
+        Ok(run
+            .pod_field(&manager, "{.status.containerStatuses[0].restartCount}")?
+            .trim()
+            .parse()
+            .unwrap_or(0))
+    };
+    let before = restarts(run)?;
+    run.guest.check_sh("kill -9 $(pidof vfio-manager)")?;
+    wait_for(
+        "kubelet to restart vfio-manager",
+        Duration::from_secs(120),
+        || {
+            let ready = run.pod_field(&manager, "{.status.containerStatuses[0].started}")?;
+            Ok((restarts(run)? > before && ready == "true").then_some(()))
+        },
+    )?;
+    for bdf in &held {
+        let driver = run.guest.driver(bdf)?;
+        ensure!(
+            driver == "vfio-pci",
+            "held {bdf} left vfio-pci after the kill: {driver}"
+        );
+    }
+    ensure!(
+        run.group_busy(&group)?,
+        "the VM pod's group {group} is no longer held"
+    );
+
+    // The VM goes; the rest comes back, then the label, then the pod.
+    let t = Instant::now();
+    run.kubectl(&["delete", "pod", "vm", "-n", "default", "--wait=true"])?;
+    run.vm_group = None;
+    let mut label_gone = None;
+    wait_for(
+        "vfio-manager's pod removed",
+        Duration::from_secs(180),
+        || {
+            let label = run.node_label(RESTORE_LABEL)?;
+            let pods = run.pods("vfio-manager")?;
+            if label.is_none() && label_gone.is_none() {
+                label_gone = Some(t.elapsed());
+                let drivers = run.all_drivers()?;
+                let native: Vec<&str> = NATIVE.iter().map(|(_, n)| *n).collect();
+                ensure!(
+                    drivers == native,
+                    "the restore label went before every device was back: {drivers:?}"
+                );
+            }
+            if pods.is_empty() {
+                ensure!(
+                    label_gone.is_some(),
+                    "vfio-manager's pod went while the node still has {RESTORE_LABEL}"
+                );
+                return Ok(Some(()));
+            }
+            Ok(None)
+        },
+    )?;
+    let gone_secs = t.elapsed().as_secs_f64();
+    run.wait_native(Duration::from_secs(5))?;
+    let ready_file = run
+        .guest
+        .sh("ls /run/vfio-sandbox/validations/vfio-pci-ready")?;
+    ensure!(
+        ready_file.0 != 0,
+        "the validator's ready file is still there"
+    );
+    wait_for(
+        &format!("allocatable {RESOURCE} = 0"),
+        Duration::from_secs(120),
+        || {
+            let a = run.allocatable()?;
+            Ok((a.is_empty() || a == "0").then_some(()))
+        },
+    )?;
+    Ok(format!(
+        "label to free devices back {free_secs:.1} s; {manager} kept while group {group} \
+         ({}) held, SIGKILLed mid-restore and restarted in place; VM pod deleted to every \
+         device back and {RESTORE_LABEL} removed {:.1} s, to the pod removed {gone_secs:.1} s; \
+         no ready file; allocatable {RESOURCE} 0",
+        held.join(" "),
+        label_gone.unwrap_or_default().as_secs_f64(),
     ))
 }
 
 fn uninstall(run: &mut Run) -> Result<String> {
-    // The VM's pod first: with it running, its group stays bound (and the
-    // pod's own restore is the leave step's to prove).
-    run.kubectl(&["delete", "pod", "vm", "-n", "default", "--wait=true"])?;
+    // The node back in VM mode (the leave step took it out), every device
+    // bound, no VM running.
+    run.kubectl(&[
+        "delete",
+        "pod",
+        "vm",
+        "-n",
+        "default",
+        "--ignore-not-found",
+        "--wait=true",
+    ])?;
+    run.set_workload("vm-passthrough")?;
+    run.ready_pod("vfio-manager", Duration::from_secs(180))?;
+    let drivers = run.all_drivers()?;
+    ensure!(
+        drivers.iter().all(|d| d == "vfio-pci"),
+        "vfio-manager's pod is Ready but the devices are on {drivers:?}"
+    );
     let t = Instant::now();
     run.plane
         .helm(&[
@@ -487,7 +972,7 @@ fn uninstall(run: &mut Run) -> Result<String> {
             "5m",
         ])
         .context("helm uninstall")?;
-    run.wait_drivers("e1000e", Duration::from_secs(180))?;
+    run.wait_native(Duration::from_secs(180))?;
     let secs = t.elapsed().as_secs_f64();
     wait_for("the agents' pods gone", Duration::from_secs(180), || {
         Ok(
@@ -495,6 +980,304 @@ fn uninstall(run: &mut Run) -> Result<String> {
                 .then_some(()),
         )
     })?;
+    let kept = leftovers(run, "helm uninstall")?;
+    // helm deletes vfio-manager's ServiceAccount and RBAC with its DaemonSet
+    // (pkg/release/util/kind_sorter.go, UninstallOrder: no wait between
+    // kinds), so the pod that restores on SIGTERM can no longer remove its
+    // restore label. The devices are back; the label is what the chart's
+    // README tells the operator to remove, as done here (the DRA driver avoids
+    // nodes carrying it).
+    let label = match run.node_label(RESTORE_LABEL)? {
+        Some(_) => {
+            run.kubectl(&["label", "node", NODE, &format!("{RESTORE_LABEL}-")])?;
+            format!("{RESTORE_LABEL} (removed by hand, as the chart's README says)")
+        }
+        None => "no restore label".to_owned(),
+    };
+    Ok(format!(
+        "helm uninstall to every device back on its native driver: {secs:.1} s; left on the node: {kept}; on the Node: {label}"
+    ))
+}
+
+/// The DRA shape on the same node: the driver's pod registers with kubelet
+/// and publishes the stand-ins; a claim's pod gets its device moved on the
+/// real kernel and back when it goes; the claim labeller runs as the chart's
+/// Deployment of two replicas under one Lease; the VM-mode agents installed
+/// on that node too are refused by the owner lock and move nothing.
+fn dra(run: &mut Run) -> Result<String> {
+    run.kubectl(&["label", "node", NODE, &format!("{WORKLOAD}-")])?;
+    let chart = run.chart();
+    let values = run.dir.join("guest-values.yaml");
+    std::fs::write(&values, VALUES)?;
+    let t = Instant::now();
+    run.plane
+        .helm(&[
+            "install",
+            DRA_RELEASE,
+            path_str(&chart),
+            "--namespace",
+            DRA_NS,
+            "--create-namespace",
+            "-f",
+            path_str(&chart.join("examples/dra.yaml")),
+            "-f",
+            path_str(&values),
+            "--set",
+            &format!("image.repository={}", run.image.0),
+            "--set",
+            &format!("image.tag={}", run.image.1),
+        ])
+        .context("helm install of the DRA values")?;
+    run.ns = DRA_NS;
+    let result = dra_steps(run, t);
+    run.ns = NS;
+    let note = result?;
+    // The claim gone, the release uninstalled: nothing of ours left.
+    let t = Instant::now();
+    run.plane
+        .helm(&[
+            "uninstall",
+            DRA_RELEASE,
+            "--namespace",
+            DRA_NS,
+            "--wait",
+            "--timeout",
+            "5m",
+        ])
+        .context("helm uninstall of the DRA release")?;
+    run.kubectl(&["label", "node", NODE, &format!("{DRA_LABEL}-")])?;
+    wait_for(
+        "the DRA driver's pod gone",
+        Duration::from_secs(120),
+        || {
+            let pods = run.kubectl(&["get", "pods", "-n", DRA_NS, "-o", "name"])?;
+            Ok(pods.trim().is_empty().then_some(()))
+        },
+    )?;
+    run.wait_native(Duration::from_secs(10))?;
+    let kept = leftovers(run, "helm uninstall of the DRA release")?;
+    Ok(format!(
+        "{note}; helm uninstall to its pods gone {:.1} s, left on the node: {kept}",
+        t.elapsed().as_secs_f64()
+    ))
+}
+
+fn dra_steps(run: &mut Run, t: Instant) -> Result<String> {
+    run.kubectl(&[
+        "label",
+        "node",
+        NODE,
+        &format!("{DRA_LABEL}=true"),
+        "--overwrite",
+    ])?;
+    let driver = run.ready_pod("sandbox-dra-driver", Duration::from_secs(180))?;
+    let driver_secs = t.elapsed().as_secs_f64();
+    // Registered from its pod: kubelet has its socket and the slices name the
+    // node's stand-ins.
+    let (published, device_count) = wait_for(
+        "the node's ResourceSlices to list the stand-ins",
+        Duration::from_secs(120),
+        || {
+            let slices = run.plane.get_json(&["get", "resourceslices"])?;
+            let mut addresses = Vec::new();
+            for slice in slices["items"].as_array().into_iter().flatten() {
+                if slice["spec"]["nodeName"] != NODE {
+                    continue;
+                }
+                for device in slice["spec"]["devices"].as_array().into_iter().flatten() {
+                    if let Some(a) =
+                        device["attributes"]["resource.kubernetes.io/pciBusID"]["string"].as_str()
+                    {
+                        addresses.push(a.to_owned());
+                    }
+                }
+            }
+            // A group of several functions is offered as its functions and as
+            // one device for the whole group, named by its lowest function.
+            let devices = addresses.len();
+            addresses.sort();
+            addresses.dedup();
+            Ok((addresses == DEVICES).then_some((addresses, devices)))
+        },
+    )?;
+    let sockets = run.guest.check_sh("ls /var/lib/kubelet/plugins_registry")?;
+    ensure!(
+        sockets.contains(DRA_CLASS),
+        "no registration socket of {DRA_CLASS} in kubelet's plugins_registry: {sockets}"
+    );
+    // The labeller: two replicas of the image, one holding the Lease.
+    let lease = wait_for(
+        "the claim labeller's two replicas and its Lease",
+        Duration::from_secs(180),
+        || {
+            let ready = run.kubectl(&[
+                "get",
+                "deployment",
+                "sandbox-dra-driver-controller",
+                "-n",
+                DRA_NS,
+                "-o",
+                "jsonpath={.status.readyReplicas}",
+            ])?;
+            let holder = run
+                .kubectl(&[
+                    "get",
+                    "lease",
+                    "sandbox-dra-driver-controller",
+                    "-n",
+                    DRA_NS,
+                    "-o",
+                    "jsonpath={.spec.holderIdentity}",
+                ])
+                .unwrap_or_default();
+            Ok((ready == "2" && !holder.is_empty()).then_some(holder))
+        },
+    )?;
+    let replicas = run.pods("sandbox-dra-driver-controller")?;
+    ensure!(
+        replicas.len() == 2 && replicas.iter().any(|p| lease.contains(p.as_str())),
+        "the Lease is held by {lease}, not one of the replicas {replicas:?}"
+    );
+
+    // A claim's pod: the lone NIC, moved for it and back after it.
+    run.plane.apply(&format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: nic\n  \
+         namespace: default\nspec:\n  spec:\n    devices:\n      requests:\n      - name: nic\n        \
+         exactly:\n          deviceClassName: {DRA_CLASS}\n          selectors:\n          - cel:\n              \
+         expression: device.attributes[\"resource.kubernetes.io\"].pciBusID == \"{SOLO_NIC}\"\n"
+    ))?;
+    let t = Instant::now();
+    run.plane.apply(&vm_pod(
+        "claim-vm",
+        "claims:\n      - name: nic",
+        "  resourceClaims:\n  - name: nic\n    resourceClaimTemplateName: nic\n",
+    ))?;
+    let log = wait_for(
+        "the claim's QEMU to hold its device",
+        Duration::from_secs(240),
+        || {
+            let log = run.log("default", "claim-vm", "vmm")?;
+            ensure!(
+                !log.contains("QEMU refused") && !log.contains("error:"),
+                "the claim's QEMU failed:\n{log}"
+            );
+            Ok(log.contains("holding").then_some(log))
+        },
+    )?;
+    let started_secs = t.elapsed().as_secs_f64();
+    let group = run.guest.check_sh(&format!(
+        "basename $(readlink /sys/bus/pci/devices/{SOLO_NIC}/iommu_group)"
+    ))?;
+    let group = group.trim().to_owned();
+    ensure!(
+        log.contains(&format!(
+            "container: nodes /dev/vfio/{group} /dev/vfio/vfio;"
+        )),
+        "the claim's pod lacks exactly /dev/vfio/{group} of {SOLO_NIC}:\n{log}"
+    );
+    ensure!(
+        log.contains(&format!("={SOLO_NIC}")),
+        "the claim's pod has no PCI_RESOURCE_* naming {SOLO_NIC}:\n{log}"
+    );
+    let realized = log
+        .lines()
+        .find(|l| l.starts_with(&format!("realized {SOLO_NIC} ")))
+        .with_context(|| format!("QEMU did not realize {SOLO_NIC}:\n{log}"))?
+        .to_owned();
+    let drivers = run.drivers()?;
+    ensure!(
+        drivers == ["e1000e", "e1000e", "vfio-pci"],
+        "with the claim prepared, {DEVICES:?} are on {drivers:?}"
+    );
+
+    // The VM-mode agents of another release, put on the node by their own
+    // deploy label (which the DRA driver does not avoid): vfio-manager is
+    // refused by the owner lock and moves nothing.
+    run.plane
+        .helm(&[
+            "install",
+            "vfio-sandbox-vm",
+            path_str(&run.chart()),
+            "--namespace",
+            NS,
+            "--create-namespace",
+            "-f",
+            path_str(&run.dir.join("guest-values.yaml")),
+            "--set",
+            "nodeSelection.by=deploy",
+            "--set",
+            "nodeSelection.deployLabelPrefix=example.com/vm-mode",
+            "--set",
+            &format!("image.repository={}", run.image.0),
+            "--set",
+            &format!("image.tag={}", run.image.1),
+        ])
+        .context("helm install of the VM-mode agents beside the DRA driver")?;
+    run.kubectl(&[
+        "label",
+        "node",
+        NODE,
+        "example.com/vm-mode.vfio-manager=true",
+    ])?;
+    run.ns = NS;
+    let refusal = wait_for("vfio-manager's refusal", Duration::from_secs(180), || {
+        for pod in run.pods("vfio-manager")? {
+            let log = run.log(NS, &pod, "vfio-manager")?;
+            if let Some(line) = log
+                .lines()
+                .find(|l| l.contains("owns the devices of this node"))
+            {
+                return Ok(Some(line.trim().to_owned()));
+            }
+        }
+        Ok(None)
+    });
+    let refusal = refusal.and_then(|line| {
+        ensure!(
+            line.contains("sandbox-dra-driver"),
+            "vfio-manager's refusal does not name the owner: {line}"
+        );
+        let drivers = run.drivers()?;
+        ensure!(
+            drivers == ["e1000e", "e1000e", "vfio-pci"],
+            "after vfio-manager's refusal {DEVICES:?} are on {drivers:?}"
+        );
+        Ok(line)
+    });
+    run.kubectl(&["label", "node", NODE, "example.com/vm-mode.vfio-manager-"])?;
+    run.plane
+        .helm(&[
+            "uninstall",
+            "vfio-sandbox-vm",
+            "--namespace",
+            NS,
+            "--wait",
+            "--timeout",
+            "5m",
+        ])
+        .context("helm uninstall of the refused VM-mode agents")?;
+    run.ns = DRA_NS;
+    let refusal = refusal?;
+
+    let t = Instant::now();
+    run.kubectl(&["delete", "pod", "claim-vm", "-n", "default", "--wait=true"])?;
+    run.wait_drivers("e1000e", Duration::from_secs(120))?;
+    let back_secs = t.elapsed().as_secs_f64();
+    run.kubectl(&["delete", "resourceclaimtemplate", "nic", "-n", "default"])?;
+    Ok(format!(
+        "helm install and label to the driver's pod {driver} Ready {driver_secs:.1} s, \
+         publishing {device_count} devices of {}; the labeller's 2 replicas Ready, Lease held by {lease}; a claim's pod \
+         started with /dev/vfio/{group}, {SOLO_NIC} on vfio-pci and its QEMU holding it in \
+         {started_secs:.1} s ({realized}), \
+         back on e1000e {back_secs:.1} s after its deletion; the VM-mode agents beside it \
+         refused: {refusal}",
+        published.join(" ")
+    ))
+}
+
+/// What an uninstall leaves on the node, as a note; fails on anything of ours
+/// beyond the lock files and a state file that records no device.
+fn leftovers(run: &Run, after: &str) -> Result<String> {
     // What stays: the directories kubelet made for the host paths
     // (DirectoryOrCreate, kept as for every DaemonSet), the two lock files and
     // vfio-manager's state file, which after a full restore records nothing.
@@ -515,21 +1298,18 @@ fn uninstall(run: &mut Run) -> Result<String> {
                 let text = run.guest.check_sh(&format!("cat {file}"))?;
                 ensure!(
                     !text.contains("0000:"),
-                    "{file} still records devices after helm uninstall:\n{text}"
+                    "{file} still records devices after {after}:\n{text}"
                 );
                 kept.push(format!("{file} (no device)"));
             }
-            _ => bail!("{file} left on the node after helm uninstall"),
+            _ => bail!("{file} left on the node after {after}"),
         }
     }
-    Ok(format!(
-        "helm uninstall to every device back on e1000e: {secs:.1} s; left on the node: {}",
-        if kept.is_empty() {
-            "nothing".to_owned()
-        } else {
-            kept.join(", ")
-        }
-    ))
+    Ok(if kept.is_empty() {
+        "nothing".to_owned()
+    } else {
+        kept.join(", ")
+    })
 }
 
 fn bad_input(run: &mut Run) -> Result<String> {
