@@ -1350,6 +1350,8 @@ fn bad_input(run: &mut Run) -> Result<String> {
          - {name: example.com/NIC_PT, vendor: \"8086\", devices: [\"10d3\"]}\n    \
          - {name: example.com/ANY_INTEL, vendor: \"8086\"}\n",
     )?;
+    // The node in VM mode (the DRA step left it without the label).
+    run.set_workload("vm-passthrough")?;
     run.install(&values)
         .context("helm install with overlapping entries")?;
     let (pod, code) = wait_for(
