@@ -1,9 +1,9 @@
 //! guest-node: the chart as a user installs it, on a real kubelet on the real
 //! kernel. A control plane of one release runs on the host; the node is the
-//! real-kernel test bed's guest running kubelet, containerd and runc
-//! ([`real_k8s::guest`]), with our image in its containerd. The steps run in
-//! order, each on what the one before left, and the run stops at the first
-//! failure:
+//! real-kernel test bed's guest running kubelet, kube-proxy, containerd and
+//! runc ([`real_k8s::guest`]), with our image in its containerd. The steps run
+//! in order, each on what the one before left, and the run stops at the first
+//! failure (`--steps` runs some of them):
 //!
 //! - `install`: `helm install` with the standalone values and a resource list
 //!   of the bed's stand-ins (the e1000e card of two functions in one IOMMU
@@ -11,11 +11,23 @@
 //!   workload label puts vfio-manager's pod there, which binds every device
 //!   with its group companion on the real `vfio-pci`; the device plugin's pod
 //!   waits in its validator init container until the node is ready, then
-//!   registers from its pod; the node's allocatable shows the resource; a pod
-//!   asking for one gets its `/dev/vfio` nodes and `PCI_RESOURCE_*`.
-//! - `uninstall`: `helm uninstall` while the devices are bound: every device
-//!   back on its native driver, no file of ours left in the node's `/run`,
-//!   `/var/run/cdi` or kubelet's plugin directories.
+//!   registers from its pod; the node's allocatable shows the resource; a VM
+//!   pod asking for one gets exactly its `/dev/vfio` nodes and
+//!   `PCI_RESOURCE_*`, and QEMU in it realizes the device and holds it.
+//! - `rollout`: `helm upgrade` with a new image tag and a resource list that
+//!   adds a GPU-like group: new pods, no NIC leaves `vfio-pci`, the VM's group
+//!   stays held, `minReadySeconds` holds the DaemonSet back, the new plugin
+//!   registers both resources.
+//! - `leave`: the label flipped to `container` under the VM: vfio-manager's pod
+//!   stays through its restore label, puts back what is free, is SIGKILLed
+//!   while it waits for the held group and restarted by kubelet; with the VM
+//!   gone every device comes back, then the label goes, then the pod.
+//! - `uninstall`: back in VM mode, `helm uninstall`: every device back on its
+//!   native driver, no file of ours left in the node's `/run`, `/var/run/cdi`
+//!   or kubelet's plugin directories.
+//! - `dra`: the chart's DRA values: the driver registers and publishes from its
+//!   pod, the claim labeller's two replicas share a Lease, a claim's QEMU takes
+//!   its NIC, the VM-mode agents beside it are refused by the owner lock.
 //! - `bad-input`: a typo'd key fails at `helm install` (the schema), and a
 //!   resource list whose entries overlap (which no schema sees) fails
 //!   vfio-manager's pod with exit 2 naming both entries, nothing moved.
