@@ -173,7 +173,7 @@ struct Served {
     name: String,
     path: PathBuf,
     streams: Arc<Streams>,
-    ended: mpsc::UnboundedReceiver<u64>,
+    ended: mpsc::UnboundedReceiver<()>,
     /// The kubelet this socket registered with. A socket registers with one kubelet
     /// only: a new kubelet gets a fresh socket.
     registered_with: Option<KubeletId>,
@@ -204,8 +204,15 @@ impl Served {
 ///
 /// Every wait (a Register call, the backoff between attempts, the grace for a broken
 /// stream) is cut short by a command, so a kubelet restart is answered at once. A
-/// socket registers with at most one kubelet instance, and with it once (again only
-/// when that kubelet's ListAndWatch stream breaks while it keeps serving).
+/// socket's name reaches kubelet in one Register at most: whatever follows a
+/// Register that was sent (it failed, timed out, or its stream broke later) happens
+/// on a fresh socket. kubelet refuses a Register naming a socket path it still
+/// holds an endpoint for, and the refusal makes it forget the client it had for
+/// that path (pkg/kubelet/cm/devicemanager/manager.go, `PluginConnected`: "device
+/// plugin already connected"; plugin/v1beta1/handler.go, `connectClient` and
+/// `runClient`): the endpoint would never be disconnected, and the node would
+/// advertise the resource after the plugin is gone. A Register that timed out on
+/// our side may well have been accepted on kubelet's.
 pub async fn serve_resource(
     resource: ResourceName,
     settings: Settings,
@@ -213,6 +220,8 @@ pub async fn serve_resource(
 ) {
     let metrics = settings.metrics.resource(&resource);
     let mut serial = 0;
+    // Kept across sockets: a kubelet refusing every Register is not hammered.
+    let mut delay = BACKOFF.0;
     loop {
         serial += 1;
         let name = socket_name(&resource, serial);
@@ -246,6 +255,7 @@ pub async fn serve_resource(
             &mut served,
             &mut commands,
             &metrics,
+            &mut delay,
         )
         .await;
         settings.sockets.lock().map(|mut m| m.remove(&name)).ok();
@@ -269,21 +279,21 @@ pub async fn serve_resource(
     }
 }
 
-/// Registers `served` and keeps it registered until it must give way.
+/// Registers `served` and keeps it registered until it must give way. `delay` is
+/// the wait before the next attempt after a failed one.
 async fn run(
     resource: &ResourceName,
     dir: &Path,
     served: &mut Served,
     commands: &mut mpsc::UnboundedReceiver<Command>,
     metrics: &ResourceMetrics,
+    delay: &mut Duration,
 ) -> End {
-    let mut delay = BACKOFF.0;
     loop {
         let target = kubelet_id(dir);
         if served.assess(dir, target) == SocketChange::FreshSocket {
             return End::FreshSocket;
         }
-        served.streams.generation.fetch_add(1, Ordering::SeqCst);
         let result = {
             let attempt = register_once(dir, &served.name, resource, target);
             tokio::pin!(attempt);
@@ -302,74 +312,73 @@ async fn run(
             }
         };
         match result {
-            Some(Ok(Attempt::KubeletChanged)) => {
+            Some(Attempt::KubeletChanged) => {
                 // kubelet.sock changed hands between judging it and connecting.
                 match served.assess(dir, target) {
                     SocketChange::FreshSocket => return End::FreshSocket,
                     SocketChange::RetryNow | SocketChange::Ignore => {
                         tracing::info!(resource = %resource, "another kubelet is serving; registering with it");
-                        delay = BACKOFF.0;
+                        *delay = BACKOFF.0;
                     }
                 }
             }
-            Some(Ok(Attempt::Registered)) => {
+            Some(Attempt::Registered) => {
                 metrics.registered.inc();
                 tracing::info!(resource = %resource, endpoint = %served.name, "registered with kubelet");
                 served.registered_with = target;
-                delay = BACKOFF.0;
-                match watch_registration(resource, dir, served, commands).await {
-                    Some(end) => return end,
-                    None => continue, // the stream broke, this kubelet still serves
-                }
+                *delay = BACKOFF.0;
+                return watch_registration(resource, dir, served, commands).await;
             }
-            Some(Err(e)) => {
+            Some(Attempt::Failed { error, sent }) => {
                 metrics.register_failed.inc();
-                tracing::warn!(resource = %resource, error = %e, retry_in = ?delay, "cannot register with kubelet");
-                match wait_or_command(commands, delay).await {
-                    None => delay = (delay * 2).min(BACKOFF.1),
+                tracing::warn!(resource = %resource, error = %error, retry_in = ?*delay, new_socket = sent, "cannot register with kubelet");
+                match wait_or_command(commands, *delay).await {
+                    None => *delay = (*delay * 2).min(BACKOFF.1),
                     Some(Command::Restart) => {
                         if served.assess(dir, target) == SocketChange::FreshSocket {
                             return End::FreshSocket;
                         }
                         // kubelet.sock appeared or came back: try now.
-                        delay = BACKOFF.0;
+                        *delay = BACKOFF.0;
                     }
                     Some(Command::Stop) => return End::Stop,
                 }
+                if sent {
+                    return End::FreshSocket;
+                }
             }
             None => {
+                // The attempt went to a kubelet that is no longer there; the new
+                // one has not seen this socket's name.
                 tracing::info!(resource = %resource, "another kubelet is serving; registering with it");
-                delay = BACKOFF.0;
+                *delay = BACKOFF.0;
             }
         }
     }
 }
 
-/// Waits while registered. Returns how the socket ends, or `None` when the
-/// registration's stream broke (no successor within the grace) while the same
-/// kubelet still serves: register again on this socket.
+/// Waits while registered. Returns how the socket ends: told to stop, or a fresh
+/// socket when ours was deleted, kubelet changed, or the registration's stream
+/// broke with no successor within the grace (registered again, on the fresh one).
 async fn watch_registration(
     resource: &ResourceName,
     dir: &Path,
     served: &mut Served,
     commands: &mut mpsc::UnboundedReceiver<Command>,
-) -> Option<End> {
+) -> End {
     loop {
-        let generation = tokio::select! {
+        tokio::select! {
             cmd = commands.recv() => match cmd {
                 Some(Command::Restart) => match served.assess(dir, served.registered_with) {
-                    SocketChange::FreshSocket => return Some(End::FreshSocket),
+                    SocketChange::FreshSocket => return End::FreshSocket,
                     _ => {
                         tracing::debug!(resource = %resource, "still registered with the same kubelet; nothing to restart");
                         continue;
                     }
                 },
-                Some(Command::Stop) | None => return Some(End::Stop),
+                Some(Command::Stop) | None => return End::Stop,
             },
-            Some(generation) = served.ended.recv() => generation,
-        };
-        if generation != served.streams.generation.load(Ordering::SeqCst) {
-            continue; // ended because we registered again: expected
+            Some(()) = served.ended.recv() => {}
         }
         // kubelet opens a new stream right after a Register; give a successor the
         // grace period, unless a restart signal settles the matter first.
@@ -381,23 +390,20 @@ async fn watch_registration(
                 cmd = commands.recv() => match cmd {
                     Some(Command::Restart) => {
                         if served.assess(dir, served.registered_with) == SocketChange::FreshSocket {
-                            return Some(End::FreshSocket);
+                            return End::FreshSocket;
                         }
                     }
-                    Some(Command::Stop) | None => return Some(End::Stop),
+                    Some(Command::Stop) | None => return End::Stop,
                 },
             }
         }
-        let streams = &served.streams;
-        if generation == streams.generation.load(Ordering::SeqCst)
-            && streams.active.load(Ordering::SeqCst) == 0
-        {
+        if served.streams.active.load(Ordering::SeqCst) == 0 {
             if kubelet_id(dir) != served.registered_with {
                 tracing::warn!(resource = %resource, "ListAndWatch stream broke and kubelet is gone; waiting for it on a new socket");
-                return Some(End::FreshSocket);
+                return End::FreshSocket;
             }
-            tracing::warn!(resource = %resource, "ListAndWatch stream broke; registering again");
-            return None;
+            tracing::warn!(resource = %resource, "ListAndWatch stream broke; registering again on a new socket");
+            return End::FreshSocket;
         }
     }
 }
@@ -439,8 +445,8 @@ async fn wait_or_command(
     }
 }
 
-/// How one Register attempt ended, short of an error.
-#[derive(Debug, PartialEq, Eq)]
+/// How one Register attempt ended.
+#[derive(Debug)]
 enum Attempt {
     /// kubelet accepted the registration.
     Registered,
@@ -448,6 +454,14 @@ enum Attempt {
     /// nothing was sent. A Register meant for one kubelet instance never reaches
     /// another (a new kubelet gets a fresh socket, registered once).
     KubeletChanged,
+    /// No registration: `error` says why. `sent`: the request may have reached
+    /// kubelet (it failed or timed out after being sent), so the name is spent.
+    Failed {
+        /// What went wrong, naming the socket.
+        error: anyhow::Error,
+        /// The request left this process.
+        sent: bool,
+    },
 }
 
 /// Registers `endpoint` with the kubelet `target`, if `kubelet.sock` still is it.
@@ -460,14 +474,16 @@ async fn register_once(
     endpoint: &str,
     resource: &ResourceName,
     target: Option<KubeletId>,
-) -> anyhow::Result<Attempt> {
+) -> Attempt {
     let socket = dir.join(KUBELET_SOCKET);
+    let sent = std::sync::atomic::AtomicBool::new(false);
     let call = async {
         let stream = tokio::net::UnixStream::connect(&socket).await?;
         if kubelet_id(dir) != target {
             return anyhow::Ok(Attempt::KubeletChanged);
         }
         let channel = kubelet_api::unix_channel_over(stream).await?;
+        sent.store(true, Ordering::SeqCst);
         RegistrationClient::new(channel)
             .register(RegisterRequest {
                 version: VERSION.into(),
@@ -478,16 +494,23 @@ async fn register_once(
             .await?;
         anyhow::Ok(Attempt::Registered)
     };
-    tokio::time::timeout(REGISTER_TIMEOUT, call)
-        .await
-        .map_err(|_| anyhow::anyhow!("Register on {} timed out", socket.display()))?
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "Register on {}: {}",
-                socket.display(),
-                support::error_chain(e.as_ref())
-            )
-        })
+    let error = match tokio::time::timeout(REGISTER_TIMEOUT, call).await {
+        Ok(Ok(attempt)) => return attempt,
+        Ok(Err(e)) => anyhow::anyhow!(
+            "Register on {}: {}",
+            socket.display(),
+            support::error_chain(e.as_ref())
+        ),
+        Err(_) => anyhow::anyhow!(
+            "Register on {} timed out after {:?}",
+            socket.display(),
+            REGISTER_TIMEOUT
+        ),
+    };
+    Attempt::Failed {
+        error,
+        sent: sent.load(Ordering::SeqCst),
+    }
 }
 
 #[cfg(test)]
@@ -585,10 +608,8 @@ mod tests {
             old.kill().await;
             let new = kubelet_peer::Kubelet::start(dir.path()).await.unwrap();
             let r: ResourceName = "example.com/NIC_PT".parse().unwrap();
-            let out = register_once(dir.path(), "old.sock", &r, judged)
-                .await
-                .unwrap();
-            assert_eq!(out, Attempt::KubeletChanged);
+            let out = register_once(dir.path(), "old.sock", &r, judged).await;
+            assert!(matches!(out, Attempt::KubeletChanged), "{out:?}");
             assert!(new.calls().is_empty(), "{:?}", new.calls());
             // Control: judged right, the call does reach it.
             let now = kubelet_id(dir.path());

@@ -1,7 +1,7 @@
 //! The `DevicePlugin` gRPC service for one resource.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use kubelet_api::v1beta1::device_plugin_server::DevicePlugin;
@@ -29,23 +29,19 @@ pub fn options() -> DevicePluginOptions {
     }
 }
 
-/// Counts ListAndWatch streams and reports the end of each, with the registration
-/// generation it was opened under, so the registrar can tell a broken stream from
-/// one kubelet closed because we registered again.
+/// Counts one socket's ListAndWatch streams and reports the end of each, so the
+/// registrar can tell when kubelet no longer watches.
 #[derive(Debug)]
 pub struct Streams {
-    /// Registration generation, bumped by each Register.
-    pub generation: AtomicU64,
     /// Streams open now.
     pub active: AtomicUsize,
-    ended: mpsc::UnboundedSender<u64>,
+    ended: mpsc::UnboundedSender<()>,
 }
 
 impl Streams {
-    /// A tracker that reports ended streams' generations on `ended`.
-    pub fn new(ended: mpsc::UnboundedSender<u64>) -> Self {
+    /// A tracker that reports each ended stream on `ended`.
+    pub fn new(ended: mpsc::UnboundedSender<()>) -> Self {
         Self {
-            generation: AtomicU64::new(0),
             active: AtomicUsize::new(0),
             ended,
         }
@@ -146,7 +142,6 @@ impl DevicePlugin for PluginService {
         let resource = self.resource.clone();
         let streams = self.streams.clone();
         let updates = self.metrics.updates.clone();
-        let generation = streams.generation.load(Ordering::SeqCst);
         streams.active.fetch_add(1, Ordering::SeqCst);
         tracing::info!(resource = %resource, "kubelet opened ListAndWatch");
         tokio::spawn(async move {
@@ -175,7 +170,7 @@ impl DevicePlugin for PluginService {
             }
             streams.active.fetch_sub(1, Ordering::SeqCst);
             tracing::info!(resource = %resource, "ListAndWatch stream ended");
-            let _ = streams.ended.send(generation);
+            let _ = streams.ended.send(());
         });
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),

@@ -668,6 +668,40 @@ fn a_register_call_in_flight_gives_way_to_a_new_kubelet() {
     });
 }
 
+/// kubelet accepts each Register but answers only after the plugin's deadline (a
+/// loaded node). kubelet now holds the socket's path: a second Register naming it
+/// would be refused, and the refusal would leave the endpoint behind for good (the
+/// node advertising the resource after the plugin is gone). So the retry names a
+/// new socket, which is served; no call is refused.
+#[test]
+fn a_register_answered_late_is_retried_on_a_new_socket() {
+    let bed = Bed::start();
+    scenario(DEADLINE, async {
+        let slow = Kubelet::start_slow(&bed.kubelet_dir(), Duration::from_secs(8))
+            .await
+            .unwrap();
+        let first = slow.registrations_for(&[NIC, NVME], STEP).await.unwrap();
+        // The plugin gives up on each call after 5 s and tries again.
+        let again = match slow
+            .registrations_for(&[NIC, NVME], Duration::from_secs(8))
+            .await
+        {
+            Ok(a) => a,
+            Err(e) => panic!("{e}; calls {:?}\n{}", slow.calls(), bed.log()),
+        };
+        for r in [NIC, NVME] {
+            let (a, b) = (Registered::of(&first, r), Registered::of(&again, r));
+            assert_ne!(a.request.endpoint, b.request.endpoint, "{r}: a new socket");
+            assert!(bed.kubelet_dir().join(&b.request.endpoint).exists());
+        }
+        let calls = slow.calls();
+        let mut names: Vec<_> = calls.iter().map(|c| &c.request.endpoint).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), calls.len(), "a socket named twice: {calls:?}");
+    });
+}
+
 #[test]
 fn a_broken_stream_leads_to_a_new_registration() {
     let bed = Bed::start();

@@ -16,6 +16,14 @@
 //! - during each `Register` it dials the plugin's socket back, retrying for up to
 //!   10 s while the socket is missing (grpc-go's blocking dial), asks for the
 //!   plugin's options, and refuses the registration when that fails;
+//! - it refuses a `Register` naming a socket path it still holds an endpoint for
+//!   ("device plugin already connected: <path>",
+//!   `pkg/kubelet/cm/devicemanager/manager.go`, `PluginConnected`) and keeps holding
+//!   it: the refusal makes kubelet forget its client for the path
+//!   (`plugin/v1beta1/handler.go`, `connectClient`), so the endpoint is never
+//!   disconnected. A path is let go when the `ListAndWatch` stream this peer opened
+//!   for it ends (`runClient` → `PluginDisconnected`); without
+//!   [`Kubelet::start_watching`] it is held until the peer stops;
 //! - optionally ([`Kubelet::start_watching`]) it opens `ListAndWatch` right after
 //!   accepting a registration and keeps the stream until it stops.
 //!
@@ -109,6 +117,10 @@ struct RegistrationService {
     alive: Arc<AtomicBool>,
     /// Never answer Register (a kubelet stuck in the call).
     hang: bool,
+    /// Answer an accepted Register only after this long (a loaded node).
+    answer_after: Duration,
+    /// Socket paths with an endpoint, as kubelet's device manager keeps them.
+    held: Arc<std::sync::Mutex<std::collections::HashSet<PathBuf>>>,
 }
 
 /// Dials the plugin like kubelet: retries a missing or refusing socket until `timeout`.
@@ -123,11 +135,19 @@ async fn dial_back(path: &Path, timeout: Duration) -> anyhow::Result<DevicePlugi
     }
 }
 
-/// Keeps a ListAndWatch stream open and read until the plugin ends it.
-async fn keep_watching(mut client: DevicePluginClient<Channel>) {
+/// Keeps a ListAndWatch stream open and read until the plugin ends it, then lets
+/// go of the endpoint's path.
+async fn keep_watching(
+    mut client: DevicePluginClient<Channel>,
+    path: PathBuf,
+    held: Arc<std::sync::Mutex<std::collections::HashSet<PathBuf>>>,
+) {
     if let Ok(r) = client.list_and_watch(Empty {}).await {
         let mut stream = r.into_inner();
         while let Some(Ok(_)) = stream.next().await {}
+    }
+    if let Ok(mut held) = held.lock() {
+        held.remove(&path);
     }
 }
 
@@ -175,8 +195,18 @@ impl Registration for RegistrationService {
         if !self.alive.load(Ordering::SeqCst) {
             return Err(Status::unavailable("kubelet stopped"));
         }
+        let fresh = self
+            .held
+            .lock()
+            .map_or(true, |mut h| h.insert(path.clone()));
+        if !fresh {
+            return Err(Status::unknown(format!(
+                "device plugin already connected: {}",
+                path.display()
+            )));
+        }
         if let Some(tasks) = &self.watch {
-            let task = tokio::spawn(keep_watching(client));
+            let task = tokio::spawn(keep_watching(client, path, self.held.clone()));
             if let Ok(mut t) = tasks.lock() {
                 t.push(task);
             }
@@ -186,6 +216,7 @@ impl Registration for RegistrationService {
             options,
             at,
         });
+        tokio::time::sleep(self.answer_after).await;
         Ok(Response::new(Empty {}))
     }
 }
@@ -235,20 +266,31 @@ pub struct Kubelet {
 impl Kubelet {
     /// Starts like kubelet (see the module docs), without opening ListAndWatch itself.
     pub async fn start(dir: &Path) -> anyhow::Result<Self> {
-        Self::start_inner(dir, false, false).await
+        Self::start_inner(dir, false, false, Duration::ZERO).await
+    }
+
+    /// Starts like kubelet but answers each Register it accepts only `after` that
+    /// (the registration itself counts at once), as a loaded node may.
+    pub async fn start_slow(dir: &Path, after: Duration) -> anyhow::Result<Self> {
+        Self::start_inner(dir, false, false, after).await
     }
 
     /// Starts like kubelet and opens ListAndWatch after each accepted registration.
     pub async fn start_watching(dir: &Path) -> anyhow::Result<Self> {
-        Self::start_inner(dir, true, false).await
+        Self::start_inner(dir, true, false, Duration::ZERO).await
     }
 
     /// Starts like kubelet but never answers a Register call (it records it).
     pub async fn start_stuck(dir: &Path) -> anyhow::Result<Self> {
-        Self::start_inner(dir, false, true).await
+        Self::start_inner(dir, false, true, Duration::ZERO).await
     }
 
-    async fn start_inner(dir: &Path, watch: bool, hang: bool) -> anyhow::Result<Self> {
+    async fn start_inner(
+        dir: &Path,
+        watch: bool,
+        hang: bool,
+        answer_after: Duration,
+    ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir)?;
         Self::clean_directory(dir)?;
         let socket = dir.join(kubelet_api::KUBELET_SOCKET);
@@ -266,6 +308,8 @@ impl Kubelet {
             watch: watch.then(|| watching.clone()),
             alive: alive.clone(),
             hang,
+            answer_after,
+            held: Arc::default(),
         };
         let server = tokio::spawn(async move {
             let _ = Server::builder()

@@ -319,6 +319,16 @@ fn diagnose(run: &Run) {
             )
             .map(|(_, out)| out),
     );
+    // What kubelet's device manager made of each plugin (--v=2).
+    show(
+        "kubelet's device-plugin registrations",
+        run.guest
+            .sh(
+                "grep -E 'devicemanager|device plugin|Device plugin|Deregister' \
+                 /data/state/kubelet.log | tail -n 30",
+            )
+            .map(|(_, out)| out),
+    );
 }
 
 impl Run {
@@ -940,7 +950,8 @@ fn leave(run: &mut Run) -> Result<String> {
         Duration::from_secs(120),
         || {
             let a = run.allocatable()?;
-            Ok((a.is_empty() || a == "0").then_some(()))
+            ensure!(a.is_empty() || a == "0", "allocatable {RESOURCE} is {a}");
+            Ok(Some(()))
         },
     )?;
     Ok(format!(
