@@ -32,7 +32,7 @@
       the platform labels), so the label keeps the pod scheduled until the
       restore is done. `coexist` also fails two renders sharing a label.
   check.py dra DRA.yaml OTHER.yaml...
-      The DRA overlay's render deploys the DRA driver and nothing of VM
+      The chart's render with the DRA values deploys the DRA driver and nothing of VM
       mode: no container runs vfio-manager, the device plugin or the
       validator; exactly one DaemonSet runs sandbox-dra-driver; every term
       of its required node affinity excludes each node label that
@@ -245,10 +245,10 @@ def required_terms(spec):
 
 
 def restore_labels(objs):
-    """(object, label key or "") for each workload that runs vfio-manager."""
+    """(object, label key or "") for each DaemonSet that runs vfio-manager."""
     out = []
     for obj in objs:
-        for c in containers(obj):
+        for c in agent_containers(obj):
             if binary(c) != "vfio-manager":
                 continue
             key = DEFAULT_RESTORE_LABEL
@@ -395,17 +395,23 @@ def binary(container):
     return argv[0].rsplit("/", 1)[-1] if argv else ""
 
 
+def agent_containers(obj):
+    """The containers of a node agent: a DaemonSet's. (The chart's pre-delete
+    hook Job runs `vfio-manager uninstall` on any node; it is no agent.)"""
+    return containers(obj) if obj.get("kind") == "DaemonSet" else []
+
+
 # Labels every agent's affinity names for the platform, not for a mode.
 PLATFORM_LABELS = {"kubernetes.io/os", "kubernetes.io/arch"}
 
 
 def vfio_manager_selectors(objs):
-    """(object, {label: value}) for each workload that runs vfio-manager: its
+    """(object, {label: value}) for each DaemonSet that runs vfio-manager: its
     nodeSelector, and each value an `In` expression of a required node-affinity
     term asks for (the deploy label, the restore label), platform labels aside."""
     out = []
     for obj in objs:
-        if any(binary(c) == "vfio-manager" for c in containers(obj)):
+        if any(binary(c) == "vfio-manager" for c in agent_containers(obj)):
             spec = pod_spec(obj) or {}
             selector = list((spec.get("nodeSelector") or {}).items())
             for term in required_terms(spec):
@@ -439,7 +445,7 @@ def state_dirs(objs):
     dirs = set()
     for obj in objs:
         spec = pod_spec(obj) or {}
-        for c in containers(obj):
+        for c in agent_containers(obj):
             if binary(c) != "vfio-manager":
                 continue
             for m in c.get("volumeMounts") or []:

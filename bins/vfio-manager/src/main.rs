@@ -110,6 +110,9 @@ enum Command {
     /// Readiness probe: exit 0 only when `run` has bound every selected device and they
     /// are still bound (checks the ready file and the devices it lists).
     Ready,
+    /// Pre-delete hook: delete vfio-manager's DaemonSet in the foreground and wait until
+    /// its pods have restored their nodes and are gone (while their account still works).
+    Uninstall(commands::uninstall::Args),
 }
 
 /// What the commands share.
@@ -200,6 +203,7 @@ fn main() -> ExitCode {
         Command::Unbind(args) => commands::unbind::run(&ctx, &args),
         Command::Run(args) => commands::run::run(&ctx, &args),
         Command::Ready => commands::ready::run(&ctx),
+        Command::Uninstall(args) => commands::uninstall::run(&ctx, &args),
     };
     match result {
         Ok(code) => code,

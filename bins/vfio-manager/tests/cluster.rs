@@ -487,3 +487,48 @@ fn a_pod_brought_back_by_the_label_finishes_the_restore_and_binds_nothing() {
     assert!(!out.contains("bound "), "{out}");
     assert!(!err.contains("bound bdf"), "{err}");
 }
+
+/// `vfio-manager uninstall`, the chart's pre-delete hook: deletes the DaemonSet and
+/// returns once it is gone; a missing one is nothing to wait for; a malformed name
+/// is a usage error. (That the real garbage collector makes it wait for the pods
+/// is proven by the guest node's uninstall step, on a real control plane.)
+#[test]
+fn uninstall_deletes_the_daemonset_and_waits_until_it_is_gone() {
+    let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+    let s = cluster();
+    let kubeconfig = s.write_kubeconfig(dir.path()).unwrap();
+    let uninstall = |target: &str| {
+        command(dir.path())
+            .args(["uninstall", "--daemonset", target, "--timeout", "10s"])
+            .env("KUBECONFIG", &kubeconfig)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .output()
+            .unwrap()
+    };
+    let target = format!("{NS}/{DS}");
+    let out = uninstall(&target);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        stdout.contains(&format!("DaemonSet {target} deleted")),
+        "{stdout}"
+    );
+    assert!(s.get(&paths::daemonset(NS, DS)).is_none());
+    assert!(s
+        .requests()
+        .iter()
+        .any(|(m, p)| m == "DELETE" && p.contains(&format!("/daemonsets/{DS}"))));
+
+    let out = uninstall(&target);
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("does not exist"));
+
+    for bad in ["vfio-manager", "/x", "ns/", "a/b/c"] {
+        let out = uninstall(bad);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {out:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("NAMESPACE/NAME"),
+            "{bad}: {out:?}"
+        );
+    }
+}

@@ -636,6 +636,49 @@ fn truncate(s: &str, max: usize) -> String {
     format!("{}...", &s[..end])
 }
 
+/// Deletes DaemonSet `namespace/name` in the foreground and waits until it is
+/// gone: the garbage collector deletes its pods first and removes the DaemonSet
+/// only once every one of them has terminated (`propagationPolicy: Foreground`;
+/// DaemonSet pods block their owner's deletion). Returns how long that took, or
+/// `None` when there was no such DaemonSet. A DaemonSet of that name with another
+/// UID (made again meanwhile) counts as gone.
+pub async fn delete_daemonset_and_wait(
+    client: Client,
+    namespace: &str,
+    name: &str,
+    timeout: Duration,
+) -> Result<Option<Duration>, ClusterError> {
+    let api: Api<DaemonSet> = Api::namespaced(client, namespace);
+    let what = format!("delete DaemonSet {namespace}/{name}");
+    let start = tokio::time::Instant::now();
+    let params = kube::api::DeleteParams::foreground();
+    let uid = match bounded(&what, EVENT_TIMEOUT, api.delete(name, &params)).await {
+        Ok(deleted) => deleted.either(|ds| ds.metadata.uid, |_| None),
+        Err(ClusterError::Request {
+            source: kube::Error::Api(e),
+            ..
+        }) if e.code == 404 => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let waited = format!("{what}: its pods to terminate and the DaemonSet to go");
+    loop {
+        // A failed read is tried again until the deadline: the wait is what counts.
+        let got = bounded(&waited, EVENT_TIMEOUT, api.get_opt(name)).await;
+        match got {
+            Ok(None) => return Ok(Some(start.elapsed())),
+            Ok(Some(ds)) if uid.is_some() && ds.metadata.uid != uid => {
+                return Ok(Some(start.elapsed()))
+            }
+            Ok(Some(_)) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot read the DaemonSet; trying again"),
+        }
+        if start.elapsed() >= timeout {
+            return Err(ClusterError::Timeout(waited, timeout));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 async fn bounded<T>(
     what: &str,
     limit: Duration,

@@ -5,6 +5,7 @@ pub mod ready;
 pub mod run;
 pub mod status;
 pub mod unbind;
+pub mod uninstall;
 
 use passthrough::inventory::{Inventory, Role};
 use passthrough::owner::Owner;
