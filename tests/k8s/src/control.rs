@@ -163,12 +163,14 @@ impl ControlPlane {
             ),
         )?;
         // Every request of the drivers' ServiceAccounts, so a refusal names the
-        // verb and resource the shipped RBAC lacks.
+        // verb and resource the shipped RBAC lacks; and the scheduler's pod
+        // bindings, so a scenario can order a binding after a driver's write.
         let audit_policy = dir.join("audit-policy.yaml");
         std::fs::write(
             &audit_policy,
             "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n\
              - level: Metadata\n  userGroups: [\"system:serviceaccounts:vfio-sandbox-dra\", \"system:serviceaccounts:vfio-sandbox\"]\n\
+             - level: Metadata\n  users: [\"system:kube-scheduler\"]\n  resources: [{group: \"\", resources: [\"pods/binding\"]}]\n\
              - level: None\n",
         )?;
         let port = free_port()?;
@@ -371,7 +373,8 @@ impl ControlPlane {
         std::fs::read_to_string(self.logs_dir().join("kube-scheduler.log")).unwrap_or_default()
     }
 
-    /// The API server's audit log of the drivers' requests.
+    /// The API server's audit log of the drivers' requests and the scheduler's
+    /// bindings.
     pub fn audit_log(&self) -> PathBuf {
         self.dir.join("audit.log")
     }

@@ -151,24 +151,25 @@ impl Guest {
             .next()
             .context("the API server's address has no port")?;
         std::fs::copy(&plane.pki.ca, config.join("ca.crt"))?;
-        kubeconfig(
-            &config.join("kubelet.kubeconfig"),
-            &format!("https://{HOST_FROM_GUEST}:{port}"),
-            Path::new("/node-config/ca.crt"),
-            KUBELET_TOKEN,
-        )?;
-        kubeconfig(
-            &config.join("kube-proxy.kubeconfig"),
-            &format!("https://{HOST_FROM_GUEST}:{port}"),
-            Path::new("/node-config/ca.crt"),
-            KUBE_PROXY_TOKEN,
-        )?;
+        let server = format!("https://{HOST_FROM_GUEST}:{port}");
+        for (name, token) in [("kubelet", KUBELET_TOKEN), ("kube-proxy", KUBE_PROXY_TOKEN)] {
+            kubeconfig(
+                &config.join(format!("{name}.kubeconfig")),
+                &server,
+                Path::new("/node-config/ca.crt"),
+                token,
+            )?;
+        }
         std::fs::write(config.join("kube-proxy.yaml"), kube_proxy_config())?;
         std::fs::write(
             config.join("node.env"),
             format!("NODE_NAME={}\n", plane.node),
         )?;
-        std::fs::write(config.join("kubelet.yaml"), kubelet_config())?;
+        std::fs::write(
+            config.join("kubelet.yaml"),
+            crate::kubelet::config("0.0.0.0", 10250, "unix:///run/containerd/containerd.sock")
+                .to_string(),
+        )?;
         // containerd as on the host's node, its state on the data disk; it may
         // set any OOM score here.
         let containerd = crate::containerd::config(
@@ -323,32 +324,6 @@ impl Guest {
     pub fn check(&mut self) -> Result<()> {
         self.qemu.check()
     }
-}
-
-/// kubelet's configuration in the guest (KubeletConfiguration,
-/// k8s.io/kubelet/config/v1beta1/types.go), as JSON, which is YAML.
-fn kubelet_config() -> String {
-    serde_json::json!({
-        "apiVersion": "kubelet.config.k8s.io/v1beta1",
-        "kind": "KubeletConfiguration",
-        "address": "0.0.0.0",
-        "port": 10250,
-        "readOnlyPort": 0,
-        "healthzPort": 0,
-        "authentication": {"anonymous": {"enabled": true}, "webhook": {"enabled": false}},
-        "authorization": {"mode": "AlwaysAllow"},
-        "cgroupDriver": "cgroupfs",
-        "failSwapOn": false,
-        "resolvConf": "",
-        "containerRuntimeEndpoint": "unix:///run/containerd/containerd.sock",
-        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
-                         "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
-        "imageGCHighThresholdPercent": 100,
-        "imageGCLowThresholdPercent": 99,
-        "syncFrequency": "5s",
-        "nodeStatusUpdateFrequency": "5s",
-    })
-    .to_string()
 }
 
 /// kube-proxy's configuration: nftables (the guest has `nft`, not iptables),

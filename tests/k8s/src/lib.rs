@@ -7,5 +7,6 @@ pub mod containerd;
 pub mod control;
 pub mod guest;
 pub mod image;
+pub mod kubelet;
 pub mod pki;
 pub mod proc;

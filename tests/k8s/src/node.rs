@@ -269,32 +269,13 @@ impl Node {
                 .into_iter()
                 .map(|g| (g.to_owned(), true.into()))
                 .collect();
-        // KubeletConfiguration (k8s.io/kubelet/config/v1beta1/types.go).
-        let mut config = serde_json::json!({
-            "apiVersion": "kubelet.config.k8s.io/v1beta1",
-            "kind": "KubeletConfiguration",
-            "address": "127.0.0.1",
-            "port": self.kubelet_port,
-            "readOnlyPort": 0,
-            "healthzPort": 0,
-            "authentication": {
-                "anonymous": {"enabled": true},
-                "webhook": {"enabled": false},
-            },
-            "authorization": {"mode": "AlwaysAllow"},
-            "cgroupDriver": "cgroupfs",
-            "cgroupRoot": format!("/{}", self.cgroup_root),
-            "failSwapOn": false,
-            "resolvConf": "",
-            "containerRuntimeEndpoint": format!("unix://{}", self.socket().display()),
-            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
-                             "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
-            "imageGCHighThresholdPercent": 100,
-            "imageGCLowThresholdPercent": 99,
-            "syncFrequency": "5s",
-            "nodeStatusUpdateFrequency": "5s",
-            "featureGates": gates,
-        });
+        let mut config = real_k8s::kubelet::config(
+            "127.0.0.1",
+            self.kubelet_port,
+            &format!("unix://{}", self.socket().display()),
+        );
+        config["cgroupRoot"] = format!("/{}", self.cgroup_root).into();
+        config["featureGates"] = gates.into();
         // kubelet 1.35+ refuses cgroup v1 unless told not to (the field is there
         // from 1.31); this machine's cgroups are v1 with the unified hierarchy
         // beside them.

@@ -331,7 +331,66 @@ fn diagnose(run: &Run) {
     );
 }
 
+/// What a VM pod's QEMU holds, read from its log.
+struct Holding {
+    /// The device of its `PCI_RESOURCE_*` variable.
+    bdf: String,
+    /// That device's IOMMU group.
+    group: String,
+    /// QEMU's line for the device it realized.
+    realized: String,
+}
+
 impl Run {
+    /// Waits until the QEMU of VM pod `name` (see [`vm_pod`]) holds its device and
+    /// checks what the pod was given: the device of its variable named starting
+    /// with `var` (`PCI_RESOURCE_*`), exactly that device's group node and
+    /// `/dev/vfio/vfio`, and QEMU's realization of the device.
+    fn vm_holding(&self, name: &str, var: &str) -> Result<Holding> {
+        let log = wait_for(
+            &format!("the QEMU of pod {name} to hold its device"),
+            Duration::from_secs(240),
+            || {
+                let log = self.log("default", name, "vmm")?;
+                ensure!(
+                    !log.contains("QEMU refused") && !log.contains("error:"),
+                    "the QEMU of pod {name} failed:\n{log}"
+                );
+                Ok(log.contains("holding").then_some(log))
+            },
+        )?;
+        let env = log
+            .lines()
+            .find_map(|l| l.strip_prefix("container: nodes "))
+            .with_context(|| format!("pod {name}'s log lists no device nodes:\n{log}"))?;
+        let (nodes, env) = env.split_once("; env ").unwrap_or((env, ""));
+        let bdf = env
+            .split_whitespace()
+            .find(|v| v.starts_with(var))
+            .and_then(|v| v.split_once('='))
+            .map(|(_, v)| v.to_owned())
+            .with_context(|| format!("no {var}* variable in pod {name}:\n{log}"))?;
+        let group = self.guest.check_sh(&format!(
+            "basename $(readlink /sys/bus/pci/devices/{bdf}/iommu_group)"
+        ))?;
+        let group = group.trim().to_owned();
+        ensure!(
+            nodes.trim() == format!("/dev/vfio/{group} /dev/vfio/vfio"),
+            "pod {name}'s /dev/vfio holds {nodes}, not exactly group {group} of {bdf} and the \
+             container node"
+        );
+        let realized = log
+            .lines()
+            .find(|l| l.starts_with(&format!("realized {bdf} ")))
+            .with_context(|| format!("the QEMU of pod {name} did not realize {bdf}:\n{log}"))?
+            .to_owned();
+        Ok(Holding {
+            bdf,
+            group,
+            realized,
+        })
+    }
+
     fn chart(&self) -> PathBuf {
         self.repo.join("charts/vfio-sandbox")
     }
@@ -600,59 +659,19 @@ fn install(run: &mut Run) -> Result<String> {
         &format!("limits:\n        {RESOURCE}: 1"),
         "",
     ))?;
-    let log = wait_for(
-        "the VM pod's QEMU to hold its device",
-        Duration::from_secs(240),
-        || {
-            let log = run.log("default", "vm", "vmm")?;
-            ensure!(
-                !log.contains("QEMU refused") && !log.contains("error:"),
-                "the VM pod's QEMU failed:\n{log}"
-            );
-            Ok(log.contains("holding").then_some(log))
-        },
-    )?;
-    let var = log
-        .lines()
-        .find_map(|l| {
-            l.split_once("PCI_RESOURCE_EXAMPLE_COM_NIC_PT=")
-                .map(|(_, v)| v)
-        })
-        .with_context(|| format!("no PCI_RESOURCE_EXAMPLE_COM_NIC_PT in the pod:\n{log}"))?
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_owned();
+    let vm = run.vm_holding("vm", "PCI_RESOURCE_EXAMPLE_COM_NIC_PT")?;
     ensure!(
-        DEVICES.contains(&var.as_str()),
-        "the pod was given {var}, not a stand-in"
+        DEVICES.contains(&vm.bdf.as_str()),
+        "the pod was given {}, not a stand-in",
+        vm.bdf
     );
-    let group = run.guest.check_sh(&format!(
-        "basename $(readlink /sys/bus/pci/devices/{var}/iommu_group)"
-    ))?;
-    let group = group.trim();
-    let nodes = log
-        .lines()
-        .find_map(|l| l.strip_prefix("container: nodes "))
-        .and_then(|l| l.split(';').next())
-        .with_context(|| format!("the VM pod's log lists no device nodes:\n{log}"))?
-        .trim()
-        .to_owned();
-    ensure!(
-        nodes == format!("/dev/vfio/{group} /dev/vfio/vfio"),
-        "the VM pod's /dev/vfio holds {nodes}, not exactly group {group} of {var} and the container node"
-    );
-    let realized = log
-        .lines()
-        .find(|l| l.starts_with(&format!("realized {var} ")))
-        .with_context(|| format!("QEMU did not realize {var}:\n{log}"))?
-        .to_owned();
-    run.vm_group = Some(group.to_owned());
+    run.vm_group = Some(vm.group.clone());
     Ok(format!(
         "helm install {helm_secs:.1} s; label to vfio-manager Ready (3 devices on vfio-pci) \
          {bound_secs:.1} s, to the device plugin Ready {plugin_secs:.1} s (its validator printed \
-         {waited} lines before passing); allocatable {RESOURCE} 3; the VM pod was given {var} \
-         and {nodes}, its QEMU: {realized}; pods {manager}, {plugin}"
+         {waited} lines before passing); allocatable {RESOURCE} 3; the VM pod was given {} \
+         and /dev/vfio/{} /dev/vfio/vfio, its QEMU: {}; pods {manager}, {plugin}",
+        vm.bdf, vm.group, vm.realized
     ))
 }
 
@@ -978,10 +997,11 @@ fn uninstall(run: &mut Run) -> Result<String> {
     ])?;
     run.set_workload("vm-passthrough")?;
     run.ready_pod("vfio-manager", Duration::from_secs(180))?;
-    let drivers = run.all_drivers()?;
+    // The NICs at least (the "GPU" too when the rollout step ran before).
+    let drivers = run.drivers()?;
     ensure!(
         drivers.iter().all(|d| d == "vfio-pci"),
-        "vfio-manager's pod is Ready but the devices are on {drivers:?}"
+        "vfio-manager's pod is Ready but the NICs are on {drivers:?}"
     );
     let t = Instant::now();
     run.plane
@@ -995,30 +1015,121 @@ fn uninstall(run: &mut Run) -> Result<String> {
             "5m",
         ])
         .context("helm uninstall")?;
-    run.wait_native(Duration::from_secs(180))?;
     let secs = t.elapsed().as_secs_f64();
+    // The chart's pre-delete hook (`vfio-manager uninstall`) deleted the
+    // DaemonSet first and waited for its pod, whose account still worked: by
+    // the time helm returns, every device is back and the restore label gone.
+    let drivers = run.all_drivers()?;
+    let native: Vec<&str> = NATIVE.iter().map(|(_, n)| *n).collect();
+    ensure!(
+        drivers == native,
+        "helm uninstall returned with the devices on {drivers:?}"
+    );
+    ensure!(
+        run.node_label(RESTORE_LABEL)?.is_none(),
+        "helm uninstall returned with {RESTORE_LABEL} still on the Node"
+    );
     wait_for("the agents' pods gone", Duration::from_secs(180), || {
         Ok(
             (run.pods("vfio-manager")?.is_empty() && run.pods("sandbox-device-plugin")?.is_empty())
                 .then_some(()),
         )
     })?;
+    let hook = run.kubectl(&[
+        "get",
+        "job,serviceaccount,role,rolebinding",
+        "-n",
+        NS,
+        "-o",
+        "name",
+    ])?;
+    ensure!(
+        hook.trim().is_empty() || !hook.contains("uninstall"),
+        "the pre-delete hook's objects stayed: {hook}"
+    );
     let kept = leftovers(run, "helm uninstall")?;
-    // helm deletes vfio-manager's ServiceAccount and RBAC with its DaemonSet
-    // (pkg/release/util/kind_sorter.go, UninstallOrder: no wait between
-    // kinds), so the pod that restores on SIGTERM can no longer remove its
-    // restore label. The devices are back; the label is what the chart's
-    // README tells the operator to remove, as done here (the DRA driver avoids
-    // nodes carrying it).
-    let label = match run.node_label(RESTORE_LABEL)? {
-        Some(_) => {
-            run.kubectl(&["label", "node", NODE, &format!("{RESTORE_LABEL}-")])?;
-            format!("{RESTORE_LABEL} (removed by hand, as the chart's README says)")
-        }
-        None => "no restore label".to_owned(),
-    };
     Ok(format!(
-        "helm uninstall to every device back on its native driver: {secs:.1} s; left on the node: {kept}; on the Node: {label}"
+        "helm uninstall (its pre-delete hook waiting for vfio-manager's pod) to every device \
+         back on its native driver and {RESTORE_LABEL} removed: {secs:.1} s; left on the \
+         node: {kept}"
+    ))
+}
+
+/// The early move of KEP-5007 with the real kube-scheduler: the device, on its
+/// native driver when allocated, was published with the driver's binding
+/// conditions, the scheduler copied them into the claim's allocation, the driver
+/// moved the group and set `VfioReady`, and only then was the pod bound
+/// (PreBind waits for it): the API server's audit log has the driver's status
+/// write done before the scheduler's binding arrived.
+fn early_move(run: &Run, pod: &str) -> Result<String> {
+    let pod_json = run.plane.get_json(&["get", "pod", pod, "-n", "default"])?;
+    let claim = pod_json["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        .as_str()
+        .with_context(|| format!("pod {pod} names no ResourceClaim: {}", pod_json["status"]))?
+        .to_owned();
+    let claim_json = run
+        .plane
+        .get_json(&["get", "resourceclaim", &claim, "-n", "default"])?;
+    let ready = format!("{DRA_CLASS}/VfioReady");
+    let result = &claim_json["status"]["allocation"]["devices"]["results"][0];
+    ensure!(
+        result["bindingConditions"] == serde_json::json!([ready]),
+        "claim {claim} was allocated without the binding condition {ready}: {result}"
+    );
+    let ready_true = claim_json["status"]["devices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|d| d["conditions"].as_array().into_iter().flatten())
+        .any(|c| c["type"] == ready.as_str() && c["status"] == "True");
+    ensure!(
+        ready_true,
+        "claim {claim} has no {ready} True in its status.devices: {}",
+        claim_json["status"]["devices"]
+    );
+    // The driver's first write of the claim's status and the pod's binding,
+    // as the API server's audit log has them (one clock, microseconds).
+    let audit = std::fs::read_to_string(run.plane.audit_log())?;
+    let events: Vec<serde_json::Value> = audit
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let ready_at = events
+        .iter()
+        .find(|e| {
+            let o = &e["objectRef"];
+            o["resource"] == "resourceclaims"
+                && o["subresource"] == "status"
+                && o["name"] == claim.as_str()
+                && e["responseStatus"]["code"] == 200
+                && e["user"]["username"]
+                    .as_str()
+                    .is_some_and(|u| u.ends_with(":sandbox-dra-driver"))
+        })
+        .and_then(|e| e["stageTimestamp"].as_str())
+        .with_context(|| {
+            format!("the audit log has no status write of claim {claim} by the driver")
+        })?
+        .to_owned();
+    let bound_at = events
+        .iter()
+        .find(|e| {
+            let o = &e["objectRef"];
+            o["resource"] == "pods"
+                && o["subresource"] == "binding"
+                && o["name"] == pod
+                && e["responseStatus"]["code"] == 201
+        })
+        .and_then(|e| e["requestReceivedTimestamp"].as_str())
+        .with_context(|| format!("the audit log has no binding of pod {pod}"))?
+        .to_owned();
+    ensure!(
+        ready_at < bound_at,
+        "claim {claim}: the driver wrote {ready} at {ready_at}, after the scheduler bound pod {pod} at {bound_at}"
+    );
+    Ok(format!(
+        "moved before binding (claim {claim} allocated with {ready}, its status written at \
+         {ready_at}, the pod bound at {bound_at})"
     ))
 }
 
@@ -1175,38 +1286,15 @@ fn dra_steps(run: &mut Run, t: Instant) -> Result<String> {
         "claims:\n      - name: nic",
         "  resourceClaims:\n  - name: nic\n    resourceClaimTemplateName: nic\n",
     ))?;
-    let log = wait_for(
-        "the claim's QEMU to hold its device",
-        Duration::from_secs(240),
-        || {
-            let log = run.log("default", "claim-vm", "vmm")?;
-            ensure!(
-                !log.contains("QEMU refused") && !log.contains("error:"),
-                "the claim's QEMU failed:\n{log}"
-            );
-            Ok(log.contains("holding").then_some(log))
-        },
-    )?;
+    let vm = run.vm_holding("claim-vm", "PCI_RESOURCE_")?;
     let started_secs = t.elapsed().as_secs_f64();
-    let group = run.guest.check_sh(&format!(
-        "basename $(readlink /sys/bus/pci/devices/{SOLO_NIC}/iommu_group)"
-    ))?;
-    let group = group.trim().to_owned();
     ensure!(
-        log.contains(&format!(
-            "container: nodes /dev/vfio/{group} /dev/vfio/vfio;"
-        )),
-        "the claim's pod lacks exactly /dev/vfio/{group} of {SOLO_NIC}:\n{log}"
+        vm.bdf == SOLO_NIC,
+        "the claim's pod was given {}, not {SOLO_NIC}",
+        vm.bdf
     );
-    ensure!(
-        log.contains(&format!("={SOLO_NIC}")),
-        "the claim's pod has no PCI_RESOURCE_* naming {SOLO_NIC}:\n{log}"
-    );
-    let realized = log
-        .lines()
-        .find(|l| l.starts_with(&format!("realized {SOLO_NIC} ")))
-        .with_context(|| format!("QEMU did not realize {SOLO_NIC}:\n{log}"))?
-        .to_owned();
+    let (group, realized) = (vm.group, vm.realized);
+    let early = early_move(run, "claim-vm")?;
     let drivers = run.drivers()?;
     ensure!(
         drivers == ["e1000e", "e1000e", "vfio-pci"],
@@ -1291,7 +1379,7 @@ fn dra_steps(run: &mut Run, t: Instant) -> Result<String> {
         "helm install and label to the driver's pod {driver} Ready {driver_secs:.1} s, \
          publishing {device_count} devices of {}; the labeller's 2 replicas Ready, Lease held by {lease}; a claim's pod \
          started with /dev/vfio/{group}, {SOLO_NIC} on vfio-pci and its QEMU holding it in \
-         {started_secs:.1} s ({realized}), \
+         {started_secs:.1} s ({realized}); {early}, \
          back on e1000e {back_secs:.1} s after its deletion; the VM-mode agents beside it \
          refused: {refusal}",
         published.join(" ")
