@@ -203,16 +203,19 @@ impl Served {
 /// Serves `resource` until told to stop; returns after removing its socket.
 ///
 /// Every wait (a Register call, the backoff between attempts, the grace for a broken
-/// stream) is cut short by a command, so a kubelet restart is answered at once. A
-/// socket's name reaches kubelet in one Register at most: whatever follows a
-/// Register that was sent (it failed, timed out, or its stream broke later) happens
-/// on a fresh socket. kubelet refuses a Register naming a socket path it still
-/// holds an endpoint for, and the refusal makes it forget the client it had for
-/// that path (pkg/kubelet/cm/devicemanager/manager.go, `PluginConnected`: "device
-/// plugin already connected"; plugin/v1beta1/handler.go, `connectClient` and
-/// `runClient`): the endpoint would never be disconnected, and the node would
-/// advertise the resource after the plugin is gone. A Register that timed out on
-/// our side may well have been accepted on kubelet's.
+/// stream) is cut short by a command, so a kubelet restart is answered at once.
+///
+/// A socket's name never reaches kubelet while kubelet may still hold an endpoint
+/// for it. kubelet refuses such a Register, and the refusal makes it forget the
+/// client it had for that path (pkg/kubelet/cm/devicemanager/manager.go,
+/// `PluginConnected`: "device plugin already connected"; plugin/v1beta1/handler.go,
+/// `connectClient` and `runClient`): that endpoint would never be disconnected, and
+/// the node would advertise the resource after the plugin is gone. So a Register
+/// that failed or timed out after it was sent (kubelet may have accepted it) is
+/// followed by a fresh socket. A broken stream is answered on the same socket:
+/// kubelet's stream ends only as kubelet drops the endpoint (`runClient` calls
+/// `disconnectClient` when its `ListAndWatch` ends), well within the grace we give
+/// a successor stream.
 pub async fn serve_resource(
     resource: ResourceName,
     settings: Settings,
@@ -327,7 +330,10 @@ async fn run(
                 tracing::info!(resource = %resource, endpoint = %served.name, "registered with kubelet");
                 served.registered_with = target;
                 *delay = BACKOFF.0;
-                return watch_registration(resource, dir, served, commands).await;
+                match watch_registration(resource, dir, served, commands).await {
+                    Some(end) => return end,
+                    None => continue, // the stream broke, this kubelet still serves
+                }
             }
             Some(Attempt::Failed { error, sent }) => {
                 metrics.register_failed.inc();
@@ -357,26 +363,28 @@ async fn run(
     }
 }
 
-/// Waits while registered. Returns how the socket ends: told to stop, or a fresh
-/// socket when ours was deleted, kubelet changed, or the registration's stream
-/// broke with no successor within the grace (registered again, on the fresh one).
+/// Waits while registered. Returns how the socket ends (told to stop; a fresh
+/// socket when ours was deleted or kubelet changed), or `None` when the
+/// registration's stream broke with no successor within the grace while the same
+/// kubelet still serves: kubelet has dropped the endpoint, register again on this
+/// socket.
 async fn watch_registration(
     resource: &ResourceName,
     dir: &Path,
     served: &mut Served,
     commands: &mut mpsc::UnboundedReceiver<Command>,
-) -> End {
+) -> Option<End> {
     loop {
         tokio::select! {
             cmd = commands.recv() => match cmd {
                 Some(Command::Restart) => match served.assess(dir, served.registered_with) {
-                    SocketChange::FreshSocket => return End::FreshSocket,
+                    SocketChange::FreshSocket => return Some(End::FreshSocket),
                     _ => {
                         tracing::debug!(resource = %resource, "still registered with the same kubelet; nothing to restart");
                         continue;
                     }
                 },
-                Some(Command::Stop) | None => return End::Stop,
+                Some(Command::Stop) | None => return Some(End::Stop),
             },
             Some(()) = served.ended.recv() => {}
         }
@@ -390,20 +398,20 @@ async fn watch_registration(
                 cmd = commands.recv() => match cmd {
                     Some(Command::Restart) => {
                         if served.assess(dir, served.registered_with) == SocketChange::FreshSocket {
-                            return End::FreshSocket;
+                            return Some(End::FreshSocket);
                         }
                     }
-                    Some(Command::Stop) | None => return End::Stop,
+                    Some(Command::Stop) | None => return Some(End::Stop),
                 },
             }
         }
         if served.streams.active.load(Ordering::SeqCst) == 0 {
             if kubelet_id(dir) != served.registered_with {
                 tracing::warn!(resource = %resource, "ListAndWatch stream broke and kubelet is gone; waiting for it on a new socket");
-                return End::FreshSocket;
+                return Some(End::FreshSocket);
             }
-            tracing::warn!(resource = %resource, "ListAndWatch stream broke; registering again on a new socket");
-            return End::FreshSocket;
+            tracing::warn!(resource = %resource, "ListAndWatch stream broke; registering again");
+            return None;
         }
     }
 }

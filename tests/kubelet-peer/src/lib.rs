@@ -16,16 +16,16 @@
 //! - during each `Register` it dials the plugin's socket back, retrying for up to
 //!   10 s while the socket is missing (grpc-go's blocking dial), asks for the
 //!   plugin's options, and refuses the registration when that fails;
-//! - it refuses a `Register` naming a socket path it still holds an endpoint for
-//!   ("device plugin already connected: <path>",
-//!   `pkg/kubelet/cm/devicemanager/manager.go`, `PluginConnected`) and keeps holding
-//!   it: the refusal makes kubelet forget its client for the path
-//!   (`plugin/v1beta1/handler.go`, `connectClient`), so the endpoint is never
-//!   disconnected. A path is let go when the `ListAndWatch` stream this peer opened
-//!   for it ends (`runClient` → `PluginDisconnected`); without
-//!   [`Kubelet::start_watching`] it is held until the peer stops;
 //! - optionally ([`Kubelet::start_watching`]) it opens `ListAndWatch` right after
-//!   accepting a registration and keeps the stream until it stops.
+//!   accepting a registration and keeps the stream until it stops. Then, as
+//!   kubelet, it holds an endpoint per socket path until that stream ends
+//!   (`plugin/v1beta1/handler.go`, `runClient` → `PluginDisconnected`) and refuses
+//!   a `Register` naming a path it holds ("device plugin already connected:
+//!   <path>", `pkg/kubelet/cm/devicemanager/manager.go`, `PluginConnected`), still
+//!   holding it: the refusal makes kubelet forget its client for the path
+//!   (`connectClient`), so that endpoint is never disconnected. Without its own
+//!   streams (tests open them) the peer cannot tell when kubelet would let a path
+//!   go, and holds none.
 //!
 //! Every `Register` call is recorded, accepted or not ([`Kubelet::calls`]). Tests
 //! use [`Kubelet::plugin`] to call `ListAndWatch`, `Allocate` and
@@ -195,10 +195,11 @@ impl Registration for RegistrationService {
         if !self.alive.load(Ordering::SeqCst) {
             return Err(Status::unavailable("kubelet stopped"));
         }
-        let fresh = self
-            .held
-            .lock()
-            .map_or(true, |mut h| h.insert(path.clone()));
+        let fresh = self.watch.is_none()
+            || self
+                .held
+                .lock()
+                .map_or(true, |mut h| h.insert(path.clone()));
         if !fresh {
             return Err(Status::unknown(format!(
                 "device plugin already connected: {}",
