@@ -1,9 +1,11 @@
 //! Devices ready before the pod binds (KEP-5007 binding conditions, KEP-4817 claim
 //! device status): the real `sandbox-dra-driver` on a fake node against the
-//! stand-in API server, with the tests playing kube-scheduler as upstream's DRA
-//! plugin does (`fake_apiserver::scheduler`: the allocation copies the device's
-//! binding conditions, PreBind waits on the claim's `status.devices`, a failure
-//! deallocates) and kubelet preparing through the kubelet-like peer.
+//! stand-in API server. The tests write each claim's allocation with the
+//! driver's binding conditions (`fake_apiserver::objects::allocation`), take it
+//! back where the scheduler would, read the conditions the driver sets in the
+//! claim's `status.devices`, and prepare through the kubelet-like peer; the real
+//! kube-scheduler's part (copying the conditions, PreBind's wait, giving the
+//! allocation up) is checked against it in tests/k8s (`dra-binding-conditions`).
 //!
 //! The fake node's devices are on vfio-pci already, so these runs use
 //! `--binding-conditions=always`; the real-kernel scenario moves NICs off e1000e
@@ -16,21 +18,18 @@ mod common;
 use common::driver::*;
 use common::*;
 use fake_apiserver::objects::DeviceResult;
-use fake_apiserver::scheduler::{self, Binding};
 use fake_apiserver::{paths, FakeApiServer};
 use kubelet_peer::dra::{ClaimRef, Version};
 use serde_json::Value;
 
 const ALWAYS: (&str, &str) = ("VFIO_SANDBOX_BINDING_CONDITIONS", "always");
-const READY: &str = "vfio-sandbox.rebellions.ai/VfioReady";
-const FAILED: &str = "vfio-sandbox.rebellions.ai/VfioFailed";
 
-/// Creates claim `NS/name` and allocates `results` to it as kube-scheduler does:
-/// from the slices as they are now.
+/// Creates claim `NS/name` allocated `results`, each waiting on the driver's
+/// binding conditions.
 fn allocate(server: &FakeApiServer, name: &str, results: &[DeviceResult]) -> ClaimRef {
     let mut claim = fake_apiserver::objects::resource_claim(NS, name, &format!("uid-{name}"), None);
     claim["status"] = serde_json::json!({
-        "allocation": scheduler::allocation(results, &slices(server), NODE),
+        "allocation": fake_apiserver::objects::allocation(results, NODE, Some(WAITS)),
     });
     server.put(&paths::resourceclaim(NS, name), claim);
     claim_ref(name, &format!("uid-{name}"))
@@ -47,9 +46,14 @@ fn phase(scene: &Scene, uid: &str) -> Option<String> {
         .map(|c| c["phase"].as_str().unwrap().to_owned())
 }
 
-/// What kube-scheduler's PreBind makes of the claim now.
-fn binding(server: &FakeApiServer, name: &str) -> Binding {
-    claim(server, name).map_or(Binding::Waiting, |c| scheduler::binding(&c))
+/// Whether the driver set VfioReady on every device of the claim.
+fn ready(server: &FakeApiServer, name: &str) -> bool {
+    claim(server, name).is_some_and(|c| fake_apiserver::objects::condition_true_on_all(&c, READY))
+}
+
+/// The claim's VfioFailed, if the driver set it: `reason=R, message="M"`.
+fn failure(server: &FakeApiServer, name: &str) -> Option<String> {
+    claim(server, name).and_then(|c| fake_apiserver::objects::condition_true_on_any(&c, FAILED))
 }
 
 /// The device's binding fields in the slice.
@@ -78,9 +82,7 @@ async fn a_claim_is_moved_before_binding_and_prepare_only_writes_its_files() {
 
     let c = allocate(&server, "vm-a", &[ours("nic", "pci-0000-02-00-0")]);
     driver
-        .wait_until("the claim ready for binding", || {
-            binding(&server, "vm-a") == Binding::Ready
-        })
+        .wait_until("the claim ready for binding", || ready(&server, "vm-a"))
         .await;
     let status = &claim(&server, "vm-a").unwrap()["status"]["devices"][0];
     assert_eq!(status["driver"], DRIVER);
@@ -133,7 +135,7 @@ async fn a_claim_that_loses_its_allocation_before_its_pod_starts_is_given_back()
         })
         .await;
     let mut c = claim(&server, "vm-a").unwrap();
-    scheduler::deallocate(&mut c);
+    fake_apiserver::objects::deallocate(&mut c);
     server.put(&paths::resourceclaim(NS, "vm-a"), c);
     driver
         .wait_until("claim a given back", || phase(&scene, &a.uid).is_none())
@@ -195,12 +197,10 @@ async fn a_failed_move_sets_the_failure_condition_and_the_scheduler_gives_the_cl
     let c = allocate(&server, "vm-a", &[ours("nic", "pci-0000-02-00-0")]);
     driver
         .wait_until("the failure condition", || {
-            matches!(binding(&server, "vm-a"), Binding::Failed(_))
+            failure(&server, "vm-a").is_some()
         })
         .await;
-    let Binding::Failed(why) = binding(&server, "vm-a") else {
-        unreachable!()
-    };
+    let why = failure(&server, "vm-a").unwrap();
     assert!(
         why.contains("reason=MoveFailed") && why.contains("/dev/vfio/6"),
         "{why}"
@@ -216,7 +216,7 @@ async fn a_failed_move_sets_the_failure_condition_and_the_scheduler_gives_the_cl
     );
     // The scheduler deallocates (PostFilter); nothing is left to give back.
     let mut claimed = claim(&server, "vm-a").unwrap();
-    scheduler::deallocate(&mut claimed);
+    fake_apiserver::objects::deallocate(&mut claimed);
     server.put(&paths::resourceclaim(NS, "vm-a"), claimed);
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     assert_eq!(phase(&scene, &c.uid), None);
@@ -240,7 +240,7 @@ async fn the_status_write_outlasts_conflicts_and_a_failing_api_server() {
     allocate(&server, "vm-a", &[ours("nic", "pci-0000-02-00-0")]);
     driver
         .wait_until("vm-a ready despite three conflicts", || {
-            binding(&server, "vm-a") == Binding::Ready
+            ready(&server, "vm-a")
         })
         .await;
     let conflicts = server
@@ -253,7 +253,7 @@ async fn the_status_write_outlasts_conflicts_and_a_failing_api_server() {
     allocate(&server, "vm-b", &[ours("disk", "pci-0000-03-00-0")]);
     driver
         .wait_until("vm-b ready after five failed writes", || {
-            binding(&server, "vm-b") == Binding::Ready
+            ready(&server, "vm-b")
         })
         .await;
     assert!(
@@ -356,14 +356,13 @@ async fn a_claim_reallocated_during_its_move_always_ends_on_its_new_device() {
             rounds += 1;
             let c = allocate(&server, &name, &[ours("nic", "pci-0000-02-00-0")]);
             tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
-            if recorded(&scene, &c.uid).is_some_and(|(p, _)| p != "moved")
-                || binding(&server, &name) != Binding::Ready
+            if recorded(&scene, &c.uid).is_some_and(|(p, _)| p != "moved") || !ready(&server, &name)
             {
                 while_busy += 1;
             }
             if deallocated_between {
                 let mut gone = claim(&server, &name).unwrap();
-                scheduler::deallocate(&mut gone);
+                fake_apiserver::objects::deallocate(&mut gone);
                 server.put(&paths::resourceclaim(NS, &name), gone);
                 tokio::time::sleep(std::time::Duration::from_millis(delay / 4)).await;
             }
@@ -371,7 +370,7 @@ async fn a_claim_reallocated_during_its_move_always_ends_on_its_new_device() {
             let context = format!("delay {delay} ms, deallocated between: {deallocated_between}");
             driver
                 .wait_until(&format!("{context}: ready on the new device"), || {
-                    binding(&server, &name) == Binding::Ready
+                    ready(&server, &name)
                         && recorded(&scene, &c.uid)
                             == Some(("moved".into(), vec!["pci-0000-03-00-0".into()]))
                 })
@@ -445,7 +444,7 @@ async fn quiet_watches_stay_open_and_every_allocation_is_marked_within_three_sec
         let started = std::time::Instant::now();
         allocate(&server, &name, &[ours("nic", "pci-0000-02-00-0")]);
         loop {
-            if binding(&server, &name) == Binding::Ready {
+            if ready(&server, &name) {
                 break;
             }
             assert!(

@@ -12,14 +12,12 @@ use std::time::Duration;
 
 use common::driver::*;
 use common::*;
-use fake_apiserver::scheduler::{self, Binding};
 use fake_apiserver::{paths, FakeApiServer};
 use kubelet_peer::dra::ClaimRef;
 use serde_json::{json, Value};
 
 const ALWAYS: (&str, &str) = ("VFIO_SANDBOX_BINDING_CONDITIONS", "always");
 const LABELLED: (&str, &str) = ("VFIO_SANDBOX_CLAIM_WATCH", "labelled");
-const READY: &str = "vfio-sandbox.rebellions.ai/VfioReady";
 const KEY: &str = "vfio-sandbox.rebellions.ai/node";
 
 /// Creates claim `NS/name` allocated to the NIC as kube-scheduler does, with
@@ -27,7 +25,7 @@ const KEY: &str = "vfio-sandbox.rebellions.ai/node";
 fn allocate(server: &FakeApiServer, name: &str, label: Option<&str>) -> ClaimRef {
     let mut claim = fake_apiserver::objects::resource_claim(NS, name, &format!("uid-{name}"), None);
     claim["status"] = json!({
-        "allocation": scheduler::allocation(&[ours("nic", "pci-0000-02-00-0")], &slices(server), NODE),
+        "allocation": fake_apiserver::objects::allocation(&[ours("nic", "pci-0000-02-00-0")], NODE, Some(WAITS)),
     });
     if let Some(node) = label {
         claim["metadata"]["labels"] = json!({ KEY: node });
@@ -100,7 +98,7 @@ async fn a_labelled_watch_moves_only_claims_labelled_for_its_node() {
     label(&server, "vm-a", Some(NODE));
     driver
         .wait_until("claim a ready for binding", || {
-            scheduler::binding(&claim(&server, "vm-a")) == Binding::Ready
+            fake_apiserver::objects::condition_true_on_all(&claim(&server, "vm-a"), READY)
         })
         .await;
     assert_eq!(phase(&scene, &a.uid).as_deref(), Some("moved"));
@@ -108,7 +106,7 @@ async fn a_labelled_watch_moves_only_claims_labelled_for_its_node() {
     // Deallocated: the labeller removes the label, and the claim leaves the
     // selection (a deletion on this node's watch): given back.
     let mut c = claim(&server, "vm-a");
-    scheduler::deallocate(&mut c);
+    fake_apiserver::objects::deallocate(&mut c);
     server.put(&paths::resourceclaim(NS, "vm-a"), c);
     label(&server, "vm-a", None);
     driver

@@ -16,7 +16,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use fake_apiserver::scheduler::{self, Binding};
 use fake_apiserver::{paths, FakeApiServer};
 
 /// GET requests on `what` (a collection path followed by `?`), as (lists, watches).
@@ -78,15 +77,14 @@ async fn a_quiet_watch_lives_its_server_timeout() {
     let slice_lists = requests(&server, "/resourceslices?").0 - slice_lists;
     // A claim allocated now is seen at once.
     let mut claim = fake_apiserver::objects::resource_claim(NS, "vm-late", "uid-vm-late", None);
-    let slices = slices(&server);
     claim["status"] = serde_json::json!({
-        "allocation": scheduler::allocation(&[ours("nic", "pci-0000-02-00-0")], &slices, NODE),
+        "allocation": fake_apiserver::objects::allocation(&[ours("nic", "pci-0000-02-00-0")], NODE, Some(WAITS)),
     });
     let started = Instant::now();
     server.put(&paths::resourceclaim(NS, "vm-late"), claim);
     while server
         .get(&paths::resourceclaim(NS, "vm-late"))
-        .is_none_or(|c| scheduler::binding(&c) != Binding::Ready)
+        .is_none_or(|c| !fake_apiserver::objects::condition_true_on_all(&c, READY))
     {
         assert!(
             started.elapsed() < Duration::from_secs(3),

@@ -6,9 +6,11 @@
 //! what they cannot do for a test: fail or race the next requests on demand
 //! (409 storms, 5xx, hangs, latency), count every request and write, steer
 //! watches (bookmark beat, history, ends), hide an API version, and answer
-//! inside the real-kernel test VM, where no control plane runs (its `claim` and
-//! `bind` commands stand for the scheduler there). It applies no strategy and
-//! no validation of the DRA fields: it stores what a driver writes.
+//! inside the real-kernel test VM, where no control plane runs. It plays no
+//! scheduler: a test that needs an allocated claim writes the allocation itself
+//! ([`objects::allocation`]); the real scheduler's allocations and waits are
+//! checked against it in tests/k8s and in the guest node. It applies no strategy
+//! and no validation of the DRA fields: it stores what a driver writes.
 //!
 //! It stores JSON objects under their REST paths (`/api/v1/nodes/node-a`,
 //! `/apis/resource.k8s.io/v1/resourceslices/s`) and answers the verbs a node agent
@@ -73,7 +75,6 @@ use serde_json::{json, Value};
 
 mod query;
 mod rest;
-pub mod scheduler;
 mod watch;
 
 use rest::{status, Objects, Route};

@@ -2,10 +2,11 @@
 //!
 //! `serve` answers until killed; `request` is a one-shot HTTP client so a shell
 //! script without curl can change objects (relabel a node, delete a DaemonSet);
-//! `claim` makes an allocated ResourceClaim the way the scheduler leaves one (a
-//! create, then a status update, binding conditions copied from the slices) and
-//! prints its uid; `bind` waits on its binding conditions as the scheduler's
-//! PreBind does, and deallocates it on failure or timeout.
+//! `claim` creates a ResourceClaim and writes the allocation it is given (a
+//! create, then a status update) and prints its uid; `wait` waits until the
+//! driver set a condition on every allocated device of a claim. Neither chooses
+//! a device or plays kube-scheduler: scenarios that need its allocations and its
+//! waits run against the real one (tests/k8s).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -13,7 +14,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use fake_apiserver::{objects, paths, scheduler, FakeApiServer};
+use fake_apiserver::{objects, paths, FakeApiServer};
 
 /// Command line.
 #[derive(Debug, Parser)]
@@ -69,56 +70,72 @@ enum Command {
         /// JSON body (a merge patch for PATCH).
         body: Option<String>,
     },
-    /// Create a ResourceClaim and allocate it; print its uid (what kubelet names it by).
-    Claim {
+    /// Create a ResourceClaim and write the allocation given here; print its uid
+    /// (what kubelet names it by).
+    Claim(ClaimArgs),
+    /// Wait until condition CONDITION is True on every allocated device of the
+    /// claim (exit 0), FAILURE is True on one (exit 1, printing its reason and
+    /// message) or the timeout passes (exit 3).
+    Wait {
         /// The server, http://HOST:PORT.
         #[arg(long, default_value = "http://127.0.0.1:6443")]
         server: String,
         /// The claim, NAMESPACE/NAME.
         #[arg(value_name = "NAMESPACE/NAME")]
         claim: String,
-        /// The DeviceClass its requests name.
-        #[arg(long, default_value = "vfio-sandbox")]
-        class: String,
-        /// An allocated device, REQUEST:DRIVER:POOL:DEVICE (repeatable; none leaves
-        /// the claim unallocated).
-        #[arg(long = "result", value_name = "REQUEST:DRIVER:POOL:DEVICE")]
-        results: Vec<String>,
-        /// The node the pod is scheduled to (default: the first result's pool).
+        /// The condition to wait for.
         #[arg(long)]
-        node: Option<String>,
-        /// An opaque configuration of the claim, DRIVER=PARAMETERS (JSON) for all
-        /// its requests (repeatable); the allocation gets a copy, as the
-        /// scheduler's allocator writes it.
-        #[arg(long = "config", value_name = "DRIVER=JSON")]
-        configs: Vec<String>,
-        /// Allocate the existing claim again instead of creating it, as the
-        /// scheduler does after it gave the first allocation up.
+        condition: String,
+        /// The condition that ends the wait as a failure.
         #[arg(long)]
-        again: bool,
-        /// With --again: write the deallocation first (PostFilter's), so a
-        /// watcher may see the claim unallocated in between.
-        #[arg(long, requires = "again")]
-        deallocate_first: bool,
-    },
-    /// Wait as kube-scheduler's PreBind does until the claim's binding conditions
-    /// are all True (exit 0), a failure condition is True (exit 1) or the binding
-    /// timeout from its allocationTimestamp passes (exit 3); on failure or timeout
-    /// deallocate it as PostFilter does.
-    Bind {
-        /// The server, http://HOST:PORT.
-        #[arg(long, default_value = "http://127.0.0.1:6443")]
-        server: String,
-        /// The claim, NAMESPACE/NAME.
-        #[arg(value_name = "NAMESPACE/NAME")]
-        claim: String,
-        /// Seconds between looks (upstream: 5).
-        #[arg(long, default_value_t = 5)]
-        poll: u64,
-        /// The binding timeout in seconds (upstream default: 600).
-        #[arg(long, default_value_t = 600)]
+        failure_condition: Option<String>,
+        /// Milliseconds between looks.
+        #[arg(long, default_value_t = 100)]
+        poll_ms: u64,
+        /// Seconds until the wait gives up.
+        #[arg(long, default_value_t = 60)]
         timeout: u64,
     },
+}
+
+/// `fake-apiserver claim`.
+#[derive(Debug, clap::Args)]
+struct ClaimArgs {
+    /// The server, http://HOST:PORT.
+    #[arg(long, default_value = "http://127.0.0.1:6443")]
+    server: String,
+    /// The claim, NAMESPACE/NAME.
+    #[arg(value_name = "NAMESPACE/NAME")]
+    claim: String,
+    /// The DeviceClass its requests name.
+    #[arg(long, default_value = "vfio-sandbox")]
+    class: String,
+    /// An allocated device, REQUEST:DRIVER:POOL:DEVICE (repeatable; none leaves
+    /// the claim unallocated).
+    #[arg(long = "result", value_name = "REQUEST:DRIVER:POOL:DEVICE")]
+    results: Vec<String>,
+    /// The node the allocation is pinned to (default: the first result's pool).
+    #[arg(long)]
+    node: Option<String>,
+    /// The condition each result waits on (`bindingConditions`, KEP-5007).
+    #[arg(long, requires = "binding_failure_condition")]
+    binding_condition: Option<String>,
+    /// The condition each result fails on (`bindingFailureConditions`).
+    #[arg(long, requires = "binding_condition")]
+    binding_failure_condition: Option<String>,
+    /// An opaque configuration of the claim, DRIVER=PARAMETERS (JSON) for all
+    /// its requests (repeatable); the allocation gets a copy, as
+    /// kube-scheduler's allocator writes it.
+    #[arg(long = "config", value_name = "DRIVER=JSON")]
+    configs: Vec<String>,
+    /// Allocate the existing claim again instead of creating it (reading it
+    /// again after a 409).
+    #[arg(long)]
+    again: bool,
+    /// With --again: write the claim unallocated first, so a watcher may see
+    /// it unallocated in between.
+    #[arg(long, requires = "again")]
+    deallocate_first: bool,
 }
 
 fn pairs(list: &[String]) -> anyhow::Result<Vec<(&str, &str)>> {
@@ -183,18 +200,27 @@ fn request(server: &str, method: &str, path: &str, body: Option<&str>) -> anyhow
     Ok(ok)
 }
 
-/// `again`: allocate the existing claim anew (`Some(true)`: deallocated first),
-/// reading it again after a conflict (another writer, the driver's status
-/// write, came between), as the scheduler's retries do.
-fn claim(
-    server: &str,
-    claim: &str,
-    class: &str,
-    results: &[String],
-    configs: &[String],
-    node: Option<&str>,
-    again: Option<bool>,
-) -> anyhow::Result<bool> {
+/// `fake-apiserver claim`: with `--again`, allocate the existing claim anew
+/// (first unallocated with `--deallocate-first`), reading it again after a
+/// conflict (another writer, the driver's status write, came between).
+fn claim(args: &ClaimArgs) -> anyhow::Result<bool> {
+    let ClaimArgs {
+        server,
+        claim,
+        class,
+        results,
+        node,
+        binding_condition,
+        binding_failure_condition,
+        configs,
+        again,
+        deallocate_first,
+    } = args;
+    let waits = binding_condition
+        .as_deref()
+        .zip(binding_failure_condition.as_deref())
+        .map(|(ready, failed)| objects::Waits { ready, failed });
+    let again = again.then_some(*deallocate_first);
     let (ns, name) = split_ref(claim)?;
     let configs = configs
         .iter()
@@ -218,8 +244,9 @@ fn claim(
         server,
         ns,
         name,
-        node,
+        node: node.as_deref(),
         configs: &configs,
+        waits,
     };
     let mut tries = 0;
     loop {
@@ -246,6 +273,8 @@ struct Target<'a> {
     node: Option<&'a str>,
     /// The claim's `spec.devices.config`.
     configs: &'a [serde_json::Value],
+    /// The binding conditions of each result.
+    waits: Option<objects::Waits<'a>>,
 }
 
 /// How one try of `claim` ended.
@@ -289,7 +318,7 @@ fn allocate(
                 (ok, found)
             } else {
                 let mut object: serde_json::Value = serde_json::from_str(&found)?;
-                scheduler::deallocate(&mut object);
+                objects::deallocate(&mut object);
                 exchange(t.server, "PUT", &status_path, Some(&object.to_string()))?
             }
         }
@@ -300,20 +329,11 @@ fn allocate(
     let mut object: serde_json::Value = serde_json::from_str(&created)?;
     let uid = object["metadata"]["uid"].as_str().unwrap_or("").to_owned();
     if !results.is_empty() {
-        let (ok, slices) = exchange(
-            t.server,
-            "GET",
-            "/apis/resource.k8s.io/v1/resourceslices",
-            None,
-        )?;
-        if !ok {
-            return Ok(Allocated::Failed(slices));
-        }
-        let slices: serde_json::Value = serde_json::from_str(&slices)?;
-        let slices = slices["items"].as_array().cloned().unwrap_or_default();
         let node = t.node.unwrap_or(&results[0].pool);
-        let mut allocation = scheduler::allocation(results, &slices, node);
-        scheduler::copy_claim_config(&mut allocation, &object);
+        let mut allocation = objects::allocation(results, node, t.waits);
+        if let Some(config) = objects::allocated_config(&object) {
+            allocation["devices"]["config"] = config;
+        }
         object["status"] = serde_json::json!({ "allocation": allocation });
         let (ok, updated) = exchange(t.server, "PUT", &status_path, Some(&object.to_string()))?;
         if let Some(failed) = answer(ok, updated) {
@@ -323,7 +343,16 @@ fn allocate(
     Ok(Allocated::Done(uid))
 }
 
-fn bind(server: &str, claim: &str, poll: u64, timeout: u64) -> anyhow::Result<ExitCode> {
+/// `fake-apiserver wait`: exit 0 once `condition` is True on every allocated
+/// device of `claim`, 1 once `failure` is True on one, 3 at the timeout.
+fn wait(
+    server: &str,
+    claim: &str,
+    condition: &str,
+    failure: Option<&str>,
+    poll: Duration,
+    timeout: Duration,
+) -> anyhow::Result<ExitCode> {
     let (ns, name) = split_ref(claim)?;
     let path = paths::resourceclaim(ns, name);
     let started = std::time::Instant::now();
@@ -332,33 +361,20 @@ fn bind(server: &str, claim: &str, poll: u64, timeout: u64) -> anyhow::Result<Ex
         if !ok {
             anyhow::bail!("cannot read {claim}: {body}");
         }
-        let mut object: serde_json::Value = serde_json::from_str(&body)?;
-        let failure = match scheduler::binding(&object) {
-            scheduler::Binding::Ready => {
-                println!("{claim}: ready for binding after {:.1?}", started.elapsed());
-                return Ok(ExitCode::SUCCESS);
-            }
-            scheduler::Binding::Failed(why) => Some((why, 1)),
-            scheduler::Binding::Waiting if started.elapsed() >= Duration::from_secs(timeout) => {
-                Some(("device binding timeout".to_owned(), 3))
-            }
-            scheduler::Binding::Waiting => None,
-        };
-        if let Some((why, code)) = failure {
-            scheduler::deallocate(&mut object);
-            let (ok, body) = exchange(
-                server,
-                "PUT",
-                &format!("{path}/status"),
-                Some(&object.to_string()),
-            )?;
-            if !ok {
-                anyhow::bail!("cannot deallocate {claim}: {body}");
-            }
-            println!("{claim}: {why}; deallocated");
-            return Ok(ExitCode::from(code));
+        let object: serde_json::Value = serde_json::from_str(&body)?;
+        if objects::condition_true_on_all(&object, condition) {
+            println!("{claim}: {condition} after {:.1?}", started.elapsed());
+            return Ok(ExitCode::SUCCESS);
         }
-        std::thread::sleep(Duration::from_secs(poll));
+        if let Some(why) = failure.and_then(|f| objects::condition_true_on_any(&object, f)) {
+            println!("{claim}: {}: {why}", failure.unwrap_or_default());
+            return Ok(ExitCode::from(1));
+        }
+        if started.elapsed() >= timeout {
+            println!("{claim}: no {condition} within {timeout:?}");
+            return Ok(ExitCode::from(3));
+        }
+        std::thread::sleep(poll);
     }
 }
 
@@ -406,30 +422,22 @@ fn main() -> ExitCode {
             path,
             body,
         } => request(server, method, path, body.as_deref()),
-        Command::Claim {
-            server,
-            claim: c,
-            class,
-            results,
-            node,
-            configs,
-            again,
-            deallocate_first,
-        } => claim(
-            server,
-            c,
-            class,
-            results,
-            configs,
-            node.as_deref(),
-            (*again).then_some(*deallocate_first),
-        ),
-        Command::Bind {
+        Command::Claim(args) => claim(args),
+        Command::Wait {
             server,
             claim,
-            poll,
+            condition,
+            failure_condition,
+            poll_ms,
             timeout,
-        } => match bind(server, claim, *poll, *timeout) {
+        } => match wait(
+            server,
+            claim,
+            condition,
+            failure_condition.as_deref(),
+            Duration::from_millis(*poll_ms),
+            Duration::from_secs(*timeout),
+        ) {
             Ok(code) => return code,
             Err(e) => Err(e),
         },

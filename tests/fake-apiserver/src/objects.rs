@@ -122,6 +122,123 @@ pub fn allocation_status(results: &[DeviceResult]) -> Value {
     json!({"allocation": {"devices": {"results": results}}})
 }
 
+/// The binding conditions (KEP-5007) a test gives an allocation's results: the
+/// one kube-scheduler waits on and the one it gives the allocation up on.
+#[derive(Debug, Clone, Copy)]
+pub struct Waits<'a> {
+    /// `bindingConditions`.
+    pub ready: &'a str,
+    /// `bindingFailureConditions`.
+    pub failed: &'a str,
+}
+
+/// `status.allocation` giving `results` to a pod on `node`, as a test writes it:
+/// pinned to `node` with the single `matchFields` term kube-scheduler writes for
+/// a node-local device; with `waits`, each result carries those binding
+/// conditions and the allocation an `allocationTimestamp`. Nothing here chooses
+/// devices or waits: the real kube-scheduler's allocations, waits and
+/// deallocations are checked in tests/k8s (`dra-binding-conditions`).
+pub fn allocation(results: &[DeviceResult], node: &str, waits: Option<Waits<'_>>) -> Value {
+    let results: Vec<Value> = results
+        .iter()
+        .map(|r| {
+            let mut v = json!({"request": r.request, "driver": r.driver, "pool": r.pool, "device": r.device});
+            if let Some(w) = waits {
+                v["bindingConditions"] = json!([w.ready]);
+                v["bindingFailureConditions"] = json!([w.failed]);
+            }
+            v
+        })
+        .collect();
+    let mut allocation = json!({
+        "devices": {"results": results},
+        "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [node]}
+        ]}]},
+    });
+    if waits.is_some() {
+        allocation["allocationTimestamp"] = support::time::now_rfc3339().into();
+    }
+    allocation
+}
+
+/// `claim`'s `spec.devices.config` as an allocation carries it (each entry with
+/// `source: FromClaim`), or `None` when the claim has none.
+pub fn allocated_config(claim: &Value) -> Option<Value> {
+    let configs = claim.pointer("/spec/devices/config")?.as_array()?;
+    let copied: Vec<Value> = configs
+        .iter()
+        .map(|c| {
+            let mut c = c.clone();
+            c["source"] = json!("FromClaim");
+            c
+        })
+        .collect();
+    Some(copied.into())
+}
+
+/// For each allocated device of `claim`, its condition of type `kind` in
+/// `status.devices` (the entry matched by driver, pool and device), or `None`
+/// where the entry or the condition is missing.
+pub fn device_conditions<'c>(claim: &'c Value, kind: &str) -> Vec<Option<&'c Value>> {
+    let results = claim
+        .pointer("/status/allocation/devices/results")
+        .and_then(Value::as_array);
+    let entries = claim.pointer("/status/devices").and_then(Value::as_array);
+    results
+        .into_iter()
+        .flatten()
+        .map(|r| {
+            entries
+                .into_iter()
+                .flatten()
+                .find(|d| {
+                    ["driver", "pool", "device"]
+                        .iter()
+                        .all(|k| d.get(*k) == r.get(*k))
+                })?
+                .get("conditions")?
+                .as_array()?
+                .iter()
+                .find(|c| c.get("type").and_then(Value::as_str) == Some(kind))
+        })
+        .collect()
+}
+
+/// Whether condition `kind` is `True` for every allocated device of `claim`
+/// (false for a claim with no allocation).
+pub fn condition_true_on_all(claim: &Value, kind: &str) -> bool {
+    let all = device_conditions(claim, kind);
+    !all.is_empty() && all.iter().all(|c| c.is_some_and(|c| c["status"] == "True"))
+}
+
+/// The first allocated device's condition `kind` of `claim` that is `True`, as
+/// `reason=R, message="M"`.
+pub fn condition_true_on_any(claim: &Value, kind: &str) -> Option<String> {
+    device_conditions(claim, kind)
+        .into_iter()
+        .flatten()
+        .find(|c| c["status"] == "True")
+        .map(|c| {
+            format!(
+                "reason={}, message={:?}",
+                c["reason"].as_str().unwrap_or(""),
+                c["message"].as_str().unwrap_or("")
+            )
+        })
+}
+
+/// `claim` with its allocation taken back in one status write: no
+/// `reservedFor`, `allocation` or `devices` (what kube-scheduler writes when it
+/// gives an allocation up).
+pub fn deallocate(claim: &mut Value) {
+    if let Some(status) = claim.get_mut("status").and_then(Value::as_object_mut) {
+        for f in ["reservedFor", "allocation", "devices"] {
+            status.remove(f);
+        }
+    }
+}
+
 /// A stored ResourceClaim with uid `uid`: allocated `results` (unallocated when
 /// `results` is `None`).
 pub fn resource_claim(ns: &str, name: &str, uid: &str, results: Option<&[DeviceResult]>) -> Value {

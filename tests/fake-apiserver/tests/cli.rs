@@ -1,5 +1,6 @@
-//! The `fake-apiserver` command against an in-process server: `claim` leaves an
-//! allocated ResourceClaim the way the scheduler does, and prints its uid.
+//! The `fake-apiserver` command against an in-process server: `claim` writes a
+//! ResourceClaim with the allocation it is given and prints its uid; `wait`
+//! waits on the conditions a driver sets in its `status.devices`.
 
 #![allow(clippy::unwrap_used)]
 
@@ -52,7 +53,6 @@ fn claim_creates_then_allocates_through_the_status_subresource() {
         methods,
         [
             "POST /apis/resource.k8s.io/v1/namespaces/vms/resourceclaims".to_owned(),
-            "GET /apis/resource.k8s.io/v1/resourceslices".to_owned(),
             "PUT /apis/resource.k8s.io/v1/namespaces/vms/resourceclaims/vm-a-gpu/status".to_owned(),
         ]
     );
@@ -63,26 +63,13 @@ fn claim_creates_then_allocates_through_the_status_subresource() {
     assert!(!ok && err.contains("REQUEST:DRIVER:POOL:DEVICE"), "{err}");
 }
 
-/// A slice whose one device carries binding conditions, a claim allocated from it,
-/// and `bind` waiting on it as PreBind does: ready once the condition is True;
-/// failed, and the claim deallocated, once the failure condition is.
+/// A claim allocated with binding conditions, and `wait` on them: exit 0 once
+/// the condition is True, 1 once the failure condition is (naming its reason
+/// and message), 3 at the timeout; it changes nothing.
 #[test]
-fn bind_waits_on_binding_conditions_as_prebind_does() {
+fn wait_reads_the_conditions_a_driver_sets() {
     let s = FakeApiServer::start().unwrap();
     let url = s.url();
-    let mut slice = fake_apiserver::objects::resource_slice(
-        "s",
-        "d.example.com",
-        "node-a",
-        "node-a",
-        1,
-        &["gpu-0"],
-    );
-    slice["spec"]["devices"][0]["bindingConditions"] = serde_json::json!(["d.example.com/Ready"]);
-    slice["spec"]["devices"][0]["bindingFailureConditions"] =
-        serde_json::json!(["d.example.com/Failed"]);
-    slice["spec"]["devices"][0]["bindsToNode"] = serde_json::json!(true);
-    s.put(&paths::resourceslice("s"), slice);
     let set = |name: &str, kind: &str| {
         let path = paths::resourceclaim("vms", name);
         let mut claim = s.get(&path).unwrap();
@@ -98,6 +85,23 @@ fn bind_waits_on_binding_conditions_as_prebind_does() {
         ]);
         assert!(ok, "{out}{err}");
     };
+    let wait = |name: &str, timeout: &str| {
+        Command::new(env!("CARGO_BIN_EXE_fake-apiserver"))
+            .args([
+                "wait",
+                "--server",
+                &url,
+                &format!("vms/{name}"),
+                "--condition",
+                "d.example.com/Ready",
+                "--failure-condition",
+                "d.example.com/Failed",
+                "--timeout",
+                timeout,
+            ])
+            .output()
+            .unwrap()
+    };
     for (name, kind, code) in [
         ("ready", "d.example.com/Ready", 0),
         ("failed", "d.example.com/Failed", 1),
@@ -109,6 +113,10 @@ fn bind_waits_on_binding_conditions_as_prebind_does() {
             &format!("vms/{name}"),
             "--result",
             "gpu:d.example.com:node-a:gpu-0",
+            "--binding-condition",
+            "d.example.com/Ready",
+            "--binding-failure-condition",
+            "d.example.com/Failed",
         ]);
         assert!(ok, "{out}{err}");
         let claim = s.get(&paths::resourceclaim("vms", name)).unwrap();
@@ -116,6 +124,10 @@ fn bind_waits_on_binding_conditions_as_prebind_does() {
         assert_eq!(
             allocation["devices"]["results"][0]["bindingConditions"][0],
             "d.example.com/Ready"
+        );
+        assert_eq!(
+            allocation["devices"]["results"][0]["bindingFailureConditions"][0],
+            "d.example.com/Failed"
         );
         assert!(
             allocation["allocationTimestamp"].is_string(),
@@ -125,48 +137,29 @@ fn bind_waits_on_binding_conditions_as_prebind_does() {
             allocation["nodeSelector"]["nodeSelectorTerms"][0]["matchFields"][0]["values"][0],
             "node-a"
         );
-        let (ok, out, _) = run(&[
-            "bind",
-            "--server",
-            &url,
-            &format!("vms/{name}"),
-            "--poll",
-            "1",
-            "--timeout",
-            "0",
-        ]);
-        assert!(!ok && out.contains("device binding timeout"), "{out}");
-        let (ok, out, err) = run(&[
-            "claim",
-            "--server",
-            &url,
-            &format!("vms/{name}-2"),
-            "--result",
-            "gpu:d.example.com:node-a:gpu-0",
-        ]);
-        assert!(ok, "{out}{err}");
-        set(&format!("{name}-2"), kind);
-        let out = Command::new(env!("CARGO_BIN_EXE_fake-apiserver"))
-            .args([
-                "bind",
-                "--server",
-                &url,
-                &format!("vms/{name}-2"),
-                "--poll",
-                "1",
-            ])
-            .output()
-            .unwrap();
+        let out = wait(name, "0");
+        assert_eq!(out.status.code(), Some(3), "{out:?}");
+        set(name, kind);
+        let out = wait(name, "10");
         assert_eq!(out.status.code(), Some(code), "{out:?}");
-        let after = s
-            .get(&paths::resourceclaim("vms", &format!("{name}-2")))
-            .unwrap();
-        assert_eq!(
-            after["status"].get("allocation").is_none(),
-            code == 1,
-            "{after}"
-        );
+        if code == 1 {
+            let said = String::from_utf8_lossy(&out.stdout);
+            assert!(said.contains("reason=Test, message=\"m\""), "{said}");
+        }
+        let after = s.get(&paths::resourceclaim("vms", name)).unwrap();
+        assert!(after["status"]["allocation"].is_object(), "{after}");
     }
+    let (ok, _, err) = run(&[
+        "claim",
+        "--server",
+        &url,
+        "vms/half",
+        "--result",
+        "gpu:d.example.com:node-a:gpu-0",
+        "--binding-condition",
+        "d.example.com/Ready",
+    ]);
+    assert!(!ok && err.contains("--binding-failure-condition"), "{err}");
 }
 
 #[test]

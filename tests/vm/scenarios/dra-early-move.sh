@@ -1,19 +1,20 @@
 # sandbox-dra-driver moves a claim's devices before its pod is bound (KEP-5007
 # binding conditions) on the real kernel: the NICs on e1000e are published with
-# <driver>/VfioReady and VfioFailed and bindsToNode; a claim allocated from the
-# slice (fake-apiserver claim copies the conditions as the scheduler's allocator
-# does) is moved whole to vfio-pci at once, the condition appears in the claim's
-# status.devices and `fake-apiserver bind` (PreBind's wait) returns; prepare then
-# only writes files. A claim deleted before its pod started gets its devices
-# back, also when the deletion races the move (10 rounds); a claim re-allocated
-# to another device while its move runs ends on that device, the old one back
-# (10 rounds, at delays, with and without a deallocated step); a claim on a group
-# another claim holds gets the failure condition and is
-# deallocated as PostFilter does. Then kill -9 at every step of the early move
-# (failpoints build: the claim saved, each member recorded, override, unbind,
-# probe, the claim saved as moved): the restarted driver converges (the claim
-# ready) and gives everything back when the claim is deleted; and kill -9 at
-# each step of that give-back (override, unbind, probe), finished by the restart.
+# <driver>/VfioReady and VfioFailed and bindsToNode; a claim whose allocation
+# waits on them (written here as kube-scheduler writes one: no scheduler runs
+# in this VM; the real one's copying of the conditions, its PreBind wait and
+# its giving up are checked in tests/k8s and on the guest node) is moved whole
+# to vfio-pci at once and the driver sets VfioReady in the claim's
+# status.devices; prepare then only writes files. A claim deleted before its
+# pod started gets its devices back, also when the deletion races the move (10
+# rounds); a claim re-allocated to another device while its move runs ends on
+# that device, the old one back (10 rounds, at delays, with and without an
+# unallocated step); a claim on a group another claim holds gets VfioFailed,
+# naming the holder. Then kill -9 at every step of the early move (failpoints
+# build: the claim saved, each member recorded, override, unbind, probe, the
+# claim saved as moved): the restarted driver converges (the claim ready) and
+# gives everything back when the claim is deleted; and kill -9 at each step of
+# that give-back (override, unbind, probe), finished by the restart.
 # QEMU takes the early-moved claim's devices from its CDI spec
 # (iommufd-cdev does so through iommufd); a claim deleted while a QEMU holds its
 # group is given back once QEMU quits.
@@ -46,10 +47,17 @@ start_driver() {
     wait_for "$bin serves its registration socket" 20 -- grep -q "serving registration" "$DLOG"
 }
 peer() { kubelet-peer dra "$@" --registry "$REG"; }
-# claim NAME BDF: a ResourceClaim in namespace vms allocated as the scheduler does; its uid.
-claim() { fake-apiserver claim "vms/$1" --result "nic:$DRIVER:$NODE:$(dev_name "$2")"; }
-# bind NAME: PreBind's wait (polling every second here, upstream every 5 s).
-prebind() { fake-apiserver bind "vms/$1" --poll 1 --timeout 60; }
+# claim NAME BDF [ARGS...]: a ResourceClaim in namespace vms allocated BDF's
+# device, waiting on the driver's binding conditions; its uid.
+claim() {
+    c_name=$1 c_dev=$(dev_name "$2")
+    shift 2
+    fake-apiserver claim "vms/$c_name" --result "nic:$DRIVER:$NODE:$c_dev" \
+        --binding-condition "$DRIVER/VfioReady" --binding-failure-condition "$DRIVER/VfioFailed" "$@"
+}
+# ready NAME: wait until the driver set VfioReady on the claim's devices (exit 1
+# on VfioFailed).
+ready() { fake-apiserver wait "vms/$1" --condition "$DRIVER/VfioReady" --failure-condition "$DRIVER/VfioFailed" --timeout 60; }
 delete_claim() { fake-apiserver request DELETE "/apis/resource.k8s.io/v1/namespaces/vms/resourceclaims/$1" >/dev/null; }
 # card_back WHEN: the claim given back: the record goes last, after both functions
 # are back on e1000e with their overrides cleared.
@@ -73,9 +81,9 @@ note "allocated: moved before binding; prepare writes files only; QEMU takes the
 t0=$(_tb_now_ms)
 t_alloc=$t0
 uid=$(claim vm-card "$CARD_FN0")
-step "the scheduler's PreBind wait ends: ready" -- prebind vm-card
+step "the driver sets VfioReady" -- ready vm-card
 t1=$(_tb_now_ms)
-note "allocation to ready took $((t1 - t0)) ms (the stand-in scheduler polls every second)"
+note "allocation to ready took $((t1 - t0)) ms (polled every 100 ms)"
 expect_driver "CARD_FN0 on vfio-pci before the pod is bound" "$CARD_FN0" vfio-pci
 expect_driver "CARD_FN1 (companion) on vfio-pci too" "$CARD_FN1" vfio-pci
 step "/dev/vfio/$CARD_GROUP is a char device" -- test -c "/dev/vfio/$CARD_GROUP"
@@ -96,7 +104,6 @@ cp "$TB_OUT" /tmp/vmm-card.out
 run_logged cat /tmp/vmm-card.out
 expect_contains "CARD_FN0 realized with the host's ids, BAR 0 mapped" /tmp/vmm-card.out "realized $CARD_FN0 8086:10d3 (legacy) BAR0@"
 realize_ms=$(sed -n 's/.* realized [0-9]* device(s) in \([0-9]*\) ms.*/\1/p' /tmp/vmm-card.out)
-# The stand-in scheduler's PreBind wait polls every second (upstream: 5 s).
 note "time to a VM: path=dra-early-move allocation_to_prepared_ms=$((t1 - t_alloc)) qemu_realize_ms=${realize_ms:-0} qemu_step_ms=$((t2 - t1))"
 step "NodeUnprepareResources v1 for vm-card" -- peer unprepare --version v1 --claim "vms/vm-card/$uid"
 card_back "after unprepare"
@@ -104,14 +111,14 @@ delete_claim vm-card
 
 note "deleted before its pod started: given back"
 uid=$(claim vm-gone "$CARD_FN0")
-step "vm-gone is ready" -- prebind vm-gone
+step "vm-gone is ready" -- ready vm-gone
 expect_driver "CARD_FN0 on vfio-pci" "$CARD_FN0" vfio-pci
 step "the claim is deleted" -- delete_claim vm-gone
 card_back "after the claim was deleted"
 
 note "deleted while a VM holds the group (opened without a prepare): given back once QEMU quits"
 uid=$(claim vm-held "$CARD_FN0")
-step "vm-held is ready" -- prebind vm-held
+step "vm-held is ready" -- ready vm-held
 vm_alloc_file /tmp/card.alloc "$CARD_FN0"
 vm_hold "QEMU holds the card's group" /tmp/vm-held.log -- --allocate /tmp/card.alloc
 step "the claim is deleted" -- delete_claim vm-held
@@ -136,16 +143,15 @@ while [ $i -lt 10 ]; do
 done
 note "$recorded of 10 race rounds had the claim recorded when it was deleted"
 
-note "a claim re-allocated while its move runs (0 to 400 ms after), with and without a deallocated step: it ends ready on its new device, the old one back"
+note "a claim re-allocated while its move runs (0 to 400 ms after), with and without an unallocated step: it ends ready on its new device, the old one back"
 on_driver() { test "$(basename "$(readlink "/sys/bus/pci/devices/$1/driver")")" = "$2"; }
 for step_between in "" --deallocate-first; do
     for d in 0 20 60 150 400; do
         name="vm-re-$d${step_between:+-dealloc}"
         claim "$name" "$CARD_FN0" >/dev/null
         usleep $((d * 1000))
-        fake-apiserver claim "vms/$name" --again $step_between \
-            --result "nic:$DRIVER:$NODE:$(dev_name "$SOLO_NIC")" >/dev/null
-        step "$name is ready on its new device" -- prebind "$name"
+        claim "$name" "$SOLO_NIC" --again $step_between >/dev/null
+        step "$name is ready on its new device" -- ready "$name"
         expect_driver "SOLO_NIC on vfio-pci for $name" "$SOLO_NIC" vfio-pci
         wait_for "CARD_FN0 back on e1000e after $name moved on" 20 -- on_driver "$CARD_FN0" e1000e
         wait_for "CARD_FN1 back on e1000e after $name moved on" 20 -- on_driver "$CARD_FN1" e1000e
@@ -155,18 +161,18 @@ for step_between in "" --deallocate-first; do
     done
 done
 
-note "a group another claim holds: the failure condition, and the scheduler gives up"
+note "a group another claim holds: the failure condition, naming the holder"
 uid=$(claim vm-holder "$CARD_FN0")
-step "vm-holder is ready" -- prebind vm-holder
+step "vm-holder is ready" -- ready vm-holder
 claim vm-thief "$CARD_FN1" >/dev/null
-expect_fail "PreBind fails on the failure condition and deallocates" 1 -- prebind vm-thief
+expect_fail "the driver sets VfioFailed on vm-thief" 1 -- ready vm-thief
 run_logged cat "$TB_OUT"
 expect_contains "it says why" "$TB_OUT" "reason=MoveFailed"
 expect_contains "naming the claim that holds the group" "$TB_OUT" "which is prepared for claim vms/vm-holder"
 expect_driver "CARD_FN0 stays with vm-holder" "$CARD_FN0" vfio-pci
+step "vm-thief is deleted" -- delete_claim vm-thief
 step "vm-holder is deleted" -- delete_claim vm-holder
 card_back "after vm-holder went"
-delete_claim vm-thief
 
 note "kill -9 at every step of the early move"
 for fp in early-after-save bind-after-record bind-after-override bind-after-unbind bind-after-probe early-after-moved; do
@@ -179,7 +185,7 @@ for fp in early-after-save bind-after-record bind-after-override bind-after-unbi
     wait "$driver" 2>/dev/null
     run_logged cat "$STATE"
     start_driver
-    step "after the kill at $fp the restarted driver makes vm-$fp ready" -- prebind "vm-$fp"
+    step "after the kill at $fp the restarted driver makes vm-$fp ready" -- ready "vm-$fp"
     expect_driver "CARD_FN0 on vfio-pci after $fp" "$CARD_FN0" vfio-pci
     expect_driver "CARD_FN1 on vfio-pci after $fp" "$CARD_FN1" vfio-pci
     expect_contains "state: vm-$fp moved after $fp" "$STATE" '"phase": "moved"'
@@ -193,7 +199,7 @@ for fp in restore-after-override restore-after-unbind restore-after-probe; do
     wait "$driver" 2>/dev/null
     FAILPOINTS="$fp=return" start_driver sandbox-dra-driver-failpoints
     claim "vm-$fp" "$CARD_FN0" >/dev/null
-    step "vm-$fp is ready" -- prebind "vm-$fp"
+    step "vm-$fp is ready" -- ready "vm-$fp"
     step "vm-$fp is deleted" -- delete_claim "vm-$fp"
     wait_for "the driver stops at $fp" 20 -- grep -q "failpoint $fp: paused" "$DLOG"
     step "kill -9 the driver at $fp" -- kill -9 "$driver"

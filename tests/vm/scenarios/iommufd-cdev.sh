@@ -66,7 +66,11 @@ step "the peer registers the driver" -- kubelet-peer dra register --registry "$R
 wait_for "the ResourceSlice is published" 10 -- sh -c \
     'fake-apiserver request GET /apis/resource.k8s.io/v1/resourceslices | grep -q pci-0000'
 solo_dev=$(echo "pci-$SOLO_NIC" | tr ':.' '--')
-uid=$(fake-apiserver claim vms/vm-solo --result "nic:$DRIVER:$NODE:$solo_dev")
+# The driver publishes SOLO_NIC (on e1000e) with its binding conditions; each
+# claim's allocation carries them, as kube-scheduler copies them.
+WAITS="--binding-condition $DRIVER/VfioReady --binding-failure-condition $DRIVER/VfioFailed"
+# shellcheck disable=SC2086
+uid=$(fake-apiserver claim vms/vm-solo --result "nic:$DRIVER:$NODE:$solo_dev" $WAITS)
 step "NodePrepareResources for SOLO_NIC" -- kubelet-peer dra prepare --registry "$REG" --version v1 --claim "vms/vm-solo/$uid"
 run_logged cat "$TB_OUT"
 expect_driver "SOLO_NIC on vfio-pci" "$SOLO_NIC" vfio-pci
@@ -98,7 +102,8 @@ note "the IOMMU interface per claim: an opaque VfioConfig in the claim"
 # config_claim NAME IOMMU -- creates claim vms/NAME for SOLO_NIC whose
 # configuration asks for IOMMU; prints its uid.
 config_claim() {
-    fake-apiserver claim "vms/$1" --result "nic:$DRIVER:$NODE:$solo_dev" \
+    # shellcheck disable=SC2086
+    fake-apiserver claim "vms/$1" --result "nic:$DRIVER:$NODE:$solo_dev" $WAITS \
         --config "$DRIVER={\"apiVersion\":\"$DRIVER/v1alpha1\",\"kind\":\"VfioConfig\",$2}"
 }
 uid=$(config_claim vm-legacy '"iommu":"legacy"')
@@ -124,8 +129,8 @@ uid=$(config_claim vm-iommufd '"iommu":"iommufd"')
 if [ "$want_cdev" = yes ]; then
     # Moved at allocation (its binding condition), as dra-early-move does it,
     # so QEMU below proves that path through iommufd too.
-    step "vm-iommufd is moved at allocation: the scheduler's PreBind wait ends" -- \
-        fake-apiserver bind vms/vm-iommufd --poll 1 --timeout 60
+    step "vm-iommufd is moved at allocation: the driver sets VfioReady" -- \
+        fake-apiserver wait vms/vm-iommufd --condition "$DRIVER/VfioReady" --failure-condition "$DRIVER/VfioFailed"
     expect_driver "SOLO_NIC on vfio-pci before the prepare" "$SOLO_NIC" vfio-pci
     step "prepare a claim asking for iommu: iommufd" -- \
         kubelet-peer dra prepare --registry "$REG" --version v1 --claim "vms/vm-iommufd/$uid"

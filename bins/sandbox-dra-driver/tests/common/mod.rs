@@ -21,6 +21,16 @@ use sysfs_pci::testing::{FakeDevice, FakeNode};
 
 /// The driver name (the default).
 pub const DRIVER: &str = "vfio-sandbox.rebellions.ai";
+/// The condition the driver sets once a claim's devices are on vfio.
+pub const READY: &str = "vfio-sandbox.rebellions.ai/VfioReady";
+/// The condition the driver sets when it could not move them.
+pub const FAILED: &str = "vfio-sandbox.rebellions.ai/VfioFailed";
+/// An allocation's binding conditions: the driver's two, as its slices publish
+/// them for a device it moves early.
+pub const WAITS: fake_apiserver::objects::Waits<'static> = fake_apiserver::objects::Waits {
+    ready: READY,
+    failed: FAILED,
+};
 /// The node, and so the pool.
 pub const NODE: &str = "node-a";
 /// The namespace of the test claims.
