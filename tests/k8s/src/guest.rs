@@ -233,7 +233,7 @@ impl Guest {
         let start = Instant::now();
         wait_for(
             "the guest's Node to be Ready",
-            Duration::from_secs(300),
+            Duration::from_secs(420),
             || {
                 guest.qemu.check()?;
                 let console = std::fs::read_to_string(&guest.console).unwrap_or_default();
