@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the workspace binaries as static executables for the VM test bed and
+# Build the project's binaries as static executables for the VM test bed and
 # the container image.
 #
 #   scripts/build-static.sh [--arch x86_64|aarch64] [--profile release|testbed|demo]
@@ -12,6 +12,10 @@
 # x86_64. --profile (env STATIC_PROFILE, default release) picks the cargo
 # profile: `release` for the image, `testbed` (release without LTO, see
 # Cargo.toml) for the VM test bed, `demo` (no optimisation) for scripts/demo.sh.
+# Without --packages it builds what the test bed and the image take: the four
+# node binaries, the two stand-ins the guest runs (kubelet-peer,
+# fake-apiserver) and the failpoints variants; not the host-side test
+# harnesses (tests/k8s, tests/bench), which nothing runs from a static build.
 # --packages (env STATIC_PACKAGES) builds only those packages' binaries, and
 # then no failpoints variants. The explicit --target keeps these artifacts (and the RUSTFLAGS)
 # apart from the normal target/release build cache; build scripts and proc
@@ -108,9 +112,8 @@ rc=0
 # support::failpoint); it also puts the shipped binaries back in place (cargo
 # keeps both variants cached).
 fp_bins=()
-package_args=(--workspace)
-for p in $packages; do
-    [[ "${package_args[0]}" == --workspace ]] && package_args=()
+package_args=()
+for p in ${packages:-vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver kubelet-peer fake-apiserver}; do
     package_args+=(-p "$p")
 done
 build() {
