@@ -353,7 +353,8 @@ impl Run {
     fn vm_holding(&self, name: &str, var: &str) -> Result<Holding> {
         let log = wait_for(
             &format!("the QEMU of pod {name} to hold its device"),
-            POD_WAIT,
+            // The pod's start, then QEMU's (under TCG twice; it gives up after 360 s).
+            2 * POD_WAIT,
             || {
                 let log = self.log("default", name, "vmm")?;
                 ensure!(
@@ -571,7 +572,7 @@ fn vm_pod(name: &str, resources: &str, claims: &str) -> String {
         "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  \
          terminationGracePeriodSeconds: 30\n  restartPolicy: Never\n{claims}  \
          containers:\n  - name: vmm\n    image: {VMM}\n    imagePullPolicy: Never\n    \
-         args: ['vmm', '--in-pod', '--hold', '--memory', '32M', '--qemu', '{qemu}']\n    \
+         args: ['vmm', '--in-pod', '--hold', '--memory', '32M', '--timeout', '360s', '--qemu', '{qemu}']\n    \
          securityContext:\n      capabilities:\n        add: [IPC_LOCK]\n    \
          volumeMounts:\n    - {{name: qemu, mountPath: /opt/qemu, readOnly: true}}\n    \
          resources:\n      {resources}\n  \
@@ -1388,10 +1389,11 @@ fn leftovers(run: &Run, after: &str) -> Result<String> {
     // What stays: the directories kubelet made for the host paths
     // (DirectoryOrCreate, kept as for every DaemonSet), the two lock files and
     // vfio-manager's state file, which after a full restore records nothing.
-    // No socket, no CDI spec, no ready file, no device in a record.
+    // No socket, no CDI spec, no ready file, no device in a record, and no
+    // termination-message file in the node's /dev (which our containers mount).
     let left = run.guest.check_sh(
         "find /run/vfio-manager /run/vfio-sandbox /run/sandbox-dra-driver /var/run/cdi \\
-         /var/lib/kubelet/plugins /var/lib/kubelet/plugins_registry \\
+         /dev/termination-log /var/lib/kubelet/plugins /var/lib/kubelet/plugins_registry \\
          /var/lib/kubelet/device-plugins \\( -type f -o -type s \\) 2>/dev/null | sort",
     )?;
     let mut kept = Vec::new();
