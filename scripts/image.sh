@@ -79,9 +79,10 @@ for a in "${archs[@]}"; do
     [[ "$a" == amd64 || "$a" == arm64 ]] || die "--arch wants amd64 and/or arm64, got '$a'"
 done
 # Which build the binaries come from. release: the four node agents only (as
-# the Dockerfile's builder builds them). testbed: the test bed's build of the
-# whole workspace, invoked as scripts/vm/run.sh does, so cargo finds it up to
-# date instead of building again with other feature unification.
+# the Dockerfile's builder builds them). testbed: the test bed's build (the
+# node binaries, its stand-ins and the failpoints variants), invoked as
+# scripts/vm/run.sh does, so cargo finds it up to date instead of building
+# again with other feature unification.
 case "$profile" in
     release)
         image_version="$version"

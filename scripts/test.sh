@@ -41,12 +41,14 @@ step() {
 }
 lifetime_pid=""
 guest_node_pid=""
+manifests_pid=""
 finish() {
     local rc=$?
     progress_stop
     # The background watch test of a run that stopped early has nothing to report.
     [[ -z "$lifetime_pid" ]] || kill "$lifetime_pid" 2>/dev/null || true
     [[ -z "$guest_node_pid" ]] || kill "$guest_node_pid" 2>/dev/null || true
+    [[ -z "$manifests_pid" ]] || kill "$manifests_pid" 2>/dev/null || true
     [[ -z "$step_start" ]] || step_took
     local total="$SECONDS s (CPU $(($(cpu_ticks) / clock_ticks)) s)"
     if ((rc == 0)); then
@@ -113,11 +115,18 @@ test_binary() {
 # with that package's own features (bins/sandbox-dra-driver/tests/common).
 export VFIO_MANAGER_BINARY="$PWD/target/debug/vfio-manager"
 [[ -x "$VFIO_MANAGER_BINARY" ]] || { echo "no target/debug/vfio-manager from the test build" >&2; exit 1; }
-step "manifests: render, validate (Kubernetes, KubeVirt), coexistence, shellcheck, yamllint, hadolint"
-scripts/check-manifests.sh
-step "cargo test: unit, CLI and integration tests"
+step "cargo test: unit, CLI and integration tests, beside the manifest checks (render, validate against Kubernetes and KubeVirt, coexistence, shellcheck, yamllint, hadolint; their output follows)"
+# The tests mostly wait on timers (2 minutes, a quarter of it CPU) and the
+# manifest checks run no cargo: side by side they take the longer one's time.
+scripts/check-manifests.sh >target/check-manifests.log 2>&1 &
+manifests_pid=$!
 # The two fault walks run once, in the next step, where their tallies are printed.
 lint_cargo test --workspace --locked -- --skip every_fault_and_crash_point --skip every_step_of_a_claims_life --skip every_step_of_an_early_move
+manifests_rc=0
+wait "$manifests_pid" || manifests_rc=$?
+manifests_pid=""
+cat target/check-manifests.log
+((manifests_rc == 0)) || { echo "the manifest checks failed (exit $manifests_rc): target/check-manifests.log" >&2; exit 1; }
 step "a quiet watch lives its server timeout: started now, in the background (five idle minutes), its result read after the real-kernel scenarios"
 # The test binary the test build made (asking cargo for it again cost a minute
 # of fingerprint checks and rebuilds).
