@@ -254,6 +254,12 @@ fn through_the_labeller(ctx: &mut Ctx) -> Result<Outcome> {
     wait_ready(again_port, "leading", secs(30))?;
     wait_scope(&stopping, LABELLED_SCOPE, Duration::from_secs(30))?;
     let stopping = driver_log(ctx)?;
+    // As kubelet stops the chart's Deployment: SIGTERM, SIGKILL only after its
+    // terminationGracePeriodSeconds (30 s; the harness's default is 10 s,
+    // which a labeller stopped a moment after it took the Lease outlasted
+    // beside two CPU hogs).
+    let mut again = again;
+    again.stop_with(nix::sys::signal::Signal::SIGTERM, secs(30));
     drop(again);
     wait_holder(&ctx.plane, "", "released on SIGTERM", secs(30))?;
     let released = std::time::Instant::now();
