@@ -25,7 +25,7 @@
 //! ```
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -34,44 +34,7 @@ use crate::PciAddress;
 use support::io::{Action, IoError};
 use support::lock;
 
-/// A write that has not returned within the deadline.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StuckWrite {
-    /// The device the write is about.
-    pub address: PciAddress,
-    /// The attribute written.
-    pub path: PathBuf,
-    /// What was written.
-    pub data: String,
-    /// The driver whose remove or probe runs it, when it could be read.
-    pub driver: Option<String>,
-    /// When the write started.
-    pub since: Instant,
-}
-
-impl std::fmt::Display for StuckWrite {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{}: writing {} to {} has not returned for {} s ({} is stuck in the kernel)",
-            self.address,
-            self.data.trim_end(),
-            self.path.display(),
-            self.since.elapsed().as_secs(),
-            self.who(),
-        )
-    }
-}
-
-impl StuckWrite {
-    /// The driver that is stuck, as a sentence names it (`driver nvidia`, or `its
-    /// driver` when it could not be read).
-    fn who(&self) -> String {
-        self.driver
-            .as_deref()
-            .map_or_else(|| "its driver".to_owned(), |d| format!("driver {d}"))
-    }
-}
+pub use crate::kernel::StuckWrite;
 
 /// The devices whose write has not returned, as a [`Bounded`] kernel keeps them,
 /// readable from anywhere.

@@ -10,10 +10,12 @@
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-
-use support::lock;
+use std::time::Instant;
 
 use support::io::{Action, IoError, WrapIo};
+use support::lock;
+
+use crate::PciAddress;
 
 /// Why a module syscall failed.
 #[derive(Debug, thiserror::Error)]
@@ -66,9 +68,9 @@ pub trait Kernel: Sync {
     fn is_dry_run(&self) -> bool {
         false
     }
-    /// Writes that have not returned within their deadline, one per device (see
-    /// [`crate::deadline::Bounded`]); none for a kernel without deadlines.
-    fn stuck_writes(&self) -> Vec<crate::deadline::StuckWrite> {
+    /// Writes that have not returned within their deadline, one per device (a
+    /// kernel with deadlines keeps them); none for a kernel without deadlines.
+    fn stuck_writes(&self) -> Vec<StuckWrite> {
         Vec::new()
     }
 }
@@ -247,6 +249,45 @@ pub struct Write {
     pub path: PathBuf,
     /// What was written.
     pub data: String,
+}
+
+/// A write that has not returned within the deadline.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StuckWrite {
+    /// The device the write is about.
+    pub address: PciAddress,
+    /// The attribute written.
+    pub path: PathBuf,
+    /// What was written.
+    pub data: String,
+    /// The driver whose remove or probe runs it, when it could be read.
+    pub driver: Option<String>,
+    /// When the write started.
+    pub since: Instant,
+}
+
+impl std::fmt::Display for StuckWrite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: writing {} to {} has not returned for {} s ({} is stuck in the kernel)",
+            self.address,
+            self.data.trim_end(),
+            self.path.display(),
+            self.since.elapsed().as_secs(),
+            self.who(),
+        )
+    }
+}
+
+impl StuckWrite {
+    /// The driver that is stuck, as a sentence names it (`driver nvidia`, or `its
+    /// driver` when it could not be read).
+    pub(crate) fn who(&self) -> String {
+        self.driver
+            .as_deref()
+            .map_or_else(|| "its driver".to_owned(), |d| format!("driver {d}"))
+    }
 }
 
 #[cfg(test)]
