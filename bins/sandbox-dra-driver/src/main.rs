@@ -371,7 +371,6 @@ fn controller(args: &ControllerArgs) -> ExitCode {
             node: String::new(),
             pod: Some((args.pod_namespace.clone(), args.pod_name.clone())),
             controller: format!("{PROGRAM}-controller"),
-            restore_label: None,
         };
         let cluster = match Cluster::connect(identity).await {
             Ok(c) => c,
@@ -439,7 +438,6 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
         node: node_name.clone(),
         pod: cli.pod_namespace.clone().zip(cli.pod_name.clone()),
         controller: PROGRAM.into(),
-        restore_label: None,
     };
     let cluster = match Cluster::connect(identity).await {
         Ok(c) => c,

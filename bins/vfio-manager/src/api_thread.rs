@@ -16,10 +16,12 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use node_agent::cluster::{Check, Cluster, Identity, Verdict, STOP_LOOKUP_TIMEOUT};
+use node_agent::cluster::{Cluster, Identity, Verdict, STOP_LOOKUP_TIMEOUT};
 use node_agent::metrics::{self as endpoint, ListenAddress, Registry};
 use support::error_chain;
 use tokio::sync::mpsc;
+
+use crate::restore_label::{Check, ManagerCluster};
 
 /// An Event about the Node.
 #[derive(Debug, Clone)]
@@ -70,10 +72,12 @@ impl ApiThread {
     /// bound. With `metrics` it serves the registry there; a listener that cannot be
     /// bound is an error now, not a silent gap later.
     ///
-    /// With an identity that names the pod and a restore label, it also looks every
-    /// `check_every` whether the node still is in VM mode ([`ApiThread::checked`]).
+    /// With an identity that names the pod and a restore label (its key), it also
+    /// keeps that label and looks every `check_every` whether the node still is in
+    /// VM mode ([`ApiThread::checked`]).
     pub fn start(
         identity: Option<Identity>,
+        restore_label: Option<String>,
         metrics: Option<(ListenAddress, Registry)>,
         check_every: Duration,
     ) -> anyhow::Result<Self> {
@@ -99,7 +103,7 @@ impl ApiThread {
         let asks = identity.is_some();
         let watches = identity
             .as_ref()
-            .is_some_and(|i| i.pod.is_some() && i.restore_label.is_some());
+            .is_some_and(|i| i.pod.is_some() && restore_label.is_some());
         let (checks, back) = if watches {
             let (wake, waker) = UnixStream::pair()?;
             wake.set_nonblocking(true)?;
@@ -120,7 +124,7 @@ impl ApiThread {
                     if let Some((listener, registry)) = endpoint {
                         tokio::spawn(endpoint::serve(listener, registry));
                     }
-                    serve(identity, rx, back).await;
+                    serve(identity, restore_label, rx, back).await;
                 });
             })?;
         Ok(Self {
@@ -234,6 +238,7 @@ type CheckBack = (UnixStream, std_mpsc::Sender<Check>, Duration);
 
 async fn serve(
     identity: Option<Identity>,
+    restore_label: Option<String>,
     mut rx: mpsc::UnboundedReceiver<Msg>,
     back: Option<CheckBack>,
 ) {
@@ -247,7 +252,10 @@ async fn serve(
     };
     let cluster = match connected {
         None => None,
-        Some(Ok(c)) => Some(c),
+        Some(Ok(cluster)) => Some(ManagerCluster {
+            cluster,
+            label: restore_label,
+        }),
         Some(Err(e)) => {
             tracing::warn!(error = %error_chain(&e), "no API access: a stop restores every device, so each rollout of this DaemonSet bounces idle devices");
             None
@@ -257,7 +265,7 @@ async fn serve(
     // Checked beside the message loop, so a slow server never delays a stop.
     if let Some(c) = cluster.clone() {
         posting.spawn(async move {
-            match c.node().await {
+            match c.cluster.node().await {
                 Ok(_) => tracing::info!(node = %node, "API access: on a stop, devices stay bound while the DaemonSet still selects this node"),
                 Err(e) => tracing::warn!(node = %node, error = %error_chain(&e), "cannot read this Node now; a stop restores unless the API server answers then"),
             }
@@ -296,7 +304,7 @@ async fn serve(
             Msg::Event(ev) => {
                 if let Some(c) = cluster.clone() {
                     posting.spawn(async move {
-                        if let Err(e) = c.node_event(ev.warning, ev.reason, ev.action, &ev.note).await {
+                        if let Err(e) = c.cluster.node_event(ev.warning, ev.reason, ev.action, &ev.note).await {
                             tracing::warn!(reason = ev.reason, error = %error_chain(&e), "could not post a Node event");
                         }
                     });
@@ -348,7 +356,7 @@ const LABEL_RETRY: Duration = Duration::from_secs(2);
 /// from what was last put there (or from what a check saw on the Node, which
 /// resets `put`), retrying a failed patch.
 async fn keep_label(
-    c: Cluster,
+    c: ManagerCluster,
     mut want: tokio::sync::watch::Receiver<Option<bool>>,
     put: Arc<tokio::sync::watch::Sender<Option<bool>>>,
 ) {
@@ -398,7 +406,7 @@ async fn keep_label(
 /// answer to the main loop and wakes it. A Node found without the label that was
 /// put there (someone removed it) has it put again.
 async fn check_periodically(
-    c: Cluster,
+    c: ManagerCluster,
     every: Duration,
     waker: UnixStream,
     answers: std_mpsc::Sender<Check>,

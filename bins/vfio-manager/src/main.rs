@@ -21,6 +21,7 @@ mod api_thread;
 mod commands;
 mod metrics;
 mod report;
+mod restore_label;
 
 const LONG_ABOUT: &str = "\
 Moves the PCI devices selected by the resource list (and every other member of their

@@ -13,41 +13,32 @@
 //! 3. its pod template's node name, node selector and required node affinity must
 //!    still match the agent's Node (`NODE_NAME`), and the Node must carry no
 //!    `NoExecute` taint the pod does not tolerate — the test the DaemonSet controller
-//!    makes to decide whether a running pod stays on the node
-//!    (`NodeShouldRunDaemonPod`'s `shouldContinueRunning`,
-//!    kubernetes `pkg/controller/daemon/daemon_controller.go`).
-//!
-//! The agent's own restore label ([`Identity::restore_label`]) is left out of that
-//! test: it keeps the pod scheduled while devices are still to be restored, and says
-//! nothing about VM mode.
+//!    makes to decide whether a running pod stays on the node ([`crate::daemonset`]).
 //!
 //! Only when all three hold is the stop a rollout ([`Verdict::Keep`]). Anything else
 //! — an object missing, the API server unreachable or slow, a pod without a
 //! DaemonSet — restores ([`Verdict::Restore`]): restoring is always safe (it never
 //! touches a device a VM holds), keeping is only an optimisation.
 //!
-//! The decision itself ([`decide`], [`node_selected`]) is a pure function of the
-//! three objects, so it is tested case by case; [`Cluster`] fetches them with
+//! The decision itself ([`decide`]) is a pure function of the three objects
+//! ([`StopObjects`]), so it is tested case by case; [`Cluster`] fetches them with
 //! kube-rs and posts Events about the Node.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{
-    Node, NodeSelectorRequirement, ObjectReference, Pod, PodSpec, Taint, Toleration,
-};
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
 use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::Client;
+
+use crate::daemonset::{daemonset_owner, node_selected, tolerates_no_execute};
 
 /// Upper bound for answering "keep or restore?" on a stop: three reads of a server
 /// that answers in milliseconds when it is well. The grace period (120 s in our
 /// manifests) must still hold the restore after it, and a server that cannot answer
 /// in this time restores anyway.
 pub const STOP_LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
-/// The value of the restore label while it stands.
-pub const RESTORE_LABEL_VALUE: &str = "true";
 /// Upper bound for posting one Event.
 pub const EVENT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -58,12 +49,8 @@ pub struct Identity {
     pub node: String,
     /// `metadata.namespace` and `metadata.name` of the pod, when given.
     pub pod: Option<(String, String)>,
-    /// The reporting controller's name in Events (`vfio-manager`).
+    /// The reporting controller's name in Events (the program's name).
     pub controller: String,
-    /// The Node label this agent keeps while it has devices to restore, and its
-    /// DaemonSet's node affinity selects on as well (see [`Cluster::set_label`]):
-    /// whether the node stays in VM mode is judged without it.
-    pub restore_label: Option<String>,
 }
 
 /// What a stop should do, and why (said in the log and in an Event).
@@ -75,190 +62,27 @@ pub enum Verdict {
     Restore(String),
 }
 
-/// What a look at the cluster found: the verdict, and whether the Node carries
-/// the agent's restore label.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Check {
-    /// Keep or restore.
-    pub verdict: Verdict,
-    /// `<restore label>=true` is on the Node.
-    pub labelled: bool,
-}
-
-/// Whether `spec` (a pod template) would be scheduled onto `node` by its node
-/// selector and required node affinity; `Err` names the first requirement the
-/// node's labels do not meet.
-pub fn node_selected(spec: &PodSpec, node: &Node) -> Result<(), String> {
-    let empty = BTreeMap::new();
-    let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
-    let name = node.metadata.name.as_deref().unwrap_or("");
-    // A template naming a node runs only there (`NodeShouldRunDaemonPod`).
-    if let Some(wanted) = spec.node_name.as_deref().filter(|n| !n.is_empty()) {
-        if wanted != name {
-            return Err(format!("the pod template names node {wanted}"));
-        }
-    }
-    for (k, v) in spec.node_selector.iter().flatten() {
-        match labels.get(k) {
-            Some(have) if have == v => {}
-            Some(have) => return Err(format!("label {k}={have}, the node selector wants {k}={v}")),
-            None => {
-                return Err(format!(
-                    "label {k} is gone, the node selector wants {k}={v}"
-                ))
-            }
-        }
-    }
-    let required = spec
-        .affinity
-        .as_ref()
-        .and_then(|a| a.node_affinity.as_ref())
-        .and_then(|a| {
-            a.required_during_scheduling_ignored_during_execution
-                .as_ref()
-        });
-    let Some(required) = required else {
-        return Ok(());
-    };
-    // Terms are ORed; within a term every expression and field must hold. A term
-    // with neither matches nothing (as in the scheduler).
-    let mut why = Vec::new();
-    for term in &required.node_selector_terms {
-        let exprs = term.match_expressions.as_deref().unwrap_or(&[]);
-        let fields = term.match_fields.as_deref().unwrap_or(&[]);
-        if exprs.is_empty() && fields.is_empty() {
-            why.push("an empty node selector term".to_owned());
-            continue;
-        }
-        let failed = exprs
-            .iter()
-            .find_map(|r| requirement_holds(r, labels.get(&r.key).map(String::as_str)).err())
-            .or_else(|| {
-                fields.iter().find_map(|r| {
-                    let value = (r.key == "metadata.name").then_some(name);
-                    requirement_holds(r, value).err()
-                })
-            });
-        match failed {
-            None => return Ok(()),
-            Some(w) => why.push(w),
-        }
-    }
-    Err(format!(
-        "no required node affinity term matches ({})",
-        why.join("; ")
-    ))
-}
-
-/// The tolerations the DaemonSet controller adds to every pod it makes, besides the
-/// template's own (`AddOrUpdateDaemonPodTolerations`, kubernetes
-/// `pkg/controller/daemon/util/daemonset_util.go`). Only the `NoExecute` ones matter
-/// to a running pod: `node.kubernetes.io/not-ready` and `node.kubernetes.io/unreachable`,
-/// key `Exists`, any value, no time limit.
-const DAEMON_POD_NO_EXECUTE_TOLERATIONS: [&str; 2] = [
-    "node.kubernetes.io/not-ready",
-    "node.kubernetes.io/unreachable",
-];
-
-/// Whether a pod of `spec` may keep running on `node` as far as taints go: every
-/// `NoExecute` taint of the node is tolerated by the template or by the DaemonSet
-/// controller's own tolerations (`NodeShouldRunDaemonPod`: `NoSchedule` taints stop new
-/// pods only). `Err` names the first taint that would evict the pod.
-pub fn tolerates_no_execute(spec: &PodSpec, node: &Node) -> Result<(), String> {
-    let taints = node
-        .spec
-        .as_ref()
-        .and_then(|s| s.taints.as_deref())
-        .unwrap_or(&[]);
-    let tolerations = spec.tolerations.as_deref().unwrap_or(&[]);
-    let evicting = taints.iter().filter(|t| t.effect == "NoExecute").find(|t| {
-        !DAEMON_POD_NO_EXECUTE_TOLERATIONS.contains(&t.key.as_str())
-            && !tolerations.iter().any(|tol| tolerates(tol, t))
-    });
-    match evicting {
-        None => Ok(()),
-        Some(t) => Err(format!(
-            "taint {}{}:NoExecute is not tolerated, so the DaemonSet controller evicts its pod",
-            t.key,
-            t.value
-                .as_deref()
-                .map(|v| format!("={v}"))
-                .unwrap_or_default()
-        )),
-    }
-}
-
-/// `Toleration.ToleratesTaint` (kubernetes `staging/src/k8s.io/api/core/v1/toleration.go`):
-/// an empty effect or key matches any; operator `Exists` matches any value, `Equal`
-/// (or empty) the same value; any other operator matches nothing.
-fn tolerates(tol: &Toleration, taint: &Taint) -> bool {
-    let effect = tol.effect.as_deref().unwrap_or("");
-    let key = tol.key.as_deref().unwrap_or("");
-    if !effect.is_empty() && effect != taint.effect {
-        return false;
-    }
-    if !key.is_empty() && key != taint.key {
-        return false;
-    }
-    match tol.operator.as_deref().unwrap_or("") {
-        "" | "Equal" => tol.value.as_deref().unwrap_or("") == taint.value.as_deref().unwrap_or(""),
-        "Exists" => true,
-        _ => false,
-    }
-}
-
-fn requirement_holds(r: &NodeSelectorRequirement, value: Option<&str>) -> Result<(), String> {
-    let values = r.values.as_deref().unwrap_or(&[]);
-    let number = |s: &str| s.trim().parse::<i64>().ok();
-    let holds = match r.operator.as_str() {
-        "In" => value.is_some_and(|v| values.iter().any(|x| x == v)),
-        "NotIn" => value.is_none_or(|v| values.iter().all(|x| x != v)),
-        "Exists" => value.is_some(),
-        "DoesNotExist" => value.is_none(),
-        "Gt" | "Lt" => match (
-            value.and_then(number),
-            values.first().and_then(|x| number(x)),
-        ) {
-            (Some(have), Some(bound)) if r.operator == "Gt" => have > bound,
-            (Some(have), Some(bound)) => have < bound,
-            _ => false,
-        },
-        _ => false,
-    };
-    if holds {
-        Ok(())
-    } else {
-        Err(format!(
-            "{} {} {:?} is not met by {}",
-            r.key,
-            r.operator,
-            values,
-            value.map_or_else(|| "its absence".to_owned(), |v| format!("{v:?}"))
-        ))
-    }
-}
-
-/// An object the API server may not have.
-#[derive(Debug, Clone)]
-pub enum Lookup<T> {
-    /// Found.
-    Found(T),
-    /// The server answered 404.
-    Missing,
+/// What the API server holds about an agent's stop; `None` where it answered 404
+/// (the DaemonSet also where the pod names none).
+#[derive(Debug, Clone, Default)]
+pub struct StopObjects {
+    /// The agent's own Pod.
+    pub pod: Option<Pod>,
+    /// The DaemonSet that controls it.
+    pub daemonset: Option<DaemonSet>,
+    /// The agent's Node.
+    pub node: Option<Node>,
 }
 
 /// The decision of a stop, from what the API server said.
-pub fn decide(
-    identity: &Identity,
-    pod: &Lookup<Pod>,
-    ds: Option<&Lookup<DaemonSet>>,
-    node: &Lookup<Node>,
-) -> Verdict {
-    let pod_name = identity
-        .pod
-        .as_ref()
-        .map_or_else(String::new, |(ns, n)| format!("{ns}/{n}"));
-    let Lookup::Found(pod) = pod else {
+pub fn decide(identity: &Identity, objects: &StopObjects) -> Verdict {
+    let Some((ns, name)) = &identity.pod else {
+        return Verdict::Restore(
+            "POD_NAME/POD_NAMESPACE are not set, so the DaemonSet cannot be found".into(),
+        );
+    };
+    let pod_name = format!("{ns}/{name}");
+    let Some(pod) = &objects.pod else {
         return Verdict::Restore(format!("Pod {pod_name} is not found"));
     };
     let Some(owner) = daemonset_owner(pod) else {
@@ -266,40 +90,15 @@ pub fn decide(
     };
     let ns = pod.metadata.namespace.as_deref().unwrap_or("");
     let ds_name = format!("{ns}/{owner}");
-    let ds = match ds {
-        Some(Lookup::Found(ds)) => ds,
-        Some(Lookup::Missing) | None => {
-            return Verdict::Restore(format!("DaemonSet {ds_name} was deleted"))
-        }
+    let Some(ds) = &objects.daemonset else {
+        return Verdict::Restore(format!("DaemonSet {ds_name} was deleted"));
     };
     if ds.metadata.deletion_timestamp.is_some() {
         return Verdict::Restore(format!("DaemonSet {ds_name} is being deleted"));
     }
     let node_name = &identity.node;
-    let Lookup::Found(node) = node else {
+    let Some(node) = &objects.node else {
         return Verdict::Restore(format!("Node {node_name} is not found"));
-    };
-    // The agent's own restore label keeps its pod scheduled until the devices are
-    // back; it says nothing about VM mode.
-    let unlabelled;
-    let mut without = String::new();
-    let node = match identity.restore_label.as_deref() {
-        Some(key)
-            if node
-                .metadata
-                .labels
-                .as_ref()
-                .is_some_and(|l| l.contains_key(key)) =>
-        {
-            let mut n = node.clone();
-            if let Some(l) = n.metadata.labels.as_mut() {
-                l.remove(key);
-            }
-            unlabelled = n;
-            without = format!(" (judged without {key}, the label that keeps this agent there until its devices are back)");
-            &unlabelled
-        }
-        _ => node,
     };
     if node.metadata.deletion_timestamp.is_some() {
         return Verdict::Restore(format!("Node {node_name} is being deleted"));
@@ -312,23 +111,9 @@ pub fn decide(
             "Node {node_name} is still selected by DaemonSet {ds_name} (a rollout or a pod restart)"
         )),
         Err(why) => Verdict::Restore(format!(
-            "Node {node_name} is no longer selected by DaemonSet {ds_name}: {why}{without}"
+            "Node {node_name} is no longer selected by DaemonSet {ds_name}: {why}"
         )),
     }
-}
-
-/// The name of the DaemonSet that controls `pod`.
-pub fn daemonset_owner(pod: &Pod) -> Option<String> {
-    pod.metadata
-        .owner_references
-        .iter()
-        .flatten()
-        .find(|o| {
-            o.controller == Some(true)
-                && o.kind == "DaemonSet"
-                && o.api_version.starts_with("apps/")
-        })
-        .map(|o| o.name.clone())
 }
 
 /// Why the cluster cannot be reached.
@@ -476,12 +261,14 @@ impl Cluster {
     /// tell (an error, or no answer within [`STOP_LOOKUP_TIMEOUT`]), for callers to
     /// whom "cannot tell" is not "restore".
     pub async fn stop_lookup(&self) -> Result<Verdict, String> {
-        self.check().await.map(|c| c.verdict)
+        let objects = self.stop_objects().await?;
+        Ok(decide(&self.identity, &objects))
     }
 
-    /// [`Cluster::stop_lookup`], and whether the Node carries the restore label.
-    pub async fn check(&self) -> Result<Check, String> {
-        match tokio::time::timeout(STOP_LOOKUP_TIMEOUT, self.lookup()).await {
+    /// The objects [`decide`] judges, read now within [`STOP_LOOKUP_TIMEOUT`];
+    /// `Err` says why they could not be read.
+    pub async fn stop_objects(&self) -> Result<StopObjects, String> {
+        match tokio::time::timeout(STOP_LOOKUP_TIMEOUT, self.read_stop_objects()).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(format!("the API server could not tell whether the node stays in VM mode: {e}")),
             Err(_) => Err(format!(
@@ -490,26 +277,19 @@ impl Cluster {
         }
     }
 
-    async fn lookup(&self) -> Result<Check, ClusterError> {
+    async fn read_stop_objects(&self) -> Result<StopObjects, ClusterError> {
         let Some((ns, pod_name)) = self.identity.pod.clone() else {
-            return Ok(Check {
-                verdict: Verdict::Restore(
-                    "POD_NAME/POD_NAMESPACE are not set, so the DaemonSet cannot be found".into(),
-                ),
-                labelled: false,
-            });
+            // Nothing to read: [`decide`] says why.
+            return Ok(StopObjects::default());
         };
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
         let pod = get_opt(&pods, &pod_name, &format!("get Pod {ns}/{pod_name}")).await?;
-        let ds = match &pod {
-            Lookup::Found(p) => match daemonset_owner(p) {
-                Some(owner) => {
-                    let api: Api<DaemonSet> = Api::namespaced(self.client.clone(), &ns);
-                    Some(get_opt(&api, &owner, &format!("get DaemonSet {ns}/{owner}")).await?)
-                }
-                None => None,
-            },
-            Lookup::Missing => None,
+        let daemonset = match pod.as_ref().and_then(daemonset_owner) {
+            Some(owner) => {
+                let api: Api<DaemonSet> = Api::namespaced(self.client.clone(), &ns);
+                get_opt(&api, &owner, &format!("get DaemonSet {ns}/{owner}")).await?
+            }
+            None => None,
         };
         let nodes: Api<Node> = Api::all(self.client.clone());
         let node = get_opt(
@@ -518,56 +298,11 @@ impl Cluster {
             &format!("get Node {}", self.identity.node),
         )
         .await?;
-        let labelled = match (&node, self.identity.restore_label.as_deref()) {
-            (Lookup::Found(n), Some(key)) => n
-                .metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(key))
-                .is_some_and(|v| v == RESTORE_LABEL_VALUE),
-            _ => false,
-        };
-        Ok(Check {
-            verdict: decide(&self.identity, &pod, ds.as_ref(), &node),
-            labelled,
+        Ok(StopObjects {
+            pod,
+            daemonset,
+            node,
         })
-    }
-
-    /// Puts the restore label (`<key>=true`) on this agent's Node, or takes it off,
-    /// with a JSON merge patch of the Node's labels (`kubectl label` does the same).
-    /// The agent's DaemonSet selects nodes with the label as well as nodes in VM
-    /// mode, so while it stands a pod that was killed mid-restore is recreated and
-    /// finishes the restore. Nothing to do without a label key.
-    pub async fn set_label(&self, on: bool) -> Result<(), ClusterError> {
-        let Some(key) = self.identity.restore_label.as_deref() else {
-            return Ok(());
-        };
-        let value = if on {
-            serde_json::Value::from(RESTORE_LABEL_VALUE)
-        } else {
-            serde_json::Value::Null
-        };
-        let patch = serde_json::json!({"metadata": {"labels": {key: value}}});
-        let api: Api<Node> = Api::all(self.client.clone());
-        let what = if on {
-            format!(
-                "label Node {} {key}={RESTORE_LABEL_VALUE}",
-                self.identity.node
-            )
-        } else {
-            format!("remove label {key} from Node {}", self.identity.node)
-        };
-        bounded(
-            &what,
-            EVENT_TIMEOUT,
-            api.patch(
-                &self.identity.node,
-                &kube::api::PatchParams::default(),
-                &kube::api::Patch::Merge(&patch),
-            ),
-        )
-        .await
-        .map(|_| ())
     }
 
     /// Posts an Event about this agent's Node (in namespace `default`, where Events
@@ -679,7 +414,9 @@ pub async fn delete_daemonset_and_wait(
     }
 }
 
-async fn bounded<T>(
+/// A request to the API server that takes at most `limit`; its error names
+/// `what` was asked.
+pub async fn bounded<T>(
     what: &str,
     limit: Duration,
     fut: impl std::future::Future<Output = Result<T, kube::Error>>,
@@ -694,13 +431,12 @@ async fn bounded<T>(
     }
 }
 
-async fn get_opt<K>(api: &Api<K>, name: &str, what: &str) -> Result<Lookup<K>, ClusterError>
+async fn get_opt<K>(api: &Api<K>, name: &str, what: &str) -> Result<Option<K>, ClusterError>
 where
     K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
     match api.get_opt(name).await {
-        Ok(Some(o)) => Ok(Lookup::Found(o)),
-        Ok(None) => Ok(Lookup::Missing),
+        Ok(found) => Ok(found),
         Err(source) => Err(ClusterError::Request {
             what: what.to_owned(),
             source,

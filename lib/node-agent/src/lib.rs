@@ -1,12 +1,16 @@
 //! What every vfio-sandbox daemon shares above the passthrough engine: the
 //! command-line conventions ([`cli`]), ready files ([`ready`]), the two programs
-//! that move a node's devices as each names the other ([`programs`]), the metrics endpoint
-//! ([`metrics`], feature `metrics`), the kube-rs view of the cluster ([`cluster`],
-//! feature `kube`) and the one node watcher ([`watch`], feature `watch`).
+//! that move a node's devices as each names the other ([`programs`]), the
+//! metrics endpoint ([`metrics`], feature `metrics`), the kube-rs view of the
+//! cluster ([`cluster`], feature `kube`) with Kubernetes' DaemonSet rules it
+//! judges by ([`daemonset`]), and the one node watcher ([`watch`], feature
+//! `watch`).
 
 pub mod cli;
 #[cfg(feature = "kube")]
 pub mod cluster;
+#[cfg(feature = "kube")]
+pub mod daemonset;
 #[cfg(feature = "metrics")]
 pub mod metrics;
 pub mod programs;

@@ -38,7 +38,6 @@ fn identity() -> Identity {
         node: NODE.into(),
         pod: Some((NS.into(), POD.into())),
         controller: "vfio-manager".into(),
-        restore_label: None,
     }
 }
 
@@ -257,50 +256,4 @@ fn node_events_reach_the_api_server() {
     );
     let held = events.iter().find(|e| e["reason"] == "GroupHeld").unwrap();
     assert_eq!(held["type"], "Warning");
-}
-
-#[test]
-fn the_restore_label_is_put_and_taken_by_merge_patch_and_judged_without() {
-    const PENDING: &str = "vfio-sandbox.rebellions.ai/vfio-manager.restore-pending";
-    let s = cluster_in_vm_mode();
-    s.put(
-        &paths::daemonset(NS, DS),
-        objects::daemonset_with_restore_label(NS, DS, &[(LABEL, "vm-passthrough")], PENDING),
-    );
-    let id = Identity {
-        restore_label: Some(PENDING.into()),
-        ..identity()
-    };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let cluster = rt.block_on(async {
-        Cluster::with_config(id, kube::Config::new(s.url().parse().unwrap())).unwrap()
-    });
-    let labels = || s.get(&paths::node(NODE)).unwrap()["metadata"]["labels"].clone();
-    rt.block_on(cluster.set_label(true)).unwrap();
-    assert_eq!(labels()[PENDING], "true");
-    assert_eq!(labels()[LABEL], "vm-passthrough", "other labels stay");
-    let check = rt.block_on(cluster.check()).unwrap();
-    assert!(check.labelled);
-    assert!(matches!(check.verdict, Verdict::Keep(_)), "{check:?}");
-    // Out of VM mode: the label alone still schedules the pod, but the verdict is
-    // restore.
-    relabel(&s, None);
-    let check = rt.block_on(cluster.check()).unwrap();
-    assert_restore(&check.verdict, "no required node affinity term matches");
-    rt.block_on(cluster.set_label(false)).unwrap();
-    assert!(labels().get(PENDING).is_none(), "{}", labels());
-    assert!(!rt.block_on(cluster.check()).unwrap().labelled);
-    // A failing server is an error, said with what was asked.
-    s.fail_next(1, 403);
-    let e = rt
-        .block_on(cluster.set_label(true))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains(&format!("label Node {NODE} {PENDING}=true")),
-        "{e}"
-    );
 }

@@ -73,8 +73,8 @@ pub enum PassthroughError {
     NoGroup(DriverError),
     /// A group could not be bound and putting some members back failed too.
     #[error(
-        "IOMMU group {group} is half-bound{}; could not put back {}; their records are kept so \
-         `vfio-manager unbind` can retry",
+        "IOMMU group {group} is half-bound{}; could not put back {}; their records are kept for \
+         the next restore",
         put_back_note(put_back),
         stuck_note(stuck)
     )]
@@ -142,6 +142,14 @@ pub enum PassthroughError {
         #[source]
         source: DriverError,
     },
+}
+
+impl PassthroughError {
+    /// This failure left devices off their driver with their records kept (a
+    /// rollback that failed): the caller says when its next restore comes.
+    pub fn left_half_bound(&self) -> bool {
+        matches!(self, Self::RollbackFailed { .. })
+    }
 }
 
 fn put_back_note(put_back: &[PciAddress]) -> String {

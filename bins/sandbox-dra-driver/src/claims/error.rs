@@ -153,13 +153,26 @@ pub(super) fn boxed(e: impl Into<ClaimStepError>) -> Box<ClaimStepError> {
     Box::new(e.into())
 }
 
+/// What the driver does about devices a failed rollback left half-bound.
+const HALF_BOUND_ADVICE: &str = "the driver gives them back with the rest of the claim (now, \
+     at kubelet's retry or at its next start)";
+
+/// A failure of the passthrough engine, said with the driver's own advice.
+fn failure(e: &PassthroughError) -> String {
+    if e.left_half_bound() {
+        format!("{}; {HALF_BOUND_ADVICE}", error_chain(e))
+    } else {
+        error_chain(e)
+    }
+}
+
 pub(super) fn chains(errors: &[PassthroughError]) -> String {
-    let list: Vec<String> = errors.iter().map(|e| error_chain(e)).collect();
+    let list: Vec<String> = errors.iter().map(failure).collect();
     list.join("; ")
 }
 
 pub(super) fn give_back_note(failed: &[PassthroughError], held: &[u32]) -> String {
-    let mut parts: Vec<String> = failed.iter().map(|e| error_chain(e)).collect();
+    let mut parts: Vec<String> = failed.iter().map(failure).collect();
     if !held.is_empty() {
         parts.push(format!("{} is open", group_nodes(held)));
     }
@@ -306,5 +319,46 @@ impl DriverError {
             Self::Late { .. } => Failure::Timeout,
             Self::NotOwner { .. } => Failure::Refused,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use passthrough::StepError;
+    use sysfs_pci::bind::DriverError;
+
+    use super::*;
+
+    fn address(text: &str) -> PciAddress {
+        text.parse().expect("a PCI address")
+    }
+
+    #[test]
+    fn a_failed_rollback_says_how_the_driver_puts_the_devices_back() {
+        let e = PassthroughError::RollbackFailed {
+            group: 7,
+            put_back: vec![address("0000:01:00.1")],
+            stuck: vec![(address("0000:01:00.0"), "write timed out".into())],
+            source: Box::new(StepError::Driver(DriverError::IommuOff {
+                address: address("0000:01:00.0"),
+                path: PathBuf::from("/sys/bus/pci/devices/0000:01:00.0/iommu_group"),
+            })),
+        };
+        let said = ClaimStepError::Bind(vec![e]).to_string();
+        assert!(said.contains("IOMMU group 7 is half-bound"), "{said}");
+        assert!(
+            said.contains("their records are kept for the next restore"),
+            "{said}"
+        );
+        assert!(
+            said.ends_with(
+                "; the driver gives them back with the rest of the claim (now, at kubelet's \
+                 retry or at its next start)"
+            ),
+            "{said}"
+        );
+        assert!(!said.contains("vfio-manager"), "{said}");
     }
 }

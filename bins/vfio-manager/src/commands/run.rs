@@ -156,8 +156,10 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     // signalfd sees every stop signal.
     let mut registry = node_agent::metrics::registry();
     let metrics = Metrics::new(&mut registry);
+    let (identity, restore_label) = identity(args).unzip();
     let api = ApiThread::start(
-        identity(args),
+        identity,
+        restore_label.flatten(),
         args.metrics_address.map(|a| (a, registry)),
         args.resync_interval,
     )?;
@@ -315,7 +317,9 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
 
 /// The cluster identity from the downward API; `None` (said at start) without a
 /// node name.
-fn identity(args: &Args) -> Option<Identity> {
+/// Who this agent is in the cluster, and the restore label's key where it keeps
+/// one.
+fn identity(args: &Args) -> Option<(Identity, Option<String>)> {
     let Some(node) = args.node_name.clone().filter(|n| !n.is_empty()) else {
         tracing::warn!("NODE_NAME is not set, so the API server is not asked: a stop restores every device, and each rollout bounces idle devices");
         return None;
@@ -335,12 +339,13 @@ fn identity(args: &Args) -> Option<Identity> {
             "POD_NAME/POD_NAMESPACE are not set: no restore label, a stop alone restores"
         );
     }
-    Some(Identity {
+    let restore_label = restore_label.filter(|_| pod.is_some());
+    let identity = Identity {
         node,
-        restore_label: restore_label.filter(|_| pod.is_some()),
         pod,
         controller: "vfio-manager".into(),
-    })
+    };
+    Some((identity, restore_label))
 }
 
 /// What the restores of a node leaving VM mode said already, so a retry every
@@ -530,7 +535,7 @@ impl RunState<'_> {
             let bind = pt.bind_concurrent(&inv, &[], self.bind_jobs);
             self.metrics.bind(&bind);
             for e in &bind.failed {
-                tracing::error!(error = %error_chain(e), "bind failed; will retry");
+                tracing::error!(error = %report::failure(e), "bind failed; will retry");
             }
             if !bind.bound.is_empty() {
                 self.api.event(NodeEvent {
@@ -544,7 +549,7 @@ impl RunState<'_> {
                     ),
                 });
             }
-            let failure = bind.failed.first().map(|e| error_chain(e));
+            let failure = bind.failed.first().map(report::failure);
             if failure.is_some() && failure != self.last_failure {
                 self.api.event(NodeEvent {
                     warning: true,

@@ -169,7 +169,7 @@ impl<O: Records> Binder<'_, '_, O> {
                     .contains(&module::canonical_name(d))
             });
             let hint = if unloaded {
-                "; its native module was unloaded by vfio-manager and is reloaded on restore"
+                "; its native module was unloaded when the node was taken and is reloaded on restore"
             } else {
                 ""
             };
