@@ -1,6 +1,7 @@
 # Container image for the vfio-sandbox node agents (vfio-manager,
-# sandbox-validator, sandbox-device-plugin and sandbox-dra-driver), one image
-# for all of them.
+# sandbox-validator, sandbox-device-plugin and sandbox-dra-driver) and the DRA
+# driver's cluster-wide claim labeller (sandbox-dra-controller), one image for
+# all of them.
 #
 # Multi-arch: linux/amd64 and linux/arm64 (Grace-based nodes, where
 # nvgrace_gpu_vfio_pci lives). Both runtime targets are FROM scratch plus
@@ -75,9 +76,9 @@ RUN case "$TARGETARCH" in amd64) gnu=x86_64 ;; arm64) gnu=aarch64 ;; esac \
  && RUSTFLAGS="-C target-feature=+crt-static" \
         cargo build --release --locked --target "$target" \
         -p vfio-manager -p sandbox-validator -p sandbox-device-plugin \
-        -p sandbox-dra-driver \
+        -p sandbox-dra-driver -p sandbox-dra-controller \
  && mkdir -p /out/bin \
- && for b in vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver; do \
+ && for b in vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver sandbox-dra-controller; do \
         cp "target/$target/release/$b" /out/bin/; \
     done \
  && ls -l /out/bin

@@ -2,7 +2,7 @@
 # Benchmark of the DRA driver's claim watch at cluster scale: what the real
 # kube-apiserver sends per ResourceClaim change when N nodes watch claims, with
 # every node watching every claim (sandbox-dra-driver --claim-watch=all) and
-# with the claim labeller (sandbox-dra-driver controller) running and each node
+# with the claim labeller (sandbox-dra-controller) running and each node
 # watching only its label (--claim-watch=labelled), at 10 and 1,000 simulated
 # nodes (N watch connections, tests/k8s/src/bin/claim-watch-bench.rs). Per
 # claim change: the watch events and bytes the API server counts itself
@@ -40,8 +40,8 @@ case "$release" in
 esac
 bins=$(scripts/build-k8s.sh "$release")
 version=$(awk '$1 == "k8s.io/kubernetes" { print $2 }' "tests/k8s/$release/go.mod")
-cargo build -q --release -p sandbox-dra-driver --bin sandbox-dra-driver
+cargo build -q --release -p sandbox-dra-controller
 cargo build -q --release -p real-k8s --bin claim-watch-bench
 target="${CARGO_TARGET_DIR:-target}"
 "$target/release/claim-watch-bench" --k8s-bins "$bins" --release "$version" --gates "$gates" \
-    --driver "$target/release/sandbox-dra-driver" --nodes "$nodes" --runs "$runs" --claims "$claims"
+    --labeller "$target/release/sandbox-dra-controller" --nodes "$nodes" --runs "$runs" --claims "$claims"

@@ -12,8 +12,8 @@
 # x86_64. --profile (env STATIC_PROFILE, default release) picks the cargo
 # profile: `release` for the image, `testbed` (release without LTO, see
 # Cargo.toml) for the VM test bed, `demo` (no optimisation) for scripts/demo.sh.
-# Without --packages it builds what the test bed and the image take: the four
-# node binaries, the two stand-ins the guest runs (kubelet-peer,
+# Without --packages it builds what the test bed and the image take: the five
+# shipped binaries, the two stand-ins the guest runs (kubelet-peer,
 # fake-apiserver) and the failpoints variants; not the host-side test
 # harnesses (tests/k8s, tests/bench), which nothing runs from a static build.
 # --packages (env STATIC_PACKAGES) builds only those packages' binaries, and
@@ -113,7 +113,7 @@ rc=0
 # keeps both variants cached).
 fp_bins=()
 package_args=()
-for p in ${packages:-vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver kubelet-peer fake-apiserver}; do
+for p in ${packages:-vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver sandbox-dra-controller kubelet-peer fake-apiserver}; do
     package_args+=(-p "$p")
 done
 build() {

@@ -78,7 +78,7 @@ IFS=, read -r -a archs <<<"$arch_list"
 for a in "${archs[@]}"; do
     [[ "$a" == amd64 || "$a" == arm64 ]] || die "--arch wants amd64 and/or arm64, got '$a'"
 done
-# Which build the binaries come from. release: the four node agents only (as
+# Which build the binaries come from. release: the five shipped programs only (as
 # the Dockerfile's builder builds them). testbed: the test bed's build (the
 # node binaries, its stand-ins and the failpoints variants), invoked as
 # scripts/vm/run.sh does, so cargo finds it up to date instead of building
@@ -86,7 +86,7 @@ done
 case "$profile" in
     release)
         image_version="$version"
-        static_packages="vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver"
+        static_packages="vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver sandbox-dra-controller"
         ;;
     testbed)
         image_version="$version+$profile"
@@ -172,13 +172,13 @@ for a in "${archs[@]}"; do
         # The node agents only: test tools (kubelet-peer, plugin-bench) and
         # the failpoints variants stay out.
         case "$(basename "$bin")" in
-            vfio-manager | sandbox-validator | sandbox-device-plugin | sandbox-dra-driver) ;;
+            vfio-manager | sandbox-validator | sandbox-device-plugin | sandbox-dra-driver | sandbox-dra-controller) ;;
             *) continue ;;
         esac
         cp "$bin" "$ctx/bin/$a/"
         bins+=("$(basename "$bin")")
     done <"$list"
-    ((${#bins[@]} == 4)) || die "$a: expected 4 node agents, got: ${bins[*]}"
+    ((${#bins[@]} == 5)) || die "$a: expected 5 programs, got: ${bins[*]}"
     arch_bins[$a]="${bins[*]}"
     log "$a binaries ($out_dir): ${bins[*]}"
 done

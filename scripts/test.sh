@@ -202,7 +202,7 @@ step "no test fakes in the shipped binaries (symbols of the test bed's x86 stati
 control="$(test_binary sysfs_pci lib)"
 [[ -x "$control" ]] || { echo "no unit-test binary of sysfs-pci in the test build" >&2; exit 1; }
 shipped=()
-for b in vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver; do
+for b in vfio-manager sandbox-validator sandbox-device-plugin sandbox-dra-driver sandbox-dra-controller; do
     shipped+=("target/x86_64-unknown-linux-gnu/testbed/$b")
 done
 scripts/check-no-fakes.sh "${shipped[@]}" -- "$control"

@@ -26,20 +26,7 @@ use std::sync::Mutex;
 use passthrough::inventory::{Entry, Inventory, Role};
 use sysfs_pci::PciAddress;
 
-/// The condition a device's status entry gets once its group is on vfio.
-pub const READY: &str = "VfioReady";
-/// The condition a device's status entry gets when its group could not be moved.
-pub const FAILED: &str = "VfioFailed";
-
-/// `<driver>/VfioReady`: a qualified name, as the API server requires.
-pub fn ready_condition(driver: &str) -> String {
-    format!("{driver}/{READY}")
-}
-
-/// `<driver>/VfioFailed`.
-pub fn failed_condition(driver: &str) -> String {
-    format!("{driver}/{FAILED}")
-}
+pub use claim_label::{failed_condition, ready_condition};
 
 /// Which devices are published with binding conditions (`--binding-conditions`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -6,23 +6,20 @@
 //! file ([`ClaimRecords`]), their CDI specs and metadata files ([`cdi`]), the
 //! configuration a claim can give its devices ([`config`]), the devices it offers
 //! ([`slice_devices`]), the thread that changes the node ([`Worker`]), the early
-//! move before a pod binds ([`ClaimWatcher`]) and the cluster's claim labeller that
-//! narrows its watch to the node ([`controller`]), device health ([`HealthBoard`]),
+//! move before a pod binds ([`ClaimWatcher`]), narrowed to the node's claims while
+//! the claim labeller (`sandbox-dra-controller`) runs, device health ([`HealthBoard`]),
 //! the wait for the node's owner lock ([`owner`]) and its metrics. Whole-group
 //! binding and restoring is the passthrough engine's (`passthrough` crate), shared
 //! with vfio-manager.
 
 mod binding;
 pub mod cdi;
-pub mod claim_label;
 mod claims;
 pub mod config;
-pub mod controller;
 mod devices;
 mod driver;
 mod events;
 mod health;
-pub mod lease;
 mod metrics;
 mod model;
 pub mod owner;
@@ -37,7 +34,7 @@ pub use devices::{
 };
 pub use driver::{follow_node, VfioDriver};
 pub use health::HealthBoard;
-pub use metrics::{LabellerMetrics, Metrics};
+pub use metrics::Metrics;
 pub use model::{
     device_name, group_device_name, parse_device_name, reason, ClaimDevice, ClaimPhase,
     ClaimRecord, ClaimRecords, DeviceName, StateFile, DEFAULT_DRIVER_NAME,

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use claim_label::lease::LEASE_NAME;
 use clap::{Parser, Subcommand};
 use kubelet_plugin::{Clients, Plugin, KUBELET_CALL_TIMEOUT};
 use node_agent::cli::{fail, parse_duration, CommonArgs, WriteArgs, EXIT_NOT_READY, EXIT_USAGE};
@@ -17,7 +18,6 @@ use node_agent::programs::{DRA_DRIVER, DRA_DRIVER_STATE_FILE, VFIO_MANAGER_STATE
 use passthrough::owner::DEFAULT_OWNER_LOCK;
 use passthrough::Passthrough;
 use sandbox_dra_driver::cdi::{DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
-use sandbox_dra_driver::controller::{Labeller, DEFAULT_LEASE_NAME};
 use sandbox_dra_driver::{
     owner, prepared_claims, ClaimWatch, Claims, Files, HealthBoard, LeaseRef, Metrics, Mode,
     OriginalDrivers, StateFile, VfioDriver, Worker, DEFAULT_DRIVER_NAME,
@@ -52,7 +52,7 @@ refuses while a VM holds /dev/vfio/<group> (kubelet retries). After a crash the 
 rolls a half-prepared claim back and finishes a half-unprepared one.
 
 Which claims it watches for the early move is --claim-watch: only those the claim
-labeller (`sandbox-dra-driver controller`, one Deployment per cluster) labels
+labeller (`sandbox-dra-controller`, one Deployment per cluster) labels
 <driver>/node=<node>, so a claim change reaches one node instead of every node; by
 default (auto) those while a labeller holds its Lease (--labeller-lease, in
 POD_NAMESPACE), every claim while none does.
@@ -74,38 +74,7 @@ It needs Kubernetes 1.34 or newer (the resource.k8s.io/v1 API; it exits saying s
 otherwise) and kubelet 1.32 or newer (DRA kubelet API v1beta1; v1 from 1.34).
 
 Exit codes: 0 stopped by a signal (ready: ready), 1 the node or the API server could
-not be used (ready: not ready; controller: the Lease was lost), 2 bad usage or config
-(nothing touched).";
-
-const CONTROLLER_ABOUT: &str = "\
-The claim labeller: one per cluster, so that each node's driver watches only its own
-ResourceClaims.
-
-No field selector picks ResourceClaims by node, so a driver that watches claims for the
-early move is sent every claim change of the cluster. The labeller watches them once and
-labels each claim allocated to the driver's devices with their binding condition
-<driver>/VfioReady with <driver>/node=<node> (the node name; a name longer than 63
-characters as its first 40, `_` and a 64-bit FNV-1a hash), removing the label when the
-allocation goes; a node's driver with --claim-watch labelled or auto watches with that
-label selector, which the API server applies before sending. Each label is a merge patch
-conditional on the claim's resourceVersion, so a claim allocated again meanwhile is
-decided again from its newer version. Claims allocated before it started are labelled
-from its first list.
-
-Run it as a Deployment of two replicas: only the holder of the coordination.k8s.io Lease
-<POD_NAMESPACE>/<--lease> acts (client-go's election: 15 s lease, renewed every 2 s, a
-leader that cannot renew for 10 s exits). On SIGTERM it releases the Lease, so the
-standby takes over within 2 s. Nodes never depend on it for prepare, and with
---claim-watch auto they watch every claim once no labeller has held the Lease for 5 s
-(so at most 20 s after a dead labeller's last renewal).
-
-It serves Prometheus metrics at http://ADDR/metrics (leading or not, label patches by
-change and result, failed Lease requests) and its readiness at http://ADDR/readyz: 200
-while a read or renewal of the Lease succeeded within the last 10 s (leading, or standing
-by), 503 saying why otherwise.
-
-Exit codes: 0 stopped by a signal, 1 the Lease was lost or the API server could not be
-used, 2 bad usage.";
+not be used (ready: not ready), 2 bad usage or config (nothing touched).";
 
 /// Command line.
 #[derive(Debug, Parser)]
@@ -206,7 +175,7 @@ struct Cli {
     )]
     binding_conditions: Mode,
     /// Which ResourceClaims to watch for the early move. labelled: only those the
-    /// claim labeller (`sandbox-dra-driver controller`) labels <driver>/node=<this
+    /// claim labeller (`sandbox-dra-controller`) labels <driver>/node=<this
     /// node>, so a claim change reaches this node only when it concerns it; early
     /// moves wait while no labeller runs. all: every claim of the cluster, each
     /// change sent to every node. auto: labelled while a labeller holds and renews
@@ -222,7 +191,7 @@ struct Cli {
     claim_watch: ClaimWatch,
     /// The claim labeller's Lease, in this pod's namespace (POD_NAMESPACE), which
     /// --claim-watch=auto reads.
-    #[arg(long, env = "VFIO_SANDBOX_LABELLER_LEASE", default_value = DEFAULT_LEASE_NAME, value_name = "NAME")]
+    #[arg(long, env = "VFIO_SANDBOX_LABELLER_LEASE", default_value = LEASE_NAME, value_name = "NAME")]
     labeller_lease: String,
     /// Also give containers /dev/iommu and /dev/vfio/devices/vfioN (iommufd),
     /// where the kernel makes the device cdev: the default for claims whose
@@ -248,32 +217,6 @@ enum Command {
     /// registration and the ResourceSlices are published, and the sockets kubelet
     /// dials are there; 1 otherwise, saying why.
     Ready,
-    /// The claim labeller, one per cluster (a Deployment, leader-elected through a
-    /// Lease): labels each ResourceClaim allocated to the driver's devices with
-    /// their node, so each node's driver watches only its own claims.
-    #[command(long_about = CONTROLLER_ABOUT)]
-    Controller(ControllerArgs),
-}
-
-/// `sandbox-dra-driver controller`.
-#[derive(Debug, clap::Args)]
-struct ControllerArgs {
-    /// The DRA driver name whose claims are labelled (the label is <driver>/node).
-    #[arg(long, env = "VFIO_SANDBOX_DRIVER_NAME", default_value = DEFAULT_DRIVER_NAME, value_name = "NAME")]
-    driver_name: String,
-    /// The Lease the replicas elect a leader with.
-    #[arg(long, env = "VFIO_SANDBOX_LABELLER_LEASE", default_value = DEFAULT_LEASE_NAME, value_name = "NAME")]
-    lease: String,
-    /// The Lease's namespace (downward API: the pod's own).
-    #[arg(long, env = "POD_NAMESPACE", value_name = "NAMESPACE")]
-    pod_namespace: String,
-    /// This replica's name in the Lease (downward API: the pod's name).
-    #[arg(long, env = "POD_NAME", value_name = "NAME")]
-    pod_name: String,
-    /// Serve metrics at http://ADDR/metrics and readiness at http://ADDR/readyz.
-    /// ADDR is IP:PORT or :PORT for every address.
-    #[arg(long, env = "VFIO_SANDBOX_METRICS_ADDRESS", value_name = "ADDR", default_value = ":9405", value_parser = endpoint::parse_address)]
-    metrics_address: ListenAddress,
 }
 
 fn main() -> ExitCode {
@@ -291,9 +234,6 @@ fn main() -> ExitCode {
         };
     }
     cli.common.init_logging();
-    if let Some(Command::Controller(args)) = &cli.command {
-        return controller(args);
-    }
     // Test variant only: stop at the steps named in FAILPOINTS (support::failpoint).
     #[cfg(feature = "failpoints")]
     let _failpoints = {
@@ -347,89 +287,6 @@ fn main() -> ExitCode {
         Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
     };
     runtime.block_on(start(cli, node_name, list))
-}
-
-/// `sandbox-dra-driver controller`: the claim labeller until SIGTERM or SIGINT.
-fn controller(args: &ControllerArgs) -> ExitCode {
-    for (flag, value) in [
-        ("--pod-namespace (POD_NAMESPACE)", &args.pod_namespace),
-        ("--pod-name (POD_NAME)", &args.pod_name),
-    ] {
-        if value.trim().is_empty() {
-            return fail(PROGRAM, &Usage(format!("{flag} is empty")), EXIT_USAGE);
-        }
-    }
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
-    };
-    runtime.block_on(async {
-        let identity = Identity {
-            node: String::new(),
-            pod: Some((args.pod_namespace.clone(), args.pod_name.clone())),
-            controller: format!("{PROGRAM}-controller"),
-        };
-        let cluster = match Cluster::connect(identity).await {
-            Ok(c) => c,
-            Err(e) => {
-                let e = anyhow::anyhow!("cannot set up the API server client: {}", error_chain(&e));
-                return fail(PROGRAM, e.as_ref(), EXIT_NOT_READY);
-            }
-        };
-        let (mut sigterm, mut sigint) = match (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) {
-            (Ok(t), Ok(i)) => (t, i),
-            (Err(e), _) | (_, Err(e)) => return fail(PROGRAM, &e, EXIT_NOT_READY),
-        };
-        let mut registry = endpoint::registry();
-        let metrics = Arc::new(sandbox_dra_driver::LabellerMetrics::new(&mut registry));
-        let health = Arc::new(sandbox_dra_driver::controller::Health::default());
-        let listener = match endpoint::bind(&args.metrics_address).await {
-            Ok(l) => l,
-            Err(e) => return fail(PROGRAM, &e, EXIT_USAGE),
-        };
-        if let Ok(address) = listener.local_addr() {
-            tracing::info!(%address, "serving metrics at /metrics and readiness at /readyz");
-        }
-        let ready: endpoint::Readiness = {
-            let (health, within) = (
-                health.clone(),
-                sandbox_dra_driver::lease::TIMING.renew_deadline,
-            );
-            Arc::new(move || health.readiness(within))
-        };
-        tokio::spawn(endpoint::serve_with_readiness(
-            listener,
-            Arc::new(registry),
-            ready,
-        ));
-        let labeller = Labeller {
-            client: cluster.kube_client(),
-            watch_client: cluster.watch_client(),
-            driver: args.driver_name.clone(),
-            namespace: args.pod_namespace.clone(),
-            lease: args.lease.clone(),
-            identity: args.pod_name.clone(),
-            timing: sandbox_dra_driver::lease::TIMING,
-            metrics,
-            health,
-        };
-        let stop = async move {
-            tokio::select! {
-                _ = sigterm.recv() => tracing::info!(signal = "SIGTERM", "stopping"),
-                _ = sigint.recv() => tracing::info!(signal = "SIGINT", "stopping"),
-            }
-        };
-        match labeller.run(stop).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => fail(PROGRAM, &e, EXIT_NOT_READY),
-        }
-    })
 }
 
 /// Connects, takes the node, recovers what a killed predecessor left, and serves.

@@ -108,8 +108,7 @@ impl Records for ClaimRecords {
     }
 }
 
-/// The driver name when `--driver-name` is not given.
-pub const DEFAULT_DRIVER_NAME: &str = "vfio-sandbox.rebellions.ai";
+pub use claim_label::DEFAULT_DRIVER_NAME;
 
 /// The ResourceSlice device name of a PCI function: a DNS label derived from its
 /// address, `0000:01:00.0` → `pci-0000-01-00-0`.

@@ -4,8 +4,8 @@
 //!
 //! Which claims it watches is `--claim-watch` ([`ClaimWatch`]): every claim of the
 //! cluster (no field selector picks claims by node), or only those the claim
-//! labeller (`sandbox-dra-driver controller`, [`crate::controller`]) labelled for
-//! this node ([`crate::claim_label`]), which the API server picks before it sends;
+//! labeller (`sandbox-dra-controller`) labelled for this node (the label of
+//! [`claim_label`]), which the API server picks before it sends;
 //! `auto` watches the labelled ones while the labeller holds and renews its Lease
 //! and every claim otherwise.
 
@@ -142,7 +142,7 @@ pub async fn watch_claims(follow: ClaimWatcher) {
 impl ClaimWatcher {
     /// The label selector of this node's claims.
     fn selector(&self) -> String {
-        crate::claim_label::selector(&self.driver, &self.pool)
+        claim_label::selector(&self.driver, &self.pool)
     }
 
     /// Watches the claims of `scope` until `until` ends (or forever).

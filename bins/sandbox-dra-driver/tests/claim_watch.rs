@@ -194,5 +194,7 @@ async fn auto_without_a_labeller_lease_watches_every_claim() {
         driver.log()
     );
     assert!(server.requests().iter().any(|(m, p)| m == "GET"
-        && p.contains("/apis/coordination.k8s.io/v1/namespaces/vfio-sandbox/leases/sandbox-dra-driver-controller")));
+        && p.contains(
+            "/apis/coordination.k8s.io/v1/namespaces/vfio-sandbox/leases/sandbox-dra-controller"
+        )));
 }

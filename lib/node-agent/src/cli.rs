@@ -49,6 +49,14 @@ pub struct CommonArgs {
     /// Root of /dev (holds `vfio/<group>`).
     #[arg(long, env = "VFIO_SANDBOX_DEV_ROOT", global = true, default_value = DEFAULT_DEV_ROOT, value_name = "DIR")]
     pub dev_root: PathBuf,
+    /// Logging.
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// The logging flags, every binary's (the cluster-wide labeller's only ones).
+#[derive(Debug, Clone, clap::Args)]
+pub struct LogArgs {
     /// Log format on stderr.
     #[arg(
         long,
@@ -70,6 +78,13 @@ pub struct CommonArgs {
         value_name = "FILTER"
     )]
     pub log_level: String,
+}
+
+impl LogArgs {
+    /// Sets up logging to stderr.
+    pub fn init_logging(&self) {
+        init_logging(self.log_format, &self.log_level);
+    }
 }
 
 /// The deadline of the agents that move devices (vfio-manager, sandbox-dra-driver).
@@ -104,7 +119,7 @@ impl CommonArgs {
 
     /// Sets up logging to stderr.
     pub fn init_logging(&self) {
-        init_logging(self.log_format, &self.log_level);
+        self.log.init_logging();
     }
 }
 

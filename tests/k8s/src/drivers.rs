@@ -217,7 +217,7 @@ pub fn install_dra_manifests(plane: &ControlPlane) -> Result<()> {
     plane
         .kubectl(&[
             "scale",
-            "deployment/sandbox-dra-driver-controller",
+            "deployment/sandbox-dra-controller",
             "-n",
             DRIVER_NS,
             "--replicas=0",
@@ -376,9 +376,9 @@ pub fn start_dra_with(
 }
 
 /// The claim labeller's account and Lease (the chart's `templates/dra-controller.yaml`).
-pub const LABELLER: &str = "sandbox-dra-driver-controller";
+pub const LABELLER: &str = "sandbox-dra-controller";
 
-/// Starts the claim labeller (`sandbox-dra-driver controller`) on the host as
+/// Starts the claim labeller (`sandbox-dra-controller`) on the host as
 /// the Deployment runs it: a token of its own account (so the shipped RBAC is
 /// all it may do), `POD_NAMESPACE` and `POD_NAME` = `name`, its name in the
 /// Lease. Its metrics and readiness on a port of its own, returned.
@@ -397,13 +397,12 @@ pub fn start_labeller(plane: &ControlPlane, binary: &Path, name: &str) -> Result
     let config = plane.dir.join(format!("{name}.kubeconfig"));
     kubeconfig(&config, &plane.server, &plane.pki.ca, &token)?;
     let mut cmd = Command::new(binary);
-    cmd.arg("controller")
-        .env_clear()
+    cmd.env_clear()
         .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         .env("KUBECONFIG", &config)
         .env("POD_NAMESPACE", DRIVER_NS)
         .env("POD_NAME", name)
-        .arg("--log-level=info,sandbox_dra_driver=debug");
+        .arg("--log-level=info,sandbox_dra_controller=debug");
     let port = crate::proc::free_port()?;
     cmd.arg(format!("--metrics-address=127.0.0.1:{port}"));
     Ok((Proc::spawn(name, cmd, &plane.logs_dir())?, port))

@@ -46,7 +46,8 @@ struct Cli {
     /// release's defaults, so the fallbacks are exercised.
     #[arg(long, value_parser = ["features", "defaults"])]
     gates: String,
-    /// Our binaries (sandbox-dra-driver, sandbox-device-plugin).
+    /// Our binaries (sandbox-dra-driver, sandbox-dra-controller,
+    /// sandbox-device-plugin).
     #[arg(long, value_name = "DIR")]
     our_bins: PathBuf,
     /// helm (scripts/build-k8s.sh helm), which installs the chart.
@@ -81,6 +82,10 @@ impl Ctx {
     /// `sandbox-dra-driver`.
     pub fn dra_binary(&self) -> PathBuf {
         self.our_bins.join("sandbox-dra-driver")
+    }
+    /// `sandbox-dra-controller`, the claim labeller.
+    pub fn labeller_binary(&self) -> PathBuf {
+        self.our_bins.join("sandbox-dra-controller")
     }
     /// `sandbox-device-plugin`.
     pub fn plugin_binary(&self) -> PathBuf {
@@ -146,7 +151,11 @@ fn check_inputs(cli: &Cli) -> Result<Release> {
         (
             &cli.our_bins,
             "--our-bins",
-            &["sandbox-dra-driver", "sandbox-device-plugin"][..],
+            &[
+                "sandbox-dra-driver",
+                "sandbox-dra-controller",
+                "sandbox-device-plugin",
+            ][..],
         ),
     ];
     let mut missing = Vec::new();

@@ -36,7 +36,11 @@ fn dirs_with_binaries(root: &std::path::Path) -> Vec<String> {
         ),
         (
             "--our-bins",
-            &["sandbox-dra-driver", "sandbox-device-plugin"][..],
+            &[
+                "sandbox-dra-driver",
+                "sandbox-dra-controller",
+                "sandbox-device-plugin",
+            ][..],
         ),
     ] {
         let dir = root.join(flag.trim_start_matches("--"));

@@ -13,13 +13,14 @@
 
 use std::time::{Duration, Instant};
 
+use claim_label::lease::{holder_expiry, Observer, Record};
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::GetParams;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::Api;
 use tokio_stream::StreamExt;
-
-use crate::lease::LeaseReader;
 
 /// The longest a node waits for news of the labeller's Lease before reading it
 /// again, should its watch be stuck; the watch is what notices changes.
@@ -222,6 +223,62 @@ fn wanted(scope: Scope, live: bool, gone_since: Option<Instant>, now: Instant) -
         (true, _, _) => Scope::Labelled,
         (false, Scope::Labelled, Some(gone)) if gone + FALLBACK_GRACE > now => Scope::Labelled,
         (false, _, _) => Scope::All,
+    }
+}
+
+/// A node's look at the labeller's Lease.
+struct LeaseReader {
+    api: Api<Lease>,
+    name: String,
+    observer: Observer,
+    /// When the holder last observed stops being live, if it is.
+    expiry: Option<Instant>,
+}
+
+impl LeaseReader {
+    /// Reads Lease `name` of `api`'s namespace.
+    fn new(api: Api<Lease>, name: &str) -> Self {
+        Self {
+            api,
+            name: name.to_owned(),
+            observer: Observer::default(),
+            expiry: None,
+        }
+    }
+
+    /// Whether a labeller holds the Lease and renews it ([`holder_live`]). Read
+    /// from the API server's cache (`resourceVersion=0`).
+    async fn holder_live(&mut self) -> Result<bool, kube::Error> {
+        let lease = match self.api.get_with(&self.name, &GetParams::any()).await {
+            Ok(l) => Some(l),
+            Err(kube::Error::Api(s)) if s.code == 404 => None,
+            Err(e) => return Err(e),
+        };
+        self.observe(lease.as_ref());
+        Ok(self.live())
+    }
+
+    /// Takes the Lease as read or watched now (`None`: there is none).
+    fn observe(&mut self, lease: Option<&Lease>) {
+        let now = Instant::now();
+        let Some(record) = lease.map(Record::of) else {
+            self.observer.forget();
+            self.expiry = None;
+            return;
+        };
+        let seen = self.observer.observe(&record, now);
+        self.expiry = holder_expiry(Some(&record), seen, now, Timestamp::now());
+    }
+
+    /// Whether the holder, as last observed, is live now.
+    fn live(&self) -> bool {
+        self.expiry.is_some_and(|e| e > Instant::now())
+    }
+
+    /// When the holder's time runs out unless the Lease changes again; `None`
+    /// when it is not live.
+    fn expiry(&self) -> Option<Instant> {
+        self.expiry
     }
 }
 

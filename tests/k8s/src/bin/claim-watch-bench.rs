@@ -1,7 +1,7 @@
 //! `claim-watch-bench`: what the real kube-apiserver sends per ResourceClaim
 //! change when N nodes watch claims, with every node watching every claim
 //! (`sandbox-dra-driver --claim-watch=all`) and with the claim labeller
-//! (`sandbox-dra-driver controller`) running and each node watching only its
+//! (`sandbox-dra-controller`) running and each node watching only its
 //! label (`--claim-watch=labelled`).
 //!
 //! It starts the control plane the real-k8s scenarios start ([`real_k8s::control`]),
@@ -42,7 +42,7 @@ use serde_json::{json, Value};
 /// The driver whose claims are made and labelled.
 const DRIVER: &str = "vfio-sandbox.rebellions.ai";
 /// The labeller's Lease (its default name).
-const LEASE: &str = "sandbox-dra-driver-controller";
+const LEASE: &str = "sandbox-dra-controller";
 /// How long a node may take to see a claim before the run fails.
 const SEE_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -62,9 +62,9 @@ struct Cli {
     /// binding conditions, which the labeller keys on); `defaults`.
     #[arg(long, default_value = "features", value_parser = ["features", "defaults"])]
     gates: String,
-    /// `sandbox-dra-driver`, run as `controller`.
+    /// `sandbox-dra-controller`, the claim labeller.
     #[arg(long, value_name = "FILE")]
-    driver: PathBuf,
+    labeller: PathBuf,
     /// Node counts to simulate.
     #[arg(long, value_delimiter = ',', default_value = "10,1000")]
     nodes: Vec<usize>,
@@ -463,7 +463,7 @@ async fn wait_seen<T>(
     }
 }
 
-/// Starts `sandbox-dra-driver controller` as the admin (the shipped RBAC is the
+/// Starts `sandbox-dra-controller` as the admin (the shipped RBAC is the
 /// real-k8s scenarios' business) and waits until it holds its Lease.
 async fn start_labeller(
     plane: &ControlPlane,
@@ -471,9 +471,8 @@ async fn start_labeller(
     admin: &kube::Client,
     ns: &str,
 ) -> Result<Proc> {
-    let mut cmd = Command::new(&cli.driver);
-    cmd.arg("controller")
-        .env("KUBECONFIG", &plane.admin)
+    let mut cmd = Command::new(&cli.labeller);
+    cmd.env("KUBECONFIG", &plane.admin)
         .env("POD_NAMESPACE", ns)
         .env("POD_NAME", "labeller-0")
         .env("VFIO_SANDBOX_LOG_LEVEL", "info")

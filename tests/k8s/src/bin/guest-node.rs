@@ -1244,7 +1244,7 @@ fn dra_steps(run: &mut Run, t: Instant) -> Result<String> {
             let ready = run.kubectl(&[
                 "get",
                 "deployment",
-                "sandbox-dra-driver-controller",
+                "sandbox-dra-controller",
                 "-n",
                 DRA_NS,
                 "-o",
@@ -1254,7 +1254,7 @@ fn dra_steps(run: &mut Run, t: Instant) -> Result<String> {
                 .kubectl(&[
                     "get",
                     "lease",
-                    "sandbox-dra-driver-controller",
+                    "sandbox-dra-controller",
                     "-n",
                     DRA_NS,
                     "-o",
@@ -1264,7 +1264,7 @@ fn dra_steps(run: &mut Run, t: Instant) -> Result<String> {
             Ok((ready == "2" && !holder.is_empty()).then_some(holder))
         },
     )?;
-    let replicas = run.pods("sandbox-dra-driver-controller")?;
+    let replicas = run.pods("sandbox-dra-controller")?;
     ensure!(
         replicas.len() == 2 && replicas.iter().any(|p| lease.contains(p.as_str())),
         "the Lease is held by {lease}, not one of the replicas {replicas:?}"

@@ -136,11 +136,11 @@ fn through_the_labeller(ctx: &mut Ctx) -> Result<Outcome> {
     // (the audit check after the scenario names any refusal).
     // Two replicas, as the Deployment runs them: the first leads.
     let (mut leader, leader_port) =
-        drivers::start_labeller(&ctx.plane, &ctx.dra_binary(), "labeller-0")?;
+        drivers::start_labeller(&ctx.plane, &ctx.labeller_binary(), "labeller-0")?;
     let secs = Duration::from_secs;
     wait_holder(&ctx.plane, "labeller-0", "the first leads", secs(30))?;
     let (mut standby, standby_port) =
-        drivers::start_labeller(&ctx.plane, &ctx.dra_binary(), "labeller-1")?;
+        drivers::start_labeller(&ctx.plane, &ctx.labeller_binary(), "labeller-1")?;
     // Both replicas ready (the leader renewing, the standby reading), and the
     // leader says so in its metrics.
     wait_ready(leader_port, "leading", secs(30))?;
@@ -249,7 +249,8 @@ fn through_the_labeller(ctx: &mut Ctx) -> Result<Outcome> {
     // A labeller back: the nodes watch their label again. Its SIGTERM releases
     // the Lease, and the driver watches every claim again within the grace;
     // the early move goes on without labels.
-    let (again, again_port) = drivers::start_labeller(&ctx.plane, &ctx.dra_binary(), "labeller-2")?;
+    let (again, again_port) =
+        drivers::start_labeller(&ctx.plane, &ctx.labeller_binary(), "labeller-2")?;
     wait_holder(&ctx.plane, "labeller-2", "a new labeller leads", secs(45))?;
     wait_ready(again_port, "leading", secs(30))?;
     wait_scope(&stopping, LABELLED_SCOPE, Duration::from_secs(30))?;

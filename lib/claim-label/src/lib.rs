@@ -1,11 +1,17 @@
-//! The node label on a ResourceClaim: which node's driver has work to do for it.
+//! What the DRA node driver (`sandbox-dra-driver`) and its claim labeller
+//! (`sandbox-dra-controller`) must agree on, in one place both build from: the
+//! driver name, the binding condition the labeller looks for, the node label on a
+//! ResourceClaim (its key, its value and the hashed form of a long node name), and
+//! the labeller's Lease (its name and the rule by which a node judges it alive,
+//! [`lease`]).
+//!
+//! # The node label
 //!
 //! No field selector picks ResourceClaims by node (the API server offers only
 //! `metadata.name` and `metadata.namespace` for them), so a driver that watched
 //! claims itself had every claim change of the cluster sent to every node. The
-//! claim labeller (`sandbox-dra-driver controller`, one leader per cluster)
-//! watches claims once and labels each claim allocated to this driver's devices
-//! with their binding condition:
+//! claim labeller (one leader per cluster) watches claims once and labels each
+//! claim allocated to this driver's devices with their binding condition:
 //!
 //! ```text
 //! vfio-sandbox.rebellions.ai/node=<label value of the node>     # <driver>/node
@@ -24,7 +30,28 @@
 //! sent: the node still checks that the claim's devices are in its own pool, so
 //! two long names with one hash would cost traffic, never a wrong move.
 
-use k8s_openapi::api::resource::v1::ResourceClaim;
+pub mod lease;
+
+/// The DRA driver name both sides use unless told otherwise (a DNS subdomain:
+/// the prefix of the label key and of the binding conditions).
+pub const DEFAULT_DRIVER_NAME: &str = "vfio-sandbox.rebellions.ai";
+
+/// The binding condition a device's status entry gets once its group is on vfio
+/// (KEP-5007): the scheduler binds the pod only then, and the labeller labels
+/// the claims whose allocation waits on it.
+pub const READY: &str = "VfioReady";
+/// The binding failure condition: the group could not be moved.
+pub const FAILED: &str = "VfioFailed";
+
+/// `<driver>/VfioReady`: a qualified name, as the API server requires.
+pub fn ready_condition(driver: &str) -> String {
+    format!("{driver}/{READY}")
+}
+
+/// `<driver>/VfioFailed`.
+pub fn failed_condition(driver: &str) -> String {
+    format!("{driver}/{FAILED}")
+}
 
 /// The longest label value the API server takes.
 const LABEL_VALUE_MAX: usize = 63;
@@ -91,78 +118,6 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes
         .iter()
         .fold(OFFSET, |h, b| (h ^ u64::from(*b)).wrapping_mul(PRIME))
-}
-
-/// The label value claim `claim` should carry: the node of its devices of
-/// `driver` when at least one of them waits on the driver's binding condition
-/// (the only claims a node acts on before prepare), `None` otherwise — not
-/// allocated, allocated without the condition, or (never made by the scheduler:
-/// node-local devices are allocated on one node) on more than one of the
-/// driver's pools.
-pub fn wanted_label(claim: &ResourceClaim, driver: &str) -> Option<String> {
-    let ready = crate::binding::ready_condition(driver);
-    let ours: Vec<_> = kubelet_plugin::allocation_results(claim)
-        .iter()
-        .filter(|r| r.driver == driver)
-        .collect();
-    let waits = ours.iter().any(|r| {
-        r.binding_conditions
-            .as_ref()
-            .is_some_and(|c| c.contains(&ready))
-    });
-    let pool = &ours.first()?.pool;
-    if !waits || ours.iter().any(|r| &r.pool != pool) {
-        return None;
-    }
-    Some(label_value(pool))
-}
-
-/// What the labeller does to one claim.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LabelChange {
-    /// Set the label to this value.
-    Set(String),
-    /// Remove the label.
-    Remove,
-}
-
-/// The change claim `claim` needs, if any: its label as [`wanted_label`] says,
-/// compared with the one it has.
-pub fn label_change(claim: &ResourceClaim, driver: &str) -> Option<LabelChange> {
-    let key = label_key(driver);
-    let have = claim
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(&key))
-        .cloned();
-    match (wanted_label(claim, driver), have) {
-        (Some(want), Some(have)) if want == have => None,
-        (Some(want), _) => Some(LabelChange::Set(want)),
-        (None, Some(_)) => Some(LabelChange::Remove),
-        (None, None) => None,
-    }
-}
-
-/// The JSON merge patch that makes `change` to a claim seen at
-/// `resource_version`: the API server applies it only to that version (a
-/// newer one answers 409 Conflict), so a label is never computed from one
-/// allocation and written over another.
-pub fn label_patch(
-    driver: &str,
-    change: &LabelChange,
-    resource_version: &str,
-) -> serde_json::Value {
-    let value = match change {
-        LabelChange::Set(v) => serde_json::Value::from(v.as_str()),
-        LabelChange::Remove => serde_json::Value::Null,
-    };
-    serde_json::json!({
-        "metadata": {
-            "resourceVersion": resource_version,
-            "labels": { label_key(driver): value },
-        }
-    })
 }
 
 #[cfg(test)]

@@ -1,11 +1,11 @@
-//! The claim labeller, `sandbox-dra-driver controller`: one leader per cluster
-//! watches every ResourceClaim and labels each claim allocated to the driver's
-//! devices with their binding condition with the node they are on
-//! ([`crate::claim_label`]), so each node's driver watches only its own claims
-//! and a claim change reaches one node instead of all of them.
+//! The claim labeller: one leader per cluster watches every ResourceClaim and
+//! labels each claim allocated to the driver's devices with their binding
+//! condition with the node they are on ([`claim_label`]), so each node's driver
+//! watches only its own claims and a claim change reaches one node instead of
+//! all of them.
 //!
 //! It runs as a Deployment of two replicas. Only the holder of a
-//! `coordination.k8s.io/v1` Lease acts ([`crate::lease`]); the other waits and
+//! `coordination.k8s.io/v1` Lease acts ([`crate::election`]); the other waits and
 //! takes over within the Lease's duration (15 s) after the leader stops renewing,
 //! or at its next try (2 s) after a leader that stopped on SIGTERM released it.
 //! A leader that cannot renew for 10 s stops acting and exits, before any
@@ -23,11 +23,13 @@
 //!
 //! The loop is kube-rs's `Controller`: one claim is never reconciled twice at
 //! once, a failed patch is tried again after [`RETRY`], and the decision itself
-//! ([`crate::claim_label::label_change`]) is a pure function.
+//! ([`crate::labels::label_change`]) is a pure function.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use claim_label::label_key;
+use claim_label::lease::Timing;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Patch, PatchParams};
@@ -36,14 +38,12 @@ use kube::Api;
 use support::error_chain;
 use tokio_stream::StreamExt;
 
-use crate::claim_label::{label_change, label_key, label_patch, LabelChange};
-use crate::lease::{Elector, Timing};
+use crate::election::Elector;
+use crate::labels::{label_change, label_patch, LabelChange};
 use crate::metrics::LabellerMetrics;
 
 /// The field manager of the labeller's patches.
-pub const FIELD_MANAGER: &str = "sandbox-dra-driver-controller";
-/// The default name of the labeller's Lease, in its namespace.
-pub const DEFAULT_LEASE_NAME: &str = "sandbox-dra-driver-controller";
+pub const FIELD_MANAGER: &str = "sandbox-dra-controller";
 /// How long after a failed patch a claim is looked at again.
 pub const RETRY: Duration = Duration::from_secs(5);
 /// Claims labelled at once (a burst of allocations is labelled in parallel).
