@@ -1,14 +1,13 @@
 //! What a driver implements, and what it is told.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::resource::v1::{CounterSet, Device};
 use tokio::sync::watch;
 
 use crate::claim::{Claim, ClaimRef, ReadError};
-use crate::health::DeviceHealth;
+use crate::health::HealthReports;
 use crate::slices::{Report, SliceError};
 
 /// One answer per claim uid.
@@ -85,9 +84,6 @@ impl From<Vec<Device>> for Offer {
         }
     }
 }
-
-/// Device health as the driver reports it, every device at once.
-pub type HealthReports = Arc<Vec<DeviceHealth>>;
 
 /// A Dynamic Resource Allocation driver, as [`crate::Plugin`] serves it to kubelet
 /// and publishes its devices.

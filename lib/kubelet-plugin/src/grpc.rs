@@ -21,8 +21,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::claim::ClaimRef;
-use crate::driver::{HealthReports, PreparedDevice};
-use crate::plugin::Config;
+use crate::config::Config;
+use crate::driver::PreparedDevice;
+use crate::health::HealthReports;
 use kubelet_api::dra::{v1, v1beta1};
 use kubelet_api::pluginregistration::registration_server::{Registration, RegistrationServer};
 use kubelet_api::pluginregistration::{

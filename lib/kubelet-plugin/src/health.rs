@@ -26,8 +26,6 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::driver::HealthReports;
-
 /// How long kubelet keeps one of our reports (`health_check_timeout_seconds`).
 pub const TIMEOUT: Duration = Duration::from_secs(60);
 /// The whole list is sent again at least this often, so no report times out.
@@ -45,6 +43,9 @@ pub enum Health {
     /// Not known.
     Unknown,
 }
+
+/// Device health as the driver reports it, every device at once.
+pub type HealthReports = std::sync::Arc<Vec<DeviceHealth>>;
 
 /// One device's health.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

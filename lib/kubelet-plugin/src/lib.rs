@@ -115,6 +115,7 @@
 
 mod batch;
 mod claim;
+mod config;
 mod driver;
 mod grpc;
 pub mod health;
@@ -130,14 +131,14 @@ pub use claim::{
     ClaimRef, ConfigSource, OpaqueConfig, ReadError, Ticket, POD_CLAIM_NAME_ANNOTATION,
     READ_TIMEOUT,
 };
+pub use config::{
+    Config, ConfigError, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, KUBELET_CALL_TIMEOUT,
+};
 pub use driver::{
-    Answers, Call, CallKind, ClaimError, Driver, Fields, HealthReports, Offer, PreparedDevice,
-    PublishError, Published,
+    Answers, Call, CallKind, ClaimError, Driver, Fields, Offer, PreparedDevice, PublishError,
+    Published,
 };
-pub use health::{DeviceHealth, Health};
-pub use plugin::{
-    Clients, Config, ConfigError, Plugin, ServeError, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR,
-    KUBELET_CALL_TIMEOUT,
-};
+pub use health::{DeviceHealth, Health, HealthReports};
+pub use plugin::{Clients, Plugin, ServeError};
 pub use publish::{Republish, PASS_SPACING};
 pub use ready::probe;
