@@ -102,7 +102,7 @@ fn prepare_and_unprepare(
     )
     .map_err(|e| error_chain(&e))?;
     let mut claims = Claims {
-        pt: Passthrough {
+        engine: Passthrough {
             host,
             kernel: &kernel,
             state: &mut state,

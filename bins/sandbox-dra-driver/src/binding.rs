@@ -48,17 +48,17 @@ pub struct OriginalDrivers(Mutex<BTreeMap<PciAddress, Option<String>>>);
 
 impl OriginalDrivers {
     /// Replaces what is known.
-    pub fn set(&self, homes: BTreeMap<PciAddress, Option<String>>) {
-        *support::lock(&self.0) = homes;
+    pub fn set(&self, original_drivers: BTreeMap<PciAddress, Option<String>>) {
+        *support::lock(&self.0) = original_drivers;
     }
 
     /// The driver `entry` is on between claims: the recorded one, else its own.
     fn home<'e>(
         &self,
         entry: &'e Entry,
-        homes: &'e BTreeMap<PciAddress, Option<String>>,
+        original_drivers: &'e BTreeMap<PciAddress, Option<String>>,
     ) -> Option<&'e str> {
-        match homes.get(&entry.device.address) {
+        match original_drivers.get(&entry.device.address) {
             Some(recorded) => recorded.as_deref(),
             None => entry.device.driver.as_deref(),
         }
@@ -66,7 +66,7 @@ impl OriginalDrivers {
 
     /// The selected devices that get binding conditions under `mode`.
     pub fn marked(&self, inv: &Inventory, mode: Mode) -> BTreeSet<PciAddress> {
-        let homes = support::lock(&self.0);
+        let original_drivers = support::lock(&self.0);
         inv.selected()
             .filter(|e| match mode {
                 Mode::Off => false,
@@ -74,7 +74,7 @@ impl OriginalDrivers {
                 Mode::Auto => e.device.iommu_group.is_none_or(|g| {
                     inv.in_group(g).any(|m| {
                         !matches!(m.role, Role::Bridge)
-                            && self.home(m, &homes) != Some(m.target_driver.as_str())
+                            && self.home(m, &original_drivers) != Some(m.target_driver.as_str())
                     })
                 }),
             })

@@ -268,13 +268,13 @@ struct Edits {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     env: Vec<String>,
     #[serde(rename = "deviceNodes", skip_serializing_if = "Vec::is_empty")]
-    device_nodes: Vec<Node>,
+    device_nodes: Vec<DeviceNode>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     mounts: Vec<Mount>,
 }
 
 #[derive(Serialize)]
-struct Node {
+struct DeviceNode {
     path: String,
     #[serde(rename = "hostPath", skip_serializing_if = "Option::is_none")]
     host_path: Option<String>,
@@ -300,7 +300,7 @@ fn pretty<T: Serialize>(value: &T) -> Result<String, CdiError> {
 /// only iommufd is asked for, and with iommufd `/dev/iommu` and
 /// `/dev/vfio/devices/vfioN`. Host paths follow `dev_root` and are written only
 /// when it is not `/dev`.
-fn device_nodes(dev: &SpecDevice, dev_root: Option<&str>) -> Vec<Node> {
+fn device_nodes(dev: &SpecDevice, dev_root: Option<&str>) -> Vec<DeviceNode> {
     let legacy = if dev.group_nodes {
         sysfs_pci::vmm::group_nodes([dev.group])
     } else {
@@ -311,7 +311,7 @@ fn device_nodes(dev: &SpecDevice, dev_root: Option<&str>) -> Vec<Node> {
         .chain(sysfs_pci::vmm::iommufd_nodes(
             dev.iommufd_nodes.iter().map(String::as_str),
         ))
-        .map(|r| Node {
+        .map(|r| DeviceNode {
             path: format!("/dev/{r}"),
             host_path: dev_root.map(|root| format!("{root}/{r}")),
             permissions: PERMISSIONS,

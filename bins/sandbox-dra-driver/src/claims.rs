@@ -86,7 +86,7 @@ pub struct Recovery {
 /// Prepares and unprepares claims on one node.
 pub struct Claims<'a> {
     /// The passthrough engine, with the driver's state file.
-    pub pt: Passthrough<'a, ClaimRecords>,
+    pub engine: Passthrough<'a, ClaimRecords>,
     /// This node's pool name.
     pub pool: &'a str,
     /// Where the claim files go.
@@ -196,7 +196,7 @@ impl Claims<'_> {
         // Moved early for an allocation it has since lost (deallocated, then
         // allocated other devices between two looks): that one goes back first.
         let stale = self
-            .pt
+            .engine
             .state
             .records()
             .get(&claim.uid)
@@ -269,7 +269,7 @@ impl Claims<'_> {
 
     /// Saves `record` as claim `uid`'s in the state file, replacing any earlier one.
     fn save_claim(&mut self, uid: &str, record: ClaimRecord) -> Result<(), StateError> {
-        self.pt.state.update_records(self.pt.kernel, |c| {
+        self.engine.state.update_records(self.engine.kernel, |c| {
             c.0.insert(uid.to_owned(), record);
         })
     }
@@ -277,7 +277,7 @@ impl Claims<'_> {
     /// Drops claim `uid` from the state file: only once its devices are back (or
     /// were never moved).
     fn forget_claim(&mut self, uid: &str) -> Result<(), StateError> {
-        self.pt.state.update_records(self.pt.kernel, |c| {
+        self.engine.state.update_records(self.engine.kernel, |c| {
             c.0.remove(uid);
         })
     }
@@ -309,7 +309,7 @@ impl Claims<'_> {
                     })
                 })?;
             }
-            self.pt
+            self.engine
                 .kernel
                 .replace_file(path, text.as_bytes())
                 .map_err(boxed)?;
@@ -322,7 +322,7 @@ impl Claims<'_> {
     /// started). A prepared claim is kubelet's to unprepare: `Ok(false)`, as for a
     /// claim not recorded.
     pub fn release(&mut self, uid: &str) -> Result<bool, ClaimError> {
-        match self.pt.state.records().get(uid) {
+        match self.engine.state.records().get(uid) {
             Some(r) if matches!(r.phase, ClaimPhase::Moved | ClaimPhase::Unpreparing) => {
                 let record = r.clone();
                 let claim = recorded_claim(uid, &record);
@@ -334,7 +334,7 @@ impl Claims<'_> {
 
     /// The claims moved early and not prepared, by uid.
     pub fn moved_early(&self) -> Vec<ClaimRef> {
-        self.pt
+        self.engine
             .state
             .records()
             .iter()
@@ -354,7 +354,7 @@ impl Claims<'_> {
             claim: claim.to_string(),
             reason,
         };
-        let Some(existing) = self.pt.state.records().get(&claim.uid) else {
+        let Some(existing) = self.engine.state.records().get(&claim.uid) else {
             return Ok(None);
         };
         if existing.namespace != claim.namespace || existing.name != claim.name {
@@ -396,7 +396,7 @@ impl Claims<'_> {
     /// writable) prepares afresh instead of being refused for good. Nothing to do
     /// is `Ok`.
     pub fn finish_interrupted(&mut self, claim: &ClaimRef) -> Result<(), ClaimError> {
-        match self.pt.state.records().get(&claim.uid) {
+        match self.engine.state.records().get(&claim.uid) {
             Some(r) if r.phase == ClaimPhase::Unpreparing => {
                 let record = r.clone();
                 self.finish_unprepare(claim, record)
@@ -409,7 +409,7 @@ impl Claims<'_> {
     /// (the whole group, overrides restored) and removes the claim's files. A claim
     /// not prepared here is done already.
     pub fn unprepare(&mut self, claim: &ClaimRef) -> Result<(), ClaimError> {
-        let Some(record) = self.pt.state.records().get(&claim.uid).cloned() else {
+        let Some(record) = self.engine.state.records().get(&claim.uid).cloned() else {
             return Ok(());
         };
         let shown = recorded_claim(&claim.uid, &record);
@@ -419,9 +419,9 @@ impl Claims<'_> {
             .filter(|g| {
                 // Unknown is for the restore to refuse (GroupUnprobed), with
                 // its cause.
-                self.pt
+                self.engine
                     .kernel
-                    .group_in_use(&self.pt.host.vfio_group_node(*g))
+                    .group_in_use(&self.engine.host.vfio_group_node(*g))
                     .unwrap_or(false)
             })
             .collect();
@@ -518,7 +518,7 @@ impl Claims<'_> {
                 }
             };
             if let Some((uid, other)) =
-                self.pt.state.records().iter().find(|(uid, c)| {
+                self.engine.state.records().iter().find(|(uid, c)| {
                     **uid != claim.uid && c.devices.iter().any(|d| d.group == group)
                 })
             {
@@ -544,16 +544,16 @@ impl Claims<'_> {
 
     /// Loads the drivers' modules and binds `groups` whole.
     fn move_groups(&mut self, inv: &Inventory, groups: &[u32]) -> Result<(), Box<ClaimStepError>> {
-        self.pt
+        self.engine
             .load_modules(&target_drivers(inv, groups))
             .map_err(boxed)?;
-        let report = self.pt.bind_concurrent(inv, groups, self.jobs);
+        let report = self.engine.bind_concurrent(inv, groups, self.jobs);
         if !report.failed.is_empty() {
             return Err(boxed(ClaimStepError::Bind(report.failed)));
         }
         for &g in groups {
-            let node = self.pt.host.vfio_group_node(g);
-            if !self.pt.kernel.is_dry_run() && !Host::exists(&node) {
+            let node = self.engine.host.vfio_group_node(g);
+            if !self.engine.kernel.is_dry_run() && !Host::exists(&node) {
                 return Err(boxed(ClaimStepError::NoGroupNode(node)));
             }
         }
@@ -588,7 +588,7 @@ impl Claims<'_> {
         devices: &[ClaimDevice],
         iommu: &[Option<Iommu>],
     ) -> Result<(), ClaimError> {
-        let no_cdev = sysfs_pci::cdev::kernel_has_vfio_cdev(self.pt.host) == Some(false);
+        let no_cdev = sysfs_pci::cdev::kernel_has_vfio_cdev(self.engine.host) == Some(false);
         if let Some((d, i)) = devices
             .iter()
             .zip(iommu)
@@ -657,7 +657,7 @@ impl Claims<'_> {
             &self.files.driver,
             &self.files.cdi_dir,
             &self.files.metadata_dir,
-            &self.pt.host.dev,
+            &self.engine.host.dev,
             claim,
             pod_claim_name,
             &devices,
@@ -672,7 +672,7 @@ impl Claims<'_> {
         devices: &[ClaimDevice],
         iommu: &[Option<Iommu>],
     ) -> Result<Vec<Nodes>, Box<ClaimStepError>> {
-        let host = self.pt.host;
+        let host = self.engine.host;
         let iommu_node = host.dev.join("iommu");
         devices
             .iter()
@@ -716,7 +716,7 @@ impl Claims<'_> {
                         })
                     })
                     .collect::<Result<Vec<_>, _>>()?;
-                if !self.pt.kernel.is_dry_run() && !Host::exists(&iommu_node) {
+                if !self.engine.kernel.is_dry_run() && !Host::exists(&iommu_node) {
                     return Err(missing(
                         d.address,
                         format!("{} is missing", iommu_node.display()),
@@ -760,7 +760,7 @@ impl Claims<'_> {
             .map_err(|e| fail("removing its files", boxed(e)))?;
         let groups = record.groups();
         let members: Vec<PciAddress> = self
-            .pt
+            .engine
             .state
             .state()
             .devices
@@ -769,7 +769,7 @@ impl Claims<'_> {
             .map(|(a, _)| *a)
             .collect();
         if !members.is_empty() {
-            let report = self.pt.restore_concurrent(&members, self.jobs);
+            let report = self.engine.restore_concurrent(&members, self.jobs);
             let held: BTreeSet<u32> = report.in_use.iter().map(|(_, g)| *g).collect();
             if !report.failed.is_empty() || !held.is_empty() {
                 return Err(fail(

@@ -109,7 +109,9 @@ impl kubelet_plugin::Driver for VfioDriver {
             .map(|h| h.unhealthy())
             .unwrap_or_default();
         let marked = match &self.binding {
-            Some((mode, homes)) if fields.binding_conditions => homes.marked(&inv, *mode),
+            Some((mode, original_drivers)) if fields.binding_conditions => {
+                original_drivers.marked(&inv, *mode)
+            }
             _ => Default::default(),
         };
         let binding = (!marked.is_empty()).then_some(BindingMarks {

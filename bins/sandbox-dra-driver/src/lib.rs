@@ -40,4 +40,4 @@ pub use model::{
     ClaimRecord, ClaimRecords, DeviceName, StateFile, DEFAULT_DRIVER_NAME,
 };
 pub use watcher::{watch_claims, ClaimWatch, ClaimWatcher, LeaseRef, LABELLER_CHECK};
-pub use worker::{prepared_claims, OwnerLost, Setup, Worker};
+pub use worker::{prepared_claims, OwnerLost, Worker, WorkerConfig};

@@ -344,7 +344,7 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
     let kernel = cli.write.kernel();
     // Finish what a killed predecessor left half-done before serving anything.
     let recovery = Claims {
-        pt: Passthrough {
+        engine: Passthrough {
             host: &host,
             kernel: &kernel,
             state: &mut state,
@@ -372,8 +372,8 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
     }
     let prepared = state.records().len();
     // Which devices need a rebind is known before the first slice is published.
-    let homes = Arc::new(OriginalDrivers::default());
-    homes.set(
+    let original_drivers = Arc::new(OriginalDrivers::default());
+    original_drivers.set(
         state
             .state()
             .devices
@@ -394,7 +394,7 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
     health.refresh();
     let owner_lost = sandbox_dra_driver::OwnerLost::default();
     let worker = match Worker::start(
-        sandbox_dra_driver::Setup {
+        sandbox_dra_driver::WorkerConfig {
             host: host.clone(),
             list: list.clone(),
             state,
@@ -405,7 +405,7 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
             health: Some(health.clone()),
             metrics: metrics.clone(),
             kernel,
-            homes: Some(homes.clone()),
+            original_drivers: Some(original_drivers.clone()),
             owner_lost: owner_lost.clone(),
             republish: Some(plugin.republish()),
         },
@@ -428,7 +428,7 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
         worker,
         metrics,
         health: Some(health),
-        binding: Some((cli.binding_conditions, homes)),
+        binding: Some((cli.binding_conditions, original_drivers)),
         owner_lost,
     });
     match run(&cli, &plugin, &cluster, driver, registry).await {

@@ -36,7 +36,7 @@ use crate::claims::{Claims, DriverError, Files};
 use crate::metrics::Metrics;
 
 /// What the thread needs.
-pub struct Setup {
+pub struct WorkerConfig {
     /// The node's roots.
     pub host: Host,
     /// The resource list.
@@ -60,7 +60,7 @@ pub struct Setup {
     pub kernel: Bounded<SysKernel>,
     /// Told the driver each recorded device had before it moved, after every job
     /// (which devices need a rebind, for their binding conditions).
-    pub homes: Option<Arc<crate::binding::OriginalDrivers>>,
+    pub original_drivers: Option<Arc<crate::binding::OriginalDrivers>>,
     /// Why the node's owner lock is not ours now, kept by the claims thread for
     /// the driver's offer (which withdraws every device meanwhile).
     pub owner_lost: OwnerLost,
@@ -105,17 +105,17 @@ impl Unprepared {
 }
 
 /// What a job works on: the thread's setup and the unprepare marks.
-struct Node {
-    setup: Setup,
+struct WorkerState {
+    setup: WorkerConfig,
     unprepared: Unprepared,
 }
 
-impl Node {
+impl WorkerState {
     /// The claims, on the engine and the state file.
     fn claims(&mut self) -> Claims<'_> {
         let s = &mut self.setup;
         Claims {
-            pt: Passthrough {
+            engine: Passthrough {
                 host: &s.host,
                 kernel: &s.kernel,
                 state: &mut s.state,
@@ -144,7 +144,7 @@ impl Node {
 /// One job: what it is, for people, and the work, which answers its caller.
 struct Job {
     what: String,
-    work: Box<dyn FnOnce(&mut Node) + Send>,
+    work: Box<dyn FnOnce(&mut WorkerState) + Send>,
 }
 
 /// Handle of the worker thread.
@@ -157,11 +157,11 @@ pub struct Worker {
 
 impl Worker {
     /// Starts the thread. A call waits at most `timeout` for its answers.
-    pub fn start(setup: Setup, timeout: Duration) -> std::io::Result<Self> {
+    pub fn start(setup: WorkerConfig, timeout: Duration) -> std::io::Result<Self> {
         let (tx, rx) = std_mpsc::channel();
         let busy = Arc::new(Mutex::new(None));
         let shown = busy.clone();
-        let node = Node {
+        let node = WorkerState {
             setup,
             unprepared: Unprepared::default(),
         };
@@ -311,7 +311,7 @@ impl Worker {
     fn submit<T: Send + 'static>(
         &self,
         what: String,
-        work: impl FnOnce(&mut Node) -> Result<T, DriverError> + Send + 'static,
+        work: impl FnOnce(&mut WorkerState) -> Result<T, DriverError> + Send + 'static,
     ) -> Pending<T> {
         let (reply, rx) = oneshot::channel();
         let job = Job {
@@ -357,7 +357,11 @@ impl Worker {
 /// A job handed to the claims thread, its answer to come.
 pub struct Pending<T>(Option<oneshot::Receiver<Result<T, DriverError>>>);
 
-fn work(mut node: Node, rx: std_mpsc::Receiver<Job>, busy: &Mutex<Option<(String, Instant)>>) {
+fn work(
+    mut node: WorkerState,
+    rx: std_mpsc::Receiver<Job>,
+    busy: &Mutex<Option<(String, Instant)>>,
+) {
     share_state(&node.setup);
     loop {
         let job = match rx.recv_timeout(OWNER_CHECK) {
@@ -384,7 +388,7 @@ const OWNER_CHECK: Duration = Duration::from_secs(10);
 /// changes, and has the devices published again (withdrawn while the node is not
 /// ours, back once it is). While it is not ours, every prepare and early move is
 /// refused at its first save, naming the lock.
-fn check_owner(setup: &mut Setup) {
+fn check_owner(setup: &mut WorkerConfig) {
     let now = setup.state.ensure_owner().err().map(|e| error_chain(&e));
     let mut lost = support::lock(&setup.owner_lost);
     if *lost == now {
@@ -406,12 +410,12 @@ fn check_owner(setup: &mut Setup) {
 }
 
 /// Sets the device gauges from the state file.
-fn share_state(setup: &Setup) {
+fn share_state(setup: &WorkerConfig) {
     let state = setup.state.state();
     let prepared = state.records.values().map(|c| c.devices.len()).sum();
     setup.metrics.devices_held(prepared, state.devices.len());
-    if let Some(homes) = &setup.homes {
-        homes.set(
+    if let Some(original_drivers) = &setup.original_drivers {
+        original_drivers.set(
             state
                 .devices
                 .iter()
@@ -425,7 +429,7 @@ fn share_state(setup: &Setup) {
 }
 
 /// The devices of claims prepared or moved early, but those of claim `leaving`.
-fn held_for_vms(setup: &Setup, leaving: Option<&str>) -> BTreeSet<PciAddress> {
+fn held_for_vms(setup: &WorkerConfig, leaving: Option<&str>) -> BTreeSet<PciAddress> {
     setup
         .state
         .records()
@@ -442,7 +446,7 @@ fn held_for_vms(setup: &Setup, leaving: Option<&str>) -> BTreeSet<PciAddress> {
 /// their health is judged as devices ready to be prepared, so a device on its
 /// way back (or back already) is not reported unhealthy for not being on vfio.
 /// A give-back that fails puts them back with [`share_state`].
-fn leaving(setup: &Setup, uid: &str) {
+fn leaving(setup: &WorkerConfig, uid: &str) {
     if let Some(health) = &setup.health {
         health.set_prepared(held_for_vms(setup, Some(uid)));
     }

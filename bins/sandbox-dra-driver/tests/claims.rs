@@ -125,7 +125,7 @@ impl Node {
             StateFile::load(&self.state_path, true, &node_agent::programs::DRA_DRIVER).unwrap();
         let inv = Inventory::scan(&self.node.host, &self.list).unwrap();
         let mut claims = Claims {
-            pt: Passthrough {
+            engine: Passthrough {
                 host: &self.node.host,
                 kernel,
                 state: &mut state,
@@ -519,7 +519,7 @@ fn a_claim_of_several_groups_moves_them_at_once() {
         let list = ResourceList::parse(LIST).unwrap();
         let host = &kernel.node.host;
         let mut claims = Claims {
-            pt: Passthrough {
+            engine: Passthrough {
                 host,
                 kernel: &kernel,
                 state: &mut state,

@@ -59,7 +59,7 @@ fn enter_and_leave(
         release: RELEASE.into(),
     };
     let inv = Inventory::scan(host, list).map_err(|e| error_chain(&e))?;
-    pt.prepare(&inv, &[]).map_err(|e| error_chain(&e))?;
+    pt.enter_vm_mode(&inv, &[]).map_err(|e| error_chain(&e))?;
     // Pass::converge: rescan, load the target drivers, bind.
     let inv = Inventory::scan(host, list).map_err(|e| error_chain(&e))?;
     pt.load_modules(&target_drivers(&inv, &[]))

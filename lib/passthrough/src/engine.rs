@@ -268,7 +268,11 @@ impl<O: Records> Passthrough<'_, O> {
     /// `driver_override` and unload them. Binding follows with [`Self::bind`] on a
     /// fresh scan. A module that will not unload (in use) is reported and left:
     /// its devices are then unbound one by one.
-    pub fn prepare(&mut self, inv: &Inventory, unload: &[String]) -> Result<(), PassthroughError> {
+    pub fn enter_vm_mode(
+        &mut self,
+        inv: &Inventory,
+        unload: &[String],
+    ) -> Result<(), PassthroughError> {
         self.load_modules(&target_drivers(inv, &[]))?;
         if unload.is_empty() {
             return Ok(());

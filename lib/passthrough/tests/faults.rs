@@ -178,7 +178,8 @@ impl Node {
     fn run_start(&self, pt: &mut Passthrough<'_>) -> Result<Vec<String>, String> {
         let inv = Inventory::scan(pt.host, &self.list).map_err(|e| error_chain(&e))?;
         let unload: Vec<String> = self.unload.then(|| UNLOAD.into()).into_iter().collect();
-        pt.prepare(&inv, &unload).map_err(|e| error_chain(&e))?;
+        pt.enter_vm_mode(&inv, &unload)
+            .map_err(|e| error_chain(&e))?;
         self.converge(pt)
     }
 

@@ -10,7 +10,7 @@ impl Claims<'_> {
     /// another node, and acting on them (restoring "orphans") could move this
     /// node's devices of the same address.
     fn quarantine_foreign(&mut self, out: &mut Recovery) {
-        let claims = self.pt.state.records().clone();
+        let claims = self.engine.state.records().clone();
         let (foreign, local): (Vec<_>, Vec<_>) = claims
             .iter()
             .partition(|(_, r)| r.devices.iter().any(|d| d.pool != self.pool));
@@ -24,7 +24,7 @@ impl Claims<'_> {
             .filter(|g| !local_groups.contains(g))
             .collect();
         let records: Vec<PciAddress> = self
-            .pt
+            .engine
             .state
             .state()
             .devices
@@ -33,7 +33,7 @@ impl Claims<'_> {
             .map(|(a, _)| *a)
             .collect();
         for a in records {
-            if let Err(e) = self.pt.state.forget(self.pt.kernel, &a) {
+            if let Err(e) = self.engine.state.forget(self.engine.kernel, &a) {
                 out.failed.push(format!(
                     "cannot forget {a}, recorded by a claim of another node: {}",
                     error_chain(&e)
@@ -67,7 +67,7 @@ impl Claims<'_> {
     pub fn recover(&mut self) -> Recovery {
         let mut out = Recovery::default();
         self.quarantine_foreign(&mut out);
-        let claims = self.pt.state.records().clone();
+        let claims = self.engine.state.records().clone();
         for (uid, record) in claims.iter() {
             let claim = crate::model::recorded_claim(uid, record);
             match record.phase {
@@ -76,7 +76,7 @@ impl Claims<'_> {
                 ClaimPhase::Prepared | ClaimPhase::Moved => {}
                 ClaimPhase::Preparing => {
                     let undo = self.undo(uid, record);
-                    if self.pt.state.records().contains_key(uid) {
+                    if self.engine.state.records().contains_key(uid) {
                         out.failed.push(format!("claim {claim}: {undo}"));
                     } else {
                         out.rolled_back.push(claim.to_string());
@@ -89,14 +89,14 @@ impl Claims<'_> {
             }
         }
         let owned: BTreeSet<u32> = self
-            .pt
+            .engine
             .state
             .records()
             .values()
             .flat_map(|c| c.groups())
             .collect();
         let orphans: Vec<PciAddress> = self
-            .pt
+            .engine
             .state
             .state()
             .devices
@@ -105,7 +105,7 @@ impl Claims<'_> {
             .map(|(a, _)| *a)
             .collect();
         if !orphans.is_empty() {
-            let report = self.pt.restore(&orphans);
+            let report = self.engine.restore(&orphans);
             out.orphans.extend(report.restored.iter().map(|(a, _)| *a));
             out.orphans.extend(report.gone);
             out.failed

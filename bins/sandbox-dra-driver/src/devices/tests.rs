@@ -178,13 +178,13 @@ fn binding_conditions_go_on_the_devices_that_need_a_rebind() {
             .group(9),
     );
     let inv = scan(&node);
-    let homes = OriginalDrivers::default();
+    let original_drivers = OriginalDrivers::default();
     // 0002:00:04.0 is on vfio-pci for a claim; it came from e1000e.
-    homes.set(BTreeMap::from([(
+    original_drivers.set(BTreeMap::from([(
         "0002:00:04.0".parse().unwrap(),
         Some("e1000e".to_owned()),
     )]));
-    let marked: Vec<String> = homes
+    let marked: Vec<String> = original_drivers
         .marked(&inv, Mode::Auto)
         .iter()
         .map(ToString::to_string)
@@ -192,9 +192,9 @@ fn binding_conditions_go_on_the_devices_that_need_a_rebind() {
     // 01:00.0 is on e1000e, 80:02.0 on no driver; 0001:00:03.0 is on vfio-pci
     // of its own.
     assert_eq!(marked, ["0000:01:00.0", "0000:80:02.0", "0002:00:04.0"]);
-    assert_eq!(homes.marked(&inv, Mode::Always).len(), 4);
-    assert!(homes.marked(&inv, Mode::Off).is_empty());
-    let set = homes.marked(&inv, Mode::Auto);
+    assert_eq!(original_drivers.marked(&inv, Mode::Always).len(), 4);
+    assert!(original_drivers.marked(&inv, Mode::Off).is_empty());
+    let set = original_drivers.marked(&inv, Mode::Auto);
     let devices = marked_devices(
         &inv,
         &list(),

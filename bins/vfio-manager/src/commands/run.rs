@@ -210,7 +210,7 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
                 tracing::warn!(label = %args.restore_label, "the restore label is not on the Node yet (still trying): until it is, a kill during a restore leaves devices for a person");
             }
             let inv = Inventory::scan(&ctx.host, &list)?;
-            pt.prepare(&inv, &args.unload_modules)?;
+            pt.enter_vm_mode(&inv, &args.unload_modules)?;
             pass.converge(&mut pt, &list)?;
         }
     }
