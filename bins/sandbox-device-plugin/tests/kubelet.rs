@@ -2,7 +2,7 @@
 //! sockets, on fake sysfs trees. Every scenario has a deadline, so a missing call
 //! fails fast instead of hanging.
 //!
-//! One file on purpose (about 700 lines): every scenario runs in the `Bed` defined
+//! One file on purpose: every scenario runs in the `Bed` defined
 //! here (the plugin on a fake node, its kubelet directory and log) with the same
 //! deadlines.
 

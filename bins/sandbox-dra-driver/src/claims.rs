@@ -25,9 +25,9 @@
 //! Its failpoints ([`support::failpoint`]): `prepare-after-save`, `early-after-save`
 //! and `early-after-moved`, `unprepare-after-save`.
 //!
-//! A little over 600 lines: prepare and unprepare, each step of which this file
-//! shows in order; the errors (`claims/error.rs`) and a restart's recovery
-//! (`claims/recovery.rs`) sit beside it.
+//! Prepare and unprepare, each step of which this file shows in order; the
+//! errors (`claims/error.rs`) and a restart's recovery (`claims/recovery.rs`) sit
+//! beside it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroUsize;

@@ -1,7 +1,7 @@
 //! The files prepare writes for a claim, byte for byte, and what a CDI reader makes
 //! of them.
 //!
-//! One file on purpose (about 750 lines): every test derives its claim and devices
+//! One file on purpose: every test derives its claim and devices
 //! from the helpers at the top, and the expected files are written out in full.
 
 use std::collections::BTreeMap;

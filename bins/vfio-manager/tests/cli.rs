@@ -1,7 +1,7 @@
 //! The real `vfio-manager` binary on fake sysfs trees: exit codes, messages, dry run.
 //! (Binding itself needs a kernel; tests/vm runs it on one.)
 //!
-//! One file, a little over 600 lines, on purpose: every test runs the binary on the
+//! One file on purpose: every test runs the binary on the
 //! same fake node and resource list defined once at the top.
 
 #![allow(clippy::unwrap_used)]

@@ -5,7 +5,7 @@
 //! conflict, cleaned of strays and deleted on uninstall; a ResourceClaim's
 //! allocation is read and checked.
 //!
-//! One file, a little over 600 lines, on purpose: every test plays against the one
+//! One file on purpose: every test plays against the one
 //! stand-in API server and node defined at the top.
 
 #![allow(clippy::unwrap_used)]

@@ -2,7 +2,7 @@
 //! core's sysfs rules. The real-kernel scenarios in tests/vm cover the same paths on
 //! Linux itself.
 //!
-//! One file on purpose (about 700 lines): every test starts from the node built by
+//! One file on purpose: every test starts from the node built by
 //! `bed()` (a card with a companion behind a bridge, a lone NIC) or `wide()`, and
 //! checks one rule of the engine on it.
 
