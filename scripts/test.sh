@@ -208,7 +208,7 @@ done
 scripts/check-no-fakes.sh "${shipped[@]}" -- "$control"
 step "the amd64 image (buildah, vfs, chroot) from the test bed's static binaries, archived for the guest node; each binary's --version inside it"
 scripts/image.sh --profile testbed --arch amd64 --archive target/image/vfio-sandbox-testbed.tar --remove
-step "the chart as a user installs it, on the real kernel, started in the background beside the multi-arch image and the arm64 scenarios (the guest has two TCG vCPUs, the arm64 scenarios one at a time): kubelet, kube-proxy, containerd and runc of v1.37 in the test bed's guest, joined to a control plane on the host; helm install, the label, vfio-manager binding from its pod, the validator holding the plugin back, registration, a VM pod's QEMU taking its device; helm upgrade (new tag and resource list) under it; the node leaving VM mode under it, vfio-manager killed mid-restore; helm uninstall and its pre-delete hook; the DRA driver, its claim labeller and the owner lock; bad values refused; the privileges each step needs, with the real runc (tests/k8s, guest-node; its output in target/guest-node.log)"
+step "the chart as a user installs it, on the real kernel, started in the background beside the multi-arch image and the arm64 scenarios (the guest has two TCG vCPUs, each arm64 scenario one): kubelet, kube-proxy, containerd and runc of v1.37 in the test bed's guest, joined to a control plane on the host; helm install, the label, vfio-manager binding from its pod, the validator holding the plugin back, registration, a VM pod's QEMU taking its device; helm upgrade (new tag and resource list) under it; the node leaving VM mode under it, vfio-manager killed mid-restore; helm uninstall and its pre-delete hook; the DRA driver, its claim labeller and the owner lock; bad values refused; the privileges each step needs, with the real runc (tests/k8s, guest-node; its output in target/guest-node.log)"
 target/debug/guest-node --release "$(awk '$1 == "k8s.io/kubernetes" { print $2 }' tests/k8s/v1.37/go.mod)" \
     --k8s-bins "${k8s_built[1]}" --containerd-bins "${k8s_built[2]}" --helm "${k8s_built[3]}/helm" \
     --image-archive target/image/vfio-sandbox-testbed.tar --vmm target/x86_64-unknown-linux-gnu/testbed/kubelet-peer \
@@ -216,11 +216,8 @@ target/debug/guest-node --release "$(awk '$1 == "k8s.io/kubernetes" { print $2 }
 guest_node_pid=$!
 step "the multi-arch image from the test bed's amd64 and arm64 static binaries (the arm64 ones cross-built here, for the arm64 scenarios too), beside the guest node: one manifest list, each binary's --version inside the amd64 image and under qemu-user from the arm64 one, size per architecture"
 scripts/image.sh --profile testbed --remove
-step "the same real-kernel scenarios on Debian 13's arm64 kernel (qemu-system-aarch64, SMMUv3) with cross-built aarch64 binaries, one at a time beside the guest node"
-# One VM at a time: with two beside the guest's two vCPUs, four TCG threads
-# shared two cores, and the guest's vCPUs spun waiting for each other (its run
-# took 1464 s of CPU beside them, 878 s alone), which a loaded machine pays for.
-scripts/vm/run.sh -j 1 --kernel trixie-arm64 tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
+step "the same real-kernel scenarios on Debian 13's arm64 kernel (qemu-system-aarch64, SMMUv3) with cross-built aarch64 binaries, beside the guest node"
+scripts/vm/run.sh --kernel trixie-arm64 tests/vm/scenarios/*.sh scripts/demo/node-lifecycle.sh
 step "the guest node's result (started three steps above)"
 progress_start "test.sh: still waiting for guest-node (target/guest-node.log)"
 guest_node_rc=0
