@@ -115,6 +115,10 @@ test_binary() {
 # with that package's own features (bins/sandbox-dra-driver/tests/common).
 export VFIO_MANAGER_BINARY="$PWD/target/debug/vfio-manager"
 [[ -x "$VFIO_MANAGER_BINARY" ]] || { echo "no target/debug/vfio-manager from the test build" >&2; exit 1; }
+step "the kubelet-plugin crate and the two it depends on, packaged as for crates.io (cargo publish --dry-run, without the verifying build: the test build above compiled the same sources)"
+cargo publish --dry-run --no-verify --allow-dirty --locked -p support -p kubelet-api -p kubelet-plugin \
+    >target/publish-dry-run.log 2>&1 || { cat target/publish-dry-run.log; exit 1; }
+grep -E "^ *Packaged" target/publish-dry-run.log
 step "cargo test: unit, CLI and integration tests, beside the manifest checks (render, validate against Kubernetes and KubeVirt, coexistence, shellcheck, yamllint, hadolint; their output follows)"
 # The tests mostly wait on timers (2 minutes, a quarter of it CPU) and the
 # manifest checks run no cargo: side by side they take the longer one's time.

@@ -94,8 +94,8 @@ use serde::Serialize;
 use crate::model::DeviceName;
 use kubelet_plugin::metadata::{self, MetadataDevice};
 pub use kubelet_plugin::metadata::{AttributeValue, CONTAINER_METADATA_DIR};
-use kubelet_plugin::slices::PCI_BUS_ID;
 use kubelet_plugin::ClaimRef;
+use kubelet_plugin::PCI_BUS_ID;
 use passthrough::config::ResourceName;
 use sysfs_pci::PciAddress;
 

@@ -37,7 +37,7 @@ use crate::cdi::{self, AttributeValue};
 use crate::config::{self, Iommu};
 use crate::model::{recorded_claim, DeviceName};
 use crate::model::{ClaimDevice, ClaimPhase, ClaimRecord, ClaimRecords};
-use kubelet_plugin::slices::PCI_BUS_ID;
+use kubelet_plugin::PCI_BUS_ID;
 use kubelet_plugin::{AllocatedDevice, ClaimRef, OpaqueConfig, PreparedDevice};
 use passthrough::inventory::{Inventory, Role};
 use passthrough::state::StateError;

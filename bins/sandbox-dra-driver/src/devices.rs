@@ -11,8 +11,8 @@ use k8s_openapi::api::resource::v1::{
     Counter, CounterSet, Device, DeviceAttribute, DeviceCounterConsumption, DeviceTaint,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use kubelet_plugin::slices::{PCIE_ROOT, PCI_BUS_ID};
 use kubelet_plugin::Offer;
+use kubelet_plugin::{PCIE_ROOT, PCI_BUS_ID};
 use passthrough::config::{DeviceIds, ResourceList};
 use passthrough::inventory::{Entry, Inventory};
 use sysfs_pci::{PciAddress, PciDevice};

@@ -171,7 +171,8 @@ fn failure(e: &ClaimError<DriverError>) -> Failure {
         ClaimError::Read(kubelet_plugin::ReadError::Deadline { .. }) => Failure::Timeout,
         ClaimError::Read(_) => Failure::NotOurs,
         ClaimError::Driver(e) => e.failure(),
-        ClaimError::NoAnswer => Failure::Failed,
+        // NoAnswer, and whatever a newer plugin adds.
+        _ => Failure::Failed,
     }
 }
 

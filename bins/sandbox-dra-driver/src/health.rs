@@ -5,7 +5,7 @@
 //! kubelet shows the result in
 //! `pod.status.containerStatuses[].allocatedResourcesStatus[].resources[]`
 //! (`resourceID` = the device's first CDI id, `health`, `message`); what it does
-//! with the stream is in [`kubelet_plugin::health`].
+//! with the stream is in `lib/kubelet-plugin/src/health.rs`.
 //!
 //! # What we send
 //!
@@ -31,7 +31,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
-use kubelet_plugin::health::truncate;
 use kubelet_plugin::{DeviceHealth, Health, HealthReports};
 use node_agent::watch::Changes;
 use passthrough::config::ResourceList;
@@ -318,7 +317,6 @@ impl HealthBoard {
                     fatal.map(|n| n.saturating_sub(baseline)),
                 ),
             };
-            let message = truncate(message);
             let old = inner.known.get(&address).map(|k| &k.report);
             if old.is_some_and(|old| old.health == health && old.message == message) {
                 continue;
@@ -389,7 +387,7 @@ fn group_reports(
                 pool: first.pool.clone(),
                 device: group_device_name(m[0]),
                 health,
-                message: truncate(message),
+                message,
                 since: reports.iter().map(|r| r.since).max().unwrap_or(first.since),
             })
         })

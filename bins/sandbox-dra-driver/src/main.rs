@@ -451,15 +451,13 @@ impl std::error::Error for Usage {}
 
 /// The kubelet plugin's settings.
 fn plugin_config(cli: &Cli, node_name: &str) -> kubelet_plugin::Config {
-    kubelet_plugin::Config {
-        driver_name: cli.driver_name.clone(),
-        node_name: node_name.to_owned(),
-        registry_dir: cli.registry_dir.clone(),
-        plugins_dir: cli.plugins_dir.clone(),
-        ready_file: Some(cli.ready_file.clone()),
-        call_timeout: cli.prepare_timeout,
-        max_retry: cli.resync_interval,
-    }
+    let mut config = kubelet_plugin::Config::new(&cli.driver_name, node_name);
+    config.registry_dir.clone_from(&cli.registry_dir);
+    config.plugins_dir.clone_from(&cli.plugins_dir);
+    config.ready_file = Some(cli.ready_file.clone());
+    config.call_timeout = cli.prepare_timeout;
+    config.max_retry = cli.resync_interval;
+    config
 }
 
 /// The plugin's connections: the agent's client, and its watch client and settings.
@@ -486,8 +484,8 @@ async fn run(
         tracing::info!(address = %listener.local_addr()?, "serving metrics at /metrics");
         tokio::spawn(endpoint::serve(listener, Arc::new(registry)));
     }
-    let api = kubelet_plugin::slices::RESOURCE_API;
-    match kubelet_plugin::slices::resource_api_served(&cluster.kube_client()).await {
+    let api = kubelet_plugin::RESOURCE_API;
+    match plugin.resource_api_served().await {
         Ok(true) => {}
         Ok(false) => {
             return Err(anyhow::anyhow!(

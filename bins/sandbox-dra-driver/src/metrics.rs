@@ -3,7 +3,7 @@
 //! addresses, so the number of series is bounded.
 
 use crate::claims::Failure;
-use kubelet_plugin::slices::Report;
+use kubelet_plugin::Report;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;

@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 pub const POD_CLAIM_NAME_ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
 
 /// Upper bound for one claim read.
-pub const READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// At most this many ResourceClaims are read from the API server at once.
 const PARALLEL_READS: usize = 8;
@@ -88,6 +88,7 @@ pub struct AllocatedDevice {
 
 /// A claim kubelet asked to prepare, read from the API server for this call.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Claim {
     /// The claim as kubelet named it (the uid checked against the server's).
     pub reference: ClaimRef,
@@ -116,6 +117,7 @@ impl Claim {
 
 /// Why a claim kubelet asked to prepare could not be read, or is not this node's.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ReadError {
     /// The claim does not exist.
     #[error("ResourceClaim {claim} is not found")]
@@ -170,7 +172,7 @@ pub enum ReadError {
         #[source]
         source: kube::Error,
     },
-    /// The read took longer than [`READ_TIMEOUT`].
+    /// The read took longer than its limit (10 s).
     #[error("get ResourceClaim {claim} timed out after {after:?}")]
     Timeout {
         /// `namespace/name`.
@@ -228,7 +230,7 @@ fn first_few(names: &[String]) -> String {
 /// other drivers are left to them. Like upstream's kubelet plugin helper this does
 /// not look at `status.reservedFor`: kubelet checked that the pod is a consumer
 /// before asking, and the list may change under a running pod.
-pub async fn read_claim(
+pub(crate) async fn read_claim(
     client: &Client,
     claim: &ClaimRef,
     arrived: Ticket,

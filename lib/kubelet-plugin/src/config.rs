@@ -7,24 +7,26 @@ use std::time::Duration;
 use kubelet_api::pluginregistration::PluginInfo;
 
 /// kubelet's plugin registry directory.
-pub const DEFAULT_REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
+pub(crate) const DEFAULT_REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
 /// kubelet's plugins directory.
-pub const DEFAULT_PLUGINS_DIR: &str = "/var/lib/kubelet/plugins";
+pub(crate) const DEFAULT_PLUGINS_DIR: &str = "/var/lib/kubelet/plugins";
 /// How long kubelet waits for a DRA call (`defaultClientCallTimeout`,
 /// `pkg/kubelet/cm/dra/plugin`).
 pub const KUBELET_CALL_TIMEOUT: Duration = Duration::from_secs(45);
 
-/// Where and how the plugin serves.
+/// Where and how the plugin serves: [`Config::new`], then change the fields that
+/// differ.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Config {
     /// The DRA driver name (a DNS subdomain): `PluginInfo.name`, the ResourceSlices'
     /// driver, and part of both socket paths.
     pub driver_name: String,
     /// This node's name: its pool, and its ResourceSlices' node.
     pub node_name: String,
-    /// kubelet's plugin registry directory ([`DEFAULT_REGISTRY_DIR`]).
+    /// kubelet's plugin registry directory (`/var/lib/kubelet/plugins_registry`).
     pub registry_dir: PathBuf,
-    /// kubelet's plugins directory ([`DEFAULT_PLUGINS_DIR`]).
+    /// kubelet's plugins directory (`/var/lib/kubelet/plugins`).
     pub plugins_dir: PathBuf,
     /// Kept (JSON) while kubelet has accepted the registration and the
     /// ResourceSlices are published ([`crate::probe`] reads it); `None` keeps none.
@@ -68,7 +70,7 @@ impl Config {
     }
 
     /// Both sockets kubelet dials.
-    pub fn sockets(&self) -> Vec<PathBuf> {
+    pub(crate) fn sockets(&self) -> Vec<PathBuf> {
         vec![self.registration_socket(), self.service_socket()]
     }
 
@@ -77,7 +79,7 @@ impl Config {
     /// with `health`, both versions of `DRAResourceHealth` after them (kubelet 1.34
     /// skips names it does not know, 1.32 looks for `v1beta1.DRAPlugin` alone, and
     /// newer kubelets open the health stream only when it is listed).
-    pub fn plugin_info(&self, health: bool) -> PluginInfo {
+    pub(crate) fn plugin_info(&self, health: bool) -> PluginInfo {
         let mut supported_versions = vec![
             kubelet_api::DRA_V1_SERVICE.to_owned(),
             kubelet_api::DRA_V1BETA1_SERVICE.to_owned(),

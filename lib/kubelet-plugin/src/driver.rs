@@ -30,6 +30,7 @@ pub struct PreparedDevice {
 /// the plugin has seen: on until a write comes back without them (a gate off, or a
 /// server that predates them), then off for the life of the process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Fields {
     /// `taints` (gate `DRADeviceTaints`).
     pub taints: bool,
@@ -92,6 +93,11 @@ impl From<Vec<Device>> for Offer {
 /// other names) and reads every claim to prepare from the API server before the
 /// driver sees it; the driver answers for each claim it is given. Both calls must be
 /// idempotent: kubelet retries, and may call again after a restart of either side.
+///
+/// Calls are not serialized (Go's `kubeletplugin.Helper` serializes them by
+/// default): a prepare and an unprepare, or two prepares, may run at once, for
+/// different claims or for the same one after a kubelet retry. The driver
+/// guards its own state.
 #[tonic::async_trait]
 pub trait Driver: Send + Sync + 'static {
     /// Why a claim could not be prepared or unprepared; kubelet gets its
@@ -123,7 +129,8 @@ pub trait Driver: Send + Sync + 'static {
 
     /// This node's devices (and the counter sets they draw on), to publish, with
     /// only the `fields` the API server keeps. Called on a blocking thread at every
-    /// publication pass.
+    /// publication pass: the plugin pulls the list (Go's `Helper` is pushed one by
+    /// `PublishResources` and keeps it), so it is never older than the pass.
     fn devices(&self, fields: Fields) -> Result<Offer, Self::Error>;
 
     /// Device health, streamed to kubelet (`DRAResourceHealth`); `None` serves no
@@ -150,6 +157,7 @@ pub enum CallKind {
 
 /// Why a claim was not prepared or unprepared.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ClaimError<E: std::error::Error + 'static> {
     /// kubelet's request named it wrongly (no uid, or one uid for two claims).
     #[error("{0}")]
@@ -167,6 +175,7 @@ pub enum ClaimError<E: std::error::Error + 'static> {
 
 /// One prepare or unprepare call, answered.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Call<'a, E: std::error::Error + 'static> {
     /// Which.
     pub kind: CallKind,
@@ -178,6 +187,7 @@ pub struct Call<'a, E: std::error::Error + 'static> {
 
 /// A publication pass that wrote (or found up to date) this node's ResourceSlices.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Published {
     /// The devices published.
     pub devices: usize,
@@ -189,6 +199,7 @@ pub struct Published {
 
 /// Why a publication pass failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PublishError<E: std::error::Error + 'static> {
     /// The driver could not say what its devices are.
     #[error("cannot list this node's devices")]

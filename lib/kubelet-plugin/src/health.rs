@@ -27,11 +27,11 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 /// How long kubelet keeps one of our reports (`health_check_timeout_seconds`).
-pub const TIMEOUT: Duration = Duration::from_secs(60);
+const TIMEOUT: Duration = Duration::from_secs(60);
 /// The whole list is sent again at least this often, so no report times out.
-pub const RESEND: Duration = Duration::from_secs(20);
+const RESEND: Duration = Duration::from_secs(20);
 /// The longest message kubelet keeps whole.
-pub const MESSAGE_MAX: usize = 1024;
+const HEALTH_MESSAGE_MAX: usize = 1024;
 
 /// A device's health, as the proto's `HealthStatus`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -56,25 +56,25 @@ pub struct DeviceHealth {
     pub device: String,
     /// Healthy or not.
     pub health: Health,
-    /// Why not, or what it is, for people; cut to [`MESSAGE_MAX`] characters
-    /// ([`truncate`]).
+    /// Why not, or what it is, for people; kubelet keeps 1024 characters, and the
+    /// plugin cuts a longer one to 1021 and `...`, as kubelet would.
     pub message: String,
     /// Unix seconds of the last change of `health` or `message`.
     pub since: i64,
 }
 
-/// At most [`MESSAGE_MAX`] characters: 1021 and `...`, as kubelet cuts them.
-pub fn truncate(message: String) -> String {
-    if message.chars().count() <= MESSAGE_MAX {
+/// At most [`HEALTH_MESSAGE_MAX`] characters: 1021 and `...`, as kubelet cuts them.
+pub(crate) fn truncate(message: String) -> String {
+    if message.chars().count() <= HEALTH_MESSAGE_MAX {
         return message;
     }
-    let mut cut: String = message.chars().take(MESSAGE_MAX - 3).collect();
+    let mut cut: String = message.chars().take(HEALTH_MESSAGE_MAX - 3).collect();
     cut.push_str("...");
     cut
 }
 
 /// The v1 response for `reports`.
-pub fn v1_response(reports: &[DeviceHealth]) -> v1::NodeWatchResourcesResponse {
+pub(crate) fn v1_response(reports: &[DeviceHealth]) -> v1::NodeWatchResourcesResponse {
     v1::NodeWatchResourcesResponse {
         devices: reports
             .iter()
@@ -90,7 +90,7 @@ pub fn v1_response(reports: &[DeviceHealth]) -> v1::NodeWatchResourcesResponse {
                 } as i32,
                 last_updated_time: r.since,
                 health_check_timeout_seconds: i64::try_from(TIMEOUT.as_secs()).unwrap_or(60),
-                message: r.message.clone(),
+                message: truncate(r.message.clone()),
             })
             .collect(),
     }

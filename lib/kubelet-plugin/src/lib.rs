@@ -26,12 +26,42 @@
 //!   and the slices are published, and [`probe`] for a readiness probe.
 //!
 //! It is the Rust counterpart of Go's
-//! `k8s.io/dynamic-resource-allocation/kubeletplugin` and `resourceslice`.
+//! `k8s.io/dynamic-resource-allocation/kubeletplugin` (`Helper`) and
+//! `resourceslice` (its ResourceSlice controller).
+//!
+//! # Where it differs from Go's `kubeletplugin.Helper`, and why
+//!
+//! - **Calls run concurrently.** `Helper` serializes every prepare and unprepare
+//!   (its `Serialize` option, on by default: one mutex, or a lock file with
+//!   rolling updates), so a driver may keep its state in one file it reads and
+//!   writes per call. Here kubelet's calls reach [`Driver::prepare`] and
+//!   [`Driver::unprepare`] as they come, several at once: a driver whose prepare
+//!   takes seconds (moving a PCI device to another kernel driver, say) would
+//!   otherwise hold every other pod of the node behind it, including pods whose
+//!   claims touch other devices. The driver orders what must be ordered itself
+//!   (per device, per claim); [`Claim::arrived`] tells it which call came first.
+//!   Claim reads happen before the driver is called, eight at a time, as `Helper`
+//!   also reads them before it takes its lock.
+//! - **Publication is pulled, not pushed.** With `Helper` the driver calls
+//!   `PublishResources` with its whole device list, and the controller keeps that
+//!   copy. Here the plugin asks [`Driver::devices`] at every publication pass:
+//!   after [`Republish::now`], after each registration kubelet accepts, and when
+//!   someone else changed or deleted the slices (kubelet wipes them when it starts).
+//!   So what is published is what the driver says now, never a copy older than
+//!   the device it describes, and the newer device fields the API server drops
+//!   are left out at the source ([`Fields`]) instead of being written and lost.
+//! - **Readiness and health are part of it.** `Helper` leaves readiness to the
+//!   driver; here a ready file follows registration and publication ([`probe`]),
+//!   and [`Driver::health`] is streamed to kubelet without more code.
 //!
 //! # Example
 //!
 //! A driver with two devices that need nothing done to them: prepare answers with
-//! one CDI device per allocated device, unprepare has nothing to undo.
+//! one CDI device per allocated device, unprepare has nothing to undo. Besides
+//! this crate it uses `k8s-openapi` (a version feature, `v1_34` or newer), `kube`, `tokio`,
+//! `tonic` (for `#[tonic::async_trait]`) and `thiserror`. Calls come concurrently:
+//! the driver is `Send + Sync` and guards its own state. `examples/cdi_driver.rs`
+//! is a whole driver that writes a CDI spec per claim.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -113,32 +143,35 @@
 //! [`Driver::answered`]. A driver with binding conditions sets them on a claim's
 //! devices through [`status::DeviceStatus`].
 
+mod api;
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod apiserver_tests;
 mod batch;
 mod claim;
 mod config;
 mod driver;
 mod grpc;
-pub mod health;
+mod health;
 pub mod metadata;
 mod plugin;
 mod publish;
 mod ready;
-pub mod slices;
+mod slices;
 pub mod status;
 
+pub use api::RESOURCE_API;
 pub use claim::{
-    allocated_devices, allocation_results, opaque_configs, read_claim, AllocatedDevice, Claim,
-    ClaimRef, ConfigSource, OpaqueConfig, ReadError, Ticket, POD_CLAIM_NAME_ANNOTATION,
-    READ_TIMEOUT,
+    allocated_devices, allocation_results, opaque_configs, AllocatedDevice, Claim, ClaimRef,
+    ConfigSource, OpaqueConfig, ReadError, Ticket, POD_CLAIM_NAME_ANNOTATION,
 };
-pub use config::{
-    Config, ConfigError, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, KUBELET_CALL_TIMEOUT,
-};
+pub use config::{Config, ConfigError, KUBELET_CALL_TIMEOUT};
 pub use driver::{
     Answers, Call, CallKind, ClaimError, Driver, Fields, Offer, PreparedDevice, PublishError,
     Published,
 };
 pub use health::{DeviceHealth, Health, HealthReports};
 pub use plugin::{Clients, Plugin, ServeError};
-pub use publish::{Republish, PASS_SPACING};
+pub use publish::Republish;
 pub use ready::probe;
+pub use slices::{Action, Report, SliceError, PCIE_ROOT, PCI_BUS_ID};

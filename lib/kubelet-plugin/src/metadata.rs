@@ -40,7 +40,7 @@ use crate::ClaimRef;
 /// The well-known directory inside containers where metadata files appear.
 pub const CONTAINER_METADATA_DIR: &str = "/var/run/kubernetes.io/dra-device-attributes";
 /// The metadata API version written (the only one KubeVirt reads).
-pub const METADATA_API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
+const METADATA_API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
 
 /// A ResourceSlice attribute value, serialized as Kubernetes does (`{"int": 5}`).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]

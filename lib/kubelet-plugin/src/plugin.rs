@@ -45,6 +45,7 @@ impl Clients {
 
 /// Why serving stopped.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ServeError {
     /// A socket could not be bound at start.
     #[error(transparent)]
@@ -93,7 +94,8 @@ impl Plugin {
         &self.config
     }
 
-    /// A handle the driver tells when its devices change.
+    /// A handle the driver tells when its devices change: the next publication
+    /// pass asks [`Driver::devices`] again.
     pub fn republish(&self) -> Republish {
         self.republish.clone()
     }
@@ -153,7 +155,7 @@ impl Plugin {
     }
 
     /// This node's ResourceSlices of the driver.
-    pub fn slices(&self) -> Slices {
+    pub(crate) fn slices(&self) -> Slices {
         Slices::new(
             self.clients.client.clone(),
             &self.config.driver_name,
@@ -165,6 +167,15 @@ impl Plugin {
     /// deleted.
     pub async fn delete_slices(&self) -> Result<Vec<String>, SliceError> {
         self.slices().delete_all().await
+    }
+
+    /// Whether the API server serves [`RESOURCE_API`](crate::RESOURCE_API) with
+    /// ResourceSlices and ResourceClaims (its discovery document): `Ok(false)` when
+    /// it answers 404 or lists neither (a server before 1.34, or one with the group
+    /// version turned off), an error when it could not be asked. A driver asks at
+    /// start to refuse a cluster it cannot work with, in words.
+    pub async fn resource_api_served(&self) -> Result<bool, SliceError> {
+        crate::slices::resource_api_served(&self.clients.client).await
     }
 }
 

@@ -38,10 +38,10 @@ const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 /// device whose health flaps, a storm of uevents — are coalesced: the next pass
 /// publishes the state as it is then, so the last one is always written, within
 /// this long of it.
-pub const PASS_SPACING: Duration = Duration::from_millis(500);
+pub(crate) const PASS_SPACING: Duration = Duration::from_millis(500);
 
 /// Tells the publisher that the driver's devices changed: the next pass comes
-/// within [`PASS_SPACING`].
+/// within half a second (passes are spaced so, and faster changes coalesced).
 #[derive(Debug, Clone, Default)]
 pub struct Republish(Arc<Notify>);
 
@@ -96,7 +96,7 @@ pub(crate) struct Observed {
 
 impl<D: Driver> Publisher<D> {
     /// Publishes now and after every change, until aborted.
-    pub async fn run(self: Arc<Self>) {
+    pub(crate) async fn run(self: Arc<Self>) {
         let watching = tokio::spawn(self.clone().watch());
         let _stop_watching = AbortOnDrop(watching);
         let mut backoff = FIRST_BACKOFF;

@@ -32,7 +32,7 @@ pub(crate) struct Readiness {
 impl Readiness {
     /// Readiness kept in `file`, naming the `sockets` kubelet dials. A file left by
     /// an earlier process is removed: this one is not registered yet.
-    pub fn new(file: Option<PathBuf>, sockets: Vec<PathBuf>) -> Self {
+    pub(crate) fn new(file: Option<PathBuf>, sockets: Vec<PathBuf>) -> Self {
         let r = Self {
             file,
             sockets,
@@ -43,22 +43,22 @@ impl Readiness {
     }
 
     /// kubelet's answer to our registration.
-    pub fn registered(&self, registered: bool) {
+    pub(crate) fn registered(&self, registered: bool) {
         self.update(|s| s.registered = registered);
     }
 
     /// The outcome of a publish pass: our slices' names, or `None` when it failed.
-    pub fn published(&self, slices: Option<Vec<String>>) {
+    pub(crate) fn published(&self, slices: Option<Vec<String>>) {
         self.update(|s| s.slices = slices);
     }
 
     /// Whether, and why, the driver withdrew its offer.
-    pub fn withdrawn(&self, why: Option<String>) {
+    pub(crate) fn withdrawn(&self, why: Option<String>) {
         self.update(|s| s.withdrawn = why);
     }
 
     /// Not registered, nothing published, no ready file: serving stopped.
-    pub fn reset(&self) {
+    pub(crate) fn reset(&self) {
         *support::lock(&self.status) = Status::default();
         self.clear();
     }

@@ -3,15 +3,6 @@
 //! the Node so they die with it, written only when something changed and retrying
 //! conflicts ([`Slices`]). Counter sets (partitionable devices, KEP-4815) go where
 //! the API server's version wants them ([`CounterLayout`]).
-//!
-//! ```no_run
-//! # async fn f(client: kube::Client, devices: Vec<k8s_openapi::api::resource::v1::Device>) -> Result<(), Box<dyn std::error::Error>> {
-//! use kubelet_plugin::slices::Slices;
-//! let mut slices = Slices::new(client, "gpu.example.com", "node-a");
-//! let report = slices.reconcile(&devices).await?;
-//! println!("{:?} generation {}", report.action, report.generation);
-//! # Ok(()) }
-//! ```
 
 use std::time::Duration;
 
@@ -23,6 +14,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions};
 use kube::Client;
 
+use crate::api::{ATTEMPTS, REQUEST_TIMEOUT, RESOURCE_API};
+
 /// Standard attribute: the PCI address of a device (`0000:01:00.0`).
 pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 /// Standard attribute: the PCIe root complex above a device (`pci0000:00`).
@@ -32,20 +25,13 @@ pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
 /// slice has taints or consumes counters (1.35 on,
 /// `ResourceSliceMaxDevicesWithAdvancedFeatures` in `pkg/apis/resource/types.go`),
 /// and ours may have both.
-pub const MAX_DEVICES_PER_SLICE: usize = 64;
+pub(crate) const MAX_DEVICES_PER_SLICE: usize = 64;
 /// The most counter sets one slice holds beside no devices (1.35 on,
 /// `ResourceSliceMaxCounterSets`).
-pub const MAX_COUNTER_SETS_PER_SLICE: usize = 8;
+pub(crate) const MAX_COUNTER_SETS_PER_SLICE: usize = 8;
 /// The most counters, in all its sets, one slice holds beside its devices (1.33 and
 /// 1.34, `ResourceSliceMaxSharedCounters`).
-pub const MAX_COUNTERS_BESIDE_DEVICES: usize = 32;
-/// Upper bound for one request to the API server.
-pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often [`Slices::reconcile`] re-reads and tries again after a conflict.
-pub const ATTEMPTS: u32 = 5;
-/// The group version of every ResourceSlice and ResourceClaim this driver reads
-/// and writes, served from Kubernetes 1.34 on.
-pub const RESOURCE_API: &str = "resource.k8s.io/v1";
+pub(crate) const MAX_COUNTERS_BESIDE_DEVICES: usize = 32;
 /// What [`RESOURCE_API`] must list for the driver to work.
 const RESOURCES: [&str; 2] = ["resourceslices", "resourceclaims"];
 
@@ -53,7 +39,7 @@ const RESOURCES: [&str; 2] = ["resourceslices", "resourceclaims"];
 /// ResourceClaims (its discovery document, `GET /apis/resource.k8s.io/v1`):
 /// `Ok(false)` when it answers 404 or lists neither (a server before 1.34, or
 /// one with the group version turned off), an error when it could not be asked.
-pub async fn resource_api_served(client: &Client) -> Result<bool, SliceError> {
+pub(crate) async fn resource_api_served(client: &Client) -> Result<bool, SliceError> {
     let action = format!("read the API server's discovery of {RESOURCE_API}");
     match bounded(&action, client.list_api_group_resources(RESOURCE_API)).await? {
         Ok(list) => Ok(RESOURCES
@@ -66,6 +52,7 @@ pub async fn resource_api_served(client: &Client) -> Result<bool, SliceError> {
 
 /// Why the ResourceSlices could not be brought up to date.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum SliceError {
     /// The Node that owns the slices does not exist.
     #[error("Node {node} is not found, and a node-local ResourceSlice needs it as owner")]
@@ -102,8 +89,9 @@ pub enum SliceError {
     },
 }
 
-/// What [`Slices::reconcile`] did to the pool.
+/// What a publication pass did to the pool ([`crate::Published::report`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Action {
     /// None of its slices existed; all were created.
     Created,
@@ -116,10 +104,12 @@ pub enum Action {
 
 /// The result of one reconcile.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Report {
     /// What happened to the pool.
     pub action: Action,
-    /// Its slices' names, in order ([`slice_names`]).
+    /// Its slices' names, in order: `<node>-<driver>`, then `-1`, `-2`, … appended
+    /// for the second slice on, the driver's dots as dashes.
     pub names: Vec<String>,
     /// The pool generation they carry now.
     pub generation: i64,
@@ -144,7 +134,7 @@ pub struct Report {
 /// Where a pool's counter sets go, which the API server's version decides
 /// (`validateResourceSliceSpec` in `pkg/apis/resource/validation/validation.go`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CounterLayout {
+pub(crate) enum CounterLayout {
     /// 1.33 and 1.34: a device's counter sets in its own slice, at most
     /// [`MAX_COUNTERS_BESIDE_DEVICES`] counters per slice.
     BesideDevices,
@@ -156,7 +146,7 @@ pub enum CounterLayout {
 impl CounterLayout {
     /// The layout a server of version `major.minor` validates; a version that
     /// cannot be read is taken as the newer kind (`minor` may carry a `+`).
-    pub fn for_version(major: &str, minor: &str) -> Self {
+    pub(crate) fn for_version(major: &str, minor: &str) -> Self {
         let digits = |s: &str| {
             s.chars()
                 .take_while(char::is_ascii_digit)
@@ -173,7 +163,7 @@ impl CounterLayout {
 
 /// What one slice of the pool holds.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Chunk {
+pub(crate) struct Chunk {
     /// Its devices (`None` in a slice of counter sets alone).
     pub devices: Option<Vec<Device>>,
     /// Its counter sets.
@@ -203,7 +193,7 @@ fn consumed_sets(d: &Device) -> impl Iterator<Item = &str> {
 /// each in the slice of the devices that consume it, those devices kept together
 /// (a device that draws on several sets joins them all into one unit). At least
 /// one slice, empty when there is nothing.
-pub fn chunks(devices: &[Device], sets: &[CounterSet], layout: CounterLayout) -> Vec<Chunk> {
+pub(crate) fn chunks(devices: &[Device], sets: &[CounterSet], layout: CounterLayout) -> Vec<Chunk> {
     let mut out: Vec<Chunk> = Vec::new();
     if sets.is_empty() || layout == CounterLayout::Apart {
         out.extend(devices.chunks(MAX_DEVICES_PER_SLICE).map(|c| Chunk {
@@ -283,7 +273,7 @@ enum Write<T> {
 
 /// The name of `driver`'s first slice on `node`: `<node>-<driver with dots as
 /// dashes>`, cut to the 253 characters of a DNS subdomain.
-pub fn slice_name(node: &str, driver: &str) -> String {
+pub(crate) fn slice_name(node: &str, driver: &str) -> String {
     cut(&format!("{node}-{}", driver.replace('.', "-")), 253)
 }
 
@@ -294,7 +284,7 @@ fn cut(name: &str, max: usize) -> String {
 
 /// The names of a pool of `count` slices: [`slice_name`], then `<name>-1`,
 /// `<name>-2`, … (the base cut so each stays within 253 characters).
-pub fn slice_names(node: &str, driver: &str, count: usize) -> Vec<String> {
+pub(crate) fn slice_names(node: &str, driver: &str, count: usize) -> Vec<String> {
     let base = slice_name(node, driver);
     (0..count.max(1))
         .map(|i| match i {
@@ -319,7 +309,7 @@ pub fn slice_names(node: &str, driver: &str, count: usize) -> Vec<String> {
 /// needs a mutation cache for that). Slices of ours found under other names are
 /// deleted, after the pool's new generation is written (consumers use only the
 /// newest generation of a pool, so the pool is never seen incomplete).
-pub struct Slices {
+pub(crate) struct Slices {
     client: Client,
     driver: String,
     node: String,
@@ -443,7 +433,7 @@ fn version(s: &ResourceSlice) -> (String, String) {
 
 impl Slices {
     /// The slices of `driver` for `node` (whose pool is named after it).
-    pub fn new(client: Client, driver: &str, node: &str) -> Self {
+    pub(crate) fn new(client: Client, driver: &str, node: &str) -> Self {
         Self {
             client,
             driver: driver.to_owned(),
@@ -454,7 +444,7 @@ impl Slices {
 
     /// Where this server wants counter sets: read once from its version
     /// (`GET /version`).
-    pub async fn counter_layout(&mut self) -> Result<CounterLayout, SliceError> {
+    pub(crate) async fn counter_layout(&mut self) -> Result<CounterLayout, SliceError> {
         if let Some(layout) = self.layout {
             return Ok(layout);
         }
@@ -472,7 +462,7 @@ impl Slices {
     /// `DRAPartitionableDevices` gate is on), asked before any is published: a
     /// create of a slice with one counter set, as a dry run (`dryRun=All`: checked,
     /// admitted and answered, never stored), and whether the answer still has it.
-    pub async fn counters_kept(&self) -> Result<bool, SliceError> {
+    pub(crate) async fn counters_kept(&self) -> Result<bool, SliceError> {
         let name = {
             let suffix = "-counters-probe";
             format!("{}{suffix}", cut(&self.slice_name(), 253 - suffix.len()))
@@ -516,25 +506,15 @@ impl Slices {
         Ok(back.spec.shared_counters.is_some_and(|c| !c.is_empty()))
     }
 
-    /// The pool: this node's name.
-    pub fn pool(&self) -> &str {
-        &self.node
-    }
-
-    /// The driver whose slices these are.
-    pub fn driver(&self) -> &str {
-        &self.driver
-    }
-
     /// The name our first slice gets ([`slice_name`]).
-    pub fn slice_name(&self) -> String {
+    pub(crate) fn slice_name(&self) -> String {
         slice_name(&self.node, &self.driver)
     }
 
     /// The field selector that picks our slices: the API server filters by node
     /// and driver (it has no field selector for the pool name). Lists and watches
     /// of our slices use it.
-    pub fn selector(&self) -> String {
+    pub(crate) fn selector(&self) -> String {
         format!("spec.nodeName={},spec.driver={}", self.node, self.driver)
     }
 
@@ -544,7 +524,7 @@ impl Slices {
 
     /// True when `s` is one of ours (the selector checked again on this side: a
     /// selector is only as good as the server that applies it).
-    pub fn is_ours(&self, s: &ResourceSlice) -> bool {
+    pub(crate) fn is_ours(&self, s: &ResourceSlice) -> bool {
         s.spec.driver == self.driver && s.spec.node_name.as_deref() == Some(&self.node)
     }
 
@@ -601,6 +581,12 @@ impl Slices {
         }
     }
 
+    /// [`Slices::reconcile_pool`] without counter sets.
+    #[cfg(test)]
+    pub(crate) async fn reconcile(&mut self, devices: &[Device]) -> Result<Report, SliceError> {
+        self.reconcile_pool(devices, &[]).await
+    }
+
     /// Brings the node's pool to `devices`, in slices of at most
     /// [`MAX_DEVICES_PER_SLICE`]: when one existing slice differs and nothing
     /// else does, that slice alone is rewritten at the pool's generation (one
@@ -610,14 +596,9 @@ impl Slices {
     /// (created or replaced) at a generation one above every slice seen, then the
     /// strays are deleted, as upstream's `syncPool` does; when nothing differs
     /// nothing is written. A write that meets a conflict re-reads and tries
-    /// again, [`ATTEMPTS`] times.
-    pub async fn reconcile(&mut self, devices: &[Device]) -> Result<Report, SliceError> {
-        self.reconcile_pool(devices, &[]).await
-    }
-
-    /// [`Slices::reconcile`] for a pool whose devices draw on counter `sets`,
-    /// which go where the server wants them ([`chunks`], [`Slices::counter_layout`]).
-    pub async fn reconcile_pool(
+    /// again, [`ATTEMPTS`] times. The counter `sets` the devices draw on go where
+    /// the server wants them ([`chunks`], [`Slices::counter_layout`]).
+    pub(crate) async fn reconcile_pool(
         &mut self,
         devices: &[Device],
         sets: &[CounterSet],
@@ -871,7 +852,7 @@ impl Slices {
 
     /// Deletes every slice of this driver on this node (a clean uninstall); the
     /// names deleted.
-    pub async fn delete_all(&self) -> Result<Vec<String>, SliceError> {
+    pub(crate) async fn delete_all(&self) -> Result<Vec<String>, SliceError> {
         let mut deleted = Vec::new();
         for _ in 0..ATTEMPTS {
             let mut raced = false;

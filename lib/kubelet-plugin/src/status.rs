@@ -13,11 +13,11 @@ use kube::api::PostParams;
 use kube::{Api, Client};
 use support::error_chain;
 
-use crate::slices::{ATTEMPTS, REQUEST_TIMEOUT};
+use crate::api::{ATTEMPTS, REQUEST_TIMEOUT};
 use crate::ClaimRef;
 
 /// A condition's message is cut to this many bytes (the API allows 32768).
-pub const MESSAGE_MAX: usize = 4096;
+const CONDITION_MESSAGE_MAX: usize = 4096;
 
 /// A condition to set `True`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,7 +26,7 @@ pub struct DeviceCondition {
     pub type_: String,
     /// Why, in CamelCase.
     pub reason: String,
-    /// For people; cut to [`MESSAGE_MAX`] bytes.
+    /// For people; cut to 4096 bytes (the API allows 32768).
     pub message: String,
 }
 
@@ -45,6 +45,7 @@ pub enum Written {
 /// The write failed every attempt.
 #[derive(Debug, thiserror::Error)]
 #[error("update of ResourceClaim {claim} status failed {ATTEMPTS} times: {last}")]
+#[non_exhaustive]
 pub struct StatusError {
     /// The claim, `namespace/name`.
     pub claim: String,
@@ -170,14 +171,14 @@ impl DeviceStatus {
 /// Sets `condition` to `True` as `meta.SetStatusCondition` does
 /// (`k8s.io/apimachinery/pkg/api/meta/conditions.go`): the transition time moves
 /// only when the status changes; reason, message and generation are updated.
-pub fn set_condition(
+pub(crate) fn set_condition(
     conditions: &mut Vec<Condition>,
     condition: &DeviceCondition,
     generation: Option<i64>,
 ) {
     let mut message = condition.message.clone();
-    if message.len() > MESSAGE_MAX {
-        let mut cut = MESSAGE_MAX;
+    if message.len() > CONDITION_MESSAGE_MAX {
+        let mut cut = CONDITION_MESSAGE_MAX;
         while !message.is_char_boundary(cut) {
             cut -= 1;
         }
@@ -240,7 +241,7 @@ mod tests {
     fn long_messages_are_cut_on_a_character_boundary() {
         let mut c = Vec::new();
         set_condition(&mut c, &ready(&"é".repeat(5000)), None);
-        assert!(c[0].message.len() <= MESSAGE_MAX);
+        assert!(c[0].message.len() <= CONDITION_MESSAGE_MAX);
         assert!(c[0].message.chars().all(|ch| ch == 'é'));
     }
 }

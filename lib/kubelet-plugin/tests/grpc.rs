@@ -128,11 +128,17 @@ fn put(server: &FakeApiServer, claims: &[ClaimRef]) {
 
 /// The plugin's settings in `dir`.
 fn config(dir: &Path) -> Config {
-    Config {
-        registry_dir: dir.join("plugins_registry"),
-        plugins_dir: dir.join("plugins"),
-        ..Config::new(DRIVER, NODE)
-    }
+    config_with(|c| {
+        c.registry_dir = dir.join("plugins_registry");
+        c.plugins_dir = dir.join("plugins");
+    })
+}
+
+/// The defaults for this driver and node, changed by `change`.
+fn config_with(change: impl FnOnce(&mut Config)) -> Config {
+    let mut config = Config::new(DRIVER, NODE);
+    change(&mut config);
+    config
 }
 
 /// A plugin on `server`.
@@ -551,11 +557,10 @@ fn a_driver_name_must_be_one_path_component_and_a_node_named() {
         assert!(e.to_string().contains("one path component"), "{bad:?}: {e}");
     }
     assert!(Config::new(DRIVER, " ").check().is_err());
-    let cfg = Config {
-        registry_dir: "/r".into(),
-        plugins_dir: "/p".into(),
-        ..Config::new(DRIVER, NODE)
-    };
+    let cfg = config_with(|c| {
+        c.registry_dir = "/r".into();
+        c.plugins_dir = "/p".into();
+    });
     cfg.check().expect("valid");
     assert_eq!(
         cfg.registration_socket(),
@@ -574,17 +579,11 @@ fn a_socket_path_too_long_for_a_unix_socket_is_refused() {
     let deep = format!("/{}", "d".repeat(90));
     for (cfg, which) in [
         (
-            Config {
-                registry_dir: deep.clone().into(),
-                ..Config::new(DRIVER, NODE)
-            },
+            config_with(|c| c.registry_dir = deep.clone().into()),
             "registration socket",
         ),
         (
-            Config {
-                plugins_dir: deep.clone().into(),
-                ..Config::new(DRIVER, NODE)
-            },
+            config_with(|c| c.plugins_dir = deep.clone().into()),
             "DRA service socket",
         ),
     ] {
@@ -604,14 +603,10 @@ fn a_socket_path_too_long_for_a_unix_socket_is_refused() {
         }
     }
     // 107 bytes exactly is a socket path.
-    let fits = Config {
-        plugins_dir: format!(
-            "/{}",
-            "p".repeat(107 - 1 - 1 - DRIVER.len() - "/dra.sock".len())
-        )
-        .into(),
-        ..Config::new(DRIVER, NODE)
-    };
+    let fits = config_with(|c| {
+        let room = 107 - 1 - 1 - DRIVER.len() - "/dra.sock".len();
+        c.plugins_dir = format!("/{}", "p".repeat(room)).into();
+    });
     assert_eq!(fits.service_socket().as_os_str().len(), 107);
     fits.check().expect("107 bytes fit");
 }

@@ -30,8 +30,8 @@
 //! device keeps our name (`pci-0000-3b-00-0`): nothing of Rebellions' selects on
 //! device names, and KubeVirt reads the address from the metadata file.
 //!
-//! [`PCI_BUS_ID`]: kubelet_plugin::slices::PCI_BUS_ID
-//! [`PCIE_ROOT`]: kubelet_plugin::slices::PCIE_ROOT
+//! [`PCI_BUS_ID`]: kubelet_plugin::PCI_BUS_ID
+//! [`PCIE_ROOT`]: kubelet_plugin::PCIE_ROOT
 
 use k8s_openapi::api::resource::v1::DeviceAttribute;
 use sysfs_pci::PciDevice;

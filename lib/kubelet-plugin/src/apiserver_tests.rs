@@ -8,18 +8,17 @@
 //! One file on purpose: every test plays against the one
 //! stand-in API server and node defined at the top.
 
-#![allow(clippy::unwrap_used)]
-
 use std::collections::BTreeMap;
 
+use crate::claim::read_claim;
+use crate::slices::{slice_names, Slices};
+use crate::{Action, AllocatedDevice, ClaimRef, ReadError, SliceError, Ticket};
 use fake_apiserver::objects::{self, DeviceResult};
 use fake_apiserver::{paths, FakeApiServer};
 use k8s_openapi::api::resource::v1::{
     Counter, CounterSet, Device, DeviceAttribute, DeviceCounterConsumption,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use kubelet_plugin::slices::{slice_names, Action, SliceError, Slices};
-use kubelet_plugin::{read_claim, AllocatedDevice, ClaimRef, ReadError, Ticket};
 use serde_json::{json, Value};
 
 const NODE: &str = "node-a";
