@@ -13,9 +13,9 @@ comments, and edges between a module and its own ancestors or descendants
 (`use super::*` in a child is Rust's way of nesting, not a circle).
 
 It prints each circle (a strongly connected set of more than one module, or
-of crates) and exits 1 if there is any; the crate edges must also follow the
-layer order in docs/layout.md (a lower layer never names a higher one), which
-Cargo already enforces by refusing cycles between packages.
+of crates) and each upward arrow (a crate depending on one listed after it in
+the table of docs/layout.md, which lists the layers bottom up), and exits 1 if
+there is any.
 """
 
 import os
@@ -127,15 +127,32 @@ def sccs(graph):
     return out
 
 
+def layer_order():
+    """Each crate directory's row in the table of docs/layout.md (bottom up)."""
+    rows = {}
+    with open(os.path.join(ROOT, "docs", "layout.md")) as f:
+        for line in f:
+            m = re.match(r"^\| `([^`]+)` \|", line)
+            if m:
+                rows[m.group(1)] = len(rows)
+    return rows
+
+
 def main():
     quiet = "--quiet" in sys.argv
     crates = members()
+    rows = layer_order()
+    upward = []
     circles = []
     modules_total = edges_total = 0
     crate_graph = {}
     for name, (path, pkg) in sorted(crates.items()):
         deps = set(pkg.get("dependencies", {})) & set(crates)
         crate_graph[name] = deps
+        for dep in sorted(deps):
+            mine, theirs = rows.get(path), rows.get(crates[dep][0])
+            if mine is None or theirs is None or theirs > mine:
+                upward.append((name, dep))
         src = os.path.join(ROOT, path, "src")
         files = []
         for d, dirs, fs in os.walk(src):
@@ -153,12 +170,16 @@ def main():
         circles.append(("workspace", comp))
     for crate, comp in circles:
         print(f"circle in {crate}: {' <-> '.join(comp)}")
-    if not quiet or circles:
+    for crate, dep in upward:
+        print(f"upward arrow: {crate} depends on {dep}, which docs/layout.md lists "
+              "above it (or does not list)")
+    if not quiet or circles or upward:
         print(
             f"import graph: {len(crates)} crates, {modules_total} modules, "
-            f"{edges_total} edges between modules, {len(circles)} circles"
+            f"{edges_total} edges between modules, {len(circles)} circles, "
+            f"{len(upward)} upward arrows"
         )
-    return 1 if circles else 0
+    return 1 if circles or upward else 0
 
 
 if __name__ == "__main__":

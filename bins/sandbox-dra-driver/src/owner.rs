@@ -31,11 +31,7 @@ pub async fn take_or_wait(
     state_file: &Path,
     manager_state: &Path,
 ) -> anyhow::Result<Option<Owner>> {
-    let contender = Contender {
-        program: &DRA_DRIVER,
-        rival: &VFIO_MANAGER,
-        rival_state: manager_state.to_owned(),
-    };
+    let contender = Contender::new(&DRA_DRIVER, &VFIO_MANAGER, manager_state.to_owned());
     let refusal = match Owner::take(lock, &contender) {
         Ok(owner) => return Ok(Some(owner)),
         Err(e) if e.by_other_program() => error_chain(&e),

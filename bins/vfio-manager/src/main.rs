@@ -151,11 +151,7 @@ impl Context {
 
     /// vfio-manager asking for the node, with sandbox-dra-driver as its rival.
     pub fn contender(&self) -> Contender {
-        Contender {
-            program: &VFIO_MANAGER,
-            rival: &DRA_DRIVER,
-            rival_state: self.dra_state_file.clone(),
-        }
+        Contender::new(&VFIO_MANAGER, &DRA_DRIVER, self.dra_state_file.clone())
     }
 
     /// The state file locked, with the node's owner lock taken first and kept

@@ -42,8 +42,8 @@
 //! let dir = tempfile::tempdir().unwrap();
 //! let lock = dir.path().join("owner/owner.lock");
 //! let (whole_state, per_claim_state) = (dir.path().join("w.json"), dir.path().join("c.json"));
-//! let a = Contender { program: &WHOLE, rival: &PER_CLAIM, rival_state: per_claim_state };
-//! let b = Contender { program: &PER_CLAIM, rival: &WHOLE, rival_state: whole_state };
+//! let a = Contender::new(&WHOLE, &PER_CLAIM, per_claim_state);
+//! let b = Contender::new(&PER_CLAIM, &WHOLE, whole_state);
 //! let mine = Owner::take(&lock, &a).unwrap();
 //! let err = Owner::take(&lock, &b).unwrap_err();
 //! assert!(err.to_string().starts_with("whole-node (pid "), "{err}");
@@ -60,8 +60,6 @@ use std::path::{Path, PathBuf};
 use nix::fcntl::{Flock, FlockArg};
 
 use support::io::{Action, IoError, WrapIo};
-
-use crate::state::{Foreign, StateFile};
 
 /// Default node-wide owner lock (a hostPath shared by both DaemonSets).
 pub const DEFAULT_OWNER_LOCK: &str = "/run/vfio-sandbox/owner/owner.lock";
@@ -101,7 +99,7 @@ impl fmt::Display for Program {
 /// Who asks for the node: a program, and its rival, the other program that must
 /// never own the node's devices at the same time, with the state file that says
 /// what the rival moved.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Contender {
     /// The program taking the node.
     pub program: &'static Program,
@@ -109,7 +107,16 @@ pub struct Contender {
     pub rival: &'static Program,
     /// The rival's state file.
     pub rival_state: PathBuf,
+    /// How many devices a state file records; an absent file records none.
+    /// [`Contender::new`] reads this crate's state files
+    /// (`crate::state::held_in`), so this module need not know their shape.
+    pub held_in: HeldIn,
 }
+
+/// Reads how many devices the state file at a path, of the program given,
+/// records; an error when it cannot tell.
+pub type HeldIn =
+    fn(&Path, &'static Program) -> Result<usize, Box<dyn std::error::Error + Send + Sync>>;
 
 /// The record in the lock file.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -201,7 +208,7 @@ pub enum OwnerError {
         state: PathBuf,
         /// Why it cannot be read.
         #[source]
-        source: Box<crate::state::StateError>,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// The lock path no longer names the file this process locked, and it could
     /// not be taken again.
@@ -487,18 +494,15 @@ impl Owner {
 }
 
 /// The refusal when the rival's state file records devices moved, or cannot be
-/// read. An absent file records nothing. Its records are read as
-/// [`Foreign`]: this program does not know their shape.
+/// read. An absent file records nothing.
 fn recorded_by_rival(who: &Contender) -> Result<(), OwnerError> {
     let (program, rival, state) = (who.program, who.rival, &who.rival_state);
-    let held = StateFile::<Foreign>::load(state, false, rival)
-        .map(|s| s.state().held_devices())
-        .map_err(|source| OwnerError::InDoubt {
-            program,
-            rival,
-            state: state.to_owned(),
-            source: Box::new(source),
-        })?;
+    let held = (who.held_in)(state, rival).map_err(|source| OwnerError::InDoubt {
+        program,
+        rival,
+        state: state.to_owned(),
+        source,
+    })?;
     if held > 0 {
         return Err(OwnerError::Recorded {
             program,
@@ -668,11 +672,7 @@ mod tests {
             Owner::holder(&lock).unwrap().is_none(),
             "no file, no holder"
         );
-        let who = Contender {
-            program: &A,
-            rival: &B,
-            rival_state: dir.path().join("b.json"),
-        };
+        let who = Contender::new(&A, &B, dir.path().join("b.json"));
         let owner = Owner::take(&lock, &who).unwrap();
         let h = Owner::holder(&lock).unwrap().unwrap();
         assert!(h.running, "{h}");
@@ -682,11 +682,7 @@ mod tests {
         drop(owner);
         let h = Owner::holder(&lock).unwrap().unwrap();
         assert!(!h.running, "{h}");
-        let back = Contender {
-            program: &B,
-            rival: &A,
-            rival_state: dir.path().join("a.json"),
-        };
+        let back = Contender::new(&B, &A, dir.path().join("a.json"));
         assert!(Owner::take(&lock, &back).is_ok());
     }
 

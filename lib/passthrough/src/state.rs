@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use crate::owner::{Owner, OwnerError, Program};
+use crate::owner::{Contender, Owner, OwnerError, Program};
 use support::io::{read_optional, IoError};
 use sysfs_pci::kernel::Kernel;
 use sysfs_pci::PciAddress;
@@ -357,6 +357,30 @@ pub struct StateFile<R = NoRecords> {
     persist: bool,
     _lock: Option<nix::fcntl::Flock<std::fs::File>>,
     owner: Option<Owner>,
+}
+
+impl Contender {
+    /// `program` taking the node from `rival`, whose state file (of this crate's
+    /// shape) is `rival_state`.
+    pub fn new(program: &'static Program, rival: &'static Program, rival_state: PathBuf) -> Self {
+        Self {
+            program,
+            rival,
+            rival_state,
+            held_in,
+        }
+    }
+}
+
+/// How many devices the state file at `path`, of `program`, records; an absent
+/// file records none. Its records are read as [`Foreign`]: the reader does not
+/// know their shape.
+pub fn held_in(
+    path: &Path,
+    program: &'static Program,
+) -> Result<usize, Box<dyn std::error::Error + Send + Sync>> {
+    let state = StateFile::<Foreign>::load(path, false, program)?;
+    Ok(state.state().held_devices())
 }
 
 /// The lock file beside a state file.

@@ -44,11 +44,8 @@ fn other_state(lock: &Path, program: &'static Program) -> PathBuf {
 }
 
 fn contender(lock: &Path, program: &'static Program) -> Contender {
-    Contender {
-        program,
-        rival: if program == MANAGER { DRIVER } else { MANAGER },
-        rival_state: other_state(lock, program),
-    }
+    let rival = if program == MANAGER { DRIVER } else { MANAGER };
+    Contender::new(program, rival, other_state(lock, program))
 }
 
 fn take(lock: &Path, program: &'static Program) -> Result<Owner, OwnerError> {

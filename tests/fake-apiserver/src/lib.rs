@@ -73,13 +73,14 @@ use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Value};
 
+mod history;
 mod query;
 mod rest;
 mod watch;
 
 use rest::{status, Objects, Route};
 
-pub use watch::{DEFAULT_BOOKMARK_PERIOD, DEFAULT_HISTORY};
+pub use history::{DEFAULT_BOOKMARK_PERIOD, DEFAULT_HISTORY};
 
 /// The body of every answer: whole for most, a stream for a watch.
 type Body = BoxBody<Bytes, std::convert::Infallible>;
@@ -428,7 +429,7 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
             if let Some(route) = Route::parse(&path).filter(|r| r.name.is_none()) {
                 return match watch::start(&mut s.objects, &route, &params) {
                     Ok(watcher) => {
-                        let open = watch::OpenWatch::new(&s.objects.history.open);
+                        let open = history::OpenWatch::new(&s.objects.history.open);
                         drop(s);
                         stream(store, watcher, open)
                     }
@@ -446,7 +447,7 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
 fn stream(
     store: &Arc<Mutex<Store>>,
     watcher: watch::Watcher,
-    open: watch::OpenWatch,
+    open: history::OpenWatch,
 ) -> Response<Body> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(watcher.run(Arc::clone(store), tx, open));

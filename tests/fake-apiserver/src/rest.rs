@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use hyper::{Method, StatusCode};
 use serde_json::{json, Map, Value};
 
+use crate::history::{History, Resource};
 use crate::query::{self, Requirement};
-use crate::watch::History;
 
 mod objects;
 
@@ -32,6 +32,11 @@ pub(crate) struct Kind {
 }
 
 impl Kind {
+    /// Its key in the watch history.
+    pub fn resource(&self) -> Resource {
+        (self.group_version, self.plural)
+    }
+
     fn group(&self) -> &'static str {
         self.group_version
             .rsplit_once('/')

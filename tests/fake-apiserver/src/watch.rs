@@ -13,14 +13,10 @@
 //!
 //! One difference: the cacher gives each watch a bounded buffer and drops a
 //! watch that lets it fill; here the buffer is unbounded.
-//!
-//! A little over 600 lines on purpose: the history, the watch options and the
-//! watcher are read together against `watch_cache.go` and `cacher.go`.
 
-use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -30,19 +26,9 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use crate::history::{Change, OpenWatch};
 use crate::query;
 use crate::rest::{status, Answer, Kind, Objects, Route, Selectors};
-
-/// How many changes of one resource the history keeps unless told otherwise.
-/// The real cache sizes itself between 100 and 100Ki events and grows while
-/// its events are fresh, so a burst in a test should not expire a watch.
-pub const DEFAULT_HISTORY: usize = 1024;
-
-/// How often a watch that allows bookmarks gets one unless told otherwise. The
-/// real server sends one about every minute (`bookmarkFrequency` in
-/// staging/src/k8s.io/apiserver/pkg/storage/cacher/cacher.go); a stand-in for
-/// tests is better served by a shorter beat.
-pub const DEFAULT_BOOKMARK_PERIOD: Duration = Duration::from_secs(5);
 
 /// How long a watch without `timeoutSeconds` lasts: the server's
 /// `--min-request-timeout` default (staging/src/k8s.io/apiserver/pkg/endpoints/
@@ -52,153 +38,6 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);
 /// How long a watch from a resourceVersion the store has not reached yet waits
 /// for it (`blockTimeout` in .../storage/cacher/watch_cache.go).
 const FUTURE_WAIT: Duration = Duration::from_secs(3);
-
-/// One change of an object: what it became (`None` when deleted) and what it
-/// was (`None` when created), at resourceVersion `rv`.
-#[derive(Debug, Clone)]
-struct Change {
-    rv: u64,
-    namespace: Option<String>,
-    object: Option<Value>,
-    prev: Option<Value>,
-}
-
-/// The recent changes of one resource.
-#[derive(Debug, Default)]
-struct Window {
-    changes: VecDeque<Arc<Change>>,
-    /// The resourceVersion of the newest change that fell out; 0 when none has.
-    dropped: u64,
-}
-
-/// How many watches are being served, for tests to wait on.
-#[derive(Debug, Default)]
-pub(crate) struct OpenWatches {
-    count: Mutex<usize>,
-    changed: std::sync::Condvar,
-}
-
-impl OpenWatches {
-    fn add(&self, delta: isize) {
-        let mut c = self.count.lock().unwrap_or_else(PoisonError::into_inner);
-        *c = c.saturating_add_signed(delta);
-        self.changed.notify_all();
-    }
-
-    /// Waits up to `timeout` for exactly `n` open watches; whether they are.
-    pub fn wait_for(&self, n: usize, timeout: Duration) -> bool {
-        let c = self.count.lock().unwrap_or_else(PoisonError::into_inner);
-        let (c, _) = self
-            .changed
-            .wait_timeout_while(c, timeout, |c| *c != n)
-            .unwrap_or_else(PoisonError::into_inner);
-        *c == n
-    }
-}
-
-/// Counts one watch as open while it lives.
-#[derive(Debug)]
-pub(crate) struct OpenWatch(Arc<OpenWatches>);
-
-impl OpenWatch {
-    pub fn new(open: &Arc<OpenWatches>) -> Self {
-        open.add(1);
-        Self(Arc::clone(open))
-    }
-}
-
-impl Drop for OpenWatch {
-    fn drop(&mut self) {
-        self.0.add(-1);
-    }
-}
-
-/// A resource, as its group/version and plural.
-type Resource = (&'static str, &'static str);
-
-/// An open watch of a resource: where its changes go.
-type Subscriber = (Resource, mpsc::UnboundedSender<Arc<Change>>);
-
-/// The recent changes of every resource, and what tells watches about new ones.
-#[derive(Debug)]
-pub(crate) struct History {
-    windows: BTreeMap<Resource, Window>,
-    capacity: usize,
-    /// The bookmark beat of watches started from now on.
-    pub bookmark_period: Duration,
-    /// The open watches of each resource, handed every change.
-    subscribers: Vec<Subscriber>,
-    /// Carries the newest resourceVersion, for a watch from the future.
-    notify: tokio::sync::watch::Sender<u64>,
-    /// The watches being served.
-    pub open: Arc<OpenWatches>,
-}
-
-impl Default for History {
-    fn default() -> Self {
-        Self {
-            windows: BTreeMap::new(),
-            capacity: DEFAULT_HISTORY,
-            bookmark_period: DEFAULT_BOOKMARK_PERIOD,
-            subscribers: Vec::new(),
-            notify: tokio::sync::watch::Sender::default(),
-            open: Arc::default(),
-        }
-    }
-}
-
-fn key(kind: &Kind) -> Resource {
-    (kind.group_version, kind.plural)
-}
-
-impl History {
-    /// Keeps a change of an object of `kind` and wakes the watches.
-    pub fn record(
-        &mut self,
-        rv: u64,
-        kind: &'static Kind,
-        namespace: Option<String>,
-        object: Option<Value>,
-        prev: Option<Value>,
-    ) {
-        let key = key(kind);
-        let change = Arc::new(Change {
-            rv,
-            namespace,
-            object,
-            prev,
-        });
-        let window = self.windows.entry(key).or_default();
-        window.changes.push_back(Arc::clone(&change));
-        Self::trim(window, self.capacity);
-        // A watch whose task ended has dropped its receiver: forget it.
-        self.subscribers
-            .retain(|(k, tx)| *k != key || tx.send(Arc::clone(&change)).is_ok());
-        self.notify.send_replace(rv);
-    }
-
-    fn trim(window: &mut Window, capacity: usize) {
-        while window.changes.len() > capacity {
-            if let Some(c) = window.changes.pop_front() {
-                window.dropped = c.rv;
-            }
-        }
-    }
-
-    /// Keeps at most `capacity` (at least 1) changes per resource from now on.
-    pub fn set_capacity(&mut self, capacity: usize) {
-        self.capacity = capacity.max(1);
-        for w in self.windows.values_mut() {
-            Self::trim(w, self.capacity);
-        }
-    }
-
-    /// Ends every open watch (cleanly, as a restarting server or a load
-    /// balancer does); clients come back with the last resourceVersion they saw.
-    pub fn end_watches(&mut self) {
-        self.subscribers.clear();
-    }
-}
 
 /// `ParseResourceVersion` of staging/src/k8s.io/apiserver/pkg/storage/
 /// api_object_versioner.go: empty and `0` are 0, anything else must be a
@@ -354,7 +193,10 @@ pub(crate) fn start(
     let now = objects.resource_version;
     let deadline = later(Instant::now(), lasts);
     let (tx, changes) = mpsc::unbounded_channel();
-    objects.history.subscribers.push((key(route.kind), tx));
+    objects
+        .history
+        .subscribers
+        .push((route.kind.resource(), tx));
     let mut w = Watcher {
         kind: route.kind,
         namespace: route.namespace.clone(),
@@ -388,7 +230,7 @@ pub(crate) fn start(
         (0, Some(false)) => w.last = now,
         (rv, _) if rv > now => w.wait_for = Some(rv),
         (rv, _) => {
-            let window = objects.history.windows.get(&key(route.kind));
+            let window = objects.history.windows.get(&route.kind.resource());
             let oldest = window
                 .filter(|win| win.dropped > 0)
                 .and_then(|win| win.changes.front())

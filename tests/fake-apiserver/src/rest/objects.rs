@@ -46,7 +46,7 @@ impl Objects {
         if let Some(route) = Route::parse(path).filter(|r| r.name.is_some() && !r.status) {
             self.history.record(
                 self.resource_version,
-                route.kind,
+                route.kind.resource(),
                 route.namespace,
                 object,
                 prev,
