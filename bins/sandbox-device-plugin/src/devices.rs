@@ -364,7 +364,7 @@ pub fn owner_problem(lock: &std::path::Path) -> Option<String> {
         }
     };
     let r = holder.record.as_ref()?;
-    let manager = node_agent::programs::VFIO_MANAGER.name;
+    let manager = "vfio-manager";
     (r.owner != manager).then(|| {
         format!(
             "the node's owner lock {} names {} (pid {}, since {}; {} device(s)), not {manager}: no VM can be given the devices through the device plugin",

@@ -98,7 +98,7 @@ fn prepare_and_unprepare(
     let mut state = StateFile::load(
         &root.join("run/state.json"),
         true,
-        &node_agent::programs::DRA_DRIVER,
+        &sandbox_dra_driver::programs::DRA_DRIVER,
     )
     .map_err(|e| error_chain(&e))?;
     let mut claims = Claims {

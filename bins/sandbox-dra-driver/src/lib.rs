@@ -23,6 +23,7 @@ mod health;
 mod metrics;
 mod model;
 pub mod owner;
+pub mod programs;
 mod watcher;
 mod worker;
 

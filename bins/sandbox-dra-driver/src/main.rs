@@ -14,10 +14,10 @@ use kubelet_plugin::{Clients, Plugin, KUBELET_CALL_TIMEOUT};
 use node_agent::cli::{fail, parse_duration, CommonArgs, WriteArgs, EXIT_NOT_READY, EXIT_USAGE};
 use node_agent::cluster::{Cluster, Identity, Verdict};
 use node_agent::metrics::{self as endpoint, ListenAddress};
-use node_agent::programs::{DRA_DRIVER, DRA_DRIVER_STATE_FILE, VFIO_MANAGER_STATE_FILE};
 use passthrough::owner::DEFAULT_OWNER_LOCK;
 use passthrough::Passthrough;
 use sandbox_dra_driver::cdi::{DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
+use sandbox_dra_driver::programs::{DRA_DRIVER, STATE_FILE, VFIO_MANAGER_STATE_FILE};
 use sandbox_dra_driver::{
     owner, prepared_claims, ClaimWatch, Claims, Files, HealthBoard, LeaseRef, Metrics, Mode,
     OriginalDrivers, StateFile, VfioDriver, Worker, DEFAULT_DRIVER_NAME,
@@ -122,7 +122,7 @@ struct Cli {
     #[arg(long, env = "VFIO_SANDBOX_METADATA_DIR", default_value = DEFAULT_METADATA_DIR, value_name = "DIR")]
     metadata_dir: PathBuf,
     /// The record of prepared claims and of every device moved (keep it on /run).
-    #[arg(long, env = "VFIO_SANDBOX_STATE_FILE", default_value = DRA_DRIVER_STATE_FILE, value_name = "FILE")]
+    #[arg(long, env = "VFIO_SANDBOX_STATE_FILE", default_value = STATE_FILE, value_name = "FILE")]
     state_file: PathBuf,
     /// The node-wide owner lock, shared with vfio-manager: taken before any device
     /// moves and held for the driver's life. It records the owner and how many

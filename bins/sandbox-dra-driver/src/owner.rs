@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::programs::{DRA_DRIVER, VFIO_MANAGER};
 use kubelet_plugin::{Answers, Claim, ClaimRef, Fields, Offer, Plugin, PreparedDevice};
-use node_agent::programs::{DRA_DRIVER, VFIO_MANAGER};
 use passthrough::owner::{Contender, Owner, OwnerError};
 use support::error_chain;
 use tokio::signal::unix::{signal, SignalKind};

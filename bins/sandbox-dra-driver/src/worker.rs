@@ -454,7 +454,7 @@ fn leaving(setup: &WorkerConfig, uid: &str) {
 
 /// The claims recorded in a state file, for a message at stop.
 pub fn prepared_claims(path: &Path) -> Vec<String> {
-    match StateFile::load(path, false, &node_agent::programs::DRA_DRIVER) {
+    match StateFile::load(path, false, &crate::programs::DRA_DRIVER) {
         Ok(s) => s
             .records()
             .iter()

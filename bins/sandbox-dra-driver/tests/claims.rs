@@ -121,8 +121,12 @@ impl Node {
         kernel: &dyn Kernel,
         f: impl FnOnce(&mut Claims<'_>, &Inventory) -> T,
     ) -> T {
-        let mut state =
-            StateFile::load(&self.state_path, true, &node_agent::programs::DRA_DRIVER).unwrap();
+        let mut state = StateFile::load(
+            &self.state_path,
+            true,
+            &sandbox_dra_driver::programs::DRA_DRIVER,
+        )
+        .unwrap();
         let inv = Inventory::scan(&self.node.host, &self.list).unwrap();
         let mut claims = Claims {
             engine: Passthrough {
@@ -193,8 +197,12 @@ impl Node {
             .filter(|(a, was)| after.get(*a) != Some(was))
             .map(|(a, was)| format!("{a}: was {was:?}, now {:?}", after.get(a)))
             .collect();
-        let state =
-            StateFile::load(&self.state_path, false, &node_agent::programs::DRA_DRIVER).unwrap();
+        let state = StateFile::load(
+            &self.state_path,
+            false,
+            &sandbox_dra_driver::programs::DRA_DRIVER,
+        )
+        .unwrap();
         if !state.state().devices.is_empty() || !state.records().is_empty() {
             lost.push(format!("state not empty: {:?}", state.state()));
         }
@@ -238,7 +246,12 @@ fn a_claim_moves_its_whole_group_and_gives_it_back() {
     );
     assert!(n.node.host.vfio_group_node(1).exists());
     assert!(!n.files().is_empty(), "the claim's files are written");
-    let state = StateFile::load(&n.state_path, false, &node_agent::programs::DRA_DRIVER).unwrap();
+    let state = StateFile::load(
+        &n.state_path,
+        false,
+        &sandbox_dra_driver::programs::DRA_DRIVER,
+    )
+    .unwrap();
     let record = &state.records()["uid-a"];
     assert_eq!(record.phase, ClaimPhase::Prepared);
     assert_eq!(record.groups(), vec![1]);
@@ -513,7 +526,7 @@ fn a_claim_of_several_groups_moves_them_at_once() {
         let mut state = StateFile::load(
             &dir.path().join("run/state.json"),
             true,
-            &node_agent::programs::DRA_DRIVER,
+            &sandbox_dra_driver::programs::DRA_DRIVER,
         )
         .unwrap();
         let list = ResourceList::parse(LIST).unwrap();
@@ -582,8 +595,12 @@ impl Node {
     }
 
     fn phase(&self, c: &ClaimRef) -> Option<ClaimPhase> {
-        let state =
-            StateFile::load(&self.state_path, false, &node_agent::programs::DRA_DRIVER).unwrap();
+        let state = StateFile::load(
+            &self.state_path,
+            false,
+            &sandbox_dra_driver::programs::DRA_DRIVER,
+        )
+        .unwrap();
         state.records().get(&c.uid).map(|r| r.phase)
     }
 

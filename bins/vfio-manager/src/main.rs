@@ -7,19 +7,18 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use node_agent::cli::{CommonArgs, WriteArgs, EXIT_NOT_READY, EXIT_USAGE};
-use node_agent::programs::{
-    DRA_DRIVER, DRA_DRIVER_STATE_FILE, VFIO_MANAGER, VFIO_MANAGER_STATE_FILE,
-};
-use node_agent::ready::{DEFAULT_STATUS_DIR, MANAGER_READY_FILE};
+use node_agent::ready::DEFAULT_STATUS_DIR;
 use passthrough::owner::{Contender, Owner, OwnerError, DEFAULT_OWNER_LOCK};
 use passthrough::state::StateFile;
 use passthrough::DEFAULT_BIND_JOBS;
+use programs::{DRA_DRIVER, DRA_DRIVER_STATE_FILE, READY_FILE, STATE_FILE, VFIO_MANAGER};
 use sysfs_pci::host::DEFAULT_MODULES_ROOT;
 use sysfs_pci::Host;
 
 mod api_thread;
 mod commands;
 mod metrics;
+mod programs;
 mod report;
 mod restore_label;
 
@@ -64,11 +63,11 @@ struct ManagerArgs {
     #[arg(long, env = "VFIO_MANAGER_MODULES_ROOT", global = true, default_value = DEFAULT_MODULES_ROOT, value_name = "DIR")]
     modules_root: PathBuf,
     /// Where vfio-manager records what it changed (keep it on /run: it must vanish on reboot).
-    #[arg(long, env = "VFIO_MANAGER_STATE_FILE", global = true, default_value = VFIO_MANAGER_STATE_FILE, value_name = "FILE")]
+    #[arg(long, env = "VFIO_MANAGER_STATE_FILE", global = true, default_value = STATE_FILE, value_name = "FILE")]
     state_file: PathBuf,
     /// `run`'s ready file: written (JSON) once every selected device is bound, removed
     /// otherwise and on exit; `ready` checks it.
-    #[arg(long, env = "VFIO_MANAGER_READY_FILE", global = true, default_value = MANAGER_READY_FILE, value_name = "FILE")]
+    #[arg(long, env = "VFIO_MANAGER_READY_FILE", global = true, default_value = READY_FILE, value_name = "FILE")]
     ready_file: PathBuf,
     /// The validator's status directory: its ready file (vfio-pci-ready) is removed
     /// before devices are restored, since the node is no longer ready for VMs.

@@ -1,6 +1,5 @@
 //! What every vfio-sandbox daemon shares above the passthrough engine: the
-//! command-line conventions ([`cli`]), ready files ([`ready`]), the two programs
-//! that move a node's devices as each names the other ([`programs`]), the
+//! command-line conventions ([`cli`]), the validator's ready file ([`ready`]), the
 //! metrics endpoint ([`metrics`], feature `metrics`), the kube-rs view of the
 //! cluster ([`cluster`], feature `kube`) with Kubernetes' DaemonSet rules it
 //! judges by ([`daemonset`]), and the one node watcher ([`watch`], feature
@@ -13,7 +12,6 @@ pub mod cluster;
 pub mod daemonset;
 #[cfg(feature = "metrics")]
 pub mod metrics;
-pub mod programs;
 pub mod ready;
 #[cfg(feature = "watch")]
 pub mod watch;

@@ -1,15 +1,9 @@
-//! The ready files the agents publish on the host, and who clears them.
-//!
-//! - `vfio-manager run` writes its ready file (default [`MANAGER_READY_FILE`]) once
-//!   every selected device is bound, and removes it when one is not or it stops.
-//! - `sandbox-validator` writes `<status-dir>/`[`VALIDATOR_READY_FILE`] when the node
-//!   passes every check. It runs once (an init container), so when the node leaves VM
-//!   mode nobody would remove it: vfio-manager does, before it restores.
+//! The validator's ready file on the host: `<status-dir>/`[`VALIDATOR_READY_FILE`],
+//! written when the node passes every check. The validator runs once (an init
+//! container), so whoever restores the node removes it first.
 
 use std::path::{Path, PathBuf};
 
-/// `vfio-manager run`'s ready file.
-pub const MANAGER_READY_FILE: &str = "/run/vfio-manager/ready";
 /// The validator's status directory.
 pub const DEFAULT_STATUS_DIR: &str = "/run/vfio-sandbox/validations";
 /// The validator's ready file in its status directory.
