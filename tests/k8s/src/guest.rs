@@ -320,6 +320,37 @@ impl Guest {
         Ok(out.trim().to_owned())
     }
 
+    /// Where the node's CPU went: QEMU's CPU seconds on the host (every vCPU
+    /// thread and the device emulation), the guest's own busy seconds
+    /// (`/proc/stat`), and its processes with the most (each with its reaped
+    /// children), summed by name, so far.
+    pub fn cpu(&self) -> Result<String> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.qemu.pid()))?;
+        let fields: Vec<&str> = stat
+            .rsplit_once(") ")
+            .map_or(Vec::new(), |(_, rest)| rest.split(' ').collect());
+        let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
+        let qemu = (11..=14).map(ticks).sum::<Option<f64>>().unwrap_or(0.0) / clock_ticks();
+        // Fields after the command name: utime is the 12th, then stime, cutime
+        // and cstime (proc(5)); the command name may hold spaces.
+        let guest = self.check_sh(
+            "awk '/^cpu /{printf \"%.0f\", ($2+$3+$4+$7+$8)/100}' /proc/stat; echo; \
+             cat /proc/[0-9]*/stat 2>/dev/null | awk '{ o = index($0, \"(\"); c = index($0, \") \"); \
+               split(substr($0, c + 2), f, \" \"); t[substr($0, o + 1, c - o - 1)] += f[12] + f[13] + f[14] + f[15] } \
+               END { for (n in t) if (t[n] >= 100) printf \"%.0f %s\\n\", t[n] / 100, n }' | sort -rn | head -8",
+        )?;
+        let mut lines = guest.lines();
+        let busy = lines.next().unwrap_or("?").trim().to_owned();
+        let top: Vec<String> = lines
+            .filter_map(|l| l.trim().split_once(' '))
+            .map(|(secs, name)| format!("{name} {secs}"))
+            .collect();
+        Ok(format!(
+            "QEMU {qemu:.0} s of host CPU; the guest busy {busy} s; by process (s): {}",
+            top.join(", ")
+        ))
+    }
+
     /// Fails if QEMU has exited.
     pub fn check(&mut self) -> Result<()> {
         self.qemu.check()
@@ -344,4 +375,10 @@ fn kube_proxy_config() -> String {
         "healthzBindAddress": "127.0.0.1:10256",
     })
     .to_string()
+}
+
+/// The kernel's clock ticks per second (`CLK_TCK`), in which `/proc` counts CPU time.
+fn clock_ticks() -> f64 {
+    let ticks = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK);
+    ticks.ok().flatten().map_or(100.0, |t| t as f64)
 }

@@ -159,6 +159,14 @@ fn main() {
     }
 }
 
+/// The node's CPU so far, for the log (a failure to read it is said, not fatal).
+fn cpu(run: &Run) -> String {
+    match run.guest.cpu() {
+        Ok(cpu) => format!("CPU so far: {cpu}"),
+        Err(e) => format!("CPU so far: cannot tell ({e:#})"),
+    }
+}
+
 fn run(cli: &Cli) -> Result<bool> {
     let release = Release::parse(&cli.release)?;
     for (path, what) in [
@@ -252,7 +260,7 @@ fn run(cli: &Cli) -> Result<bool> {
         });
         let secs = t.elapsed().as_secs_f64();
         match result {
-            Ok(note) => println!("PASS {name} ({secs:.1} s)\n     {note}"),
+            Ok(note) => println!("PASS {name} ({secs:.1} s)\n     {note}\n     {}", cpu(&run)),
             Err(e) => {
                 println!("FAIL {name} ({secs:.1} s): {e:#}");
                 diagnose(&run);
