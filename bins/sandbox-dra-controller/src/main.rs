@@ -14,7 +14,7 @@ use std::sync::Arc;
 use claim_label::lease::{LEASE_NAME, TIMING};
 use claim_label::DEFAULT_DRIVER_NAME;
 use clap::Parser;
-use node_agent::cli::{fail, LogArgs, EXIT_NOT_READY, EXIT_USAGE};
+use node_agent::cli::{fail, fail_usage, LogArgs, EXIT_NOT_READY, EXIT_USAGE};
 use node_agent::cluster::{Cluster, Identity};
 use node_agent::metrics::{self as endpoint, ListenAddress};
 use support::error_chain;
@@ -84,18 +84,6 @@ struct Cli {
     metrics_address: ListenAddress,
 }
 
-/// A usage problem, said as is.
-#[derive(Debug)]
-struct Usage(String);
-
-impl std::fmt::Display for Usage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Usage {}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     cli.log.init_logging();
@@ -104,7 +92,7 @@ fn main() -> ExitCode {
         ("--pod-name (POD_NAME)", &cli.pod_name),
     ] {
         if value.trim().is_empty() {
-            return fail(PROGRAM, &Usage(format!("{flag} is empty")), EXIT_USAGE);
+            return fail_usage(PROGRAM, &format!("{flag} is empty"));
         }
     }
     let runtime = match tokio::runtime::Builder::new_current_thread()

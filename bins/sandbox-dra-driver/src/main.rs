@@ -11,7 +11,9 @@ use std::time::Duration;
 use claim_label::lease::LEASE_NAME;
 use clap::{Parser, Subcommand};
 use kubelet_plugin::{Clients, Plugin, KUBELET_CALL_TIMEOUT};
-use node_agent::cli::{fail, parse_duration, CommonArgs, WriteArgs, EXIT_NOT_READY, EXIT_USAGE};
+use node_agent::cli::{
+    fail, fail_usage, parse_duration, CommonArgs, WriteArgs, EXIT_NOT_READY, EXIT_USAGE,
+};
 use node_agent::cluster::{Cluster, Identity, Verdict};
 use node_agent::metrics::{self as endpoint, ListenAddress};
 use passthrough::owner::DEFAULT_OWNER_LOCK;
@@ -246,17 +248,12 @@ fn main() -> ExitCode {
     };
     let node_name = cli.node_name.clone().unwrap_or_default();
     if node_name.trim().is_empty() {
-        return fail(
-            PROGRAM,
-            &Usage("--node-name (NODE_NAME) is empty".into()),
-            EXIT_USAGE,
-        );
+        return fail_usage(PROGRAM, "--node-name (NODE_NAME) is empty");
     }
     if cli.prepare_timeout.is_zero() || cli.resync_interval.is_zero() {
-        return fail(
+        return fail_usage(
             PROGRAM,
-            &Usage("--prepare-timeout and --resync-interval must be above zero".into()),
-            EXIT_USAGE,
+            "--prepare-timeout and --resync-interval must be above zero",
         );
     }
     if cli.prepare_timeout >= KUBELET_CALL_TIMEOUT {
@@ -268,12 +265,12 @@ fn main() -> ExitCode {
     // The sockets' paths and names, judged before the API server is asked or
     // anything on the node is touched.
     if let Err(e) = plugin_config(&cli, &node_name).check() {
-        let e = Usage(format!(
-            "{e} (--plugins-dir {}, --registry-dir {})",
+        let dirs = format!(
+            "--plugins-dir {}, --registry-dir {}",
             cli.plugins_dir.display(),
             cli.registry_dir.display()
-        ));
-        return fail(PROGRAM, &e, EXIT_USAGE);
+        );
+        return fail_usage(PROGRAM, &format!("{e} ({dirs})"));
     }
     let list = match cli.common.resource_list() {
         Ok(l) => l,
@@ -436,18 +433,6 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
         Err(e) => fail(PROGRAM, e.as_ref(), EXIT_NOT_READY),
     }
 }
-
-/// A usage or configuration problem, said as is.
-#[derive(Debug)]
-struct Usage(String);
-
-impl std::fmt::Display for Usage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Usage {}
 
 /// The kubelet plugin's settings.
 fn plugin_config(cli: &Cli, node_name: &str) -> kubelet_plugin::Config {

@@ -130,6 +130,13 @@ pub fn fail(program: &str, error: &dyn std::error::Error, code: u8) -> std::proc
     std::process::ExitCode::from(code)
 }
 
+/// Prints `PROGRAM: error: <message>` to stderr and returns [`EXIT_USAGE`]: a
+/// usage or configuration problem, said as is.
+pub fn fail_usage(program: &str, message: &str) -> std::process::ExitCode {
+    support::errln!("{program}: error: {message}");
+    std::process::ExitCode::from(EXIT_USAGE)
+}
+
 /// kube-rs's HTTP layer logs each failed request as `failed with error client error
 /// (SendRequest)`, at ERROR, saying neither what was asked nor of whom. Our own
 /// line for the same failure names the request (`get Node a: ...`), so that
