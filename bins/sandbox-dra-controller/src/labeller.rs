@@ -66,7 +66,6 @@ pub struct Labeller {
     pub identity: String,
     /// Lease timing.
     pub timing: Timing,
-    /// Its metrics.
     pub metrics: Arc<LabellerMetrics>,
     /// What its readiness check reads.
     pub health: Arc<Health>,

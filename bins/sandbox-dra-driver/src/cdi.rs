@@ -189,20 +189,20 @@ pub enum CdiError {
     NoRequest(String),
     /// A device's name is not the name of its address.
     #[error("device name {name:?} does not name {address}")]
+    #[allow(missing_docs)]
     DeviceNameMismatch {
         /// The device name.
         name: String,
-        /// Its address.
         address: PciAddress,
     },
     /// A device's pciBusID attribute is not its address.
     #[error("device {device}: attribute {PCI_BUS_ID} is {value:?}, not {address}")]
+    #[allow(missing_docs)]
     PciBusIdMismatch {
         /// The device name.
         device: String,
         /// The attribute's value.
         value: AttributeValue,
-        /// Its address.
         address: PciAddress,
     },
     /// Two subrequests of one request in the same claim.

@@ -31,10 +31,10 @@ use crate::worker::{OwnerLost, Worker};
 const STUCK_CHECK: Duration = Duration::from_secs(5);
 
 /// VFIO passthrough per claim, on this node.
+#[allow(missing_docs)]
 pub struct VfioDriver {
     /// For Events on claims.
     pub cluster: Cluster,
-    /// The driver name.
     pub driver_name: String,
     /// The node's roots.
     pub host: Host,

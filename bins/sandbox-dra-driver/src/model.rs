@@ -34,14 +34,13 @@ pub enum ClaimPhase {
 /// One device of a claim.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
 pub struct ClaimDevice {
     /// The request(s) it satisfies.
     pub request_names: Vec<String>,
-    /// Its pool.
     pub pool: String,
     /// Its ResourceSlice device name.
     pub device: String,
-    /// Its address.
     pub address: PciAddress,
     /// Its IOMMU group, which moves with it.
     pub group: u32,

@@ -26,12 +26,11 @@ const PARALLEL_READS: usize = 8;
 #[derive(
     Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
 )]
+#[allow(missing_docs)]
 pub struct ClaimRef {
     /// The claim's UID.
     pub uid: String,
-    /// Its namespace.
     pub namespace: String,
-    /// Its name.
     pub name: String,
 }
 
@@ -75,10 +74,10 @@ impl Ticket {
 /// One device of this driver in this node's pool that the scheduler allocated to
 /// a claim (a result of the claim's `status.allocation.devices`).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[allow(missing_docs)]
 pub struct AllocatedDevice {
     /// The request(s) of the claim this device satisfies.
     pub request_names: Vec<String>,
-    /// Its pool.
     pub pool: String,
     /// Its name in the pool's ResourceSlices.
     pub device: String,
@@ -143,24 +142,22 @@ pub enum ReadError {
     },
     /// Devices of this driver were allocated from other pools (other nodes).
     #[error("ResourceClaim {claim} has devices of driver {driver} from other pools than {pool}, so not on this node: {others}")]
+    #[allow(missing_docs)]
     OtherPool {
         /// `namespace/name`.
         claim: String,
-        /// Our driver.
         driver: String,
-        /// Our pool.
         pool: String,
         /// `pool/device`, the first few.
         others: String,
     },
     /// Nothing of this driver in this pool.
     #[error("ResourceClaim {claim} has no device of driver {driver} in pool {pool}")]
+    #[allow(missing_docs)]
     NoDevices {
         /// `namespace/name`.
         claim: String,
-        /// Our driver.
         driver: String,
-        /// Our pool.
         pool: String,
     },
     /// The read failed.
@@ -184,8 +181,8 @@ pub enum ReadError {
     #[error(
         "claim {claim}: reading it from the API server took too long: not done within {after:?}; a retry reads it again"
     )]
+    #[allow(missing_docs)]
     Deadline {
-        /// The claim.
         claim: ClaimRef,
         /// The call's time limit.
         after: Duration,

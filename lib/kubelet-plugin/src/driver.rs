@@ -55,8 +55,8 @@ impl Default for Fields {
 /// What a driver offers on its node: its devices, and the counter sets they draw
 /// on (`consumesCounters`), which the plugin publishes in the same pool.
 #[derive(Debug, Clone, Default, PartialEq)]
+#[allow(missing_docs)]
 pub struct Offer {
-    /// The devices.
     pub devices: Vec<Device>,
     /// The counter sets, each named once.
     pub counter_sets: Vec<CounterSet>,
@@ -176,8 +176,8 @@ pub enum ClaimError<E: std::error::Error + 'static> {
 /// One prepare or unprepare call, answered.
 #[derive(Debug)]
 #[non_exhaustive]
+#[allow(missing_docs)]
 pub struct Call<'a, E: std::error::Error + 'static> {
-    /// Which.
     pub kind: CallKind,
     /// How long it took, claim reads included.
     pub took: Duration,

@@ -49,8 +49,8 @@ pub type HealthReports = std::sync::Arc<Vec<DeviceHealth>>;
 
 /// One device's health.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[allow(missing_docs)]
 pub struct DeviceHealth {
-    /// Its pool.
     pub pool: String,
     /// Its name in the pool.
     pub device: String,

@@ -58,14 +58,13 @@ pub enum AttributeValue {
 
 /// One device of a request, as its metadata names it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[allow(missing_docs)]
 pub struct MetadataDevice<'a> {
     /// The driver name.
     pub driver: &'a str,
-    /// Its pool.
     pub pool: &'a str,
     /// Its ResourceSlice device name.
     pub name: &'a str,
-    /// Its attributes.
     pub attributes: BTreeMap<&'a str, AttributeValue>,
 }
 

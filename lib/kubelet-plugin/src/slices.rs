@@ -56,10 +56,8 @@ pub(crate) async fn resource_api_served(client: &Client) -> Result<bool, SliceEr
 pub enum SliceError {
     /// The Node that owns the slices does not exist.
     #[error("Node {node} is not found, and a node-local ResourceSlice needs it as owner")]
-    NodeMissing {
-        /// The node.
-        node: String,
-    },
+    #[allow(missing_docs)]
+    NodeMissing { node: String },
     /// A request failed.
     #[error("failed to {action}")]
     Request {
@@ -79,10 +77,9 @@ pub enum SliceError {
     },
     /// Another writer kept changing the slices.
     #[error("ResourceSlices of driver {driver} on node {node} kept changing under us ({attempts} attempts)")]
+    #[allow(missing_docs)]
     Conflicts {
-        /// Our driver.
         driver: String,
-        /// Our node.
         node: String,
         /// Attempts made.
         attempts: u32,

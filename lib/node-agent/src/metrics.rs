@@ -92,8 +92,8 @@ pub enum Error {
     },
     /// Listening failed (port taken, address not on this node, no permission).
     #[error("failed to listen for metrics on {address} ({FLAG})")]
+    #[allow(missing_docs)]
     Bind {
-        /// The address.
         address: String,
         /// The system's answer.
         #[source]

@@ -213,8 +213,8 @@ pub enum ConfigError {
     },
     /// The path is not a regular file (a FIFO would block, `/dev/zero` never ends).
     #[error("resource list {path} is {kind}, not a regular file")]
+    #[allow(missing_docs)]
     NotAFile {
-        /// The path.
         path: PathBuf,
         /// What it is instead, e.g. `a FIFO`.
         kind: &'static str,

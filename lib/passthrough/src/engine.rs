@@ -59,8 +59,8 @@ pub enum StepError {
 pub enum PassthroughError {
     /// A group could not be bound; every member moved was put back.
     #[error("IOMMU group {group} not bound{}", put_back_note(put_back))]
+    #[allow(missing_docs)]
     Group {
-        /// The group.
         group: u32,
         /// Members put back to their recorded driver.
         put_back: Vec<PciAddress>,
@@ -78,8 +78,8 @@ pub enum PassthroughError {
         put_back_note(put_back),
         stuck_note(stuck)
     )]
+    #[allow(missing_docs)]
     RollbackFailed {
-        /// The group.
         group: u32,
         /// Members put back.
         put_back: Vec<PciAddress>,
@@ -99,8 +99,8 @@ pub enum PassthroughError {
         put_back_note(put_back),
         stuck_note(kept)
     )]
+    #[allow(missing_docs)]
     RecordsKept {
-        /// The group.
         group: u32,
         /// Members put back (all of them).
         put_back: Vec<PciAddress>,
@@ -124,8 +124,8 @@ pub enum PassthroughError {
          their vfio driver",
         members.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
     )]
+    #[allow(missing_docs)]
     GroupUnprobed {
-        /// The group.
         group: u32,
         /// Its recorded members.
         members: Vec<PciAddress>,
@@ -135,10 +135,10 @@ pub enum PassthroughError {
     },
     /// Restoring a device failed.
     #[error("cannot restore {address}")]
+    #[allow(missing_docs)]
     Restore {
         /// The device.
         address: PciAddress,
-        /// Why.
         #[source]
         source: DriverError,
     },

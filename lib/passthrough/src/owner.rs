@@ -175,10 +175,10 @@ impl fmt::Display for Holder {
 pub enum OwnerError {
     /// Another program, or another instance of this one, owns the node.
     #[error("{holder} owns the devices of this node (lock {}); {program} moves nothing while it does: {}", lock.display(), hint(program, rival, holder))]
+    #[allow(missing_docs)]
     Owned {
         /// The program refused.
         program: &'static Program,
-        /// Its rival.
         rival: &'static Program,
         /// Who holds the node.
         holder: Holder,
@@ -232,10 +232,10 @@ pub enum OwnerError {
     },
     /// The lock file is not a plain file we may open (a symlink, say).
     #[error("cannot open the owner lock {lock} (it must be a regular file, not a symlink); not touching the node")]
+    #[allow(missing_docs)]
     Open {
         /// The lock file.
         lock: PathBuf,
-        /// Why.
         #[source]
         source: std::io::Error,
     },

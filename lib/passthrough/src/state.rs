@@ -39,10 +39,10 @@ pub enum StateError {
     },
     /// The lock file is not a plain file we may open (a symlink, say).
     #[error("cannot open lock file {lock} (it must be a regular file, not a symlink); not touching the node")]
+    #[allow(missing_docs)]
     LockFile {
         /// The lock file.
         lock: PathBuf,
-        /// Why.
         #[source]
         source: std::io::Error,
     },
@@ -60,10 +60,10 @@ pub enum StateError {
     },
     /// The state could not be turned into JSON; nothing was written.
     #[error("cannot serialise the state for {path}; nothing written, the file keeps its previous contents")]
+    #[allow(missing_docs)]
     Serialize {
         /// The file.
         path: PathBuf,
-        /// Why.
         #[source]
         source: serde_json::Error,
     },

@@ -60,10 +60,10 @@ pub enum DriverError {
     },
     /// The target driver is not registered.
     #[error("cannot bind {address}: driver {driver} is not registered ({path} does not exist)")]
+    #[allow(missing_docs)]
     DriverMissing {
         /// The device.
         address: PciAddress,
-        /// The driver.
         driver: String,
         /// The driver's directory.
         path: PathBuf,
@@ -96,10 +96,10 @@ pub enum DriverError {
     },
     /// The VFIO group node did not appear.
     #[error("{address} is on {driver} but {path} did not appear")]
+    #[allow(missing_docs)]
     GroupNodeMissing {
         /// The device.
         address: PciAddress,
-        /// The driver.
         driver: String,
         /// The node expected.
         path: PathBuf,

@@ -47,8 +47,8 @@ pub enum ModuleError {
          (it needs CONFIG_MODULE_DECOMPRESS, Linux 5.17 or later)",
         file.display()
     )]
+    #[allow(missing_docs)]
     LoadCompressed {
-        /// The module.
         module: String,
         /// The compressed file (`.ko.xz`, `.ko.zst`, `.ko.gz`).
         file: PathBuf,
@@ -58,8 +58,8 @@ pub enum ModuleError {
     },
     /// The kernel refused to load it.
     #[error("failed to load module {module}")]
+    #[allow(missing_docs)]
     Load {
-        /// The module.
         module: String,
         /// The syscall failure.
         #[source]
@@ -67,14 +67,12 @@ pub enum ModuleError {
     },
     /// The module is in use and was not unloaded.
     #[error("module {module} is in use (refcount > 0); not unloading it")]
-    InUse {
-        /// The module.
-        module: String,
-    },
+    #[allow(missing_docs)]
+    InUse { module: String },
     /// The kernel refused to unload it for another reason.
     #[error("failed to unload module {module}")]
+    #[allow(missing_docs)]
     Unload {
-        /// The module.
         module: String,
         /// The syscall failure.
         #[source]

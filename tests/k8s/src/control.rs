@@ -96,6 +96,7 @@ pub const BINARIES: [&str; 6] = [
 
 /// etcd, kube-apiserver, kube-controller-manager and kube-scheduler, running;
 /// each stopped when this is dropped.
+#[allow(missing_docs)]
 pub struct ControlPlane {
     /// The release's binaries.
     pub bins: PathBuf,
@@ -107,7 +108,6 @@ pub struct ControlPlane {
     pub pki: Pki,
     /// The admin's kubeconfig (`system:masters`).
     pub admin: PathBuf,
-    /// The release.
     pub release: Release,
     /// The gates it runs with.
     pub gates: Gates,

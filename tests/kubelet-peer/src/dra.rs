@@ -28,12 +28,11 @@ use tonic::transport::Channel;
 #[derive(
     Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
 )]
+#[allow(missing_docs)]
 pub struct ClaimRef {
     /// The claim's UID.
     pub uid: String,
-    /// Its namespace.
     pub namespace: String,
-    /// Its name.
     pub name: String,
 }
 

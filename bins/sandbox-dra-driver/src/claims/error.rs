@@ -8,17 +8,13 @@ use super::*;
 pub enum ClaimError {
     /// The request cannot be served as asked; nothing was touched.
     #[error("claim {claim}: {reason}")]
-    Refused {
-        /// The claim.
-        claim: String,
-        /// Why.
-        reason: String,
-    },
+    #[allow(missing_docs)]
+    Refused { claim: String, reason: String },
     /// The claim's names make no valid CDI spec or metadata file; nothing was
     /// touched.
     #[error("claim {claim}: no valid CDI spec or metadata file can be made of it")]
+    #[allow(missing_docs)]
     Unnamable {
-        /// The claim.
         claim: String,
         /// Which name, and why.
         #[source]
@@ -27,17 +23,13 @@ pub enum ClaimError {
     /// A device of the claim is not this node's to give: another pool, a name this
     /// driver does not publish, a function the resource list does not select.
     #[error("claim {claim}: {reason}")]
-    NotOurs {
-        /// The claim.
-        claim: String,
-        /// Why.
-        reason: String,
-    },
+    #[allow(missing_docs)]
+    NotOurs { claim: String, reason: String },
     /// A configuration of this driver in the claim's allocation is refused;
     /// nothing was touched.
     #[error("claim {claim}: its configuration is refused: {source}")]
+    #[allow(missing_docs)]
     Config {
-        /// The claim.
         claim: String,
         /// Which configuration, and what is wrong with it.
         #[source]
@@ -45,8 +37,8 @@ pub enum ClaimError {
     },
     /// A group of the claim is prepared for another claim; nothing was touched.
     #[error("claim {claim}: {reason}")]
+    #[allow(missing_docs)]
     Held {
-        /// The claim.
         claim: String,
         /// Which group, and the claim holding it.
         reason: String,
@@ -56,8 +48,8 @@ pub enum ClaimError {
         "claim {claim}: {} still open (a VM holds it); not giving the devices back yet",
         group_nodes(groups)
     )]
+    #[allow(missing_docs)]
     InUse {
-        /// The claim.
         claim: String,
         /// The held groups.
         groups: Vec<u32>,
@@ -65,10 +57,9 @@ pub enum ClaimError {
     /// A step failed. What was moved is put back where possible; the claim's record
     /// stays while anything of it is still on vfio, so a retry or a restart goes on.
     #[error("claim {claim}: {step}{}", after_note(after))]
+    #[allow(missing_docs)]
     Failed {
-        /// The claim.
         claim: String,
-        /// The step.
         step: &'static str,
         /// What was done about it (the rollback of a prepare), if anything.
         after: Option<String>,
@@ -126,12 +117,12 @@ pub enum ClaimStepError {
     Io(#[from] IoError),
     /// A directory could not be made or removed.
     #[error("cannot {action} {}", dir.display())]
+    #[allow(missing_docs)]
     Dir {
         /// `create`, `remove`.
         action: &'static str,
         /// The directory.
         dir: PathBuf,
-        /// Why.
         #[source]
         source: std::io::Error,
     },
@@ -270,10 +261,9 @@ pub enum DriverError {
     Claim(#[from] ClaimError),
     /// The node's PCI devices could not be read for the claim's job.
     #[error("claim {claim}: cannot scan the node's PCI devices")]
+    #[allow(missing_docs)]
     Scan {
-        /// The claim.
         claim: String,
-        /// Why.
         #[source]
         source: sysfs_pci::device::DeviceError,
     },
@@ -282,10 +272,8 @@ pub enum DriverError {
     NodeScan(#[source] sysfs_pci::device::DeviceError),
     /// kubelet unprepared the claim while this prepare was on its way.
     #[error("claim {claim}: kubelet unprepared it while this prepare was on its way; not preparing it (a new prepare will)")]
-    Unprepared {
-        /// The claim.
-        claim: String,
-    },
+    #[allow(missing_docs)]
+    Unprepared { claim: String },
     /// The call's deadline came first; the work goes on.
     #[error("not done within {within:?} ({doing}); the work goes on and a retry gets its result")]
     Late {
@@ -299,8 +287,8 @@ pub enum DriverError {
     Stopped(&'static str),
     /// The node is not this driver's (vfio-manager owns it).
     #[error("claim {claim}: not {action}: {owner}")]
+    #[allow(missing_docs)]
     NotOwner {
-        /// The claim.
         claim: String,
         /// `prepared`, `unprepared`.
         action: &'static str,

@@ -42,10 +42,9 @@ pub enum ClaimWatch {
 
 /// Where the labeller's Lease is.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(missing_docs)]
 pub struct LeaseRef {
-    /// Its namespace.
     pub namespace: String,
-    /// Its name.
     pub name: String,
 }
 

@@ -71,8 +71,8 @@ pub struct DeviceHealth {
 
 /// kubelet's health cache of one driver: devices by `pool/device`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[allow(missing_docs)]
 pub struct HealthCache {
-    /// The devices.
     pub devices: BTreeMap<String, DeviceHealth>,
 }
 
