@@ -61,8 +61,9 @@ finish() {
 trap finish EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-step "cargo fmt --check, and the import graph: no module imports one that imports it back, no crate depends on one above it in docs/layout.md"
+step "cargo fmt --check, no code line rustfmt gave up on, and the import graph: no module imports one that imports it back, no crate depends on one above it in docs/layout.md"
 cargo fmt --all -- --check
+python3 scripts/check-code-width.py
 python3 scripts/import-graph.py
 # The debug builds of the workspace, linted as they compile: clippy-driver is the
 # compiler of the workspace's own crates (what `cargo clippy` runs, here with code

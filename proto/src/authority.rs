@@ -265,7 +265,11 @@ impl Rewriter {
             };
             match new {
                 Some(new) => {
-                    tracing::trace!(from = %String::from_utf8_lossy(&value), to = %String::from_utf8_lossy(new), "rewrote :authority");
+                    tracing::trace!(
+                        from = %String::from_utf8_lossy(&value),
+                        to = %String::from_utf8_lossy(new),
+                        "rewrote :authority"
+                    );
                     put_literal(&mut block, &name, new);
                 }
                 None => put_literal(&mut block, &name, &value),

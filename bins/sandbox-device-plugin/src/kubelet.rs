@@ -337,7 +337,13 @@ async fn run(
             }
             Some(Attempt::Failed { error, sent }) => {
                 metrics.register_failed.inc();
-                tracing::warn!(resource = %resource, error = %error, retry_in = ?*delay, new_socket = sent, "cannot register with kubelet");
+                tracing::warn!(
+                    resource = %resource,
+                    error = %error,
+                    retry_in = ?*delay,
+                    new_socket = sent,
+                    "cannot register with kubelet"
+                );
                 match wait_or_command(commands, *delay).await {
                     None => *delay = (*delay * 2).min(BACKOFF.1),
                     Some(Command::Restart) => {

@@ -80,7 +80,13 @@ struct Cli {
     pod_name: String,
     /// Serve metrics at http://ADDR/metrics and readiness at http://ADDR/readyz.
     /// ADDR is IP:PORT or :PORT for every address.
-    #[arg(long, env = "VFIO_SANDBOX_METRICS_ADDRESS", value_name = "ADDR", default_value = ":9405", value_parser = endpoint::parse_address)]
+    #[arg(
+        long,
+        env = "VFIO_SANDBOX_METRICS_ADDRESS",
+        value_name = "ADDR",
+        default_value = ":9405",
+        value_parser = endpoint::parse_address
+    )]
     metrics_address: ListenAddress,
 }
 

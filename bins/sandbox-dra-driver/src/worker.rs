@@ -204,9 +204,7 @@ impl Worker {
             let mut prepare = || -> Result<Vec<PreparedDevice>, DriverError> {
                 node.claims().finish_interrupted(c)?;
                 let inv = node.scan(c)?;
-                let devices =
-                    node.claims()
-                        .prepare(
+                let devices = node.claims().prepare(
                     c,
                     claim.pod_claim_name(),
                     &claim.devices,
@@ -218,7 +216,8 @@ impl Worker {
             let answer = prepare();
             match &answer {
                 Ok(devices) => {
-                    tracing::info!(claim = %c, devices = devices.len(), took = ?started.elapsed(), "prepared")
+                    let took = started.elapsed();
+                    tracing::info!(claim = %c, devices = devices.len(), ?took, "prepared")
                 }
                 Err(e) => tracing::warn!(claim = %c, error = %error_chain(e), "prepare failed"),
             }

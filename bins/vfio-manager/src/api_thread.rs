@@ -304,8 +304,11 @@ async fn serve(
             Msg::Event(ev) => {
                 if let Some(c) = cluster.clone() {
                     posting.spawn(async move {
-                        if let Err(e) = c.cluster.node_event(ev.warning, ev.reason, ev.action, &ev.note).await {
-                            tracing::warn!(reason = ev.reason, error = %error_chain(&e), "could not post a Node event");
+                        let (warning, reason, action) = (ev.warning, ev.reason, ev.action);
+                        let posted = c.cluster.node_event(warning, reason, action, &ev.note);
+                        if let Err(e) = posted.await {
+                            let error = error_chain(&e);
+                            tracing::warn!(reason, %error, "could not post a Node event");
                         }
                     });
                 }

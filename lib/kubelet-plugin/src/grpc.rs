@@ -191,7 +191,12 @@ impl Socket {
                 match self.bind() {
                     Ok(()) => true,
                     Err(e) => {
-                        tracing::error!(socket = %self.path.display(), error = %support::error_chain(&e), "cannot serve {} again; retrying", self.what());
+                        tracing::error!(
+                            socket = %self.path.display(),
+                            error = %support::error_chain(&e),
+                            "cannot serve {} again; retrying",
+                            self.what()
+                        );
                         false
                     }
                 }

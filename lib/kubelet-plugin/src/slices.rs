@@ -718,7 +718,14 @@ impl Slices {
             } else {
                 Action::Updated
             };
-            tracing::info!(slices = %names.join(","), written = written_count, ?action, generation, devices = devices.len(), "ResourceSlices written");
+            tracing::info!(
+                slices = %names.join(","),
+                written = written_count,
+                ?action,
+                generation,
+                devices = devices.len(),
+                "ResourceSlices written"
+            );
             let created = current.iter().filter(|s| s.is_none()).count();
             return Ok(Report {
                 action,

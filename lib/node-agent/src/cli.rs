@@ -95,7 +95,14 @@ pub struct WriteArgs {
     /// the log, an Event and a metric, left out of readiness, its record kept, and no
     /// other write goes to it until the stuck one returns; the rest of the node goes
     /// on (90s, 5m, 500ms, seconds).
-    #[arg(long, env = "VFIO_SANDBOX_WRITE_TIMEOUT", global = true, default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(
+        long,
+        env = "VFIO_SANDBOX_WRITE_TIMEOUT",
+        global = true,
+        default_value = "60s",
+        value_parser = parse_duration,
+        value_name = "DURATION"
+    )]
     pub write_timeout: Duration,
 }
 

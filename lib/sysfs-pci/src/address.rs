@@ -198,7 +198,12 @@ mod tests {
             }
 
             #[test]
-            fn every_address_prints_and_parses_back(d in any::<u16>(), b in any::<u8>(), s in 0u8..32, f in 0u8..8) {
+            fn every_address_prints_and_parses_back(
+                d in any::<u16>(),
+                b in any::<u8>(),
+                s in 0u8..32,
+                f in 0u8..8,
+            ) {
                 let a = PciAddress::new(u32::from(d), b, s, f).unwrap();
                 prop_assert_eq!(a.to_string().parse::<PciAddress>(), Ok(a));
             }

@@ -118,8 +118,13 @@ impl<K: Kernel + Send + Sync + 'static> Bounded<K> {
                 if s.abandoned {
                     // Under the slot's lock, as the caller marks it: never both.
                     if let Some(was) = lock(&stuck).remove(&address) {
-                        tracing::warn!(bdf = %address, file = %path.display(), seconds = was.since.elapsed().as_secs(),
-                            ok = result.is_ok(), "a stuck sysfs write returned; the device is handled again");
+                        tracing::warn!(
+                            bdf = %address,
+                            file = %path.display(),
+                            seconds = was.since.elapsed().as_secs(),
+                            ok = result.is_ok(),
+                            "a stuck sysfs write returned; the device is handled again"
+                        );
                     }
                 } else {
                     s.result = Some(result);

@@ -507,7 +507,9 @@ mod tests {
             }
 
             #[test]
-            fn attribute_parsers_never_panic_on_lossy_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            fn attribute_parsers_never_panic_on_lossy_bytes(
+                bytes in proptest::collection::vec(any::<u8>(), 0..64),
+            ) {
                 let text = String::from_utf8_lossy(&bytes);
                 let _ = parse_hex(&text);
                 let _ = parse_numa_node(&text);
@@ -516,7 +518,10 @@ mod tests {
             }
 
             #[test]
-            fn parsers_read_back_what_the_kernel_prints(v in any::<u32>(), n in 0..=i64::from(u32::MAX)) {
+            fn parsers_read_back_what_the_kernel_prints(
+                v in any::<u32>(),
+                n in 0..=i64::from(u32::MAX),
+            ) {
                 prop_assert_eq!(parse_hex(&format!("0x{v:04x}\n")), Some(v));
                 prop_assert_eq!(parse_numa_node(&format!("{n}\n")), Some(u32::try_from(n).ok()));
                 prop_assert_eq!(parse_decimal(&v.to_string()), Some(v));
@@ -533,7 +538,8 @@ mod tests {
                 let node = FakeNode::new(dir.path());
                 let address: PciAddress = "0000:01:00.0".parse().unwrap();
                 node.add_device(&FakeDevice::new("0000:01:00.0", 0x8086, 0x10d3, 0x02_0000).group(3));
-                std::fs::write(node.canonical_dir(&address).join(ATTRIBUTES[which]), &bytes).unwrap();
+                let file = node.canonical_dir(&address).join(ATTRIBUTES[which]);
+                std::fs::write(file, &bytes).unwrap();
                 let path = node.host.device_dir(&address).join(ATTRIBUTES[which]);
                 match PciDevice::read(&node.host, &address) {
                     Ok(d) => prop_assert_eq!(d.address, address),

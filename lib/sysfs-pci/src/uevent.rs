@@ -144,7 +144,9 @@ mod tests {
 
     proptest::proptest! {
         #[test]
-        fn hostile_messages_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300)) {
+        fn hostile_messages_never_panic(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+        ) {
             let mut events = PciEvents::default();
             events.note(&bytes);
             let _ = pci_address(&bytes);

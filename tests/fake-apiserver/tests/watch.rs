@@ -649,9 +649,8 @@ mod kube_watcher {
             let name = format!("s{i}");
             let started = Instant::now();
             s.put(&paths::resourceslice(&name), slice(&name, "node-a"));
-            assert!(
-                matches!(next(&mut events).await.unwrap(), Event::Apply(x) if x.metadata.name.as_deref() == Some(name.as_str()))
-            );
+            assert!(matches!(next(&mut events).await.unwrap(),
+                    Event::Apply(x) if x.metadata.name.as_deref() == Some(name.as_str())));
             took.push(started.elapsed());
         }
         took.sort();

@@ -372,62 +372,88 @@ mod changes {
         /// device for a uevent, the group for a /dev/vfio event) leaves the
         /// tracker where a full rescan would.
         #[test]
-        fn refreshing_what_the_events_name_equals_a_rescan(steps in prop::collection::vec(change(), 1..12)) {
-            let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
-            let node = FakeNode::new(dir.path());
-            for drv in ["vfio-pci", "e1000e", "snd_hda_intel"] {
-                node.add_driver(drv);
-            }
-            for (i, a) in DEVICES.iter().enumerate() {
-                let id = if i == 1 { 0x1234 } else { 0x10d3 };
-                node.add_device(&FakeDevice::new(a, 0x8086, id, 0x02_0000).driver("vfio-pci").group(GROUPS[i]));
-            }
-            let list = ResourceList::parse(LIST).unwrap();
-            let (mut partial, mut full) = (Tracker::default(), Tracker::default());
-            partial.rescan(&node.host, &list).unwrap();
-            full.rescan(&node.host, &list).unwrap();
-            let mut gone = BTreeSet::new();
-            for step in steps {
-                let index = match step { Change::Attach(i, _) | Change::Detach(i) | Change::DropNode(i) | Change::Remove(i) => i };
-                if gone.contains(&index) {
-                    continue;
-                }
-                let address: PciAddress = DEVICES[index].parse().unwrap();
-                let (mut addresses, mut groups) = (BTreeSet::new(), BTreeSet::new());
-                match step {
-                    Change::Attach(_, drv) => { node.attach(&address, drv); addresses.insert(address); groups.insert(GROUPS[index]); }
-                    Change::Detach(_) => { node.detach(&address); addresses.insert(address); groups.insert(GROUPS[index]); }
-                    Change::DropNode(_) => { let _ = std::fs::remove_file(node.host.vfio_group_node(GROUPS[index])); groups.insert(GROUPS[index]); }
-                    Change::Remove(_) => { node.remove_device(&address); gone.insert(index); addresses.insert(address); groups.insert(GROUPS[index]); }
-                }
-                let got = partial.refresh(&node.host, &list, &addresses, &groups).unwrap();
-                let want = full.rescan(&node.host, &list).unwrap();
-                prop_assert_eq!(got, want, "after {:?}", step);
-            }
+        fn refreshing_what_the_events_name_equals_a_rescan(
+            steps in prop::collection::vec(change(), 1..12),
+        ) {
+            refresh_equals_rescan(steps)?;
         }
     }
-}
 
-/// The ID is the address as its `Display` writes it, whatever the address.
-#[test]
-fn the_id_is_the_canonical_address() {
-    for (domain, bus, slot, function) in [
-        (0, 0, 0, 0),
-        (0, 0x3b, 0x1f, 7),
-        (0xabcd, 0xff, 0x0a, 3),
-        (0xffff, 0x10, 0x01, 1),
-        (0x1_0000, 0x01, 0x02, 0),
-    ] {
-        let address = PciAddress::new(domain, bus, slot, function).unwrap();
-        let d = DeviceState {
-            address,
-            group: None,
-            numa_node: None,
-            bridge: None,
-            cdev: None,
-            no_cdev_kernel: false,
-            problem: None,
-        };
-        assert_eq!(d.id(), address.to_string());
+    /// The ID is the address as its `Display` writes it, whatever the address.
+    #[test]
+    fn the_id_is_the_canonical_address() {
+        for (domain, bus, slot, function) in [
+            (0, 0, 0, 0),
+            (0, 0x3b, 0x1f, 7),
+            (0xabcd, 0xff, 0x0a, 3),
+            (0xffff, 0x10, 0x01, 1),
+            (0x1_0000, 0x01, 0x02, 0),
+        ] {
+            let address = PciAddress::new(domain, bus, slot, function).unwrap();
+            let d = DeviceState {
+                address,
+                group: None,
+                numa_node: None,
+                bridge: None,
+                cdev: None,
+                no_cdev_kernel: false,
+                problem: None,
+            };
+            assert_eq!(d.id(), address.to_string());
+        }
+    }
+
+    /// Applies `steps` to a fake node and, after each, compares a refresh of what it
+    /// names with a full rescan.
+    fn refresh_equals_rescan(steps: Vec<Change>) -> Result<(), TestCaseError> {
+        let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
+        let node = FakeNode::new(dir.path());
+        for drv in ["vfio-pci", "e1000e", "snd_hda_intel"] {
+            node.add_driver(drv);
+        }
+        for (i, a) in DEVICES.iter().enumerate() {
+            let id = if i == 1 { 0x1234 } else { 0x10d3 };
+            let device = FakeDevice::new(a, 0x8086, id, 0x02_0000).driver("vfio-pci");
+            node.add_device(&device.group(GROUPS[i]));
+        }
+        let list = ResourceList::parse(LIST).unwrap();
+        let (mut partial, mut full) = (Tracker::default(), Tracker::default());
+        partial.rescan(&node.host, &list).unwrap();
+        full.rescan(&node.host, &list).unwrap();
+        let mut gone = BTreeSet::new();
+        for step in steps {
+            let index = match step {
+                Change::Attach(i, _)
+                | Change::Detach(i)
+                | Change::DropNode(i)
+                | Change::Remove(i) => i,
+            };
+            if gone.contains(&index) {
+                continue;
+            }
+            let address: PciAddress = DEVICES[index].parse().unwrap();
+            let group = GROUPS[index];
+            let (mut addresses, groups) = (BTreeSet::new(), BTreeSet::from([group]));
+            match step {
+                Change::Attach(_, drv) => node.attach(&address, drv),
+                Change::Detach(_) => node.detach(&address),
+                Change::DropNode(_) => {
+                    let _ = std::fs::remove_file(node.host.vfio_group_node(group));
+                }
+                Change::Remove(_) => {
+                    node.remove_device(&address);
+                    gone.insert(index);
+                }
+            }
+            if !matches!(step, Change::DropNode(_)) {
+                addresses.insert(address);
+            }
+            let got = partial
+                .refresh(&node.host, &list, &addresses, &groups)
+                .unwrap();
+            let want = full.rescan(&node.host, &list).unwrap();
+            prop_assert_eq!(got, want, "after {:?}", step);
+        }
+        Ok(())
     }
 }

@@ -81,7 +81,13 @@ pub struct Args {
     /// pod runs, and a pod killed mid-restore comes back to finish it. Whether the
     /// node is in VM mode is judged without this label. Needs NODE_NAME, POD_NAME,
     /// POD_NAMESPACE and `patch` on nodes. Empty: no label (restore on SIGTERM only).
-    #[arg(long, env = "VFIO_MANAGER_RESTORE_LABEL", default_value = DEFAULT_RESTORE_LABEL, value_name = "KEY", value_parser = parse_label_key)]
+    #[arg(
+        long,
+        env = "VFIO_MANAGER_RESTORE_LABEL",
+        default_value = DEFAULT_RESTORE_LABEL,
+        value_name = "KEY",
+        value_parser = parse_label_key
+    )]
     restore_label: String,
 }
 

@@ -1,6 +1,8 @@
 //! Tests of the alias matcher: the glob against the C library's own `fnmatch` (what
 //! kmod calls), the choice among competing aliases, and hostile `modules.alias` files.
 
+use std::io::ErrorKind::NotFound;
+
 use super::*;
 use proptest::prelude::*;
 
@@ -128,7 +130,10 @@ proptest! {
     /// A modalias-shaped pattern with some fields left open agrees too, and matches
     /// the modalias it was made from.
     #[test]
-    fn modalias_patterns_agree_with_libc(fields in proptest::collection::vec(any::<bool>(), 7), ids in proptest::collection::vec(any::<u16>(), 7)) {
+    fn modalias_patterns_agree_with_libc(
+        fields in proptest::collection::vec(any::<bool>(), 7),
+        ids in proptest::collection::vec(any::<u16>(), 7),
+    ) {
         let names = ["v", "d", "sv", "sd", "bc", "sc", "i"];
         let mut name = String::from("vfio_pci:");
         let mut pattern = String::from("vfio_pci:");
@@ -265,9 +270,7 @@ fn reading_refuses_what_is_not_a_small_regular_file() {
         dir.path().join("lib/modules"),
     );
     let err = AliasTable::read(&host, "6.12.0").unwrap_err();
-    assert!(
-        matches!(&err, AliasError::Read { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
-    );
+    assert!(matches!(&err, AliasError::Read { source, .. } if source.kind() == NotFound));
     assert!(
         err.to_string().contains("lib/modules/6.12.0/modules.alias"),
         "{err}"

@@ -1,5 +1,7 @@
 //! Reading a resource list from a file, and hostile documents.
 
+use std::io::ErrorKind;
+
 use super::*;
 
 #[test]
@@ -30,9 +32,8 @@ fn load_errors_name_the_file() {
         format!("failed to read resource list {}", missing.display())
     );
     assert_eq!(error.file(), Some(missing.as_path()));
-    assert!(
-        matches!(&error, ConfigError::ReadFile { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
-    );
+    let not_found = |e: &std::io::Error| e.kind() == ErrorKind::NotFound;
+    assert!(matches!(&error, ConfigError::ReadFile { source, .. } if not_found(source)));
 
     let path = dir.path().join("resources.json");
     std::fs::write(
@@ -136,7 +137,7 @@ fn load_caps_the_file_size() {
     std::fs::write(&path, b"{\"preset\": \"\xff\"}").unwrap();
     assert!(matches!(
         ResourceList::load(Some(&path)),
-        Err(ConfigError::ReadFile { source, .. }) if source.kind() == std::io::ErrorKind::InvalidData
+        Err(ConfigError::ReadFile { source, .. }) if source.kind() == ErrorKind::InvalidData
     ));
 }
 
