@@ -34,8 +34,10 @@ pub enum Command {
     Stop,
 }
 
-/// First and longest wait between registration attempts.
-const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(10));
+/// The first wait between registration attempts.
+const BACKOFF_FIRST: Duration = Duration::from_millis(100);
+/// The longest wait between registration attempts.
+const BACKOFF_MAX: Duration = Duration::from_secs(10);
 /// How long a broken ListAndWatch stream may stay without a successor before we
 /// register again (kubelet opens the new stream right after Register).
 const STREAM_GRACE: Duration = Duration::from_millis(500);
@@ -224,7 +226,7 @@ pub async fn serve_resource(
     let metrics = settings.metrics.resource(&resource);
     let mut serial = 0;
     // Kept across sockets: a kubelet refusing every Register is not hammered.
-    let mut delay = BACKOFF.0;
+    let mut delay = BACKOFF_FIRST;
     loop {
         serial += 1;
         let name = socket_name(&resource, serial);
@@ -235,7 +237,7 @@ pub async fn serve_resource(
             start_server(&resource, &settings, &path, streams.clone(), &metrics)
         else {
             // Could not bind (directory missing?): try again shortly.
-            match wait_or_command(&mut commands, BACKOFF.1).await {
+            match wait_or_command(&mut commands, BACKOFF_MAX).await {
                 Some(Command::Stop) => return,
                 _ => continue,
             }
@@ -321,7 +323,7 @@ async fn run(
                     SocketChange::FreshSocket => return End::FreshSocket,
                     SocketChange::RetryNow | SocketChange::Ignore => {
                         tracing::info!(resource = %resource, "another kubelet is serving; registering with it");
-                        *delay = BACKOFF.0;
+                        *delay = BACKOFF_FIRST;
                     }
                 }
             }
@@ -329,7 +331,7 @@ async fn run(
                 metrics.registered.inc();
                 tracing::info!(resource = %resource, endpoint = %served.name, "registered with kubelet");
                 served.registered_with = target;
-                *delay = BACKOFF.0;
+                *delay = BACKOFF_FIRST;
                 match watch_registration(resource, dir, served, commands).await {
                     Some(end) => return end,
                     None => continue, // the stream broke, this kubelet still serves
@@ -345,13 +347,13 @@ async fn run(
                     "cannot register with kubelet"
                 );
                 match wait_or_command(commands, *delay).await {
-                    None => *delay = (*delay * 2).min(BACKOFF.1),
+                    None => *delay = (*delay * 2).min(BACKOFF_MAX),
                     Some(Command::Restart) => {
                         if served.assess(dir, target) == SocketChange::FreshSocket {
                             return End::FreshSocket;
                         }
                         // kubelet.sock appeared or came back: try now.
-                        *delay = BACKOFF.0;
+                        *delay = BACKOFF_FIRST;
                     }
                     Some(Command::Stop) => return End::Stop,
                 }
@@ -363,7 +365,7 @@ async fn run(
                 // The attempt went to a kubelet that is no longer there; the new
                 // one has not seen this socket's name.
                 tracing::info!(resource = %resource, "another kubelet is serving; registering with it");
-                *delay = BACKOFF.0;
+                *delay = BACKOFF_FIRST;
             }
         }
     }

@@ -54,8 +54,10 @@ pub(crate) trait Calls: Send + Sync + 'static {
 
 /// Events that arrive together are handled as one check.
 const SETTLE: Duration = Duration::from_millis(20);
-/// Resync for what inotify cannot see, and the polling period without inotify.
-const RESYNC: (Duration, Duration) = (Duration::from_secs(5), Duration::from_millis(500));
+/// Resync for what inotify cannot see.
+const RESYNC_WITH_EVENTS: Duration = Duration::from_secs(5);
+/// The polling period without inotify.
+const RESYNC_POLLING: Duration = Duration::from_millis(500);
 
 /// Serves registration and both DRA versions until `shutdown` completes, then
 /// removes our sockets (registration first, so kubelet stops using the driver
@@ -84,7 +86,11 @@ pub(crate) async fn serve(
     let mut events = dir_events(&dirs);
     tokio::pin!(shutdown);
     loop {
-        let resync = if events.is_some() { RESYNC.0 } else { RESYNC.1 };
+        let resync = if events.is_some() {
+            RESYNC_WITH_EVENTS
+        } else {
+            RESYNC_POLLING
+        };
         tokio::select! {
             _ = &mut shutdown => break,
             _ = tokio::time::sleep(resync) => {}

@@ -37,8 +37,10 @@ use sysfs_pci::{uevent, Host, PciAddress};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
-/// Default resync with uevents (events carry the changes) and without (polling must).
-pub const DEFAULT_RESYNC: (Duration, Duration) = (Duration::from_secs(30), Duration::from_secs(1));
+/// Default resync with uevents: the events carry the changes.
+pub const DEFAULT_RESYNC_WITH_EVENTS: Duration = Duration::from_secs(30);
+/// Default resync without uevents: polling must see every change.
+pub const DEFAULT_RESYNC_POLLING: Duration = Duration::from_secs(1);
 
 /// More functions and groups than this in one batch read as a whole-node rescan.
 pub const MAX_PARTIAL: usize = 64;
@@ -75,7 +77,7 @@ impl Changes {
 /// How to watch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Options {
-    /// The resync period; `None`: [`DEFAULT_RESYNC`] (with or without uevents).
+    /// The resync period; `None`: [`DEFAULT_RESYNC_WITH_EVENTS`] or [`DEFAULT_RESYNC_POLLING`].
     pub resync: Option<Duration>,
     /// Open the kernel uevent socket (tests of fake trees turn it off).
     pub uevents: bool,
@@ -345,9 +347,9 @@ fn resync_period<U: Holder<OwnedFd>, V: Holder<Inotify>>(
     sources: &Sources<U, V>,
 ) -> Duration {
     options.resync.unwrap_or(if sources.has_uevents() {
-        DEFAULT_RESYNC.0
+        DEFAULT_RESYNC_WITH_EVENTS
     } else {
-        DEFAULT_RESYNC.1
+        DEFAULT_RESYNC_POLLING
     })
 }
 

@@ -884,8 +884,12 @@ pub fn gpu_address(i: usize) -> PciAddress {
         .unwrap_or_else(|| panic!("address {i}"))
 }
 
-/// NVIDIA H100 PCIe (3D controller), as the PCI ID database names it.
-pub const GPU: (u16, u16, u32) = (0x10de, 0x2331, 0x03_0200);
+/// NVIDIA's vendor id.
+const NVIDIA: u16 = 0x10de;
+/// H100 PCIe, as the PCI ID database names it.
+const H100_PCIE: u16 = 0x2331;
+/// A 3D controller's class.
+const CLASS_3D: u32 = 0x03_0200;
 
 /// IOMMU group of GPU `i`.
 pub fn gpu_group(i: usize) -> u32 {
@@ -905,7 +909,7 @@ pub fn gpu_node(root: &Path, n: usize) -> FakeNode {
         let a = gpu_address(i);
         let bridge = format!("0000:00:{:02x}.0", (i % 8) + 1);
         node.add_device(
-            &FakeDevice::new(&a.to_string(), GPU.0, GPU.1, GPU.2)
+            &FakeDevice::new(&a.to_string(), NVIDIA, H100_PCIE, CLASS_3D)
                 .driver("vfio-pci")
                 .group(gpu_group(i))
                 .numa((i % 2) as i32)

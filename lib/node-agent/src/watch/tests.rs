@@ -152,7 +152,7 @@ fn without_uevents_the_default_resync_is_the_polling_one() {
             },
         );
         assert!(!w.has_uevents());
-        assert_eq!(w.resync(), DEFAULT_RESYNC.1);
+        assert_eq!(w.resync(), DEFAULT_RESYNC_POLLING);
     });
 }
 
