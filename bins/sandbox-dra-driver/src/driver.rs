@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kubelet_plugin::{
-    Answers, Call, CallKind, Claim, ClaimError, ClaimRef, Fields, HealthReports, Offer,
+    Answers, Call, CallKind, Claim, ClaimError, ClaimRef, HealthReports, KeptFields, Offer,
     PreparedDevice, PublishError, Published, Republish,
 };
 use node_agent::cluster::Cluster;
@@ -98,7 +98,7 @@ impl kubelet_plugin::Driver for VfioDriver {
     /// unpreparable) carries a taint, or is left out where the API server drops
     /// taints; one whose group leaves a native driver carries the binding
     /// conditions, where kept.
-    fn devices(&self, fields: Fields) -> Result<Offer, DriverError> {
+    fn devices(&self, fields: KeptFields) -> Result<Offer, DriverError> {
         if let Some(why) = support::lock(&self.owner_lost).clone() {
             return Ok(Offer::withdrawn(why));
         }

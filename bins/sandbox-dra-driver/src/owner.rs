@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::programs::{DRA_DRIVER, VFIO_MANAGER};
-use kubelet_plugin::{Answers, Claim, ClaimRef, Fields, Offer, Plugin, PreparedDevice};
+use kubelet_plugin::{Answers, Claim, ClaimRef, KeptFields, Offer, Plugin, PreparedDevice};
 use passthrough::owner::{Contender, Owner, OwnerError};
 use support::error_chain;
 use tokio::signal::unix::{signal, SignalKind};
@@ -157,7 +157,7 @@ impl kubelet_plugin::Driver for Refusing {
     }
 
     /// Never asked: nothing is published while the node is not ours.
-    fn devices(&self, _fields: Fields) -> Result<Offer, DriverError> {
+    fn devices(&self, _fields: KeptFields) -> Result<Offer, DriverError> {
         Ok(Offer::default())
     }
 }

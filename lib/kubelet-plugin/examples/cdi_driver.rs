@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use k8s_openapi::api::resource::v1::Device;
 use kubelet_plugin::{
-    Answers, Claim, ClaimRef, Clients, Config, Driver, Fields, Offer, Plugin, PreparedDevice,
+    Answers, Claim, ClaimRef, Clients, Config, Driver, KeptFields, Offer, Plugin, PreparedDevice,
 };
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -173,7 +173,7 @@ impl Driver for CdiDriver {
         self.each(claims, |c| &c.uid, Self::unprepare_one).await
     }
 
-    fn devices(&self, _fields: Fields) -> Result<Offer, CdiError> {
+    fn devices(&self, _fields: KeptFields) -> Result<Offer, CdiError> {
         let devices = (0..self.0.devices).map(|i| Device {
             name: format!("dev-{i}"),
             ..Device::default()

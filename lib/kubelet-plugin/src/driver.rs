@@ -31,7 +31,7 @@ pub struct PreparedDevice {
 /// server that predates them), then off for the life of the process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Fields {
+pub struct KeptFields {
     /// `taints` (gate `DRADeviceTaints`).
     pub taints: bool,
     /// `bindingConditions`, `bindingFailureConditions` and `bindsToNode` (gates
@@ -42,7 +42,7 @@ pub struct Fields {
     pub counters: bool,
 }
 
-impl Default for Fields {
+impl Default for KeptFields {
     fn default() -> Self {
         Self {
             taints: true,
@@ -131,7 +131,7 @@ pub trait Driver: Send + Sync + 'static {
     /// only the `fields` the API server keeps. Called on a blocking thread at every
     /// publication pass: the plugin pulls the list (Go's `Helper` is pushed one by
     /// `PublishResources` and keeps it), so it is never older than the pass.
-    fn devices(&self, fields: Fields) -> Result<Offer, Self::Error>;
+    fn devices(&self, fields: KeptFields) -> Result<Offer, Self::Error>;
 
     /// Device health, streamed to kubelet (`DRAResourceHealth`); `None` serves no
     /// health service and advertises none.

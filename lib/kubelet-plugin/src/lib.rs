@@ -19,7 +19,7 @@
 //!   retried, restored within moments when someone else deletes or changes them
 //!   (kubelet's wipes), counter sets laid out as the server's version wants them,
 //!   and the newer device fields (taints, binding conditions, counters) left out
-//!   once the API server shows it drops them ([`Fields`]);
+//!   once the API server shows it drops them ([`KeptFields`]);
 //! - **health**: the driver's reports streamed to kubelet (`DRAResourceHealth` v1
 //!   and v1alpha1), resent before kubelet would time them out;
 //! - **readiness**: a ready file kept while kubelet has accepted the registration
@@ -49,7 +49,7 @@
 //!   someone else changed or deleted the slices (kubelet wipes them when it starts).
 //!   So what is published is what the driver says now, never a copy older than
 //!   the device it describes, and the newer device fields the API server drops
-//!   are left out at the source ([`Fields`]) instead of being written and lost.
+//!   are left out at the source ([`KeptFields`]) instead of being written and lost.
 //! - **Readiness and health are part of it.** `Helper` leaves readiness to the
 //!   driver; here a ready file follows registration and publication ([`probe`]),
 //!   and [`Driver::health`] is streamed to kubelet without more code.
@@ -68,7 +68,7 @@
 //!
 //! use k8s_openapi::api::resource::v1::Device;
 //! use kubelet_plugin::{
-//!     Answers, Claim, ClaimRef, Clients, Config, Driver, Fields, Offer, Plugin, PreparedDevice,
+//!     Answers, Claim, ClaimRef, Clients, Config, Driver, KeptFields, Offer, Plugin, PreparedDevice,
 //! };
 //!
 //! const DRIVER: &str = "example.com";
@@ -117,7 +117,7 @@
 //!         claims.into_iter().map(|c| (c.uid, Ok(()))).collect()
 //!     }
 //!
-//!     fn devices(&self, _fields: Fields) -> Result<Offer, Unknown> {
+//!     fn devices(&self, _fields: KeptFields) -> Result<Offer, Unknown> {
 //!         let devices = ["dev-0", "dev-1"].map(|name| Device {
 //!             name: name.into(),
 //!             ..Device::default()
@@ -167,7 +167,7 @@ pub use claim::{
 };
 pub use config::{Config, ConfigError, KUBELET_CALL_TIMEOUT};
 pub use driver::{
-    Answers, Call, CallKind, ClaimError, Driver, Fields, Offer, PreparedDevice, PublishError,
+    Answers, Call, CallKind, ClaimError, Driver, KeptFields, Offer, PreparedDevice, PublishError,
     Published,
 };
 pub use health::{DeviceHealth, Health, HealthReports};

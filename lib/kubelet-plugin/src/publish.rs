@@ -26,7 +26,7 @@ use support::error_chain;
 use tokio::sync::Notify;
 use tokio_stream::StreamExt;
 
-use crate::driver::{Driver, Fields, Offer, PublishError, Published};
+use crate::driver::{Driver, KeptFields, Offer, PublishError, Published};
 use crate::ready::Readiness;
 use crate::slices::Slices;
 
@@ -174,8 +174,8 @@ impl<D: Driver> Publisher<D> {
         support::lock(&self.seen.ours).contains(&key)
     }
 
-    fn fields(&self) -> Fields {
-        Fields {
+    fn fields(&self) -> KeptFields {
+        KeptFields {
             taints: !self.seen.taints_dropped.load(SeqCst),
             binding_conditions: !self.seen.binding_dropped.load(SeqCst),
             counters: !self.seen.counters_dropped.load(SeqCst),

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use fake_apiserver::objects::{self, DeviceResult};
 use fake_apiserver::{paths, FakeApiServer};
 use kubelet_peer::dra::{self, ClaimRef, Dra, PreparedDevice, Version};
-use kubelet_plugin::{Answers, Claim, Clients, Config, Fields, Offer, Plugin, ServeError};
+use kubelet_plugin::{Answers, Claim, Clients, Config, KeptFields, Offer, Plugin, ServeError};
 use tokio::sync::oneshot;
 
 const DRIVER: &str = "vfio-sandbox.rebellions.ai";
@@ -110,7 +110,7 @@ impl kubelet_plugin::Driver for Recorder {
             .collect()
     }
 
-    fn devices(&self, _fields: Fields) -> Result<Offer, Refusal> {
+    fn devices(&self, _fields: KeptFields) -> Result<Offer, Refusal> {
         Ok(Offer::default())
     }
 }
