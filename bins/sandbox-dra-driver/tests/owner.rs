@@ -523,3 +523,23 @@ async fn a_deleted_lock_is_taken_again_at_once_by_its_holder() {
     assert!(ready.exists(), "still ready");
     stop(&mut manager);
 }
+
+/// Each binary names the other's default state file (neither library does), and
+/// the chart mounts them at those defaults: vfio-manager's own defaults, as its
+/// `--help` says them, are the ones this driver reads and writes.
+#[test]
+fn the_two_binaries_agree_on_each_others_state_files() {
+    use sandbox_dra_driver::programs::{STATE_FILE, VFIO_MANAGER_STATE_FILE};
+    let out = std::process::Command::new(vfio_manager_binary())
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8(out.stdout).unwrap();
+    let default_of = |flag: &str| {
+        let after = &help[help.find(&format!("  {flag} <FILE>")).unwrap()..];
+        let at = after.find("[default: ").unwrap() + "[default: ".len();
+        after[at..].split(']').next().unwrap().to_owned()
+    };
+    assert_eq!(default_of("--state-file"), VFIO_MANAGER_STATE_FILE);
+    assert_eq!(default_of("--dra-state-file"), STATE_FILE);
+}
