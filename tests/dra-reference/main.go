@@ -10,7 +10,9 @@
 // (required), DRIVER_NAME (cdi.example.com), DEVICES (8), CDI_DIR
 // (/var/run/cdi), KUBELET_DIR (/var/lib/kubelet); the API server from
 // KUBECONFIG or the pod's service account. The Helper's defaults are kept
-// (calls serialized, as the field runs them). SIGINT or SIGTERM stops it.
+// (calls serialized, as the field runs them), and so are client-go's (at most
+// 5 requests a second in bursts of 10, rest.Config's QPS and Burst: every
+// prepare reads its claim). SIGINT or SIGTERM stops it.
 package main
 
 import (
@@ -110,7 +112,9 @@ func (d *driver) prepareOne(claim *resourceapi.ResourceClaim) kubeletplugin.Prep
 		if !d.ours(r.Device) {
 			return kubeletplugin.PrepareResult{Err: fmt.Errorf("device %s is not one of this driver's", r.Device)}
 		}
-		name := fmt.Sprintf("%s-%s", claim.UID, r.Device)
+		// The device first: a name starting with a digit (as a uid may)
+		// needs cdiVersion 0.5.0.
+		name := fmt.Sprintf("%s-%s", r.Device, claim.UID)
 		variable := "DEVICE_" + strings.ToUpper(strings.ReplaceAll(r.Device, "-", "_"))
 		spec.Devices = append(spec.Devices, cdiDevice{
 			Name:           name,

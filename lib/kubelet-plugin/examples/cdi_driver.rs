@@ -84,7 +84,9 @@ impl CdiDriver {
             if !ours {
                 return Err(CdiError::Unknown(d.device.clone()));
             }
-            let name = format!("{uid}-{}", d.device);
+            // The device first: a name starting with a digit (as a uid may)
+            // needs cdiVersion 0.5.0.
+            let name = format!("{}-{uid}", d.device);
             let variable = format!("DEVICE_{}", d.device.replace('-', "_").to_uppercase());
             specs.push(serde_json::json!({
                 "name": name,

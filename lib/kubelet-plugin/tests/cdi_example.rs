@@ -142,13 +142,24 @@ fn the_cdi_example_publishes_prepares_with_a_spec_and_unprepares() {
     assert_eq!(
         ids,
         [
-            format!("{kind}={}-dev-1", claim.uid),
-            format!("{kind}={}-dev-3", claim.uid)
+            format!("{kind}=dev-1-{}", claim.uid),
+            format!("{kind}=dev-3-{}", claim.uid)
         ]
     );
     assert_eq!(spec_text.len(), 1, "one spec for the claim: {spec_text:?}");
     let spec: serde_json::Value = serde_json::from_str(&spec_text[0]).unwrap();
     assert_eq!(spec["kind"], kind.as_str());
+    // A name that starts with a digit (a uid may) needs cdiVersion 0.5.0, and
+    // containerd refuses the whole spec otherwise (specs-go version.go,
+    // requiresV050).
+    assert_eq!(spec["cdiVersion"], "0.3.0");
+    for d in spec["devices"].as_array().unwrap() {
+        let name = d["name"].as_str().unwrap();
+        assert!(
+            name.starts_with(|c: char| c.is_ascii_alphabetic()),
+            "{name}"
+        );
+    }
     assert_eq!(
         spec["devices"][1]["containerEdits"]["env"][0],
         "DEVICE_DEV_3=dev-3"
