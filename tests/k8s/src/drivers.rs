@@ -17,12 +17,15 @@ use crate::pcicore::PciCore;
 use crate::pki::kubeconfig;
 use crate::proc::{wait_for, Proc};
 
-/// The DRA driver's name (the shipped default) and the namespace the scenarios install the chart's DRA values in.
+/// The DRA driver's name (the shipped default).
 pub const DRIVER: &str = "vfio-sandbox.rebellions.ai";
+/// The namespace the scenarios install the chart's DRA values in.
 pub const DRIVER_NS: &str = "vfio-sandbox-dra";
+/// The DRA driver's ServiceAccount there.
 pub const DRIVER_SA: &str = "sandbox-dra-driver";
 /// The resource the `rebellions` preset names Rebellions ATOM CA22 (0x1eff:0x1220).
 pub const CA22: &str = "rebellions.ai/ATOM_CA22_PT";
+/// The DeviceClass the chart makes of that resource.
 pub const CA22_CLASS: &str = "atom-ca22-pt.vfio-sandbox.rebellions.ai";
 
 /// The repository's root (manifests, binaries).
@@ -37,8 +40,11 @@ pub fn repo() -> PathBuf {
 /// (`rebellions`) registered, and a PCI core that moves them when a driver
 /// writes the sysfs attributes ([`PciCore`]).
 pub struct Host {
+    /// Where its `sys`, `dev` and `lib/modules` are.
     pub dir: PathBuf,
+    /// The fake tree.
     pub fake: FakeNode,
+    /// The mounted attributes that act when written.
     pub core: PciCore,
 }
 
@@ -53,9 +59,11 @@ pub const NPUS: &[(&str, u32)] = &[("0000:41:00.0", 21), ("0000:42:00.0", 22)];
 /// and selected by no shipped resource list (only `dra-group-unsplittable`
 /// selects them).
 pub const PAIR: [&str; 2] = ["0000:43:00.0", "0000:43:00.1"];
+/// Their IOMMU group.
 pub const PAIR_GROUP: u32 = 23;
 
 impl Host {
+    /// Makes the fake tree in `dir` and mounts its PCI core.
     pub fn create(dir: &Path) -> Result<Self> {
         let fake = FakeNode::new(dir);
         fake.add_driver("vfio-pci");
@@ -253,7 +261,9 @@ pub fn shipped_config(plane: &ControlPlane) -> Result<PathBuf> {
 
 /// A running DRA driver.
 pub struct DraDriver {
+    /// Its process.
     pub proc: Proc,
+    /// Its state file.
     pub state: PathBuf,
 }
 

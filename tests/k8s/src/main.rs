@@ -10,10 +10,6 @@
 //! Needs root (kubelet, containerd and runc), Debian's runc, busybox-static and
 //! containernetworking-plugins, and openssl.
 
-mod drivers;
-
-mod node;
-mod pcicore;
 mod scenarios;
 
 use std::os::unix::fs::PermissionsExt;
@@ -22,7 +18,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use real_k8s::{control, pki, proc};
+use real_k8s::{control, drivers, node, proc};
 
 use control::{ControlPlane, Gates, Release};
 
@@ -104,7 +100,7 @@ fn main() {
     };
     // A mount namespace of our own before any thread starts: the fake PCI
     // core's mounts end with the harness, whatever way it ends.
-    if let Err(e) = own_mount_namespace() {
+    if let Err(e) = proc::own_mount_namespace() {
         eprintln!("real-k8s: {e:#}");
         std::process::exit(1);
     }
@@ -180,21 +176,6 @@ fn check_inputs(cli: &Cli) -> Result<Release> {
         bail!("no executable {}", missing.join(", "));
     }
     Ok(release)
-}
-
-fn own_mount_namespace() -> Result<()> {
-    use nix::mount::{mount, MsFlags};
-    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
-        .context("unshare(CLONE_NEWNS): the harness needs root")?;
-    mount(
-        None::<&str>,
-        "/",
-        None::<&str>,
-        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
-        None::<&str>,
-    )
-    .context("making / private in the harness's mount namespace")?;
-    Ok(())
 }
 
 fn run(cli: &Cli, release: Release) -> Result<bool> {

@@ -33,7 +33,7 @@ use crate::control::{feature_gates, ControlPlane, KUBELET_TOKEN};
 use crate::pki::kubeconfig;
 use crate::proc::{free_port, run, wait_for, Proc};
 
-pub use real_k8s::image::{BUSYBOX, PAUSE};
+pub use crate::image::{BUSYBOX, PAUSE};
 
 /// containerd's binaries the run needs, in `--containerd-bins` (containerd finds
 /// its shim there, on PATH).
@@ -50,11 +50,18 @@ const SYSCTLS: &[(&str, &str)] = &[
     ("kernel/keys/root_maxbytes", "25000000"),
 ];
 
+/// The running node: its namespace holder, containerd and kubelet, stopped and
+/// cleaned up (cgroups, shims) when dropped.
 pub struct Node {
+    /// The Node's name (the control plane's).
     pub name: String,
+    /// The scratch directory everything of the node lives in.
     pub dir: PathBuf,
+    /// Where containerd, its shim and ctr are.
     pub containerd_bins: PathBuf,
+    /// The cgroup (in every hierarchy) pods run under.
     pub cgroup_root: String,
+    /// kubelet's HTTPS port (`/metrics`, anonymous and allowed).
     pub kubelet_port: u16,
     holder: Option<Proc>,
     containerd: Option<Proc>,
@@ -67,10 +74,12 @@ impl Node {
         self.dir.join("kubelet")
     }
 
+    /// containerd's socket.
     pub fn socket(&self) -> PathBuf {
         self.dir.join("containerd/containerd.sock")
     }
 
+    /// Where containerd reads CDI specs.
     pub fn cdi_dir(&self) -> PathBuf {
         self.dir.join("cdi")
     }
@@ -200,8 +209,8 @@ impl Node {
         // its network ready (and so the Node Ready); the test pods use the
         // host's network, which needs no CNI call. A process here may not lower
         // its OOM score.
-        let config = real_k8s::containerd::config(
-            &real_k8s::containerd::Paths {
+        let config = crate::containerd::config(
+            &crate::containerd::Paths {
                 root: &d.join("root"),
                 state: &d.join("state"),
                 socket: &self.socket(),
@@ -241,7 +250,7 @@ impl Node {
             (BUSYBOX, vec!["/bin/sh"]),
             (PAUSE, vec!["/bin/sleep", "2147483647"]),
         ] {
-            let archive = real_k8s::image::busybox_archive(&images, name, &entrypoint)?;
+            let archive = crate::image::busybox_archive(&images, name, &entrypoint)?;
             self.ctr(&[
                 "images",
                 "import",
@@ -269,7 +278,7 @@ impl Node {
                 .into_iter()
                 .map(|g| (g.to_owned(), true.into()))
                 .collect();
-        let mut config = real_k8s::kubelet::config(
+        let mut config = crate::kubelet::config(
             "127.0.0.1",
             self.kubelet_port,
             &format!("unix://{}", self.socket().display()),

@@ -180,6 +180,7 @@ impl Filesystem for AttrFs {
 
 /// The mounted attributes; dropping it unmounts them.
 pub struct PciCore {
+    /// The fake kernel the writes go to.
     pub kernel: Arc<FakeKernel>,
     _mounts: Vec<BackgroundSession>,
 }

@@ -155,6 +155,49 @@ pub fn wait_for<T>(
     }
 }
 
+/// Moves this process into a mount namespace of its own, with `/` private,
+/// before any thread starts: mounts it makes (the fake PCI core's) end with it,
+/// whatever way it ends.
+pub fn own_mount_namespace() -> Result<()> {
+    use nix::mount::{mount, MsFlags};
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
+        .context("unshare(CLONE_NEWNS): the harness needs root")?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .context("making / private in the harness's mount namespace")?;
+    Ok(())
+}
+
+/// The user and system CPU time process `pid` has used so far.
+pub fn cpu_time(pid: u32) -> Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .context("/proc/<pid>/stat without a command")?
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks: u64 = fields.get(11).context("no utime")?.parse::<u64>()?
+        + fields.get(12).context("no stime")?.parse::<u64>()?;
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.unwrap_or(100);
+    Ok(Duration::from_secs_f64(ticks as f64 / hz as f64))
+}
+
+/// The resident memory of process `pid` (`VmRSS`), in KiB.
+pub fn rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .with_context(|| format!("no VmRSS in /proc/{pid}/status"))
+}
+
 /// A free TCP port on loopback (bound, then released).
 pub fn free_port() -> Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;

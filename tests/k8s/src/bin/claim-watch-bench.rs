@@ -26,7 +26,7 @@
 //! table of medians; asserts nothing.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use real_k8s::api::{client, create, delete, get, median, merge_patch, open_watch};
 use real_k8s::control::{ControlPlane, Gates, Release};
 use real_k8s::proc::Proc;
 use serde::Deserialize;
@@ -343,16 +344,6 @@ async fn bench(
     })
 }
 
-/// Opens a watch; its body once the API server answered 200.
-async fn open_watch(client: &kube::Client, path: &str) -> Result<kube::client::Body> {
-    let request = http::Request::get(path).body(kube::client::Body::from(Vec::new()))?;
-    let response = client.send(request).await?;
-    if !response.status().is_success() {
-        bail!("GET {path}: {}", response.status());
-    }
-    Ok(response.into_body())
-}
-
 /// One simulated node: reads its watch, counting every event and byte of the
 /// body, and notes when a claim allocated to its own pool shows up and when it
 /// goes.
@@ -515,77 +506,7 @@ async fn server_watch_figures(admin: &kube::Client) -> Result<(f64, f64)> {
 
 /// kube-apiserver's user and system CPU time so far.
 fn apiserver_cpu(plane: &ControlPlane) -> Result<Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", plane.apiserver_pid()))?;
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .context("/proc/<pid>/stat without a command")?
-        .1
-        .split_whitespace()
-        .collect();
-    let ticks: u64 = fields.get(11).context("no utime")?.parse::<u64>()?
-        + fields.get(12).context("no stime")?.parse::<u64>()?;
-    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.unwrap_or(100);
-    Ok(Duration::from_secs_f64(ticks as f64 / hz as f64))
-}
-
-/// A client of the admin's kubeconfig with its own connection pool (a
-/// simulated node's own connection) and no read timeout (a labelled watch may
-/// be silent for the whole run).
-async fn client(kubeconfig: &Path) -> Result<kube::Client> {
-    let file = kube::config::Kubeconfig::read_from(kubeconfig)?;
-    let mut config =
-        kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
-            .await?;
-    config.read_timeout = None;
-    Ok(kube::Client::try_from(config)?)
-}
-
-async fn get(client: &kube::Client, path: &str) -> Result<Value> {
-    Ok(client
-        .request::<Value>(http::Request::get(path).body(Vec::new())?)
-        .await?)
-}
-
-async fn create(client: &kube::Client, path: &str, body: &Value) -> Result<Value> {
-    let request = http::Request::post(path)
-        .header("Content-Type", "application/json")
-        .body(serde_json::to_vec(body)?)?;
-    client
-        .request::<Value>(request)
-        .await
-        .with_context(|| format!("POST {path}"))
-}
-
-async fn merge_patch(client: &kube::Client, path: &str, body: &Value) -> Result<Value> {
-    let request = http::Request::patch(path)
-        .header("Content-Type", "application/merge-patch+json")
-        .body(serde_json::to_vec(body)?)?;
-    client
-        .request::<Value>(request)
-        .await
-        .with_context(|| format!("PATCH {path}"))
-}
-
-async fn delete(client: &kube::Client, path: &str) -> Result<()> {
-    let request = http::Request::delete(path).body(Vec::new())?;
-    client
-        .request::<Value>(request)
-        .await
-        .with_context(|| format!("DELETE {path}"))?;
-    Ok(())
-}
-
-fn median(values: &mut [f64]) -> f64 {
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    if values.len() % 2 == 1 {
-        values[mid]
-    } else {
-        (values[mid - 1] + values[mid]) / 2.0
-    }
+    real_k8s::proc::cpu_time(plane.apiserver_pid())
 }
 
 fn print_row(r: &Row) {
