@@ -184,6 +184,13 @@ for pid in "${k8s_runs[@]}"; do
     wait "$pid" || k8s_failed=1
 done
 ((k8s_failed == 0)) || { echo "real-k8s: a run failed: its FAIL lines above name the scenario and its logs" >&2; exit 1; }
+step "the DRA benchmark kept from rotting: one small run of scripts/bench-dra.sh --smoke, lib/kubelet-plugin's example beside the Go kubeletplugin reference (tests/dra-reference, built once and cached), sandbox-dra-driver and the device plugin, on the real v1.37 kubelet; the figures come from full runs (docs/testbed.md)"
+pkg_ensure test.sh curl:curl
+cdi_example=$(jq -r 'select(.reason == "compiler-artifact" and .target.name == "cdi_driver"
+    and any(.target.kind[]; . == "example") and .executable != null) | .executable' "$test_build" | tail -n1)
+[[ -x "$cdi_example" && -x target/debug/dra-bench ]] ||
+    { echo "no cdi_driver example or target/debug/dra-bench from the test build" >&2; exit 1; }
+scripts/bench-dra.sh --smoke --rust "$cdi_example" --bench target/debug/dra-bench --our-bins target/debug
 step "VM harness self-test (stall watchdog, fake QEMU)"
 tests/vm/harness-selftest.sh
 step "real-kernel scenarios (QEMU) on Debian 12 and 13 kernels, and the demo so it cannot rot"
