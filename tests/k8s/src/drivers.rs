@@ -316,6 +316,27 @@ pub fn start_dra_with(
 ) -> Result<DraDriver> {
     let dir = dra_dir(node);
     std::fs::create_dir_all(&dir)?;
+    driver_kubeconfig(plane, node)?;
+    spawn_dra(plane, node, host, binary, extra_env, config)
+}
+
+/// Starts `sandbox-dra-driver` again as [`start_dra`] did, with the token
+/// that start made (it is good for four hours): a restart with nothing between
+/// the kill and the new process, as kubelet restarts a container in place.
+pub fn restart_dra(
+    plane: &ControlPlane,
+    node: &Node,
+    host: &Host,
+    binary: &Path,
+    extra_env: &[(&str, &str)],
+) -> Result<DraDriver> {
+    let config = shipped_config(plane)?;
+    spawn_dra(plane, node, host, binary, extra_env, &config)
+}
+
+/// Writes the driver's kubeconfig with a token of its ServiceAccount bound to
+/// its pod.
+fn driver_kubeconfig(plane: &ControlPlane, node: &Node) -> Result<()> {
     let pod = driver_pod(plane, node)?;
     let token = plane
         .kubectl(&[
@@ -330,8 +351,22 @@ pub fn start_dra_with(
         ])?
         .trim()
         .to_owned();
+    let kubeconfig_file = dra_dir(node).join("driver.kubeconfig");
+    kubeconfig(&kubeconfig_file, &plane.server, &plane.pki.ca, &token)
+}
+
+/// Starts `sandbox-dra-driver` with the kubeconfig [`driver_kubeconfig`] wrote
+/// and waits for its ready file.
+fn spawn_dra(
+    plane: &ControlPlane,
+    node: &Node,
+    host: &Host,
+    binary: &Path,
+    extra_env: &[(&str, &str)],
+    config: &Path,
+) -> Result<DraDriver> {
+    let dir = dra_dir(node);
     let kubeconfig_file = dir.join("driver.kubeconfig");
-    kubeconfig(&kubeconfig_file, &plane.server, &plane.pki.ca, &token)?;
     let kubelet = node.kubelet_dir();
     let mut cmd = Command::new(binary);
     host.common_args(&mut cmd, config);

@@ -21,6 +21,8 @@ pub struct Proc {
     pub child: Child,
     /// Its output.
     pub log: PathBuf,
+    /// When it was started.
+    pub started: Instant,
 }
 
 impl Proc {
@@ -44,6 +46,7 @@ impl Proc {
             name: name.to_owned(),
             child,
             log,
+            started: Instant::now(),
         })
     }
 
@@ -186,26 +189,6 @@ pub fn cpu_time(pid: u32) -> Result<Duration> {
         + fields.get(12).context("no stime")?.parse::<u64>()?;
     let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.unwrap_or(100);
     Ok(Duration::from_secs_f64(ticks as f64 / hz as f64))
-}
-
-/// How long ago process `pid` started (`/proc/<pid>/stat` starttime against
-/// `/proc/uptime`; to the clock tick, 10 ms).
-pub fn started_ago(pid: u32) -> Result<Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .context("/proc/<pid>/stat without a command")?
-        .1
-        .split_whitespace()
-        .collect();
-    let ticks: f64 = fields.get(19).context("no starttime")?.parse()?;
-    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.unwrap_or(100) as f64;
-    let uptime: f64 = std::fs::read_to_string("/proc/uptime")?
-        .split_whitespace()
-        .next()
-        .context("empty /proc/uptime")?
-        .parse()?;
-    Ok(Duration::from_secs_f64((uptime - ticks / hz).max(0.0)))
 }
 
 /// The resident memory of process `pid` (`VmRSS`), in KiB.
