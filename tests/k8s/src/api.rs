@@ -1,6 +1,6 @@
 //! Requests to the API server for the benchmarks, as JSON: a client of a
-//! kubeconfig with its own connection pool, and GET, POST, PUT, merge PATCH and
-//! DELETE of a path. Plus the median and percentiles the benchmarks print.
+//! kubeconfig with its own connection pool, and GET, POST, merge PATCH and DELETE
+//! of a path. Plus the median and percentiles the benchmarks print.
 
 use std::path::Path;
 
@@ -31,18 +31,6 @@ pub async fn create(client: &kube::Client, path: &str, body: &Value) -> Result<V
     send(
         client,
         http::Request::post(path),
-        "application/json",
-        path,
-        body,
-    )
-    .await
-}
-
-/// `PUT path` of `body`.
-pub async fn replace(client: &kube::Client, path: &str, body: &Value) -> Result<Value> {
-    send(
-        client,
-        http::Request::put(path),
         "application/json",
         path,
         body,

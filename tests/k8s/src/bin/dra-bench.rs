@@ -636,8 +636,8 @@ impl Bench<'_> {
             bail!("{devices} devices in ResourceSlices before the driver starts");
         }
         let path = format!(
-            "/apis/resource.k8s.io/v1/resourceslices?watch=true&allowWatchBookmarks=false\
-             &resourceVersion={version}&fieldSelector=spec.driver%3D{PUBLISH_DRIVER}"
+            "{}&watch=true&allowWatchBookmarks=false&resourceVersion={version}",
+            slices_path(PUBLISH_DRIVER)
         );
         let body = open_watch(&self.admin, &path).await?;
         let (tell, mut seen) = tokio::sync::watch::channel(0usize);
@@ -677,9 +677,7 @@ impl Bench<'_> {
 
     /// `driver`'s slices.
     async fn slices(&self, driver: &str) -> Result<Value> {
-        let path =
-            format!("/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.driver%3D{driver}");
-        get(&self.admin, &path).await
+        get(&self.admin, &slices_path(driver)).await
     }
 
     /// The devices in `driver`'s slices, and the list's resourceVersion.
@@ -721,9 +719,7 @@ impl Bench<'_> {
 
     /// Deletes `driver`'s slices and waits until they are gone.
     async fn clear_slices(&self, driver: &str) -> Result<()> {
-        let path =
-            format!("/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.driver%3D{driver}");
-        delete(&self.admin, &path).await?;
+        delete(&self.admin, &slices_path(driver)).await?;
         let t = Instant::now();
         while self.slice_devices(driver).await?.0 != 0 {
             if t.elapsed() > TIMEOUT {
@@ -776,9 +772,18 @@ impl Bench<'_> {
     /// Whether kubelet logged (past `from`) that its connection to `driver`
     /// came up (`pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go`, HandleConn).
     fn kubelet_connected_since(&self, driver: &str, from: u64) -> bool {
-        let text = std::fs::read(self.kubelet_log()).unwrap_or_default();
-        let text = String::from_utf8_lossy(text.get(from as usize..).unwrap_or_default());
-        text.lines().any(|l| {
+        use std::io::{Read, Seek, SeekFrom};
+        // Only what kubelet wrote since `from`: this runs every few ms, and
+        // the log grows by megabytes over a run.
+        let mut bytes = Vec::new();
+        let read = std::fs::File::open(self.kubelet_log()).and_then(|mut f| {
+            f.seek(SeekFrom::Start(from))?;
+            f.read_to_end(&mut bytes)
+        });
+        if read.is_err() {
+            return false;
+        }
+        String::from_utf8_lossy(&bytes).lines().any(|l| {
             l.contains("\"Connection changed\"")
                 && l.contains(&format!("driverName=\"{driver}\""))
                 && l.contains("connected=true")
@@ -974,6 +979,11 @@ impl Bench<'_> {
             &format!("https://127.0.0.1:{}/metrics", self.node.kubelet_port),
         ]))
     }
+}
+
+/// The ResourceSlices of `driver` (a field selector on `spec.driver`).
+fn slices_path(driver: &str) -> String {
+    format!("/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.driver%3D{driver}")
 }
 
 /// How long ago the harness started `process`, in ms: from a restarted
