@@ -48,7 +48,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use kubelet_peer::dra::{ClaimRef, Dra, Version};
 use real_k8s::api::{client, create, delete, get, median, merge_patch, open_watch, percentile};
 use real_k8s::control::{ControlPlane, Gates, Release};
@@ -120,21 +120,27 @@ struct Cli {
     /// Claims prepared and unprepared straight on a DRA driver's socket.
     #[arg(long, default_value_t = 1000)]
     prepares: usize,
+    /// Measure only these subjects (default: all; the passthrough ones need
+    /// --our-bins). For profiling one of them; the tables compare what ran.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    only: Vec<Subject>,
     /// Scratch directory (default: a new one under the temp dir, removed after).
     #[arg(long, value_name = "DIR")]
     dir: Option<PathBuf>,
 }
 
 /// What is measured.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Subject {
     /// The null driver on lib/kubelet-plugin.
     Rust,
     /// The null driver on Go's kubeletplugin.
     Go,
     /// sandbox-dra-driver on the fake tree.
+    #[value(name = "sandbox-dra-driver")]
     Sandbox,
     /// sandbox-device-plugin on the fake tree.
+    #[value(name = "device-plugin")]
     Plugin,
 }
 
@@ -180,6 +186,13 @@ fn main() {
 fn run(cli: &Cli) -> Result<()> {
     if cli.sizes.is_empty() || cli.runs == 0 {
         bail!("--sizes and --runs need at least one");
+    }
+    let passthrough = [Subject::Sandbox, Subject::Plugin];
+    if cli.our_bins.is_none() && cli.only.iter().any(|s| passthrough.contains(s)) {
+        bail!(
+            "--only {:?}: the passthrough drivers need --our-bins",
+            cli.only
+        );
     }
     let largest = largest_batch(cli);
     if largest > POD_DEVICES {
@@ -256,6 +269,7 @@ fn run(cli: &Cli) -> Result<()> {
             if cli.our_bins.is_some() {
                 order.extend([Subject::Sandbox, Subject::Plugin]);
             }
+            order.retain(|s| cli.only.is_empty() || cli.only.contains(s));
             for subject in order {
                 let row = match subject {
                     Subject::Rust | Subject::Go => bench.null_driver(subject, run).await,
@@ -1102,7 +1116,9 @@ fn median_of(rows: &[Row], subject: Subject, name: &str) -> f64 {
 /// The medians: the two libraries with the ratio Rust/Go; then, if measured,
 /// the passthrough drivers beside the null driver on lib/kubelet-plugin.
 fn print_tables(rows: &[Row]) {
-    let runs = rows.iter().filter(|r| r.subject == Subject::Rust).count();
+    let runs = rows.iter().map(|r| r.subject).fold(0, |most, s| {
+        most.max(rows.iter().filter(|r| r.subject == s).count())
+    });
     let names_of = |subject: Subject| -> Vec<String> {
         let row = rows.iter().find(|r| r.subject == subject);
         row.map(|r| r.figures.iter().map(|(n, _)| n.clone()).collect())
