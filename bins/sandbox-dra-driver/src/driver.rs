@@ -211,6 +211,12 @@ pub async fn follow_node(
                 if let (true, Some((_, worker))) = (changes.owner, &owner) {
                     worker.check_owner();
                 }
+                // The owner record is rewritten by every save that changes the
+                // devices held: the check above republishes if the lock changed
+                // hands, and the devices themselves did not change.
+                if !changes.devices() {
+                    continue;
+                }
                 if let Some(h) = &health {
                     h.refresh_changes(&changes);
                 }

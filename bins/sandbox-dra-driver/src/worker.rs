@@ -19,7 +19,7 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::model::{ClaimDevice, ClaimPhase, StateFile};
+use crate::model::{ClaimDevice, ClaimPhase, DeviceName, StateFile};
 use kubelet_plugin::{
     AllocatedDevice, Claim, ClaimRef, OpaqueConfig, PreparedDevice, Republish, Ticket,
 };
@@ -28,6 +28,7 @@ use passthrough::inventory::Inventory;
 use passthrough::Passthrough;
 use support::error_chain;
 use sysfs_pci::deadline::Bounded;
+use sysfs_pci::device::Detail;
 use sysfs_pci::kernel::SysKernel;
 use sysfs_pci::{Host, PciAddress};
 use tokio::sync::oneshot;
@@ -127,12 +128,18 @@ impl WorkerState {
         }
     }
 
-    /// A fresh scan of the node for a job on `claim`.
-    fn scan(&self, claim: &ClaimRef) -> Result<Inventory, DriverError> {
-        Inventory::scan(&self.setup.host, &self.setup.list).map_err(|source| DriverError::Scan {
-            claim: claim.to_string(),
-            source,
-        })
+    /// A fresh read of the devices allocated to a claim, each with its whole IOMMU
+    /// group: what the job on it needs, and no more. The rest of the node is not
+    /// read (on a node of many devices a whole scan per claim costs more than the
+    /// claim); a name that is not ours reads nothing and is refused by the claim's
+    /// checks, as is a device that is gone.
+    fn scan(&self, devices: &[AllocatedDevice]) -> Inventory {
+        let addresses: Vec<PciAddress> = devices
+            .iter()
+            .filter_map(|d| DeviceName::parse(&d.device))
+            .map(DeviceName::address)
+            .collect();
+        Inventory::scan_groups_of(&self.setup.host, &self.setup.list, &addresses, Detail::Full)
     }
 
     /// The phase claim `uid` is recorded in.
@@ -203,7 +210,7 @@ impl Worker {
             }
             let mut prepare = || -> Result<Vec<PreparedDevice>, DriverError> {
                 node.claims().finish_interrupted(c)?;
-                let inv = node.scan(c)?;
+                let inv = node.scan(&claim.devices);
                 let devices = node.claims().prepare(
                     c,
                     claim.pod_claim_name(),
@@ -257,7 +264,7 @@ impl Worker {
             let started = Instant::now();
             let mut move_early = || -> Result<(), DriverError> {
                 node.claims().finish_interrupted(&claim)?;
-                let inv = node.scan(&claim)?;
+                let inv = node.scan(&devices);
                 node.claims().move_early(&claim, &devices, &configs, &inv)?;
                 Ok(())
             };
@@ -319,6 +326,9 @@ impl Worker {
                 let answer = work(node);
                 share_state(&node.setup);
                 let _ = reply.send(answer);
+                // After the answer: the devices' health is read again from sysfs,
+                // which kubelet's call need not wait for (the next job does).
+                share_health(&node.setup);
             }),
         };
         match self.tx.send(job) {
@@ -362,6 +372,7 @@ fn work(
     busy: &Mutex<Option<(String, Instant)>>,
 ) {
     share_state(&node.setup);
+    share_health(&node.setup);
     loop {
         let job = match rx.recv_timeout(OWNER_CHECK) {
             Ok(job) => job,
@@ -408,7 +419,7 @@ fn check_owner(setup: &mut WorkerConfig) {
     }
 }
 
-/// Sets the device gauges from the state file.
+/// Sets the device gauges, and the original drivers, from the state file.
 fn share_state(setup: &WorkerConfig) {
     let state = setup.state.state();
     let prepared = state.records.values().map(|c| c.devices.len()).sum();
@@ -422,6 +433,10 @@ fn share_state(setup: &WorkerConfig) {
                 .collect(),
         );
     }
+}
+
+/// Tells the health board the devices of prepared claims.
+fn share_health(setup: &WorkerConfig) {
     if let Some(health) = &setup.health {
         health.set_prepared(held_for_vms(setup, None));
     }
@@ -444,7 +459,7 @@ fn held_for_vms(setup: &WorkerConfig, leaving: Option<&str>) -> BTreeSet<PciAddr
 /// Claim `uid`'s devices are about to go back to their drivers: from now on
 /// their health is judged as devices ready to be prepared, so a device on its
 /// way back (or back already) is not reported unhealthy for not being on vfio.
-/// A give-back that fails puts them back with [`share_state`].
+/// A give-back that fails puts them back with [`share_health`].
 fn leaving(setup: &WorkerConfig, uid: &str) {
     if let Some(health) = &setup.health {
         health.set_prepared(held_for_vms(setup, Some(uid)));

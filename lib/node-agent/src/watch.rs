@@ -65,6 +65,11 @@ impl Changes {
         !self.full && !self.owner && self.addresses.is_empty() && self.groups.is_empty()
     }
 
+    /// True when devices are to be read again (anything but the owner lock).
+    pub fn devices(&self) -> bool {
+        self.full || !self.addresses.is_empty() || !self.groups.is_empty()
+    }
+
     /// A large burst is read as a whole-node rescan.
     fn full_if_large(mut self) -> Self {
         if self.addresses.len() + self.groups.len() > MAX_PARTIAL {

@@ -5,7 +5,7 @@
 //! All three binaries build their view from [`Inventory::scan`], so "what is bound",
 //! "what is validated" and "what is advertised" cannot drift apart.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::config::{DriverRule, ResourceList, ResourceName};
 use support::error_chain;
@@ -166,6 +166,27 @@ impl Inventory {
             &list_addresses(host)?,
             detail,
         ))
+    }
+
+    /// [`Self::scan_addresses`] over `addresses` and every other function of
+    /// their IOMMU groups, each judged by `list` as a whole scan would judge it
+    /// (a selected member is selected, not a companion). For a job on a few
+    /// devices: what it needs of the node, read fresh, and nothing else.
+    pub fn scan_groups_of(
+        host: &Host,
+        list: &ResourceList,
+        addresses: &[PciAddress],
+        detail: Detail,
+    ) -> Self {
+        let mut all: BTreeSet<PciAddress> = addresses.iter().copied().collect();
+        for a in addresses {
+            // An unreadable group is read again, and reported, with the device.
+            if let Ok(Some(group)) = sysfs_pci::device::iommu_group_of(host, a) {
+                all.extend(sysfs_pci::group::members(host, group).unwrap_or_default());
+            }
+        }
+        let all: Vec<PciAddress> = all.into_iter().collect();
+        Self::scan_addresses(host, list, &all, detail)
     }
 
     /// [`Self::scan_with`] over `addresses` only: the devices among them that `list`

@@ -259,14 +259,6 @@ pub enum DriverError {
     /// A step of the claim's change, or a check before it.
     #[error(transparent)]
     Claim(#[from] ClaimError),
-    /// The node's PCI devices could not be read for the claim's job.
-    #[error("claim {claim}: cannot scan the node's PCI devices")]
-    #[allow(missing_docs)]
-    Scan {
-        claim: String,
-        #[source]
-        source: sysfs_pci::device::DeviceError,
-    },
     /// The node's PCI devices could not be read for a publication.
     #[error("cannot scan the node's PCI devices")]
     NodeScan(#[source] sysfs_pci::device::DeviceError),
@@ -302,7 +294,7 @@ impl DriverError {
     pub fn failure(&self) -> Failure {
         match self {
             Self::Claim(e) => e.failure(),
-            Self::Scan { .. } | Self::NodeScan(_) | Self::Stopped(_) => Failure::Failed,
+            Self::NodeScan(_) | Self::Stopped(_) => Failure::Failed,
             Self::Unprepared { .. } => Failure::Unprepared,
             Self::Late { .. } => Failure::Timeout,
             Self::NotOwner { .. } => Failure::Refused,
