@@ -70,6 +70,8 @@ const NS: &str = "dra-bench";
 const DIRECT_NS: &str = "dra-bench-direct";
 /// Devices the null drivers publish for the pod and prepare phases.
 const POD_DEVICES: usize = 128;
+/// Pods measured at least in each batch size of --together (see there).
+const SMALL_BATCH_PODS: usize = 8;
 /// How long any one wait may take before the run fails.
 const TIMEOUT: Duration = Duration::from_secs(180);
 /// How long the warm-up pod may take before it is made again.
@@ -114,7 +116,10 @@ struct Cli {
     /// Pods made one after another.
     #[arg(long, default_value_t = 50)]
     pods: usize,
-    /// Batches of pods made at once.
+    /// Batches of pods made at once. A batch smaller than 8 (or --pods) is
+    /// made again until that many pods are measured: kubelet sees a container
+    /// start at its next relist, once a second, so one small batch's time is
+    /// mostly where it fell between two.
     #[arg(long, value_delimiter = ',', default_value = "2,16,64")]
     together: Vec<usize>,
     /// Claims prepared and unprepared straight on a DRA driver's socket.
@@ -561,7 +566,8 @@ impl Bench<'_> {
         self.warm_up(&prefix, make).await?;
         let mut batches = vec![(format!("pods_1x{}", self.cli.pods), 1, self.cli.pods)];
         for &k in together {
-            batches.push((format!("pods_{k}"), k, 1));
+            let repeats = self.cli.pods.min(SMALL_BATCH_PODS).div_ceil(k).max(1);
+            batches.push((format!("pods_{k}"), k, repeats));
         }
         for (name, size, count) in batches {
             let before = self.kubelet_metrics()?;
