@@ -3,8 +3,9 @@
 # (its examples/cdi_driver.rs) and on Go's k8s.io/dynamic-resource-allocation
 # kubeletplugin (tests/dra-reference), side by side on the real kube-apiserver,
 # scheduler, controller manager, kubelet and containerd of v1.37; and beside
-# them sandbox-dra-driver and sandbox-device-plugin on the fake PCI tree, asked
-# for the same devices by the same pods (tests/k8s/src/bin/dra-bench.rs says
+# them sandbox-dra-driver (with its claim labeller, as the chart runs them) and
+# sandbox-device-plugin on the fake PCI tree, asked for the same devices by the
+# same pods (tests/k8s/src/bin/dra-bench.rs says
 # what each figure is). Release builds; prints one line per subject and run and
 # tables of medians with the ratios; asserts nothing.
 #
@@ -15,8 +16,8 @@
 # --smoke: one run of the smallest everything with the debug builds, so the
 # benchmark cannot rot (the suite runs it; about a minute once built). --rust,
 # --bench and --our-bins take given builds of the example, of dra-bench and of
-# sandbox-dra-driver and sandbox-device-plugin instead of building them (the
-# suite passes its test build's).
+# sandbox-dra-driver, sandbox-dra-controller and sandbox-device-plugin instead
+# of building them (the suite passes its test build's).
 #
 # Builds (or takes from the cache) v1.37, containerd and helm with
 # scripts/build-k8s.sh, and the Go reference with Go at /usr/local/go, cached
@@ -72,7 +73,7 @@ if [[ -z "$bench" ]]; then
     bench="$target/$profile/dra-bench"
 fi
 if [[ -z "$ours" ]]; then
-    cargo build -q "${flags[@]}" -p sandbox-dra-driver -p sandbox-device-plugin
+    cargo build -q "${flags[@]}" -p sandbox-dra-driver -p sandbox-dra-controller -p sandbox-device-plugin
     ours="$target/$profile"
 fi
 if [[ -z "$rust" ]]; then

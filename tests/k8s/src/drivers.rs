@@ -395,9 +395,11 @@ fn spawn_dra(
             "--manager-state-file={}",
             dir.join("manager-state.json").display()
         ))
-        .arg("--log-level=info,sandbox_dra_driver=debug")
-        // A fake sysfs sends no uevents: a short resync notices its changes.
-        .arg("--resync-interval=1s");
+        // The scenarios' settings, as environment so that `extra_env` can put
+        // back the shipped ones. A fake sysfs sends no uevents: a short resync
+        // notices its changes.
+        .env("VFIO_SANDBOX_LOG_LEVEL", "info,sandbox_dra_driver=debug")
+        .env("VFIO_SANDBOX_RESYNC_INTERVAL", "1s");
     for (k, v) in extra_env {
         cmd.env(k, v);
     }

@@ -28,8 +28,8 @@
 //!   the first bucket, 0.1 s);
 //! - **prepares** (DRA drivers): `--prepares` claims (made once, allocated by
 //!   this harness to the driver's devices in turn for this phase only) each
-//!   prepared and then unprepared straight on the driver's socket, each call timed (p50, p99); and, null drivers, the
-//!   largest batch of them prepared in as many calls at once, then unprepared;
+//!   prepared and then unprepared straight on the driver's socket, each call
+//!   timed (p50, p99); and, null drivers, the largest batch of them prepared in as many calls at once, then unprepared;
 //! - **memory and CPU**: the RSS and CPU time idle (published, after a settle)
 //!   and after the pods and prepares;
 //! - **restart** (DRA drivers): after a `kill -9`, from the new process's start
@@ -37,8 +37,9 @@
 //!   `Connection changed … connected=true`) with all its devices in its slices.
 //!
 //! Both null drivers talk to the API server as the admin and keep their
-//! libraries' defaults; the passthrough ones run as the real-k8s scenarios run
-//! them (their ServiceAccount, the shipped resource list). Prints one line per
+//! libraries' defaults; the passthrough ones run as the chart runs them (their
+//! ServiceAccount, the shipped resource list, and sandbox-dra-driver with the
+//! claim labeller and its shipped settings, [`SHIPPED`]). Prints one line per
 //! subject and run, then medians; asserts nothing.
 
 use std::collections::HashMap;
@@ -70,6 +71,15 @@ const NS: &str = "dra-bench";
 const DIRECT_NS: &str = "dra-bench-direct";
 /// Devices the null drivers publish for the pod and prepare phases.
 const POD_DEVICES: usize = 128;
+/// sandbox-dra-driver's settings as the chart ships them (the scenarios run it
+/// with debug logs and a 1 s resync): its claims watched through the
+/// labeller's label (POD_NAMESPACE, the labeller running), the default resync,
+/// info logs.
+const SHIPPED: &[(&str, &str)] = &[
+    ("POD_NAMESPACE", drivers::DRIVER_NS),
+    ("VFIO_SANDBOX_RESYNC_INTERVAL", "5m"),
+    ("VFIO_SANDBOX_LOG_LEVEL", "info"),
+];
 /// Pods measured at least in each batch size of --together (see there).
 const SMALL_BATCH_PODS: usize = 8;
 /// How long any one wait may take before the run fails.
@@ -205,7 +215,11 @@ fn run(cli: &Cli) -> Result<()> {
     }
     let mut files = vec![("--rust", cli.rust.clone()), ("--go", cli.go.clone())];
     if let Some(bins) = &cli.our_bins {
-        for b in ["sandbox-dra-driver", "sandbox-device-plugin"] {
+        for b in [
+            "sandbox-dra-driver",
+            drivers::LABELLER,
+            "sandbox-device-plugin",
+        ] {
             files.push(("--our-bins", bins.join(b)));
         }
     }
@@ -461,8 +475,13 @@ impl Bench<'_> {
     async fn sandbox_driver(&self, run: usize) -> Result<Row> {
         let mut row = Row::new(Subject::Sandbox);
         let binary = self.our_binary("sandbox-dra-driver")?;
+        let (mut labeller, _) = drivers::start_labeller(
+            self.plane,
+            &self.our_binary(drivers::LABELLER)?,
+            &format!("{}-bench", drivers::LABELLER),
+        )?;
         let log_from = self.kubelet_log_len();
-        let mut driver = drivers::start_dra(self.plane, self.node, self.host, &binary, &[])?;
+        let mut driver = drivers::start_dra(self.plane, self.node, self.host, &binary, SHIPPED)?;
         self.wait_ready(&mut driver.proc, drivers::DRIVER, NPUS.len(), log_from)
             .await?;
         let make = |name: &str| claim_pod(name, "npu");
@@ -484,11 +503,12 @@ impl Bench<'_> {
 
         let log_from = self.kubelet_log_len();
         driver.proc.kill9();
-        let mut driver = drivers::restart_dra(self.plane, self.node, self.host, &binary, &[])?;
+        let mut driver = drivers::restart_dra(self.plane, self.node, self.host, &binary, SHIPPED)?;
         self.wait_ready(&mut driver.proc, drivers::DRIVER, NPUS.len(), log_from)
             .await?;
         row.add("restart_ms", since_start(&driver.proc));
         driver.proc.stop();
+        labeller.stop();
         Ok(row)
     }
 
