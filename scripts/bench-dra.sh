@@ -61,7 +61,7 @@ fi
 target="${CARGO_TARGET_DIR:-target}"
 if $smoke; then
     profile=debug
-    set -- --sizes 8 --runs 1 --pods 1 --together 2 --prepares 10
+    set -- --sizes 8 --runs 1 --pods 1 --together 2 --prepares 10 --settle-ms 200
 else
     profile=release
     set --

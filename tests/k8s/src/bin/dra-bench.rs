@@ -29,7 +29,10 @@
 //! - **prepares** (DRA drivers): `--prepares` claims (made once, allocated by
 //!   this harness to the driver's devices in turn for this phase only) each
 //!   prepared and then unprepared straight on the driver's socket, each call
-//!   timed (p50, p99); and, null drivers, the largest batch of them prepared in as many calls at once, then unprepared;
+//!   timed (p50, p99), with two floors: the same unprepare again (nothing left
+//!   to do) and this harness's own read of the claim from the API server (each
+//!   prepare reads it); and, null drivers, the largest batch of them prepared
+//!   in as many calls at once, then unprepared;
 //! - **memory and CPU**: the RSS and CPU time idle (published, after a settle)
 //!   and after the pods and prepares;
 //! - **restart** (DRA drivers): after a `kill -9`, from the new process's start
@@ -135,6 +138,9 @@ struct Cli {
     /// Claims prepared and unprepared straight on a DRA driver's socket.
     #[arg(long, default_value_t = 1000)]
     prepares: usize,
+    /// How long a driver is left idle before its idle RSS and CPU are read.
+    #[arg(long, default_value_t = 2000, value_name = "MS")]
+    settle_ms: u64,
     /// Measure only these subjects (default: all; the passthrough ones need
     /// --our-bins). For profiling one of them; the tables compare what ran.
     #[arg(long, value_enum, value_delimiter = ',')]
@@ -577,7 +583,7 @@ impl Bench<'_> {
         make: MakePod<'_>,
         together: &[usize],
     ) -> Result<(u32, Duration)> {
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        tokio::time::sleep(Duration::from_millis(self.cli.settle_ms)).await;
         let pid = process.child.id();
         row.add("idle_rss_mib", rss_kib(pid)? as f64 / 1024.0);
         let idle_cpu = cpu_time(pid)?;
@@ -943,6 +949,8 @@ impl Bench<'_> {
         let claims = self.direct_claims(driver).await?;
         let mut prepare = Vec::with_capacity(claims.len());
         let mut unprepare = Vec::with_capacity(claims.len());
+        let mut again = Vec::with_capacity(claims.len());
+        let mut read = Vec::with_capacity(claims.len());
         for c in &claims {
             let asked = std::slice::from_ref(c);
             let t = Instant::now();
@@ -957,11 +965,27 @@ impl Bench<'_> {
             if let Some(problem) = answer.problems(asked).first() {
                 bail!("unpreparing {c}: {problem}");
             }
+            // The floors under those two: the same call with nothing left to
+            // do (the gRPC round trip and the library's own step), and one
+            // read of the claim from the API server, which every prepare of
+            // either library makes (kubelet sends only its name and uid).
+            let t = Instant::now();
+            dra.unprepare(asked).await?;
+            again.push(t.elapsed().as_secs_f64() * 1000.0);
+            let path = format!(
+                "/apis/resource.k8s.io/v1/namespaces/{}/resourceclaims/{}",
+                c.namespace, c.name
+            );
+            let t = Instant::now();
+            get(&self.admin, &path).await?;
+            read.push(t.elapsed().as_secs_f64() * 1000.0);
         }
         row.add("prepare_p50_ms", percentile(&mut prepare, 50.0));
         row.add("prepare_p99_ms", percentile(&mut prepare, 99.0));
         row.add("unprepare_p50_ms", percentile(&mut unprepare, 50.0));
         row.add("unprepare_p99_ms", percentile(&mut unprepare, 99.0));
+        row.add("unprepare_again_p50_ms", percentile(&mut again, 50.0));
+        row.add("claim_get_p50_ms", percentile(&mut read, 50.0));
         Ok(())
     }
 
