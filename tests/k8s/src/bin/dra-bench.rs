@@ -370,7 +370,7 @@ impl Bench<'_> {
 
     /// `--prepares` claims named `<driver>-<i>`, of `class`, not allocated.
     async fn direct_claims_make(&self, driver: &str, class: &str) -> Result<()> {
-        let claims = format!("/apis/resource.k8s.io/v1/namespaces/{DIRECT_NS}/resourceclaims");
+        let claims = claims_path(DIRECT_NS);
         for i in 0..self.cli.prepares {
             let claim = json!({
                 "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
@@ -391,7 +391,7 @@ impl Bench<'_> {
     async fn direct_allocation(&self, driver: &str, allocate: bool) -> Result<()> {
         let (pool, devices) = self.pool_of(driver).await?;
         let claims = self.direct_claims(driver).await?;
-        let path = format!("/apis/resource.k8s.io/v1/namespaces/{DIRECT_NS}/resourceclaims");
+        let path = claims_path(DIRECT_NS);
         for chunk in claims.iter().enumerate().collect::<Vec<_>>().chunks(50) {
             let patches = chunk.iter().map(|(i, c)| {
                 let allocation = allocate.then(|| {
@@ -413,11 +413,7 @@ impl Bench<'_> {
 
     /// The claims of `driver` prepared straight on its socket.
     async fn direct_claims(&self, driver: &str) -> Result<Vec<ClaimRef>> {
-        let list = get(
-            &self.admin,
-            &format!("/apis/resource.k8s.io/v1/namespaces/{DIRECT_NS}/resourceclaims"),
-        )
-        .await?;
+        let list = get(&self.admin, &claims_path(DIRECT_NS)).await?;
         let mut claims: Vec<(usize, ClaimRef)> = list["items"]
             .as_array()
             .into_iter()
@@ -910,11 +906,7 @@ impl Bench<'_> {
         let t = Instant::now();
         loop {
             let pods = get(&self.admin, &format!("/api/v1/namespaces/{NS}/pods")).await?;
-            let claims = get(
-                &self.admin,
-                &format!("/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims"),
-            )
-            .await?;
+            let claims = get(&self.admin, &claims_path(NS)).await?;
             let left = |list: &Value| list["items"].as_array().map_or(0, Vec::len);
             let specs = self.claim_specs()?;
             if left(&pods) + left(&claims) + specs == 0 {
@@ -972,10 +964,7 @@ impl Bench<'_> {
             let t = Instant::now();
             dra.unprepare(asked).await?;
             again.push(t.elapsed().as_secs_f64() * 1000.0);
-            let path = format!(
-                "/apis/resource.k8s.io/v1/namespaces/{}/resourceclaims/{}",
-                c.namespace, c.name
-            );
+            let path = format!("{}/{}", claims_path(&c.namespace), c.name);
             let t = Instant::now();
             get(&self.admin, &path).await?;
             read.push(t.elapsed().as_secs_f64() * 1000.0);
@@ -1043,6 +1032,11 @@ impl Bench<'_> {
             &format!("https://127.0.0.1:{}/metrics", self.node.kubelet_port),
         ]))
     }
+}
+
+/// The ResourceClaims of namespace `ns` (a claim's path: this, `/`, its name).
+fn claims_path(ns: &str) -> String {
+    format!("/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims")
 }
 
 /// The ResourceSlices of `driver` (a field selector on `spec.driver`).
