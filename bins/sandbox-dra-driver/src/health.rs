@@ -68,6 +68,8 @@ struct Inner {
     groups: BTreeMap<PciAddress, Option<u32>>,
     /// Devices of prepared claims.
     prepared: BTreeSet<PciAddress>,
+    /// Devices that joined or left `prepared` and have not been read again since.
+    unread: BTreeSet<PciAddress>,
     /// `aer_dev_fatal` totals when first seen.
     fatal_baseline: BTreeMap<PciAddress, u64>,
     /// Devices with a sysfs write that has not returned, as last seen.
@@ -244,25 +246,37 @@ impl HealthBoard {
     }
 
     /// The devices of prepared claims are now `prepared`; reads again those that
-    /// joined or left, with their groups.
+    /// joined or left, with their groups (and those [`Self::expect_prepared`] left
+    /// unread).
     pub fn set_prepared(&self, prepared: BTreeSet<PciAddress>) {
+        self.expect_prepared(prepared);
         let (moved, groups) = {
             let mut inner = support::lock(&self.inner);
-            let moved: BTreeSet<PciAddress> = inner
-                .prepared
-                .symmetric_difference(&prepared)
-                .copied()
-                .collect();
+            let moved = std::mem::take(&mut inner.unread);
             let groups: BTreeSet<u32> = moved
                 .iter()
                 .filter_map(|a| inner.groups.get(a).copied().flatten())
                 .collect();
-            inner.prepared = prepared;
             (moved, groups)
         };
         if !moved.is_empty() {
             self.refresh_scope(moved, &groups);
         }
+    }
+
+    /// The devices of prepared claims are now `prepared`, and are judged so from
+    /// now on; those that joined or left are read again at the next
+    /// [`Self::set_prepared`] (a claim's give-back sets this before its moves and
+    /// reads the devices after them, once kubelet has its answer).
+    pub fn expect_prepared(&self, prepared: BTreeSet<PciAddress>) {
+        let mut inner = support::lock(&self.inner);
+        let moved: Vec<PciAddress> = inner
+            .prepared
+            .symmetric_difference(&prepared)
+            .copied()
+            .collect();
+        inner.unread.extend(moved);
+        inner.prepared = prepared;
     }
 
     /// Takes a scan of the devices in `scope` (every device when `None`) into the

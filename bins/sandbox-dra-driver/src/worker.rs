@@ -459,10 +459,11 @@ fn held_for_vms(setup: &WorkerConfig, leaving: Option<&str>) -> BTreeSet<PciAddr
 /// Claim `uid`'s devices are about to go back to their drivers: from now on
 /// their health is judged as devices ready to be prepared, so a device on its
 /// way back (or back already) is not reported unhealthy for not being on vfio.
-/// A give-back that fails puts them back with [`share_health`].
+/// They are read again by [`share_health`] after the answer, which puts them back
+/// if the give-back failed.
 fn leaving(setup: &WorkerConfig, uid: &str) {
     if let Some(health) = &setup.health {
-        health.set_prepared(held_for_vms(setup, Some(uid)));
+        health.expect_prepared(held_for_vms(setup, Some(uid)));
     }
 }
 
