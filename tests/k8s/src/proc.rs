@@ -176,6 +176,52 @@ pub fn own_mount_namespace() -> Result<()> {
     Ok(())
 }
 
+/// The time every thread of process `pid` (`self` for this one) has spent on a
+/// CPU so far, from the scheduler's nanosecond count
+/// (`/proc/<pid>/task/<tid>/schedstat`), and the context switches they made:
+/// fine enough for a burst of a few milliseconds, where [`cpu_time`] counts
+/// in ticks. A thread that ends in between takes its share with it.
+pub fn run_time(pid: &str) -> Result<(Duration, u64)> {
+    let (mut ns, mut switches) = (0u64, 0u64);
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let task = task?.path();
+        let (Ok(stat), Ok(status)) = (
+            std::fs::read_to_string(task.join("schedstat")),
+            std::fs::read_to_string(task.join("status")),
+        ) else {
+            continue;
+        };
+        ns += stat
+            .split_whitespace()
+            .next()
+            .context("an empty schedstat")?
+            .parse::<u64>()?;
+        switches += status
+            .lines()
+            .filter(|l| l.contains("ctxt_switches:"))
+            .filter_map(|l| l.split_whitespace().last()?.parse::<u64>().ok())
+            .sum::<u64>();
+    }
+    Ok((Duration::from_nanos(ns), switches))
+}
+
+/// The time the thread named `name` of process `pid` has spent on a CPU so
+/// far (its schedstat), if it has one.
+pub fn thread_run_time(pid: u32, name: &str) -> Result<Option<Duration>> {
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let task = task?.path();
+        if std::fs::read_to_string(task.join("comm")).is_ok_and(|c| c.trim_end() == name) {
+            let stat = std::fs::read_to_string(task.join("schedstat"))?;
+            let ns = stat
+                .split_whitespace()
+                .next()
+                .context("an empty schedstat")?;
+            return Ok(Some(Duration::from_nanos(ns.parse()?)));
+        }
+    }
+    Ok(None)
+}
+
 /// The user and system CPU time process `pid` has used so far.
 pub fn cpu_time(pid: u32) -> Result<Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;

@@ -32,9 +32,14 @@
 //!   timed (p50, p99), with two floors: the same unprepare again (nothing left
 //!   to do) and this harness's own read of the claim from the API server (each
 //!   prepare reads it); and, null drivers, the largest batch of them prepared
-//!   in as many calls at once, then unprepared;
+//!   in as many calls at once, then unprepared, with the CPU time the driver
+//!   and this harness spent in each of those two bursts. The NPUs start on vfio-pci, so
+//!   those calls move nothing; sandbox-dra-driver then does the first
+//!   [`MOVING_PAIRS`] again with the NPUs on their own driver (`moving_…`):
+//!   each prepare moves its NPU to vfio-pci and each unprepare moves it back;
 //! - **memory and CPU**: the RSS and CPU time idle (published, after a settle)
-//!   and after the pods and prepares;
+//!   and after the pods and prepares (and of that, sandbox-dra-driver's claims
+//!   thread's);
 //! - **restart** (DRA drivers): after a `kill -9`, from the new process's start
 //!   to kubelet connected to it again (its log's
 //!   `Connection changed … connected=true`) with all its devices in its slices.
@@ -42,7 +47,8 @@
 //! Both null drivers talk to the API server as the admin and keep their
 //! libraries' defaults; the passthrough ones run as the chart runs them (their
 //! ServiceAccount, the shipped resource list, and sandbox-dra-driver with the
-//! claim labeller and its shipped settings, [`SHIPPED`]). Prints one line per
+//! claim labeller and its shipped settings, [`SHIPPED`]); what a node keeps
+//! under `/run` is on a tmpfs ([`run_on_tmpfs`]). Prints one line per
 //! subject and run, then medians; asserts nothing.
 
 use std::collections::HashMap;
@@ -58,7 +64,7 @@ use real_k8s::api::{client, create, delete, get, median, merge_patch, open_watch
 use real_k8s::control::{ControlPlane, Gates, Release};
 use real_k8s::drivers::{self, Host, CA22, CA22_CLASS, NPUS};
 use real_k8s::node::{Node, BUSYBOX};
-use real_k8s::proc::{cpu_time, rss_kib, Proc};
+use real_k8s::proc::{cpu_time, rss_kib, run_time, thread_run_time, Proc};
 use serde_json::{json, Value};
 
 /// The null drivers' name in the pod phase (one DeviceClass and one template
@@ -85,6 +91,9 @@ const SHIPPED: &[(&str, &str)] = &[
 ];
 /// Pods measured at least in each batch size of --together (see there).
 const SMALL_BATCH_PODS: usize = 8;
+/// sandbox-dra-driver's prepares and unprepares that move an NPU (the fake PCI
+/// core's moves are slower than the calls; enough for a p50 and a p99).
+const MOVING_PAIRS: usize = 200;
 /// How long any one wait may take before the run fails.
 const TIMEOUT: Duration = Duration::from_secs(180);
 /// How long the warm-up pod may take before it is made again.
@@ -195,6 +204,28 @@ impl Row {
     }
 }
 
+/// A driver when idle: its process, its CPU time, and that of
+/// sandbox-dra-driver's claims thread ([`WORKER_THREAD`]; none in the others).
+struct Idle {
+    pid: u32,
+    cpu: Duration,
+    worker: Option<Duration>,
+}
+
+/// The thread on which sandbox-dra-driver does a claim's passthrough work
+/// (its `worker.rs`): its CPU time is a figure of its own.
+const WORKER_THREAD: &str = "claims";
+
+/// One batch of calls at once: its time, the CPU time the driver and this
+/// harness spent in it (ms), and the driver's context switches.
+#[derive(Clone, Copy, Default)]
+struct Burst {
+    took: f64,
+    driver_cpu: f64,
+    bench_cpu: f64,
+    driver_switches: f64,
+}
+
 fn main() {
     let cli = Cli::parse();
     // Before any thread: the fake PCI core's mounts end with the harness.
@@ -254,6 +285,7 @@ fn run(cli: &Cli) -> Result<()> {
     // The fake tree's /dev/vfio is the node's (the passthrough pods get its
     // group nodes).
     let host = Host::create(&dir.join("host"))?;
+    run_on_tmpfs(&dir.join("node"))?;
     let node = Node::start(
         &plane,
         &cli.containerd_bins,
@@ -451,17 +483,31 @@ impl Bench<'_> {
             .await?;
         let make = |name: &str| claim_pod(name, "null");
         let together = self.cli.together.clone();
-        let (pid, idle_cpu) = self
+        let idle = self
             .idle_and_pods(&mut row, &driver, subject, run, &make, &together)
             .await?;
         self.direct_allocation(NULL_DRIVER, true).await?;
-        self.prepare_pairs(&mut row, NULL_DRIVER).await?;
+        self.prepare_pairs(&mut row, NULL_DRIVER, usize::MAX, "")
+            .await?;
         let at_once = largest_batch(self.cli);
-        let (prepare, unprepare) = self.prepares_at_once(at_once).await?;
-        row.add(format!("prepare_{at_once}_at_once_ms"), prepare);
-        row.add(format!("unprepare_{at_once}_at_once_ms"), unprepare);
+        let [prepare, unprepare] = self.prepares_at_once(at_once, idle.pid).await?;
+        for (call, burst) in [("prepare", prepare), ("unprepare", unprepare)] {
+            row.add(format!("{call}_{at_once}_at_once_ms"), burst.took);
+            row.add(
+                format!("{call}_{at_once}_at_once_driver_cpu_ms"),
+                burst.driver_cpu,
+            );
+            row.add(
+                format!("{call}_{at_once}_at_once_bench_cpu_ms"),
+                burst.bench_cpu,
+            );
+            row.add(
+                format!("{call}_{at_once}_at_once_driver_switches"),
+                burst.driver_switches,
+            );
+        }
         self.direct_allocation(NULL_DRIVER, false).await?;
-        after(&mut row, pid, idle_cpu)?;
+        after(&mut row, &idle)?;
 
         let log_from = self.kubelet_log_len();
         driver.kill9();
@@ -488,7 +534,7 @@ impl Bench<'_> {
             .await?;
         let make = |name: &str| claim_pod(name, "npu");
         let together = self.passthrough_batches();
-        let (pid, idle_cpu) = self
+        let idle = self
             .idle_and_pods(
                 &mut row,
                 &driver.proc,
@@ -499,9 +545,19 @@ impl Bench<'_> {
             )
             .await?;
         self.direct_allocation(drivers::DRIVER, true).await?;
-        self.prepare_pairs(&mut row, drivers::DRIVER).await?;
+        self.prepare_pairs(&mut row, drivers::DRIVER, usize::MAX, "")
+            .await?;
+        after(&mut row, &idle)?;
+        // The same calls with the NPUs on their own driver, as on a node
+        // where nothing was moved yet: each prepare moves its NPU to vfio-pci
+        // and each unprepare moves it back, through the fake PCI core.
+        self.set_npus(drivers::NATIVE)?;
+        let moving = self
+            .prepare_pairs(&mut row, drivers::DRIVER, MOVING_PAIRS, "moving_")
+            .await;
+        self.set_npus("vfio-pci")?;
+        moving?;
         self.direct_allocation(drivers::DRIVER, false).await?;
-        after(&mut row, pid, idle_cpu)?;
 
         let log_from = self.kubelet_log_len();
         driver.proc.kill9();
@@ -533,10 +589,10 @@ impl Bench<'_> {
         }
         let make = |name: &str| limit_pod(name);
         let together = self.passthrough_batches();
-        let (pid, idle_cpu) = self
+        let idle = self
             .idle_and_pods(&mut row, &plugin, Subject::Plugin, run, &make, &together)
             .await?;
-        after(&mut row, pid, idle_cpu)?;
+        after(&mut row, &idle)?;
         plugin.stop();
         Ok(row)
     }
@@ -569,7 +625,7 @@ impl Bench<'_> {
     }
 
     /// The idle figures, a warm-up pod, then the pod phases; the process's id
-    /// and its CPU time when idle.
+    /// and CPU times when idle.
     async fn idle_and_pods(
         &self,
         row: &mut Row,
@@ -578,12 +634,16 @@ impl Bench<'_> {
         run: usize,
         make: MakePod<'_>,
         together: &[usize],
-    ) -> Result<(u32, Duration)> {
+    ) -> Result<Idle> {
         tokio::time::sleep(Duration::from_millis(self.cli.settle_ms)).await;
         let pid = process.child.id();
         row.add("idle_rss_mib", rss_kib(pid)? as f64 / 1024.0);
-        let idle_cpu = cpu_time(pid)?;
-        row.add("idle_cpu_ms", idle_cpu.as_secs_f64() * 1000.0);
+        let idle = Idle {
+            pid,
+            cpu: cpu_time(pid)?,
+            worker: thread_run_time(pid, WORKER_THREAD)?,
+        };
+        row.add("idle_cpu_ms", idle.cpu.as_secs_f64() * 1000.0);
         let prefix = format!("{}-{run}", subject.name());
         self.warm_up(&prefix, make).await?;
         let mut batches = vec![(format!("pods_1x{}", self.cli.pods), 1, self.cli.pods)];
@@ -624,7 +684,7 @@ impl Bench<'_> {
                 );
             }
         }
-        Ok((pid, idle_cpu))
+        Ok(idle)
     }
 
     /// One pod through to running and gone, made again while the scheduler or
@@ -934,11 +994,30 @@ impl Bench<'_> {
         Ok(names.filter(|n| looks_like_uid(n)).count())
     }
 
-    /// `driver`'s straight-on-the-socket claims, each prepared then
-    /// unprepared, one call at a time: p50 and p99 of each call.
-    async fn prepare_pairs(&self, row: &mut Row, driver: &str) -> Result<()> {
+    /// Puts every NPU of the fake tree on `driver` and makes it the one a
+    /// probe binds them to (the device plugin's figures want them on
+    /// vfio-pci, where vfio-manager leaves them).
+    fn set_npus(&self, driver: &str) -> Result<()> {
+        for (address, _) in NPUS {
+            self.host.core.set_native(address, driver)?;
+            self.host.set_driver(address, Some(driver))?;
+        }
+        Ok(())
+    }
+
+    /// The first `count` of `driver`'s straight-on-the-socket claims, each
+    /// prepared then unprepared, one call at a time: p50 and p99 of each
+    /// call, as figures named with `prefix`.
+    async fn prepare_pairs(
+        &self,
+        row: &mut Row,
+        driver: &str,
+        count: usize,
+        prefix: &str,
+    ) -> Result<()> {
         let mut dra = self.dra_client(driver).await?;
-        let claims = self.direct_claims(driver).await?;
+        let mut claims = self.direct_claims(driver).await?;
+        claims.truncate(count);
         let mut prepare = Vec::with_capacity(claims.len());
         let mut unprepare = Vec::with_capacity(claims.len());
         let mut again = Vec::with_capacity(claims.len());
@@ -969,12 +1048,15 @@ impl Bench<'_> {
             get(&self.admin, &path).await?;
             read.push(t.elapsed().as_secs_f64() * 1000.0);
         }
-        row.add("prepare_p50_ms", percentile(&mut prepare, 50.0));
-        row.add("prepare_p99_ms", percentile(&mut prepare, 99.0));
-        row.add("unprepare_p50_ms", percentile(&mut unprepare, 50.0));
-        row.add("unprepare_p99_ms", percentile(&mut unprepare, 99.0));
-        row.add("unprepare_again_p50_ms", percentile(&mut again, 50.0));
-        row.add("claim_get_p50_ms", percentile(&mut read, 50.0));
+        let mut add = |name: &str, values: &mut Vec<f64>, p: f64| {
+            row.add(format!("{prefix}{name}"), percentile(values, p));
+        };
+        add("prepare_p50_ms", &mut prepare, 50.0);
+        add("prepare_p99_ms", &mut prepare, 99.0);
+        add("unprepare_p50_ms", &mut unprepare, 50.0);
+        add("unprepare_p99_ms", &mut unprepare, 99.0);
+        add("unprepare_again_p50_ms", &mut again, 50.0);
+        add("claim_get_p50_ms", &mut read, 50.0);
         Ok(())
     }
 
@@ -991,14 +1073,17 @@ impl Bench<'_> {
 
     /// Prepares the first `count` of the null drivers' straight-on-the-socket
     /// claims in `count` calls at once (as kubelet does for pods starting
-    /// together), then unprepares them the same way: how long each batch
-    /// took, in ms.
-    async fn prepares_at_once(&self, count: usize) -> Result<(f64, f64)> {
+    /// together), then unprepares them the same way: each batch's time, and
+    /// the CPU time the driver (process `pid`) and this harness spent in it.
+    async fn prepares_at_once(&self, count: usize, pid: u32) -> Result<[Burst; 2]> {
         let dra = self.dra_client(NULL_DRIVER).await?;
         let claims = self.direct_claims(NULL_DRIVER).await?;
         let claims = &claims[..count.min(claims.len())];
-        let mut took = [0.0; 2];
-        for (unprepare, took) in [false, true].into_iter().zip(&mut took) {
+        let mut bursts = [Burst::default(); 2];
+        let pid = pid.to_string();
+        for (unprepare, burst) in [false, true].into_iter().zip(&mut bursts) {
+            let (driver_before, switches_before) = run_time(&pid)?;
+            let (bench_before, _) = run_time("self")?;
             let t = Instant::now();
             let calls = claims.iter().map(|c| {
                 let mut dra = dra.clone();
@@ -1018,9 +1103,14 @@ impl Bench<'_> {
             for call in futures::future::join_all(calls).await {
                 call?;
             }
-            *took = t.elapsed().as_secs_f64() * 1000.0;
+            burst.took = t.elapsed().as_secs_f64() * 1000.0;
+            let (driver_after, switches_after) = run_time(&pid)?;
+            let (bench_after, _) = run_time("self")?;
+            burst.driver_cpu = (driver_after - driver_before).as_secs_f64() * 1000.0;
+            burst.bench_cpu = (bench_after.saturating_sub(bench_before)).as_secs_f64() * 1000.0;
+            burst.driver_switches = switches_after.saturating_sub(switches_before) as f64;
         }
-        Ok((took[0], took[1]))
+        Ok(bursts)
     }
 
     /// kubelet's `/metrics` (its HTTPS port: anonymous, always allowed).
@@ -1032,6 +1122,28 @@ impl Bench<'_> {
             &format!("https://127.0.0.1:{}/metrics", self.node.kubelet_port),
         ]))
     }
+}
+
+/// Puts what a node keeps under `/run` on a tmpfs, as a node does: the CDI
+/// specs (`/var/run/cdi`) and sandbox-dra-driver's state file, owner lock and
+/// metadata files (the chart mounts them from `/run`). On the scratch disk
+/// each of their atomic writes would wait for the disk's fsync, which no
+/// node pays there. Before the node starts, so that its namespace has them.
+fn run_on_tmpfs(node_dir: &std::path::Path) -> Result<()> {
+    use nix::mount::{mount, MsFlags};
+    let dra = node_dir.join("dra");
+    for dir in [node_dir.join("cdi"), dra] {
+        std::fs::create_dir_all(&dir)?;
+        mount(
+            Some("tmpfs"),
+            &dir,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some("mode=755"),
+        )
+        .with_context(|| format!("mounting a tmpfs on {}", dir.display()))?;
+    }
+    Ok(())
 }
 
 /// The ResourceClaims of namespace `ns` (a claim's path: this, `/`, its name).
@@ -1052,10 +1164,16 @@ fn since_start(process: &Proc) -> f64 {
 }
 
 /// The figures after the pods and prepares: RSS, and CPU time since idle.
-fn after(row: &mut Row, pid: u32, idle_cpu: Duration) -> Result<()> {
-    row.add("after_rss_mib", rss_kib(pid)? as f64 / 1024.0);
-    let work = cpu_time(pid)?.saturating_sub(idle_cpu);
+fn after(row: &mut Row, idle: &Idle) -> Result<()> {
+    row.add("after_rss_mib", rss_kib(idle.pid)? as f64 / 1024.0);
+    let work = cpu_time(idle.pid)?.saturating_sub(idle.cpu);
     row.add("work_cpu_ms", work.as_secs_f64() * 1000.0);
+    if let (Some(before), Some(now)) = (idle.worker, thread_run_time(idle.pid, WORKER_THREAD)?) {
+        row.add(
+            "work_cpu_claims_thread_ms",
+            (now - before).as_secs_f64() * 1000.0,
+        );
+    }
     Ok(())
 }
 
