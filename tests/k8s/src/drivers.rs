@@ -269,7 +269,12 @@ pub struct DraDriver {
 
 /// Where the DRA driver of `node` keeps its files.
 pub fn dra_dir(node: &Node) -> PathBuf {
-    node.dir.join("dra")
+    dra_dir_in(&node.dir)
+}
+
+/// [`dra_dir`] of the node whose directory is `node_dir`, before it starts.
+pub fn dra_dir_in(node_dir: &Path) -> PathBuf {
+    node_dir.join("dra")
 }
 
 /// The pod the driver runs as, on `node`, made once: a DaemonSet pod's token

@@ -81,7 +81,12 @@ impl Node {
 
     /// Where containerd reads CDI specs.
     pub fn cdi_dir(&self) -> PathBuf {
-        self.dir.join("cdi")
+        Self::cdi_dir_in(&self.dir)
+    }
+
+    /// [`Self::cdi_dir`] of the node whose directory is `dir`, before it starts.
+    pub fn cdi_dir_in(dir: &Path) -> PathBuf {
+        dir.join("cdi")
     }
 
     /// Starts the namespace, containerd (with the images) and kubelet, and

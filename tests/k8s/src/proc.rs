@@ -182,27 +182,23 @@ pub fn own_mount_namespace() -> Result<()> {
 /// fine enough for a burst of a few milliseconds, where [`cpu_time`] counts
 /// in ticks. A thread that ends in between takes its share with it.
 pub fn run_time(pid: &str) -> Result<(Duration, u64)> {
-    let (mut ns, mut switches) = (0u64, 0u64);
+    let (mut total, mut switches) = (Duration::ZERO, 0u64);
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
         let task = task?.path();
-        let (Ok(stat), Ok(status)) = (
-            std::fs::read_to_string(task.join("schedstat")),
+        let (Ok(on_cpu), Ok(status)) = (
+            task_run_time(&task),
             std::fs::read_to_string(task.join("status")),
         ) else {
             continue;
         };
-        ns += stat
-            .split_whitespace()
-            .next()
-            .context("an empty schedstat")?
-            .parse::<u64>()?;
+        total += on_cpu;
         switches += status
             .lines()
             .filter(|l| l.contains("ctxt_switches:"))
             .filter_map(|l| l.split_whitespace().last()?.parse::<u64>().ok())
             .sum::<u64>();
     }
-    Ok((Duration::from_nanos(ns), switches))
+    Ok((total, switches))
 }
 
 /// The time the thread named `name` of process `pid` has spent on a CPU so
@@ -211,15 +207,21 @@ pub fn thread_run_time(pid: u32, name: &str) -> Result<Option<Duration>> {
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
         let task = task?.path();
         if std::fs::read_to_string(task.join("comm")).is_ok_and(|c| c.trim_end() == name) {
-            let stat = std::fs::read_to_string(task.join("schedstat"))?;
-            let ns = stat
-                .split_whitespace()
-                .next()
-                .context("an empty schedstat")?;
-            return Ok(Some(Duration::from_nanos(ns.parse()?)));
+            return task_run_time(&task).map(Some);
         }
     }
     Ok(None)
+}
+
+/// The time one thread (`/proc/<pid>/task/<tid>`) has spent on a CPU: the
+/// first field of its schedstat, in nanoseconds.
+fn task_run_time(task: &Path) -> Result<Duration> {
+    let stat = std::fs::read_to_string(task.join("schedstat"))?;
+    let ns = stat
+        .split_whitespace()
+        .next()
+        .context("an empty schedstat")?;
+    Ok(Duration::from_nanos(ns.parse()?))
 }
 
 /// The user and system CPU time process `pid` has used so far.
