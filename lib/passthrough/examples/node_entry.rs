@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use passthrough::state::StateFile;
-use passthrough::{target_drivers, Passthrough, DEFAULT_BIND_JOBS};
+use passthrough::{Passthrough, DEFAULT_BIND_JOBS};
 use support::error_chain;
 use sysfs_pci::testing::FakeKernel;
 use sysfs_pci::PciAddress;
@@ -62,9 +62,9 @@ fn enter_and_leave(
     pt.enter_vm_mode(&inv, &[]).map_err(|e| error_chain(&e))?;
     // Pass::converge: rescan, load the target drivers, bind.
     let inv = Inventory::scan(host, list).map_err(|e| error_chain(&e))?;
-    pt.load_modules(&target_drivers(&inv, &[]))
+    let report = pt
+        .move_to_vfio(&inv, &[], jobs)
         .map_err(|e| error_chain(&e))?;
-    let report = pt.bind_concurrent(&inv, &[], jobs);
     let entry = started.elapsed();
     if let Some(e) = report.failed.first() {
         return Err(error_chain(e));

@@ -28,7 +28,7 @@ use std::sync::Mutex;
 
 mod binder;
 
-use binder::{for_each_bounded, Binder};
+use binder::Binder;
 
 use crate::inventory::{Entry, Inventory, Role, COMPANION_DRIVER};
 use crate::state::{NoRecords, Record, Records, StateError, StateFile};
@@ -289,11 +289,7 @@ impl<O: Records> Passthrough<'_, O> {
     /// failure the overrides written so far are put back to their records.
     pub fn pin_overrides(&mut self, inv: &Inventory, only: &[u32]) -> Result<(), PassthroughError> {
         let state = Mutex::new(&mut *self.state);
-        let binder = Binder {
-            host: self.host,
-            kernel: self.kernel,
-            state: &state,
-        };
+        let binder = Binder::new(self.host, self.kernel, &state);
         let mut pinned: Vec<PciAddress> = Vec::new();
         for (group, moves) in plan(inv, only) {
             for mv in moves {
@@ -337,6 +333,21 @@ impl<O: Records> Passthrough<'_, O> {
             }
         }
         Ok(unloaded)
+    }
+
+    /// Moves the groups `only` (all groups when empty) to vfio whole: loads the
+    /// modules of the drivers they go to ([`target_drivers`], with the vfio
+    /// modules) and binds them, up to `jobs` groups at once
+    /// ([`Self::bind_concurrent`]). A module that cannot be loaded stops before
+    /// any device moves.
+    pub fn move_to_vfio(
+        &mut self,
+        inv: &Inventory,
+        only: &[u32],
+        jobs: NonZeroUsize,
+    ) -> Result<BindReport, ModuleError> {
+        self.load_modules(&target_drivers(inv, only))?;
+        Ok(self.bind_concurrent(inv, only, jobs))
     }
 
     /// Binds every selected device in the groups `only` (all groups when empty)
@@ -391,9 +402,9 @@ impl<O: Records> Passthrough<'_, O> {
             );
         }
         // `plan` lists groups in ascending order; the results come back in that order.
-        let results = self.on_groups(&plans, jobs, |binder, (group, moves)| {
-            binder.bind_group(*group, moves)
-        });
+        let state = Mutex::new(&mut *self.state);
+        let binder = Binder::new(self.host, self.kernel, &state);
+        let results = binder.bind_groups(&plans, jobs_for(self.kernel, jobs));
         for result in results {
             match result {
                 Ok(bound) => report.bound.extend(bound),
@@ -444,9 +455,9 @@ impl<O: Records> Passthrough<'_, O> {
                 (g, members)
             })
             .collect();
-        let results = self.on_groups(&plans, jobs, |binder, (group, members)| {
-            binder.restore_group(*group, members)
-        });
+        let state = Mutex::new(&mut *self.state);
+        let binder = Binder::new(self.host, self.kernel, &state);
+        let results = binder.restore_groups(&plans, jobs_for(self.kernel, jobs));
         for part in results {
             report.restored.extend(part.restored);
             report.in_use.extend(part.in_use);
@@ -454,30 +465,6 @@ impl<O: Records> Passthrough<'_, O> {
             report.failed.extend(part.failed);
         }
         report
-    }
-
-    /// Calls `work` on each group's item on up to `jobs` threads, every thread
-    /// sharing the state file under one lock (see `binder`), and returns the results
-    /// in the items' order. A dry run goes one group at a time on the calling thread:
-    /// its printed plan must read in order.
-    fn on_groups<T: Sync, R: Send>(
-        &mut self,
-        items: &[T],
-        jobs: NonZeroUsize,
-        work: impl Fn(&Binder<'_, '_, O>, &T) -> R + Sync,
-    ) -> Vec<R> {
-        let jobs = if self.kernel.is_dry_run() {
-            NonZeroUsize::MIN
-        } else {
-            jobs
-        };
-        let state = Mutex::new(&mut *self.state);
-        let binder = Binder {
-            host: self.host,
-            kernel: self.kernel,
-            state: &state,
-        };
-        for_each_bounded(items, jobs, |item| work(&binder, item))
     }
 
     fn reload_modules(&mut self, report: &mut RestoreReport) {
@@ -501,6 +488,16 @@ impl<O: Records> Passthrough<'_, O> {
 }
 
 /// The members that must move, per group, selected devices first within a group.
+/// The groups moved at once: `jobs`, or one at a time on a dry-run kernel, whose
+/// printed plan must read in order.
+fn jobs_for(kernel: &dyn Kernel, jobs: NonZeroUsize) -> NonZeroUsize {
+    if kernel.is_dry_run() {
+        NonZeroUsize::MIN
+    } else {
+        jobs
+    }
+}
+
 fn plan<'e>(inv: &'e Inventory, only: &[u32]) -> Vec<(u32, Vec<Move<'e>>)> {
     let mut out: Vec<(u32, Vec<Move<'e>>)> = Vec::new();
     for &group in inv.groups.keys() {

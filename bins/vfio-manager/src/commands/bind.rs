@@ -3,7 +3,6 @@
 use std::process::ExitCode;
 
 use passthrough::inventory::Inventory;
-use passthrough::target_drivers;
 
 use super::{groups_for, with_passthrough, ChangeArgs};
 use crate::{report, Context};
@@ -27,11 +26,8 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
     }
     print_driver_choices(&inv, &groups, args.dry_run);
     let ok = with_passthrough(ctx, args.dry_run, |pt| {
-        pt.load_modules(&target_drivers(&inv, &groups))?;
-        Ok(report::print_bind(
-            &pt.bind_concurrent(&inv, &groups, ctx.bind_jobs),
-            args.dry_run,
-        ))
+        let report = pt.move_to_vfio(&inv, &groups, ctx.bind_jobs)?;
+        Ok(report::print_bind(&report, args.dry_run))
     })?;
     Ok(exit_code(ok && skipped_ok))
 }

@@ -32,7 +32,7 @@ use node_agent::cli::parse_duration;
 use node_agent::cluster::{Identity, Verdict};
 use node_agent::watch::{NodeWatch, Options};
 use passthrough::inventory::{Inventory, SkipLog};
-use passthrough::{target_drivers, Passthrough};
+use passthrough::Passthrough;
 use support::error_chain;
 use support::io::{remove_if_present, write_atomic};
 use sysfs_pci::deadline::StuckWrite;
@@ -537,8 +537,7 @@ impl RunState<'_> {
         }
         let needs_work = inv.entries.iter().any(|e| !e.is_bound());
         if needs_work {
-            pt.load_modules(&target_drivers(&inv, &[]))?;
-            let bind = pt.bind_concurrent(&inv, &[], self.bind_jobs);
+            let bind = pt.move_to_vfio(&inv, &[], self.bind_jobs)?;
             self.metrics.bind(&bind);
             for e in &bind.failed {
                 tracing::error!(error = %report::failure(e), "bind failed; will retry");

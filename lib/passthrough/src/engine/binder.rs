@@ -27,18 +27,33 @@ use sysfs_pci::kernel::Kernel;
 use sysfs_pci::module;
 use sysfs_pci::{Host, PciAddress, PciDevice};
 
+/// A group's members now on their vfio driver, each with the driver it left.
+pub(super) type Bound = Vec<(PciAddress, Option<String>)>;
+
 /// Moves groups to their vfio drivers, recording each member first.
 pub(super) struct Binder<'b, 's, O: Records> {
-    pub(super) host: &'b Host,
-    pub(super) kernel: &'b dyn Kernel,
+    host: &'b Host,
+    kernel: &'b dyn Kernel,
     /// Locked only for a state change (its save included), never across a device
     /// move, so slow probes of different groups overlap. A lock poisoned by a
     /// panicking thread is used as it is: a state change is applied in memory only
     /// after its save, so a panic cannot leave the state half-changed.
-    pub(super) state: &'b Mutex<&'s mut StateFile<O>>,
+    state: &'b Mutex<&'s mut StateFile<O>>,
 }
 
-impl<O: Records> Binder<'_, '_, O> {
+impl<'b, 's, O: Records> Binder<'b, 's, O> {
+    pub(super) fn new(
+        host: &'b Host,
+        kernel: &'b dyn Kernel,
+        state: &'b Mutex<&'s mut StateFile<O>>,
+    ) -> Self {
+        Self {
+            host,
+            kernel,
+            state,
+        }
+    }
+
     /// Records `mv` unless a record exists (the existing one is the true original).
     pub(super) fn record(&self, mv: &Move<'_>, group: u32) -> Result<(), StateError> {
         let d = &mv.entry.device;
@@ -61,13 +76,31 @@ impl<O: Records> Binder<'_, '_, O> {
         Ok(())
     }
 
+    /// Binds each group of `plans` ([`Self::bind_group`]), up to `jobs` groups at
+    /// once ([`for_each_bounded`]); the results in the plans' order.
+    pub(super) fn bind_groups(
+        &self,
+        plans: &[(u32, Vec<Move<'_>>)],
+        jobs: NonZeroUsize,
+    ) -> Vec<Result<Bound, PassthroughError>> {
+        for_each_bounded(plans, jobs, |(group, moves)| self.bind_group(*group, moves))
+    }
+
+    /// Restores each group of `plans` ([`Self::restore_group`]), up to `jobs`
+    /// groups at once; the reports in the plans' order.
+    pub(super) fn restore_groups(
+        &self,
+        plans: &[(u32, Vec<(PciAddress, Record)>)],
+        jobs: NonZeroUsize,
+    ) -> Vec<RestoreReport> {
+        for_each_bounded(plans, jobs, |(group, members)| {
+            self.restore_group(*group, members)
+        })
+    }
+
     /// Binds one group's `moves` in order, each recorded before it is touched; on
     /// the first failure puts back the members touched so far.
-    pub(super) fn bind_group(
-        &self,
-        group: u32,
-        moves: &[Move<'_>],
-    ) -> Result<Vec<(PciAddress, Option<String>)>, PassthroughError> {
+    fn bind_group(&self, group: u32, moves: &[Move<'_>]) -> Result<Bound, PassthroughError> {
         // Every precondition of every member before the first write.
         for mv in moves {
             bind::check_bindable(self.host, &mv.entry.device).map_err(|source| {
@@ -185,11 +218,7 @@ impl<O: Records> Binder<'_, '_, O> {
 impl<O: Records> Binder<'_, '_, O> {
     /// Restores one recorded group, member by member, unless a VM holds its group
     /// node; each record is dropped only once its device is confirmed back.
-    pub(super) fn restore_group(
-        &self,
-        group: u32,
-        members: &[(PciAddress, Record)],
-    ) -> RestoreReport {
+    fn restore_group(&self, group: u32, members: &[(PciAddress, Record)]) -> RestoreReport {
         let mut report = RestoreReport::default();
         match self.kernel.group_in_use(&self.host.vfio_group_node(group)) {
             Ok(true) => {
@@ -277,7 +306,7 @@ enum PutBack {
 /// Every thread is joined before this returns. If one panicked — in the fault tests,
 /// a simulated `kill -9` — the panic is resumed here with its own payload once all
 /// have stopped. If no thread can be started the calling thread does the work.
-pub(super) fn for_each_bounded<T: Sync, R: Send>(
+fn for_each_bounded<T: Sync, R: Send>(
     items: &[T],
     jobs: NonZeroUsize,
     work: impl Fn(&T) -> R + Sync,
