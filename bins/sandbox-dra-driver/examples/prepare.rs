@@ -108,6 +108,7 @@ fn prepare_and_unprepare(
             state: &mut state,
             release: RELEASE.into(),
         },
+        list: &list,
         pool: POOL,
         files: &files,
         jobs,
@@ -115,7 +116,7 @@ fn prepare_and_unprepare(
     let started = Instant::now();
     let inv = Inventory::scan(host, &list).map_err(|e| error_chain(&e))?;
     claims
-        .prepare(&claim, None, &allocations, &[], &inv)
+        .prepare_on(&claim, None, &allocations, &[], &inv)
         .map_err(|e| error_chain(&e))?;
     let prepare = started.elapsed();
     all_on(&kernel, &devices, "vfio-pci")?;
@@ -126,14 +127,14 @@ fn prepare_and_unprepare(
     let started = Instant::now();
     let inv = Inventory::scan(host, &list).map_err(|e| error_chain(&e))?;
     claims
-        .move_early(&claim, &allocations, &[], &inv)
+        .move_early_on(&claim, &allocations, &[], &inv)
         .map_err(|e| error_chain(&e))?;
     let early_move = started.elapsed();
     all_on(&kernel, &devices, "vfio-pci")?;
     let started = Instant::now();
     let inv = Inventory::scan(host, &list).map_err(|e| error_chain(&e))?;
     claims
-        .prepare(&claim, None, &allocations, &[], &inv)
+        .prepare_on(&claim, None, &allocations, &[], &inv)
         .map_err(|e| error_chain(&e))?;
     let early_prepare = started.elapsed();
     claims.unprepare(&claim).map_err(|e| error_chain(&e))?;

@@ -38,12 +38,14 @@ use crate::config::{self, Iommu};
 use crate::model::{recorded_claim, DeviceName};
 use crate::model::{ClaimDevice, ClaimPhase, ClaimRecord, ClaimRecords};
 use kubelet_plugin::PCI_BUS_ID;
-use kubelet_plugin::{AllocatedDevice, ClaimRef, OpaqueConfig, PreparedDevice};
+use kubelet_plugin::{AllocatedDevice, Claim, ClaimRef, OpaqueConfig, PreparedDevice};
+use passthrough::config::ResourceList;
 use passthrough::inventory::{Inventory, Role};
 use passthrough::state::StateError;
-use passthrough::{target_drivers, Passthrough, PassthroughError};
+use passthrough::{Passthrough, PassthroughError};
 use support::error_chain;
 use support::io::IoError;
+use sysfs_pci::device::Detail;
 use sysfs_pci::module::ModuleError;
 use sysfs_pci::{Host, PciAddress};
 
@@ -87,6 +89,8 @@ pub struct Recovery {
 pub struct Claims<'a> {
     /// The passthrough engine, with the driver's state file.
     pub engine: Passthrough<'a, ClaimRecords>,
+    /// The resource list, for a claim's scan.
+    pub list: &'a ResourceList,
     /// This node's pool name.
     pub pool: &'a str,
     /// Where the claim files go.
@@ -97,6 +101,45 @@ pub struct Claims<'a> {
 }
 
 impl Claims<'_> {
+    /// kubelet's prepare of `claim`, as the claims thread runs it: what an
+    /// unprepare of the claim left half-done is finished, its devices are read
+    /// fresh with their groups ([`Self::scan`]), and it is prepared
+    /// ([`Self::prepare_on`]).
+    pub fn prepare(&mut self, claim: &Claim) -> Result<Vec<PreparedDevice>, ClaimError> {
+        let c = &claim.reference;
+        self.finish_interrupted(c)?;
+        let inv = self.scan(&claim.devices);
+        let (allocations, configs) = (&claim.devices, &claim.configs);
+        self.prepare_on(c, claim.pod_claim_name(), allocations, configs, &inv)
+    }
+
+    /// The early move of `claim`'s groups (its pod not yet bound), as the claims
+    /// thread runs it: as [`Self::prepare`], up to [`Self::move_early_on`].
+    pub fn move_early(
+        &mut self,
+        claim: &ClaimRef,
+        allocations: &[AllocatedDevice],
+        configs: &[OpaqueConfig],
+    ) -> Result<(), ClaimError> {
+        self.finish_interrupted(claim)?;
+        let inv = self.scan(allocations);
+        self.move_early_on(claim, allocations, configs, &inv)
+    }
+
+    /// A fresh read of the devices allocated to a claim, each with its whole IOMMU
+    /// group: what the job on it needs, and no more. The rest of the node is not
+    /// read (on a node of many devices a whole scan per claim costs more than the
+    /// claim); a name that is not ours reads nothing and is refused by the claim's
+    /// checks, as is a device that is gone.
+    pub fn scan(&self, allocations: &[AllocatedDevice]) -> Inventory {
+        let addresses: Vec<PciAddress> = allocations
+            .iter()
+            .filter_map(|d| DeviceName::parse(&d.device))
+            .map(DeviceName::address)
+            .collect();
+        Inventory::scan_groups_of(self.engine.host, self.list, &addresses, Detail::Full)
+    }
+
     /// Prepares `claim` for the devices the scheduler allocated to it, on `inv` (a
     /// fresh scan). Idempotent: a claim already prepared with the same devices gets
     /// the same answer without touching the node.
@@ -104,7 +147,7 @@ impl Claims<'_> {
     /// `pod_claim_name` is the claim's `resource.kubernetes.io/pod-claim-name`
     /// annotation (a claim made from a template), which places its metadata file;
     /// `configs` are the opaque configurations of this driver in its allocation.
-    pub fn prepare(
+    pub fn prepare_on(
         &mut self,
         claim: &ClaimRef,
         pod_claim_name: Option<&str>,
@@ -178,11 +221,11 @@ impl Claims<'_> {
 
     /// Moves the groups of `claim`'s devices to vfio as soon as the scheduler has
     /// allocated it, before its pod is bound (KEP-5007: the scheduler waits on the
-    /// claim's binding condition): the same steps and records as [`Self::prepare`]
+    /// claim's binding condition): the same steps and records as [`Self::prepare_on`]
     /// up to the files (`save_and_move`), then saved as `moved`.
     /// Idempotent: a claim already moved or prepared with the same devices is left
     /// as it is.
-    pub fn move_early(
+    pub fn move_early_on(
         &mut self,
         claim: &ClaimRef,
         allocations: &[AllocatedDevice],
@@ -239,8 +282,8 @@ impl Claims<'_> {
         Ok(())
     }
 
-    /// The first steps of every move, shared by [`Self::prepare`] and
-    /// [`Self::move_early`]: saves the claim as `preparing` with its devices before
+    /// The first steps of every move, shared by [`Self::prepare_on`] and
+    /// [`Self::move_early_on`]: saves the claim as `preparing` with its devices before
     /// any device is touched (failpoint `after_save`), then moves its groups to
     /// vfio whole. What failed is put back; the record saved.
     fn save_and_move(
@@ -544,10 +587,10 @@ impl Claims<'_> {
 
     /// Loads the drivers' modules and binds `groups` whole.
     fn move_groups(&mut self, inv: &Inventory, groups: &[u32]) -> Result<(), Box<ClaimStepError>> {
-        self.engine
-            .load_modules(&target_drivers(inv, groups))
+        let report = self
+            .engine
+            .move_to_vfio(inv, groups, self.jobs)
             .map_err(boxed)?;
-        let report = self.engine.bind_concurrent(inv, groups, self.jobs);
         if !report.failed.is_empty() {
             return Err(boxed(ClaimStepError::Bind(report.failed)));
         }

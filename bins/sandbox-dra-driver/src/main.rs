@@ -347,6 +347,7 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
             state: &mut state,
             release: release.clone(),
         },
+        list: &list,
         pool: &node_name,
         files: &files,
         jobs: cli.bind_jobs,

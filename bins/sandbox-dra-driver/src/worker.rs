@@ -19,16 +19,14 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::model::{ClaimDevice, ClaimPhase, DeviceName, StateFile};
+use crate::model::{ClaimDevice, ClaimPhase, StateFile};
 use kubelet_plugin::{
     AllocatedDevice, Claim, ClaimRef, OpaqueConfig, PreparedDevice, Republish, Ticket,
 };
 use passthrough::config::ResourceList;
-use passthrough::inventory::Inventory;
 use passthrough::Passthrough;
 use support::error_chain;
 use sysfs_pci::deadline::Bounded;
-use sysfs_pci::device::Detail;
 use sysfs_pci::kernel::SysKernel;
 use sysfs_pci::{Host, PciAddress};
 use tokio::sync::oneshot;
@@ -122,24 +120,11 @@ impl WorkerState {
                 state: &mut s.state,
                 release: s.release.clone(),
             },
+            list: &s.list,
             pool: &s.pool,
             files: &s.files,
             jobs: s.jobs,
         }
-    }
-
-    /// A fresh read of the devices allocated to a claim, each with its whole IOMMU
-    /// group: what the job on it needs, and no more. The rest of the node is not
-    /// read (on a node of many devices a whole scan per claim costs more than the
-    /// claim); a name that is not ours reads nothing and is refused by the claim's
-    /// checks, as is a device that is gone.
-    fn scan(&self, devices: &[AllocatedDevice]) -> Inventory {
-        let addresses: Vec<PciAddress> = devices
-            .iter()
-            .filter_map(|d| DeviceName::parse(&d.device))
-            .map(DeviceName::address)
-            .collect();
-        Inventory::scan_groups_of(&self.setup.host, &self.setup.list, &addresses, Detail::Full)
     }
 
     /// The phase claim `uid` is recorded in.
@@ -208,19 +193,7 @@ impl Worker {
                 tracing::warn!(claim = %c, "{e}");
                 return Err(e);
             }
-            let mut prepare = || -> Result<Vec<PreparedDevice>, DriverError> {
-                node.claims().finish_interrupted(c)?;
-                let inv = node.scan(&claim.devices);
-                let devices = node.claims().prepare(
-                    c,
-                    claim.pod_claim_name(),
-                    &claim.devices,
-                    &claim.configs,
-                    &inv,
-                )?;
-                Ok(devices)
-            };
-            let answer = prepare();
+            let answer = node.claims().prepare(&claim).map_err(DriverError::from);
             match &answer {
                 Ok(devices) => {
                     let took = started.elapsed();
@@ -262,13 +235,10 @@ impl Worker {
         let what = format!("moving claim {claim} early");
         self.submit(what, move |node| {
             let started = Instant::now();
-            let mut move_early = || -> Result<(), DriverError> {
-                node.claims().finish_interrupted(&claim)?;
-                let inv = node.scan(&devices);
-                node.claims().move_early(&claim, &devices, &configs, &inv)?;
-                Ok(())
-            };
-            let answer = move_early();
+            let answer = node
+                .claims()
+                .move_early(&claim, &devices, &configs)
+                .map_err(DriverError::from);
             match &answer {
                 Ok(()) => {
                     tracing::info!(claim = %claim, took = ?started.elapsed(), "moved to vfio before its pod is bound")

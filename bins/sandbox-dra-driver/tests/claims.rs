@@ -135,6 +135,7 @@ impl Node {
                 state: &mut state,
                 release: RELEASE.into(),
             },
+            list: &self.list,
             pool: POOL,
             files: &self.files,
             jobs: passthrough::DEFAULT_BIND_JOBS,
@@ -159,7 +160,7 @@ impl Node {
         configs: &[OpaqueConfig],
     ) -> Result<Vec<String>, String> {
         self.process(kernel, |cl, inv| {
-            cl.prepare(c, None, &alloc(bdfs), configs, inv)
+            cl.prepare_on(c, None, &alloc(bdfs), configs, inv)
                 .map(|devs| devs.into_iter().flat_map(|d| d.cdi_device_ids).collect())
                 .map_err(|e| error_chain(&e))
         })
@@ -329,10 +330,12 @@ fn hostile_claims_are_refused_without_touching_the_node() {
     let n = node();
     let before = n.snapshot();
     let bad = |c: ClaimRef, allocs: Vec<AllocatedDevice>| {
-        n.process(&n.kernel, |cl, inv| cl.prepare(&c, None, &allocs, &[], inv))
-            .map(|_| ())
-            .map_err(|e| error_chain(&e))
-            .unwrap_err()
+        n.process(&n.kernel, |cl, inv| {
+            cl.prepare_on(&c, None, &allocs, &[], inv)
+        })
+        .map(|_| ())
+        .map_err(|e| error_chain(&e))
+        .unwrap_err()
     };
     let dev = |d: &str, pool: &str| AllocatedDevice {
         request_names: vec!["r".into()],
@@ -538,6 +541,7 @@ fn a_claim_of_several_groups_moves_them_at_once() {
                 state: &mut state,
                 release: RELEASE.into(),
             },
+            list: &list,
             pool: POOL,
             files: &files,
             jobs: NonZeroUsize::new(jobs).unwrap(),
@@ -550,7 +554,7 @@ fn a_claim_of_several_groups_moves_them_at_once() {
         ];
         let inv = Inventory::scan(host, &list).unwrap();
         claims
-            .prepare(&claim("four"), None, &alloc(&bdfs), &[], &inv)
+            .prepare_on(&claim("four"), None, &alloc(&bdfs), &[], &inv)
             .unwrap();
         let entered = kernel.max_concurrent_probes();
         assert!(at_once.contains(&entered), "jobs {jobs}: {entered} at once");
@@ -583,7 +587,7 @@ impl Node {
         configs: &[OpaqueConfig],
     ) -> Result<(), String> {
         self.process(kernel, |cl, inv| {
-            cl.move_early(c, &alloc(bdfs), configs, inv)
+            cl.move_early_on(c, &alloc(bdfs), configs, inv)
                 .map_err(|e| error_chain(&e))
         })
     }
