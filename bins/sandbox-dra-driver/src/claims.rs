@@ -193,12 +193,19 @@ impl Claims<'_> {
                 self.save_and_move(claim, devices, inv, "prepare-after-save")?
             }
         };
-        let written = self.nodes(&record.devices, &iommu).and_then(|nodes| {
-            let files = self
-                .files_for(claim, pod_claim_name, &record.devices, &nodes, inv)
-                .map_err(boxed)?;
-            self.write_files(&files)
-        });
+        // Files that name no device cdev are the ones made above (of the recorded
+        // devices: `recorded_phase` refuses any other); the cdevs exist only once
+        // the devices are on vfio, so files naming them are made now.
+        let written = if self.wants_cdevs(&iommu) {
+            self.nodes(&record.devices, &iommu).and_then(|nodes| {
+                let files = self
+                    .files_for(claim, pod_claim_name, &record.devices, &nodes, inv)
+                    .map_err(boxed)?;
+                self.write_files(&files)
+            })
+        } else {
+            self.write_files(&named)
+        };
         if let Err(source) = written {
             let after = self.after_failed_prepare(&claim.uid, &record);
             return Err(failed(claim, "writing its files", Some(after), source));
@@ -623,6 +630,14 @@ impl Claims<'_> {
         })
     }
 
+    /// Whether any device of a claim whose devices are configured `iommu` is
+    /// handed its device cdevs (see [`Self::nodes`]).
+    fn wants_cdevs(&self, iommu: &[Option<Iommu>]) -> bool {
+        iommu
+            .iter()
+            .any(|i| i.map_or(self.files.iommufd, |i| i.iommufd()))
+    }
+
     /// Refuses, before anything moves, iommufd asked of a kernel known to make no
     /// device cdev.
     fn kernel_serves(
@@ -631,6 +646,9 @@ impl Claims<'_> {
         devices: &[ClaimDevice],
         iommu: &[Option<Iommu>],
     ) -> Result<(), ClaimError> {
+        if !iommu.iter().flatten().any(|i| i.iommufd()) {
+            return Ok(());
+        }
         let no_cdev = sysfs_pci::cdev::kernel_has_vfio_cdev(self.engine.host) == Some(false);
         if let Some((d, i)) = devices
             .iter()
