@@ -3,7 +3,6 @@
 //! their health and binding conditions; every answer is counted, and a failed
 //! prepare is posted as a Warning Event on its ResourceClaim.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,22 +57,13 @@ pub struct VfioDriver {
 impl kubelet_plugin::Driver for VfioDriver {
     type Error = DriverError;
 
-    /// Each claim's job is queued at once; work left at the deadline goes on and
-    /// kubelet's retry gets its result.
+    /// Each claim's job is queued at once on the claims thread ([`Worker::prepare`]).
     async fn prepare(
         &self,
         claims: Vec<Claim>,
         deadline: tokio::time::Instant,
     ) -> Answers<Vec<PreparedDevice>, DriverError> {
-        let pending: Vec<_> = claims
-            .into_iter()
-            .map(|c| (c.reference.uid.clone(), self.worker.prepare(c)))
-            .collect();
-        let mut out = BTreeMap::new();
-        for (uid, job) in pending {
-            out.insert(uid, self.worker.wait_for(job, deadline).await);
-        }
-        out
+        self.worker.prepare(claims, deadline).await
     }
 
     async fn unprepare(
@@ -81,15 +71,7 @@ impl kubelet_plugin::Driver for VfioDriver {
         claims: Vec<ClaimRef>,
         deadline: tokio::time::Instant,
     ) -> Answers<(), DriverError> {
-        let pending: Vec<_> = claims
-            .into_iter()
-            .map(|c| (c.uid.clone(), self.worker.unprepare(c)))
-            .collect();
-        let mut out = BTreeMap::new();
-        for (uid, job) in pending {
-            out.insert(uid, self.worker.wait_for(job, deadline).await);
-        }
-        out
+        self.worker.unprepare(claims, deadline).await
     }
 
     /// One device per selected function, and one per IOMMU group of several, held

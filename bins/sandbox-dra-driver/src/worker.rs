@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use crate::model::{ClaimDevice, ClaimPhase, StateFile};
 use kubelet_plugin::{
-    AllocatedDevice, Claim, ClaimRef, OpaqueConfig, PreparedDevice, Republish, Ticket,
+    AllocatedDevice, Answers, Claim, ClaimRef, OpaqueConfig, PreparedDevice, Republish, Ticket,
 };
 use passthrough::config::ResourceList;
 use passthrough::Passthrough;
@@ -180,8 +180,50 @@ impl Worker {
         tokio::time::Instant::now() + self.timeout
     }
 
-    /// Queues the preparation of one claim; [`Self::wait_for`] waits for it.
-    pub fn prepare(&self, claim: Claim) -> Pending<Vec<PreparedDevice>> {
+    /// kubelet's prepare of `claims`: each claim's job is queued at once, and its
+    /// answer waited for until `deadline`; work left then goes on, and kubelet's
+    /// retry gets its result.
+    pub async fn prepare(
+        &self,
+        claims: Vec<Claim>,
+        deadline: tokio::time::Instant,
+    ) -> Answers<Vec<PreparedDevice>, DriverError> {
+        let pending = claims
+            .into_iter()
+            .map(|c| (c.reference.uid.clone(), self.queue_prepare(c)))
+            .collect();
+        self.answers(pending, deadline).await
+    }
+
+    /// kubelet's unprepare of `claims`, as [`Self::prepare`].
+    pub async fn unprepare(
+        &self,
+        claims: Vec<ClaimRef>,
+        deadline: tokio::time::Instant,
+    ) -> Answers<(), DriverError> {
+        let pending = claims
+            .into_iter()
+            .map(|c| (c.uid.clone(), self.queue_unprepare(c)))
+            .collect();
+        self.answers(pending, deadline).await
+    }
+
+    /// The answer of each queued job, by claim uid, or why there is none by
+    /// `deadline`.
+    async fn answers<T>(
+        &self,
+        pending: Vec<(String, Pending<T>)>,
+        deadline: tokio::time::Instant,
+    ) -> Answers<T, DriverError> {
+        let mut out = BTreeMap::new();
+        for (uid, job) in pending {
+            out.insert(uid, self.wait_for(job, deadline).await);
+        }
+        out
+    }
+
+    /// Queues the preparation of one claim.
+    fn queue_prepare(&self, claim: Claim) -> Pending<Vec<PreparedDevice>> {
         let what = format!("preparing claim {}", claim.reference);
         self.submit(what, move |node| {
             let c = &claim.reference;
@@ -205,8 +247,8 @@ impl Worker {
         })
     }
 
-    /// Queues the unpreparation of one claim; [`Self::wait_for`] waits for it.
-    pub fn unprepare(&self, claim: ClaimRef) -> Pending<()> {
+    /// Queues the unpreparation of one claim.
+    fn queue_unprepare(&self, claim: ClaimRef) -> Pending<()> {
         let what = format!("unpreparing claim {claim}");
         self.submit(what, move |node| {
             let started = Instant::now();
