@@ -487,7 +487,6 @@ impl<O: Records> Passthrough<'_, O> {
     }
 }
 
-/// The members that must move, per group, selected devices first within a group.
 /// The groups moved at once: `jobs`, or one at a time on a dry-run kernel, whose
 /// printed plan must read in order.
 fn jobs_for(kernel: &dyn Kernel, jobs: NonZeroUsize) -> NonZeroUsize {
@@ -498,6 +497,7 @@ fn jobs_for(kernel: &dyn Kernel, jobs: NonZeroUsize) -> NonZeroUsize {
     }
 }
 
+/// The members that must move, per group, selected devices first within a group.
 fn plan<'e>(inv: &'e Inventory, only: &[u32]) -> Vec<(u32, Vec<Move<'e>>)> {
     let mut out: Vec<(u32, Vec<Move<'e>>)> = Vec::new();
     for &group in inv.groups.keys() {
