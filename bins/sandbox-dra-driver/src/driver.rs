@@ -162,8 +162,9 @@ fn failure(e: &ClaimError<DriverError>) -> Failure {
 /// every batch, reads device health again (when kept) and asks for a publication;
 /// a health change asks for one too (it changes a taint). With `owner`, the owner
 /// lock at its path is watched too, and a change of it has the claims thread
-/// check at once that the node is still ours (so a driver that lost the node
-/// withdraws its devices within moments, not at the thread's next idle check).
+/// check at once whether the node is ours ([`Worker::owner_changed`]: a driver
+/// that lost the node withdraws its devices within moments, not at the thread's
+/// next idle check, and takes it back as soon as its owner leaves).
 pub async fn follow_node(
     host: Host,
     resync: Duration,
@@ -191,7 +192,7 @@ pub async fn follow_node(
         tokio::select! {
             changes = node.next() => {
                 if let (true, Some((_, worker))) = (changes.owner, &owner) {
-                    worker.check_owner();
+                    worker.owner_changed(changes.owner_file);
                 }
                 // The owner record is rewritten by every save that changes the
                 // devices held: the check above republishes if the lock changed

@@ -145,6 +145,7 @@ pub struct Worker {
     tx: std_mpsc::Sender<Job>,
     busy: Arc<Mutex<Option<(String, Instant)>>>,
     timeout: Duration,
+    owner_lost: OwnerLost,
 }
 
 impl Worker {
@@ -153,6 +154,7 @@ impl Worker {
         let (tx, rx) = std_mpsc::channel();
         let busy = Arc::new(Mutex::new(None));
         let shown = busy.clone();
+        let owner_lost = setup.owner_lost.clone();
         let node = WorkerState {
             setup,
             unprepared: Unprepared::default(),
@@ -160,12 +162,24 @@ impl Worker {
         std::thread::Builder::new()
             .name("claims".into())
             .spawn(move || work(node, rx, &shown))?;
-        Ok(Self { tx, busy, timeout })
+        Ok(Self {
+            tx,
+            busy,
+            timeout,
+            owner_lost,
+        })
     }
 
-    /// Checks the node's owner lock now (its directory changed), without waiting:
-    /// a change of owner is said, and republished, by the thread.
-    pub fn check_owner(&self) {
+    /// The owner lock changed: its file was created, deleted or replaced
+    /// (`replaced`), or only written. The thread checks the lock at once, without
+    /// the caller waiting (a change of owner is said, and republished, by the
+    /// thread), unless the node is ours and the file was only written: every save
+    /// rewrites it, and only a file replaced takes the node from its holder. A
+    /// write while the node is not ours is how a leaving owner says so.
+    pub fn owner_changed(&self, replaced: bool) {
+        if !replaced && support::lock(&self.owner_lost).is_none() {
+            return;
+        }
         drop(
             self.submit("checking the node's owner lock".into(), |node| {
                 check_owner(&mut node.setup);

@@ -57,6 +57,11 @@ pub struct Changes {
     /// The owner lock file was created, deleted, replaced or rewritten (or its
     /// directory watched anew).
     pub owner: bool,
+    /// Of those, the file itself was created, deleted or replaced (or its
+    /// directory watched anew): all its holder needs to hear, since the holder
+    /// rewrites the file itself at every save, and a rewrite by another (an
+    /// owner leaving) matters only to those that wait for the lock.
+    pub owner_file: bool,
 }
 
 impl Changes {
@@ -256,12 +261,14 @@ impl<U: Holder<OwnedFd>, V: Holder<Inotify>> Sources<U, V> {
         }
         if self.ensure_owner_watch() {
             changes.owner = true;
+            changes.owner_file = true;
         }
         let name = self.owner_lock.as_ref().and_then(|l| l.file_name());
         if let (Some(inotify), Some(name)) = (&mut self.owner, name) {
             if !drain_owner(inotify.inner_mut(), name, changes) {
                 self.owner = None;
                 changes.owner = true;
+                changes.owner_file = true;
             }
         }
     }
@@ -289,14 +296,19 @@ fn drain_vfio(inotify: &mut Inotify, changes: &mut Changes) -> bool {
 /// Reads every queued event of the owner lock's directory, noting those of the
 /// lock file `name`; false when the watch ended (the directory went away).
 fn drain_owner(inotify: &mut Inotify, name: &std::ffi::OsStr, changes: &mut Changes) -> bool {
+    let replaced = EventMask::CREATE
+        | EventMask::DELETE
+        | EventMask::MOVED_FROM
+        | EventMask::MOVED_TO
+        | EventMask::DELETE_SELF
+        | EventMask::MOVE_SELF
+        | EventMask::Q_OVERFLOW;
     drain(inotify, |ev| {
-        if ev.mask.contains(EventMask::Q_OVERFLOW)
-            || ev
-                .mask
-                .intersects(EventMask::DELETE_SELF | EventMask::MOVE_SELF)
-            || ev.name == Some(name)
-        {
+        let lock = ev.name == Some(name);
+        let whole = ev.name.is_none();
+        if lock || (whole && ev.mask.intersects(replaced)) {
             changes.owner = true;
+            changes.owner_file |= ev.mask.intersects(replaced);
         }
     })
 }

@@ -213,8 +213,9 @@ fn the_poll_front_door_looks_for_vfio_every_second_until_it_exists() {
 }
 
 /// The owner lock file deleted, created again, rewritten or replaced by a rename
-/// wakes the watcher with `owner`; another file of its directory does not; a
-/// directory that appears after start is watched from then on, and says so.
+/// wakes the watcher with `owner`, and with `owner_file` unless it was only
+/// rewritten; another file of its directory does not; a directory that appears
+/// after start is watched from then on, and says so.
 #[test]
 fn the_owner_lock_file_changing_wakes_the_watcher() {
     let (dir, host) = node(true);
@@ -228,18 +229,21 @@ fn the_owner_lock_file_changing_wakes_the_watcher() {
         // The directory does not exist yet: looked for every second.
         std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
         let c = w.next().await;
-        assert!(c.owner && !c.full, "{c:?}");
+        assert!(c.owner && c.owner_file && !c.full, "{c:?}");
         touch(&lock);
-        assert!(w.next().await.owner);
+        let c = w.next().await;
+        assert!(c.owner && c.owner_file, "{c:?}");
         std::fs::write(&lock, b"{\"owner\":\"x\"}").unwrap();
-        assert!(w.next().await.owner);
+        let c = w.next().await;
+        assert!(c.owner && !c.owner_file, "a rewrite: {c:?}");
         std::fs::remove_file(&lock).unwrap();
-        assert!(w.next().await.owner);
+        let c = w.next().await;
+        assert!(c.owner && c.owner_file, "{c:?}");
         let other = lock.with_file_name("owner.lock.new");
         touch(&other);
         std::fs::rename(&other, &lock).unwrap();
         let c = w.next().await;
-        assert!(c.owner, "{c:?}");
+        assert!(c.owner && c.owner_file, "{c:?}");
         // A group node still names its group, and says nothing of the owner.
         touch(&host.vfio_group_node(4));
         let c = w.next().await;
