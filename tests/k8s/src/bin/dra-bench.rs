@@ -25,15 +25,17 @@
 //!   at once (passthrough: the batches the two NPUs hold); kubelet's own
 //!   `dra_operations_duration_seconds` and `dra_grpc_operations_duration_seconds`
 //!   over each phase (mean from `_sum`/`_count`: a null driver's calls sit in
-//!   the first bucket, 0.1 s);
+//!   the first bucket, 0.1 s), and how long the runtime took to start the pods'
+//!   sandboxes and containers as kubelet waited for it ([`KUBELET_MEANS`]);
 //! - **prepares** (DRA drivers): `--prepares` claims (made once, allocated by
 //!   this harness to the driver's devices in turn for this phase only) each
 //!   prepared and then unprepared straight on the driver's socket, each call
 //!   timed (p50, p99), with two floors: the same unprepare again (nothing left
 //!   to do) and this harness's own read of the claim from the API server (each
 //!   prepare reads it); and, null drivers, the largest batch of them prepared
-//!   in as many calls at once, then unprepared, with the CPU time the driver
-//!   and this harness spent in each of those two bursts. The NPUs start on vfio-pci, so
+//!   in as many calls at once, then unprepared, then unprepared again (the
+//!   floor), with the CPU time the driver and this harness spent in each of
+//!   those bursts. The NPUs start on vfio-pci, so
 //!   those calls move nothing; sandbox-dra-driver then does the first
 //!   [`MOVING_PAIRS`] again with the NPUs on their own driver (`moving_…`):
 //!   each prepare moves its NPU to vfio-pci and each unprepare moves it back;
@@ -490,8 +492,13 @@ impl Bench<'_> {
         self.prepare_pairs(&mut row, NULL_DRIVER, usize::MAX, "")
             .await?;
         let at_once = largest_batch(self.cli);
-        let [prepare, unprepare] = self.prepares_at_once(at_once, idle.pid).await?;
-        for (call, burst) in [("prepare", prepare), ("unprepare", unprepare)] {
+        let [prepare, unprepare, again] = self.prepares_at_once(at_once, idle.pid).await?;
+        let bursts = [
+            ("prepare", prepare),
+            ("unprepare", unprepare),
+            ("unprepare_again", again),
+        ];
+        for (call, burst) in bursts {
             row.add(format!("{call}_{at_once}_at_once_ms"), burst.took);
             row.add(
                 format!("{call}_{at_once}_at_once_driver_cpu_ms"),
@@ -667,17 +674,11 @@ impl Bench<'_> {
             let after = self.kubelet_metrics()?;
             row.add(format!("{name}_p50_ms"), percentile(&mut latencies, 50.0));
             row.add(format!("{name}_p99_ms"), percentile(&mut latencies, 99.0));
-            if subject == Subject::Plugin {
-                continue;
-            }
-            for (metric, label) in [
-                ("dra_operations_duration_seconds", "operation_name=\"PrepareResources\""),
-                (
-                    "dra_grpc_operations_duration_seconds",
-                    "method_name=\"/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources\"",
-                ),
-            ] {
-                let short = metric.trim_end_matches("_duration_seconds");
+            for (short, metric, label) in KUBELET_MEANS {
+                let dra = short.starts_with("dra_");
+                if dra && subject == Subject::Plugin {
+                    continue;
+                }
                 row.add(
                     format!("{name}_kubelet_{short}_mean_ms"),
                     mean_ms(&before, &after, metric, label),
@@ -1073,15 +1074,16 @@ impl Bench<'_> {
 
     /// Prepares the first `count` of the null drivers' straight-on-the-socket
     /// claims in `count` calls at once (as kubelet does for pods starting
-    /// together), then unprepares them the same way: each batch's time, and
+    /// together), then unprepares them the same way, and then again (nothing
+    /// left to do: the floor of the calls themselves): each batch's time, and
     /// the CPU time the driver (process `pid`) and this harness spent in it.
-    async fn prepares_at_once(&self, count: usize, pid: u32) -> Result<[Burst; 2]> {
+    async fn prepares_at_once(&self, count: usize, pid: u32) -> Result<[Burst; 3]> {
         let dra = self.dra_client(NULL_DRIVER).await?;
         let claims = self.direct_claims(NULL_DRIVER).await?;
         let claims = &claims[..count.min(claims.len())];
-        let mut bursts = [Burst::default(); 2];
+        let mut bursts = [Burst::default(); 3];
         let pid = pid.to_string();
-        for (unprepare, burst) in [false, true].into_iter().zip(&mut bursts) {
+        for (unprepare, burst) in [false, true, true].into_iter().zip(&mut bursts) {
             let (driver_before, switches_before) = run_time(&pid)?;
             let (bench_before, _) = run_time("self")?;
             let t = Instant::now();
@@ -1234,6 +1236,41 @@ fn claim_pod(name: &str, template: &str) -> Value {
 fn limit_pod(name: &str) -> Value {
     pod(name, json!({"resources": {"limits": {CA22: 1}}}), json!({}))
 }
+
+/// kubelet's histograms whose means each pod phase takes (name in the row,
+/// metric, label): its DRA step (`pkg/kubelet/cm/dra/manager.go`,
+/// `DRAOperationsDuration`) and its call to the driver
+/// (`pkg/kubelet/cm/dra/plugin/dra_plugin.go`, `DRAGRPCOperationsDuration`), and the runtime's sandbox and container start as
+/// kubelet waits for them (`pkg/kubelet/metrics/metrics.go`,
+/// `runtime_operations_duration_seconds` by `operation_type`, taken by
+/// `pkg/kubelet/kuberuntime/instrumented_services.go`).
+const KUBELET_MEANS: [(&str, &str, &str); 5] = [
+    (
+        "dra_operations",
+        "dra_operations_duration_seconds",
+        "operation_name=\"PrepareResources\"",
+    ),
+    (
+        "dra_grpc_operations",
+        "dra_grpc_operations_duration_seconds",
+        "method_name=\"/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources\"",
+    ),
+    (
+        "run_podsandbox",
+        "kubelet_runtime_operations_duration_seconds",
+        "operation_type=\"run_podsandbox\"",
+    ),
+    (
+        "create_container",
+        "kubelet_runtime_operations_duration_seconds",
+        "operation_type=\"create_container\"",
+    ),
+    (
+        "start_container",
+        "kubelet_runtime_operations_duration_seconds",
+        "operation_type=\"start_container\"",
+    ),
+];
 
 /// The mean, in ms, of the histogram `metric`'s observations with `label`
 /// (and `is_error="false"` where it has that label) between two scrapes.
