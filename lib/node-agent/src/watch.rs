@@ -304,11 +304,11 @@ fn drain_owner(inotify: &mut Inotify, name: &std::ffi::OsStr, changes: &mut Chan
         | EventMask::MOVE_SELF
         | EventMask::Q_OVERFLOW;
     drain(inotify, |ev| {
-        let lock = ev.name == Some(name);
-        let whole = ev.name.is_none();
-        if lock || (whole && ev.mask.intersects(replaced)) {
+        // Events without a name are the directory's own (or an overflow).
+        let file = ev.mask.intersects(replaced);
+        if ev.name == Some(name) || (ev.name.is_none() && file) {
             changes.owner = true;
-            changes.owner_file |= ev.mask.intersects(replaced);
+            changes.owner_file |= file;
         }
     })
 }

@@ -1240,10 +1240,10 @@ fn limit_pod(name: &str) -> Value {
 /// kubelet's histograms whose means each pod phase takes (name in the row,
 /// metric, label): its DRA step (`pkg/kubelet/cm/dra/manager.go`,
 /// `DRAOperationsDuration`) and its call to the driver
-/// (`pkg/kubelet/cm/dra/plugin/dra_plugin.go`, `DRAGRPCOperationsDuration`), and the runtime's sandbox and container start as
-/// kubelet waits for them (`pkg/kubelet/metrics/metrics.go`,
-/// `runtime_operations_duration_seconds` by `operation_type`, taken by
-/// `pkg/kubelet/kuberuntime/instrumented_services.go`).
+/// (`pkg/kubelet/cm/dra/plugin/dra_plugin.go`, `DRAGRPCOperationsDuration`),
+/// and the runtime's sandbox and container starts as kubelet waits for them
+/// (`pkg/kubelet/metrics/metrics.go`, `runtime_operations_duration_seconds` by
+/// `operation_type`, taken by `pkg/kubelet/kuberuntime/instrumented_services.go`).
 const KUBELET_MEANS: [(&str, &str, &str); 5] = [
     (
         "dra_operations",
