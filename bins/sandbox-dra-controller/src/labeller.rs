@@ -48,6 +48,9 @@ pub const FIELD_MANAGER: &str = "sandbox-dra-controller";
 pub const RETRY: Duration = Duration::from_secs(5);
 /// Claims labelled at once (a burst of allocations is labelled in parallel).
 const CONCURRENCY: u16 = 16;
+/// How long a stopping leader waits for its patches in flight, and then for
+/// the release of the Lease: together well within the pod's grace of 30 s.
+const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// What the labeller needs.
 #[derive(Clone)]
@@ -184,17 +187,36 @@ impl Labeller {
         }));
         let outcome = self.lead(&mut elector, &mut stop).await;
         let _ = quit_tx.send(());
-        let _ = labelling.await;
+        self.stop_labelling(labelling).await;
         self.metrics.leading(false);
         if outcome.is_ok() {
-            match elector.release().await {
-                Ok(()) => tracing::info!(lease = %self.lease_ref(), "released the Lease"),
-                Err(e) => {
+            let released = tokio::time::timeout(STOP_WAIT, elector.release()).await;
+            match released {
+                Ok(Ok(())) => tracing::info!(lease = %self.lease_ref(), "released the Lease"),
+                Ok(Err(e)) => {
                     tracing::warn!(lease = %self.lease_ref(), error = %e, "cannot release the Lease; a standby takes it when it expires")
+                }
+                Err(_) => {
+                    tracing::warn!(lease = %self.lease_ref(), "no answer to the release within {STOP_WAIT:?}; a standby takes the Lease when it expires")
                 }
             }
         }
         outcome
+    }
+
+    /// Waits up to [`STOP_WAIT`] for the labelling task to finish the patches
+    /// it has started, then drops it. kube-runtime's graceful shutdown waits
+    /// for its claim cache to fill before it stops, which it never does when
+    /// the stop comes before the first list answered; a dropped patch is
+    /// harmless (it is conditional, and the next leader decides again).
+    async fn stop_labelling(&self, mut labelling: tokio::task::JoinHandle<()>) {
+        if tokio::time::timeout(STOP_WAIT, &mut labelling)
+            .await
+            .is_err()
+        {
+            labelling.abort();
+            tracing::warn!(lease = %self.lease_ref(), "labelling did not stop within {STOP_WAIT:?}; stopped it");
+        }
     }
 
     /// Tries for the Lease every `retry` until it is ours (true) or `stop` ends.

@@ -15,7 +15,7 @@
 //! It stores JSON objects under their REST paths (`/api/v1/nodes/node-a`,
 //! `/apis/resource.k8s.io/v1/resourceslices/s`) and answers the verbs a node agent
 //! uses as the real server does for the resources it serves (Node, Pod, DaemonSet,
-//! Event, ResourceSlice, ResourceClaim, DeviceClass):
+//! Event, Lease, ResourceSlice, ResourceClaim, DeviceClass):
 //!
 //! - `GET` of an object, or of a collection with `fieldSelector` (only the field
 //!   labels the real server supports for that resource; others are a 400) and

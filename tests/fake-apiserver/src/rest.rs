@@ -119,6 +119,16 @@ pub(crate) const KINDS: &[Kind] = &[
         fields: &["metadata.name", "metadata.namespace"],
     },
     Kind {
+        // pkg/registry/coordination/lease/strategy.go: no status, and only
+        // the generic name and namespace fields.
+        group_version: "coordination.k8s.io/v1",
+        plural: "leases",
+        kind: "Lease",
+        namespaced: true,
+        status: false,
+        fields: &["metadata.name", "metadata.namespace"],
+    },
+    Kind {
         group_version: "resource.k8s.io/v1",
         plural: "deviceclasses",
         kind: "DeviceClass",
