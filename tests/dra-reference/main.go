@@ -57,9 +57,10 @@ func setting(name, def string) string {
 // kind is the CDI kind of the driver's devices: <vendor>/<class>.
 func (d *driver) kind() string { return d.name + "/device" }
 
-// specPath is the claim's spec file.
+// specPath is the claim's spec file, <vendor>-<class>_<uid>.json as
+// GenerateTransientSpecName in the CDI module's pkg/cdi/spec.go names it.
 func (d *driver) specPath(uid types.UID) string {
-	return filepath.Join(d.cdiDir, fmt.Sprintf("%s-%s.json", strings.ReplaceAll(d.name, ".", "-"), uid))
+	return filepath.Join(d.cdiDir, fmt.Sprintf("%s-device_%s.json", d.name, uid))
 }
 
 func (d *driver) ours(device string) bool {

@@ -7,59 +7,32 @@
 //! (kubelet, the API server), so each is checked against the grammar Kubernetes
 //! gives it; anything else is an error, never a path outside the two directories.
 //!
-//! # The CDI spec (cncf-tags/container-device-interface)
+//! # The CDI spec ([`kubelet_plugin::cdi`], which says what upstream requires)
 //!
-//! Fields from `specs-go/config.go` (`Spec{cdiVersion, kind, devices, containerEdits}`,
-//! `Device{name, containerEdits}`, `ContainerEdits{env, deviceNodes, hooks, mounts}`,
-//! `DeviceNode{path, hostPath, type, major, minor, fileMode, permissions, uid, gid}`,
-//! `Mount{hostPath, containerPath, options, type}`); we write only `deviceNodes`
-//! (`path`, `hostPath` when needed, `permissions: "mrw"`, as the device plugin's
-//! `Allocate` does; the runtime stats the node for type and numbers), `mounts` and
-//! `env` per device. KubeVirt's `PCI_RESOURCE_<NAME>=<bdf>[,<bdf>...]`, as the
-//! device plugin's `Allocate` sets it, so a VM written for the device plugin also
-//! runs on a claim made for its extended resource (KEP-5004), is set per request:
-//! on the request's own CDI device (below), with the addresses of that request's
-//! devices of each resource name. kubelet hands a container the CDI ids of the
-//! requests it was given (`resources.claims[].request`; for an extended resource,
-//! the request the scheduler made for that container and name), so a container
-//! sees exactly its own devices, never those of a request another container of
-//! the pod was given. (In the spec's own edits the variable would reach every
-//! container given any device of the claim, with every address of the claim.)
-//! Runtimes apply a variable set twice by keeping the last value
-//! (`pkg/cdi/container-edits.go` through runtime-tools' `AddMultipleProcessEnv`), so
-//! a container given two requests with devices of one resource name, in one claim
-//! or in two, sees one request's addresses: give such a VM one request per name.
+//! One spec per claim, `<cdi dir>/<driver>-vfio_<claim uid>.json`, of kind
+//! `<driver>/vfio` (a driver name that starts with a letter is a valid vendor).
+//! Each device node is written with `permissions: "mrw"`, as the device plugin's
+//! `Allocate` does, and with a `hostPath` only when `--dev-root` is not `/dev`.
+//! Device names carry the claim UID after a name that starts with a letter:
+//! `<slice device name>-<claim uid>` (e.g. `pci-0000-01-00-0-<uid>`) for a
+//! function's device nodes, `metadata-<request>-<claim uid>` for a request's
+//! metadata mount and variables.
 //!
-//! - `cdiVersion`: the lowest version that has what the spec uses, as upstream's
-//!   `MinimumRequiredVersion` (`specs-go/version.go`) computes it. Device nodes,
-//!   mounts with options and a kind class without dots are all in 0.3.0, the floor
-//!   of that computation (`vEarliest`), so we write **`0.3.0`**; only a
-//!   `--dev-root` other than `/dev` makes us write `deviceNodes[].hostPath`, added
-//!   in 0.5.0, and then we write **`0.5.0`**. CDI device names starting with a
-//!   digit also need 0.5.0, which is why ours start with a letter (below).
-//! - `kind`: `<vendor>/<class>` = `<driver>/vfio`. The vendor must start with a
-//!   letter and hold only letters, digits, `-`, `_`, `.`, ending in a letter or digit
-//!   (`api/producer/identifiers.go`, `ValidateVendorName`); a Kubernetes driver name
-//!   (DNS subdomain, at most 63 characters) that starts with a letter fits.
-//! - Device names: letters, digits, `-`, `_`, `.`, `:`, starting and ending with a
-//!   letter or digit (`ValidateDeviceName`). A name must be unique per kind across
-//!   *all* spec files (`pkg/cdi/cache.go` drops both copies of a clash between two
-//!   files of the same directory), so each carries
-//!   the claim UID: `<slice device name>-<claim uid>` (e.g.
-//!   `pci-0000-01-00-0-<uid>`) for a function's device nodes and
-//!   `metadata-<request>-<claim uid>` for a request's metadata mount and variables.
-//! - Fully qualified id (`pkg/parser/parser.go`, `QualifiedName`):
-//!   `<vendor>/<class>=<name>`.
-//! - File name: `GenerateTransientSpecName(vendor, class, id)` in
-//!   `api/producer/spec-names.go` gives `<vendor>-<class>_<id>`, `/` in the id
-//!   turned into `_`; with `.json`, as `dra-example-driver` does per claim UID:
-//!   `<cdi dir>/<driver>-vfio_<claim uid>.json`.
+//! KubeVirt's `PCI_RESOURCE_<NAME>=<bdf>[,<bdf>...]`, as the device plugin's
+//! `Allocate` sets it, so a VM written for the device plugin also runs on a
+//! claim made for its extended resource (KEP-5004), is set on the request's own
+//! CDI device, with the addresses of that request's devices of each resource
+//! name. kubelet hands a container the CDI ids of the requests it was given
+//! (`resources.claims[].request`), so a container sees exactly its own devices;
+//! set in the spec's own edits, the variable would reach every container given
+//! any device of the claim. A variable set twice keeps its last value, so a
+//! container given two requests with devices of one resource name sees one
+//! request's addresses: give such a VM one request per name.
 //!
 //! Every function device is self-sufficient: its edits give `/dev/vfio/vfio` and its
-//! `/dev/vfio/<group>` (two functions of one group repeat the group node: applying
-//! edits replaces a device node or mount of the same path, `pkg/cdi/container-edits.go`)
-//! and, when iommufd is asked for, also `/dev/iommu` and its `/dev/vfio/devices/vfioN`,
-//! in the device plugin's order.
+//! `/dev/vfio/<group>` (two functions of one group repeat the group node, which
+//! the runtime then creates once) and, when iommufd is asked for, also
+//! `/dev/iommu` and its `/dev/vfio/devices/vfioN`, in the device plugin's order.
 //!
 //! # The device metadata (KEP-5304, [`kubelet_plugin::metadata`])
 //!
@@ -89,9 +62,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
-
 use crate::model::DeviceName;
+use kubelet_plugin::cdi::{self as spec, ContainerEdits, Device, DeviceNode, Mount, Spec};
 use kubelet_plugin::metadata::{self, MetadataDevice};
 pub use kubelet_plugin::metadata::{AttributeValue, CONTAINER_METADATA_DIR};
 use kubelet_plugin::ClaimRef;
@@ -231,7 +203,7 @@ pub fn cdi_kind(driver: &str) -> Result<String, CdiError> {
 pub fn cdi_spec_path(driver: &str, cdi_dir: &Path, claim_uid: &str) -> Result<PathBuf, CdiError> {
     check_driver(driver)?;
     check_uid(claim_uid)?;
-    Ok(cdi_dir.join(format!("{driver}-{CDI_CLASS}_{claim_uid}.json")))
+    Ok(cdi_dir.join(spec::transient_spec_name(driver, CDI_CLASS, claim_uid)))
 }
 
 /// The claim's metadata directory, `<metadata_dir>/<driver>/<claim uid>`; what
@@ -244,56 +216,6 @@ pub fn metadata_claim_dir(
     check_driver(driver)?;
     check_uid(claim_uid)?;
     Ok(metadata_dir.join(driver).join(claim_uid))
-}
-
-// The JSON shapes, fields in the order upstream writes them.
-
-#[derive(Serialize)]
-struct Spec {
-    #[serde(rename = "cdiVersion")]
-    cdi_version: &'static str,
-    kind: String,
-    devices: Vec<Device>,
-}
-
-#[derive(Serialize)]
-struct Device {
-    name: String,
-    #[serde(rename = "containerEdits")]
-    container_edits: Edits,
-}
-
-#[derive(Serialize)]
-struct Edits {
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    env: Vec<String>,
-    #[serde(rename = "deviceNodes", skip_serializing_if = "Vec::is_empty")]
-    device_nodes: Vec<DeviceNode>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    mounts: Vec<Mount>,
-}
-
-#[derive(Serialize)]
-struct DeviceNode {
-    path: String,
-    #[serde(rename = "hostPath", skip_serializing_if = "Option::is_none")]
-    host_path: Option<String>,
-    permissions: &'static str,
-}
-
-#[derive(Serialize)]
-struct Mount {
-    #[serde(rename = "hostPath")]
-    host_path: String,
-    #[serde(rename = "containerPath")]
-    container_path: String,
-    options: [&'static str; 2],
-}
-
-fn pretty<T: Serialize>(value: &T) -> Result<String, CdiError> {
-    let mut s = serde_json::to_string_pretty(value).map_err(CdiError::Encode)?;
-    s.push('\n');
-    Ok(s)
 }
 
 /// One function's device nodes: `/dev/vfio/vfio` and `/dev/vfio/<group>` unless
@@ -314,7 +236,7 @@ fn device_nodes(dev: &SpecDevice, dev_root: Option<&str>) -> Vec<DeviceNode> {
         .map(|r| DeviceNode {
             path: format!("/dev/{r}"),
             host_path: dev_root.map(|root| format!("{root}/{r}")),
-            permissions: PERMISSIONS,
+            permissions: Some(PERMISSIONS.to_owned()),
         })
         .collect()
 }
@@ -414,10 +336,9 @@ pub fn claim_files(
         let mut ids = vec![format!("{kind}={name}")];
         cdi_devices.push(Device {
             name,
-            container_edits: Edits {
-                env: Vec::new(),
+            container_edits: ContainerEdits {
                 device_nodes: device_nodes(dev, dev_root),
-                mounts: Vec::new(),
+                ..ContainerEdits::default()
             },
         });
         let mut bases = BTreeSet::new();
@@ -469,16 +390,15 @@ pub fn claim_files(
             .collect();
         cdi_devices.push(Device {
             name: format!("metadata-{base}-{uid}"),
-            container_edits: Edits {
+            container_edits: ContainerEdits {
                 env: variables,
-                device_nodes: Vec::new(),
                 mounts: vec![
                     Mount {
                         host_path: host.clone(),
                         container_path: format!(
                             "{container_claim_dir}/{base}/{driver}-metadata.json"
                         ),
-                        options: ["ro", "bind"],
+                        options: vec!["ro".into(), "bind".into()],
                     },
                     Mount {
                         host_path: host.clone(),
@@ -486,9 +406,10 @@ pub fn claim_files(
                             "{LEGACY_CONTAINER_METADATA_DIR}/{}/{base}/{driver}-metadata.json",
                             claim.name
                         ),
-                        options: ["ro", "bind"],
+                        options: vec!["ro".into(), "bind".into()],
                     },
                 ],
+                ..ContainerEdits::default()
             },
         });
         let text = metadata::render(claim, pod_claim_name, 1, reference, devs)
@@ -497,12 +418,11 @@ pub fn claim_files(
     }
 
     let spec = Spec {
-        cdi_version: if dev_root.is_some() { "0.5.0" } else { "0.3.0" },
         kind,
         devices: cdi_devices,
     };
     Ok(ClaimFiles {
-        cdi: (spec_path, pretty(&spec)?),
+        cdi: (spec_path, spec.to_json()),
         metadata,
         device_ids,
     })

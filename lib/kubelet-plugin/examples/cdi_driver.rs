@@ -21,7 +21,8 @@ use std::sync::Arc;
 
 use k8s_openapi::api::resource::v1::Device;
 use kubelet_plugin::{
-    Answers, Claim, ClaimRef, Clients, Config, Driver, KeptFields, Offer, Plugin, PreparedDevice,
+    cdi, Answers, Claim, ClaimRef, Clients, Config, Driver, KeptFields, Offer, Plugin,
+    PreparedDevice,
 };
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -58,14 +59,9 @@ enum CdiError {
 }
 
 impl CdiDriver {
-    /// The CDI kind of our devices: `<vendor>/<class>`.
-    fn kind(&self) -> String {
-        format!("{}/device", self.0.name)
-    }
-
     /// The spec file of the claim with uid `uid`.
     fn spec_path(&self, uid: &str) -> PathBuf {
-        let file = format!("{}-{uid}.json", self.0.name.replace('.', "-"));
+        let file = cdi::transient_spec_name(&self.0.name, "device", uid);
         self.0.cdi_dir.join(file)
     }
 
@@ -73,7 +69,10 @@ impl CdiDriver {
     /// and answers its devices with their CDI ids.
     fn prepare_one(&self, claim: &Claim) -> Result<Vec<PreparedDevice>, CdiError> {
         let uid = &claim.reference.uid;
-        let mut specs = Vec::new();
+        let mut spec = cdi::Spec {
+            kind: format!("{}/device", self.0.name),
+            devices: Vec::new(),
+        };
         let mut answer = Vec::new();
         for d in &claim.devices {
             let ours = d
@@ -84,28 +83,25 @@ impl CdiDriver {
             if !ours {
                 return Err(CdiError::Unknown(d.device.clone()));
             }
-            // The device first: a name starting with a digit (as a uid may)
-            // needs cdiVersion 0.5.0.
+            // Unique on the host: the claim's uid after the device's own name.
             let name = format!("{}-{uid}", d.device);
             let variable = format!("DEVICE_{}", d.device.replace('-', "_").to_uppercase());
-            specs.push(serde_json::json!({
-                "name": name,
-                "containerEdits": {"env": [format!("{variable}={}", d.device)]},
-            }));
             answer.push(PreparedDevice {
                 request_names: d.request_names.clone(),
                 pool_name: d.pool.clone(),
                 device_name: d.device.clone(),
-                cdi_device_ids: vec![format!("{}={name}", self.kind())],
+                cdi_device_ids: vec![spec.device_id(&name)],
+            });
+            spec.devices.push(cdi::Device {
+                name,
+                container_edits: cdi::ContainerEdits {
+                    env: vec![format!("{variable}={}", d.device)],
+                    ..cdi::ContainerEdits::default()
+                },
             });
         }
-        let spec = serde_json::json!({
-            "cdiVersion": "0.3.0",
-            "kind": self.kind(),
-            "devices": specs,
-        });
         let path = self.spec_path(uid);
-        write_atomically(&path, spec.to_string().as_bytes())
+        write_atomically(&path, spec.to_json().as_bytes())
             .map_err(|source| CdiError::Write { path, source })?;
         Ok(answer)
     }

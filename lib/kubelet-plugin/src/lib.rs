@@ -61,7 +61,7 @@
 //! this crate it uses `k8s-openapi` (a version feature, `v1_34` or newer), `kube`, `tokio`,
 //! `tonic` (for `#[tonic::async_trait]`) and `thiserror`. Calls come concurrently:
 //! the driver is `Send + Sync` and guards its own state. `examples/cdi_driver.rs`
-//! is a whole driver that writes a CDI spec per claim.
+//! is a whole driver that writes a CDI spec per claim with [`cdi`].
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -148,6 +148,7 @@ mod api;
 #[allow(clippy::unwrap_used)]
 mod apiserver_tests;
 mod batch;
+pub mod cdi;
 mod claim;
 mod config;
 mod driver;
