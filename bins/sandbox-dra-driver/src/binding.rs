@@ -3,15 +3,11 @@
 //!
 //! A device whose IOMMU group has to leave a native driver is published with
 //! `bindingConditions: [<driver>/VfioReady]`, `bindingFailureConditions:
-//! [<driver>/VfioFailed]` and `bindsToNode: true`. The scheduler copies both lists
-//! into the claim's allocation result and, in PreBind, waits until the claim's
-//! `status.devices` entry of that device has the first condition `True` (or either
-//! failure condition `True`, when it gives the allocation up and allocates again).
-//! [`watch_claims`] watches the ResourceClaims allocated to this node's devices,
-//! has the claims thread move their groups to vfio at once
-//! (`Claims::move_early`), and writes the condition. kubelet's
-//! prepare then only writes the files. A claim moved early that loses its
-//! allocation or is deleted before its pod starts gets its devices back.
+//! [<driver>/VfioFailed]` and `bindsToNode: true`; [`watch_claims`] has the
+//! claims thread move a claim's groups as soon as it is allocated
+//! (`Claims::move_early`) and writes the condition, so kubelet's prepare only
+//! writes files. The whole protocol, as a user sees it: docs/sandbox-dra-driver.md
+//! ("Ready before the pod binds").
 //!
 //! Upstream: `staging/src/k8s.io/api/resource/v1/types.go` (the fields, at most 4
 //! conditions each), `pkg/apis/resource/validation/validation.go`

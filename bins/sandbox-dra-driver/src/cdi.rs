@@ -93,7 +93,7 @@ const PERMISSIONS: &str = "mrw";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpecDevice {
     /// The ResourceSlice device name: `device_name(address)`, or for a whole
-    /// group `group_device_name(address)` ([`crate::model`]).
+    /// group `group_device_name(address)` (`model.rs`).
     pub device_name: String,
     /// Its pool (the node's name).
     pub pool: String,

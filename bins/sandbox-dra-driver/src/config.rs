@@ -1,25 +1,9 @@
 //! What a claim, or its DeviceClass, can ask of this driver's devices: an opaque
 //! configuration (`spec.devices.config[].opaque` of the claim, `spec.config[].opaque`
 //! of the class, both copied by the scheduler into the allocation) whose parameters
-//! are a `VfioConfig`:
-//!
-//! ```yaml
-//! opaque:
-//!   driver: vfio-sandbox.rebellions.ai
-//!   parameters:
-//!     apiVersion: vfio-sandbox.rebellions.ai/v1alpha1   # <driver>/v1alpha1
-//!     kind: VfioConfig
-//!     iommu: iommufd      # legacy | iommufd | both
-//! ```
-//!
-//! `iommu` picks the kernel interface the container is handed for each device the
-//! configuration applies to: `legacy` the VFIO container and group nodes
-//! (`/dev/vfio/vfio`, `/dev/vfio/<group>`), `iommufd` the device cdev and
-//! `/dev/iommu` (`/dev/vfio/devices/vfioN`), `both` all of them. KubeVirt with its
-//! `IOMMUFD` gate uses the cdev when the pod has one and the group otherwise; Kata
-//! refuses a container given both, so a claim for it asks for one. Left out, the
-//! node's default applies: the group nodes, and with `--iommufd` the cdev too where
-//! the kernel makes one.
+//! are a `VfioConfig` (`apiVersion: <driver>/v1alpha1`, `iommu: legacy | iommufd |
+//! both`); what each value hands a container, and why, is in
+//! docs/sandbox-dra-driver.md ("The IOMMU interface, per claim").
 //!
 //! Every configuration of this driver in the allocation is checked, whether or not
 //! a later one overrides it: an unknown field, an unknown value, another

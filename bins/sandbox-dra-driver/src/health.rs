@@ -7,21 +7,10 @@
 //! (`resourceID` = the device's first CDI id, `health`, `message`); what it does
 //! with the stream is in `lib/kubelet-plugin/src/health.rs`.
 //!
-//! # What we send
-//!
-//! Every device the driver has seen selected on this node, by its slice name:
-//! - **Unhealthy** on a node that isolates no device interrupts (no interrupt
-//!   remapping, no GICv3 ITS: vfio refuses every VMM its devices; see
-//!   [`sysfs_pci::interrupts`]), and when it is gone from the PCI bus, cannot be read, cannot be
-//!   prepared (withdrawn from the slice: no IOMMU group, a group member with VFs
-//!   enabled), has had a fatal PCIe error since the driver started (`aer_dev_fatal`,
-//!   where sysfs has it), has a sysfs write that has not returned (its driver is
-//!   stuck in the kernel, past `--write-timeout`), or is prepared for a claim but no
-//!   longer usable by its VM: not on its vfio driver, its IOMMU group not viable or
-//!   its group node gone;
-//! - **Healthy** otherwise;
-//! - each with a message a person understands (at most 1024 characters, as kubelet
-//!   wants them).
+//! Which verdict a device gets, and when, is in docs/sandbox-dra-driver.md
+//! ("Device health to kubelet"): [`assess`] gives one function's, and
+//! [`group_reports`] a whole group's from its members'. Each message names the
+//! device and the cause, at most 1024 characters as kubelet wants them.
 //!
 //! The board is fed by the one node watcher of the driver (every PCI uevent and
 //! `/dev/vfio` change, and its resync) and by the worker after every prepare and

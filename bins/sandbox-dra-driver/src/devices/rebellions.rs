@@ -1,34 +1,17 @@
 //! Rebellions' own DRA vocabulary, spoken beside ours for the devices the
 //! `rebellions` preset names under `"naming": "pci-ids"`, so that a claim written for
-//! Rebellions' DRA driver selects them unchanged.
+//! Rebellions' DRA driver selects them unchanged; the attributes, with their types
+//! and values, are tabled in docs/sandbox-dra-driver.md ("Rebellions' DRA
+//! vocabulary").
 //!
-//! Rebellions' driver is `npu.rebellions.ai` (RBLN-SW/rbln-k8s-dra-driver,
-//! `pkg/consts/consts.go`; the `driverName` of its Helm chart,
-//! `deployments/helm/k8s-dra-driver-npu/templates/_helpers.tpl`). Its kubelet plugin
-//! publishes each Rebellions NPU on `vfio-pci` as a device `vfio-<address>`
-//! (`cmd/npu-kubelet-plugin/vfio.go`, `enumerateVfioDevices`; the keys in
-//! `cmd/npu-kubelet-plugin/state.go`) with:
-//!
-//! | attribute | type | value |
-//! |---|---|---|
-//! | `type` | string | `vfio` (its container devices say `npu`) |
-//! | `iommuGroup` | int | the IOMMU group |
-//! | `pciDeviceID` | string | the device id, 4 lower-case hex digits without `0x` (`1220`) |
-//! | `productName` | string | `RBLN-CA22` for `1220`/`1221`, `RBLN-CA25` for `1250`/`1251` |
-//! | `vf` | bool | whether the function is an SR-IOV VF (it has a `physfn` link) |
-//! | `resource.kubernetes.io/pciBusID` | string | the address |
-//! | `resource.kubernetes.io/pcieRoot` | string | `pci<domain>:<bus>` |
-//! | `resource.kubernetes.io/numaNode` | int | the NUMA node, absent when sysfs says `-1` |
-//! | `dra.net/numaNode` | int | the same, for alignment with DraNet's NICs |
-//!
-//! Its unqualified names are in its own domain, so its CEL reads
-//! `device.attributes["npu.rebellions.ai"].productName`: we publish those qualified
-//! with `npu.rebellions.ai/`. The two standard ones we publish anyway ([`PCI_BUS_ID`],
-//! [`PCIE_ROOT`]). Where Rebellions names only the CA22 and CA25, we name every
-//! device, by the rule that names its resource (`rebellions.ai/RBLN-CA22_PF` →
-//! `RBLN-CA22`): [`passthrough::config::ResourceList::rebellions_product`]. The
-//! device keeps our name (`pci-0000-3b-00-0`): nothing of Rebellions' selects on
-//! device names, and KubeVirt reads the address from the metadata file.
+//! Transcribed from RBLN-SW/rbln-k8s-dra-driver: the driver name from
+//! `pkg/consts/consts.go` and its chart's `_helpers.tpl`, the attributes from
+//! `cmd/npu-kubelet-plugin/vfio.go` (`enumerateVfioDevices`) and the keys in
+//! `cmd/npu-kubelet-plugin/state.go`. Its unqualified names are in its own domain,
+//! so we qualify them with `npu.rebellions.ai/`; the two standard ones
+//! ([`PCI_BUS_ID`], [`PCIE_ROOT`]) we publish anyway. Every device gets a
+//! `productName`, by the rule that names its resource
+//! ([`passthrough::config::ResourceList::rebellions_product`]), and keeps our name.
 //!
 //! [`PCI_BUS_ID`]: kubelet_plugin::PCI_BUS_ID
 //! [`PCIE_ROOT`]: kubelet_plugin::PCIE_ROOT
