@@ -181,8 +181,8 @@ struct Cli {
     /// node>, so a claim change reaches this node only when it concerns it; early
     /// moves wait while no labeller runs. all: every claim of the cluster, each
     /// change sent to every node. auto: labelled while a labeller holds and renews
-    /// its Lease (read every 15 s), all otherwise (not installed, or stopped for
-    /// longer than the Lease's 15 s).
+    /// its Lease (watched), all otherwise (not installed, released, or not
+    /// renewed for the Lease's 15 s), after 5 s for a standby to take it.
     #[arg(
         long,
         env = "VFIO_SANDBOX_CLAIM_WATCH",

@@ -2,14 +2,12 @@
 //! claim labeller's Lease that decides it.
 //!
 //! `auto` reads the Lease once, then watches it (one object, by name): every
-//! renewal of a live labeller (every 2 s) is an event, so one that stopped is
-//! seen when its Lease's duration (15 s, the labeller's `leaseDurationSeconds`)
-//! has passed since its last renewal, and one that released the Lease (a stop
-//! on SIGTERM) at once. A node then waits [`FALLBACK_GRACE`] for a standby to
-//! take the Lease before it watches every claim. So the fallback is bounded by
-//! the Lease's duration and that grace, 20 s after the last renewal, with
-//! nothing polled; a failover (the standby takes over within 2 s of a release,
-//! 17 s of a death) sends no node to relist every claim.
+//! renewal of a live labeller is an event, so one that stopped is seen when its
+//! Lease's duration has passed since its last renewal, and one that released
+//! the Lease (a stop on SIGTERM) at once; a node then waits [`FALLBACK_GRACE`]
+//! for a standby to take the Lease before it watches every claim. Nothing is
+//! polled, and a failover sends no node to relist every claim. The bounds this
+//! gives, measured: docs/sandbox-dra-driver.md ("The labeller down").
 
 use std::time::{Duration, Instant};
 
