@@ -310,7 +310,10 @@ pub fn claim_files(
     pod_claim_name: Option<&str>,
     devices: &[SpecDevice],
 ) -> Result<ClaimFiles, CdiError> {
-    let kind = cdi_kind(driver)?;
+    let mut spec = Spec {
+        kind: cdi_kind(driver)?,
+        devices: Vec::new(),
+    };
     let uid = claim.uid.as_str();
     let spec_path = cdi_spec_path(driver, cdi_dir, uid)?;
     let claim_dir = metadata_claim_dir(driver, metadata_dir, uid)?;
@@ -324,7 +327,6 @@ pub fn claim_files(
 
     let mut sorted: Vec<&SpecDevice> = devices.iter().collect();
     sorted.sort_by(|a, b| a.device_name.cmp(&b.device_name));
-    let mut cdi_devices = Vec::new();
     let mut device_ids = BTreeMap::new();
     // Top-level request → (full reference, its devices).
     let mut requests: BTreeMap<&str, (&str, Vec<MetadataDevice>)> = BTreeMap::new();
@@ -333,8 +335,8 @@ pub fn claim_files(
     for dev in &sorted {
         let attributes = checked(dev)?;
         let name = format!("{}-{uid}", dev.device_name);
-        let mut ids = vec![format!("{kind}={name}")];
-        cdi_devices.push(Device {
+        let mut ids = vec![spec.device_id(&name)];
+        spec.devices.push(Device {
             name,
             container_edits: ContainerEdits {
                 device_nodes: device_nodes(dev, dev_root),
@@ -353,7 +355,7 @@ pub fn claim_files(
                 });
             }
             if bases.insert(base) {
-                ids.push(format!("{kind}=metadata-{base}-{uid}"));
+                ids.push(spec.device_id(&format!("metadata-{base}-{uid}")));
                 if let Some(resource) = &dev.resource {
                     let by_name = env.entry(base).or_default();
                     let addresses = by_name.entry(resource).or_default();
@@ -388,7 +390,7 @@ pub fn claim_files(
                 format!("{var}={value}")
             })
             .collect();
-        cdi_devices.push(Device {
+        spec.devices.push(Device {
             name: format!("metadata-{base}-{uid}"),
             container_edits: ContainerEdits {
                 env: variables,
@@ -417,10 +419,6 @@ pub fn claim_files(
         metadata.push((PathBuf::from(host), text));
     }
 
-    let spec = Spec {
-        kind,
-        devices: cdi_devices,
-    };
     Ok(ClaimFiles {
         cdi: (spec_path, spec.to_json()),
         metadata,

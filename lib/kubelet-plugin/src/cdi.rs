@@ -144,7 +144,7 @@ pub fn transient_spec_name(vendor: &str, class: &str, id: &str) -> String {
 /// Why a CDI name is refused: what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
-pub struct NameError(&'static str);
+pub struct NameError(pub &'static str);
 
 /// Checks a vendor or class name (the two halves of a kind).
 pub fn check_vendor_or_class(name: &str) -> Result<(), NameError> {

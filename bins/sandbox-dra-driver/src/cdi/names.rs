@@ -49,14 +49,11 @@ pub(super) fn check_subdomain(what: &'static str, s: &str, max: usize) -> Result
     })
 }
 
-/// A driver name: a DNS subdomain of at most 63 characters that starts with a
-/// letter (a CDI vendor must).
+/// A driver name: a DNS subdomain of at most 63 characters that is a CDI
+/// vendor too (it starts with a letter).
 pub(super) fn check_driver(driver: &str) -> Result<(), CdiError> {
     check_subdomain("driver name", driver, 63)?;
-    if !driver.starts_with(|c: char| c.is_ascii_lowercase()) {
-        return Err(invalid("driver name", driver, "must start with a letter"));
-    }
-    Ok(())
+    spec::check_vendor_or_class(driver).map_err(|e| invalid("driver name", driver, e.0))
 }
 
 /// A claim UID: 1–64 of `A-Za-z0-9-`, starting and ending alphanumeric. Real UIDs
