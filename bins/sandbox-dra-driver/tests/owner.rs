@@ -360,14 +360,16 @@ async fn a_driver_that_lost_the_node_withdraws_its_devices_at_once_and_comes_bac
         answers[&claim.uid]
     );
 
-    // Free again: the driver takes the lock at its next look (the record's
-    // rewrite wakes it at once) and publishes everything again.
-    drop(held);
-    std::fs::write(
-        scene.owner_lock(),
-        "{\"owner\":\"vfio-manager\",\"pid\":1,\"since\":\"x\",\"devices\":0}\n",
-    )
-    .unwrap();
+    // Free again, as vfio-manager leaves a node: its record rewritten in place
+    // with no device left while it still holds the lock, then the lock let go
+    // and the file closed (the close wakes the driver, which takes the lock and
+    // publishes everything again). Writing through a second descriptor would
+    // race the driver's own record (woken by the truncation, it writes first
+    // and the test's bytes land over its head).
+    let record = b"{\"owner\":\"vfio-manager\",\"pid\":1,\"since\":\"x\",\"devices\":0}\n";
+    std::os::unix::fs::FileExt::write_all_at(&*held, record, 0).unwrap();
+    held.set_len(record.len() as u64).unwrap();
+    drop(held.unlock().map_err(|(_, e)| e).unwrap());
     driver
         .wait_until("devices published again and ready", || {
             devices(&server) == published && scene.ready_file().exists()
