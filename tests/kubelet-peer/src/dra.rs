@@ -447,10 +447,65 @@ pub async fn register_socket(socket: &Path) -> anyhow::Result<Registered> {
 }
 
 /// Finds a registration socket in `registry` (waiting up to `timeout`) and
-/// registers the plugin behind it as kubelet 1.34 does.
+/// registers the plugin behind it as kubelet 1.34 does ([`register_in_as`]).
 pub async fn register(registry: &Path, timeout: Duration) -> anyhow::Result<Registered> {
+    register_in_as(registry, KubeletVersion::V1_34, timeout).await
+}
+
+/// How often kubelet's plugin manager reconciles: every pass registers each
+/// socket not registered yet (`loopSleepDuration`,
+/// `pkg/kubelet/pluginmanager/plugin_manager.go`; `reconcile`,
+/// `pkg/kubelet/pluginmanager/reconciler/reconciler.go`).
+const RECONCILE_PERIOD: Duration = Duration::from_secs(1);
+/// After a failed registration the operation is not run again for 500 ms,
+/// doubled at each failure up to 2m2s (`initialDurationBeforeRetry`,
+/// `maxDurationBeforeRetry`, `pkg/util/goroutinemap/exponentialbackoff`; the
+/// plugin manager's operation executor backs off on error,
+/// `operationexecutor/operation_executor.go`).
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_BACKOFF: Duration = Duration::from_secs(122);
+
+/// Finds a registration socket in `registry` and registers the plugin behind it
+/// as kubelet `kubelet` does, failed attempts included: a failed registration
+/// (a dial or `GetInfo` that timed out, a refusal) is tried again at the first
+/// reconcile pass after its backoff, as long as `timeout` (counted from the
+/// call) allows; the last error is the answer.
+pub async fn register_in_as(
+    registry: &Path,
+    kubelet: KubeletVersion,
+    timeout: Duration,
+) -> anyhow::Result<Registered> {
+    let deadline = tokio::time::Instant::now() + timeout;
     let socket = find_registration_socket(registry, timeout).await?;
-    register_socket(&socket).await
+    let first_pass = tokio::time::Instant::now();
+    let mut backoff = Duration::ZERO;
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let e = match register_socket_as(&socket, kubelet).await {
+            Ok(r) => return Ok(r),
+            Err(e) => e,
+        };
+        backoff = if backoff.is_zero() {
+            FIRST_BACKOFF
+        } else {
+            (backoff * 2).min(MAX_BACKOFF)
+        };
+        let allowed = tokio::time::Instant::now() + backoff - first_pass;
+        let passes = allowed.as_nanos().div_ceil(RECONCILE_PERIOD.as_nanos());
+        let next = first_pass + RECONCILE_PERIOD * u32::try_from(passes).unwrap_or(u32::MAX);
+        if next >= deadline {
+            return Err(e.context(format!(
+                "{} not registered within {timeout:?} ({attempts} attempts)",
+                socket.display()
+            )));
+        }
+        eprintln!(
+            "kubelet-peer: {e:#}; trying again in {:?}",
+            next - tokio::time::Instant::now()
+        );
+        tokio::time::sleep_until(next).await;
+    }
 }
 
 /// Parses `NAMESPACE/NAME/UID` (the command line's claim spelling).

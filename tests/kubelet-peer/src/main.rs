@@ -220,8 +220,7 @@ async fn dra_client(calls: &Calls) -> anyhow::Result<Dra> {
 
 /// Finds the registration socket and registers as the chosen kubelet does.
 async fn register(r: &Registry) -> anyhow::Result<dra::Registered> {
-    let socket = dra::find_registration_socket(&r.registry, r.timeout).await?;
-    dra::register_socket_as(&socket, r.kubelet).await
+    dra::register_in_as(&r.registry, r.kubelet, r.timeout).await
 }
 
 /// `dra health`: the stream as kubelet reads it, until the wanted states.

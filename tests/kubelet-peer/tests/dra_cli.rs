@@ -6,6 +6,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use kubelet_api::dra::v1;
 use kubelet_api::pluginregistration::registration_server::{Registration, RegistrationServer};
@@ -19,11 +21,21 @@ use tonic::{Request, Response, Status};
 struct Reg {
     endpoint: PathBuf,
     notified: mpsc::UnboundedSender<RegistrationStatus>,
+    /// How many `GetInfo` calls still stall past kubelet's 1 s timeout (a
+    /// plugin that has bound its socket but is not answering yet).
+    stalls: AtomicUsize,
 }
 
 #[tonic::async_trait]
 impl Registration for Reg {
     async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
+        let stall = self
+            .stalls
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if stall {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        }
         Ok(Response::new(PluginInfo {
             r#type: "DRAPlugin".into(),
             name: "example.com".into(),
@@ -94,6 +106,11 @@ impl v1::dra_plugin_server::DraPlugin for Plugin {
 }
 
 fn serve(dir: &Path) -> mpsc::UnboundedReceiver<RegistrationStatus> {
+    serve_stalling(dir, 0)
+}
+
+/// [`serve`], its first `stalls` `GetInfo` calls answered too late.
+fn serve_stalling(dir: &Path, stalls: usize) -> mpsc::UnboundedReceiver<RegistrationStatus> {
     let registry = dir.join("registry");
     let plugins = dir.join("plugins/example.com");
     std::fs::create_dir_all(&registry).unwrap();
@@ -109,6 +126,7 @@ fn serve(dir: &Path) -> mpsc::UnboundedReceiver<RegistrationStatus> {
         Server::builder().add_service(RegistrationServer::new(Reg {
             endpoint,
             notified: tx,
+            stalls: AtomicUsize::new(stalls),
         })),
         "registration",
     ));
@@ -236,4 +254,47 @@ async fn dra_register_gives_up_when_no_socket_appears() {
         String::from_utf8_lossy(&o.stderr).contains("no *-reg.sock socket in"),
         "{o:?}"
     );
+}
+
+/// A plugin whose first two `GetInfo` calls time out is registered at the
+/// reconciler's later passes, as kubelet would (a failed registration may run
+/// again after 500 ms, then 1 s, at its next pass, one a second), and is told
+/// so once.
+#[tokio::test]
+async fn dra_register_tries_again_as_kubelets_reconciler_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut notified = serve_stalling(dir.path(), 2);
+    let started = std::time::Instant::now();
+    let o = peer(args(dir.path(), &["register", "--timeout", "10s"])).await;
+    let took = started.elapsed();
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.matches("trying again in").count(), 2, "{err}");
+    assert!(
+        err.contains("failed to get plugin info using RPC GetInfo"),
+        "{err}"
+    );
+    // The first attempt times out at 1 s and may run again after 1.5 s: the
+    // pass at 2 s; the second times out at 3 s and may run again after 4 s:
+    // the pass at 4 s registers.
+    assert!(took >= Duration::from_secs(4), "{took:?}");
+    let status = notified.recv().await.unwrap();
+    assert!(status.plugin_registered, "{status:?}");
+    assert!(notified.try_recv().is_err(), "told once");
+}
+
+/// A plugin that never answers in time is given up on when the timeout ends,
+/// with the last error and how many attempts were made.
+#[tokio::test]
+async fn dra_register_gives_up_on_a_plugin_that_never_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let _notified = serve_stalling(dir.path(), usize::MAX);
+    let o = peer(args(dir.path(), &["register", "--timeout", "3s"])).await;
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("not registered within 3s (2 attempts)"),
+        "{err}"
+    );
+    assert!(err.contains("GetInfo"), "{err}");
 }
