@@ -495,8 +495,9 @@ pub async fn register_in_as(
         let passes = allowed.as_nanos().div_ceil(RECONCILE_PERIOD.as_nanos());
         let next = first_pass + RECONCILE_PERIOD * u32::try_from(passes).unwrap_or(u32::MAX);
         if next >= deadline {
+            let s = if attempts == 1 { "" } else { "s" };
             return Err(e.context(format!(
-                "{} not registered within {timeout:?} ({attempts} attempts)",
+                "{} not registered within {timeout:?} ({attempts} attempt{s})",
                 socket.display()
             )));
         }

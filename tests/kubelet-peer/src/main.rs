@@ -152,7 +152,8 @@ struct Registry {
     /// kubelet's plugin registry directory, scanned for `*-reg.sock`.
     #[arg(long, default_value = kubelet_api::DEFAULT_REGISTRY_DIR)]
     registry: PathBuf,
-    /// How long to wait for a registration socket to appear.
+    /// How long to wait for a registration socket to appear and be registered
+    /// (a failed registration is tried again as kubelet's plugin manager does).
     #[arg(long, default_value = "10s", value_parser = duration)]
     timeout: Duration,
     /// The kubelet release to play: its version check and service choice, and the
