@@ -505,16 +505,9 @@ async fn a_stale_socket_is_replaced_and_anything_else_refused() {
         let _ = stopped.await;
     });
     let registering = async {
-        let r = tokio::time::timeout(WAIT, async {
-            loop {
-                if let Ok(r) = dra::register_socket(&cfg.registration_socket()).await {
-                    break r;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .expect("registers over the replaced stale socket");
+        let r = dra::register(&cfg.registry_dir, WAIT)
+            .await
+            .expect("registers over the replaced stale socket");
         stop.send(()).unwrap();
         r
     };

@@ -441,11 +441,6 @@ pub async fn register_socket_as(
     }
 }
 
-/// Registers the plugin at `socket` as kubelet 1.34 does.
-pub async fn register_socket(socket: &Path) -> anyhow::Result<Registered> {
-    register_socket_as(socket, KubeletVersion::V1_34).await
-}
-
 /// Finds a registration socket in `registry` (waiting up to `timeout`) and
 /// registers the plugin behind it as kubelet 1.34 does ([`register_in_as`]).
 pub async fn register(registry: &Path, timeout: Duration) -> anyhow::Result<Registered> {
