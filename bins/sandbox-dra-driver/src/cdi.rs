@@ -91,6 +91,7 @@ const PERMISSIONS: &str = "mrw";
 /// One prepared device of a claim (a function, or a whole IOMMU group), as
 /// prepare knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(missing_docs)]
 pub struct SpecDevice {
     /// The ResourceSlice device name: `device_name(address)`, or for a whole
     /// group `group_device_name(address)` (`model.rs`).
@@ -103,7 +104,6 @@ pub struct SpecDevice {
     pub address: PciAddress,
     /// A whole group's other functions, handed over with it.
     pub functions: Vec<PciAddress>,
-    /// Its IOMMU group.
     pub group: u32,
     /// Its ResourceSlice attributes; [`PCI_BUS_ID`] is added when missing.
     pub attributes: BTreeMap<String, AttributeValue>,
@@ -134,22 +134,18 @@ pub struct ClaimFiles {
 pub enum CdiError {
     /// A name from outside does not follow its grammar.
     #[error("invalid {what} {}: {reason}", shown(value))]
+    #[allow(missing_docs)]
     InvalidName {
         /// Which name (driver name, claim UID, request name, …).
         what: &'static str,
-        /// The name as given.
         value: String,
         /// What is wrong with it.
         reason: &'static str,
     },
     /// A directory that ends up in a spec is not absolute UTF-8.
     #[error("{what} {path:?} must be an absolute UTF-8 path")]
-    InvalidDir {
-        /// Which directory.
-        what: &'static str,
-        /// The path as given.
-        path: PathBuf,
-    },
+    #[allow(missing_docs)]
+    InvalidDir { what: &'static str, path: PathBuf },
     /// The claim has no device of ours.
     #[error("claim {0} has no devices to prepare")]
     NoDevices(String),
@@ -162,29 +158,21 @@ pub enum CdiError {
     /// A device's name is not the name of its address.
     #[error("device name {name:?} does not name {address}")]
     #[allow(missing_docs)]
-    DeviceNameMismatch {
-        /// The device name.
-        name: String,
-        address: PciAddress,
-    },
+    DeviceNameMismatch { name: String, address: PciAddress },
     /// A device's pciBusID attribute is not its address.
     #[error("device {device}: attribute {PCI_BUS_ID} is {value:?}, not {address}")]
     #[allow(missing_docs)]
     PciBusIdMismatch {
-        /// The device name.
         device: String,
-        /// The attribute's value.
         value: AttributeValue,
         address: PciAddress,
     },
     /// Two subrequests of one request in the same claim.
     #[error("request {request} is allocated through both {first} and {second}")]
+    #[allow(missing_docs)]
     SubrequestConflict {
-        /// The top-level request.
         request: String,
-        /// One reference.
         first: String,
-        /// The other.
         second: String,
     },
     /// JSON encoding failed (cannot happen with these types).

@@ -57,12 +57,11 @@ pub use error::{ClaimError, ClaimStepError, DriverError, Failure};
 
 /// Where a claim's files go, and how devices are handed to containers.
 #[derive(Debug, Clone)]
+#[allow(missing_docs)]
 pub struct Files {
     /// The DRA driver's name (the CDI vendor).
     pub driver: String,
-    /// The CDI spec directory.
     pub cdi_dir: PathBuf,
-    /// The device metadata directory.
     pub metadata_dir: PathBuf,
     /// Give containers the iommufd nodes too, where the kernel makes them, unless
     /// a claim's configuration says otherwise ([`crate::config`]).
@@ -86,14 +85,13 @@ pub struct Recovery {
 }
 
 /// Prepares and unprepares claims on one node.
+#[allow(missing_docs)]
 pub struct Claims<'a> {
     /// The passthrough engine, with the driver's state file.
     pub engine: Passthrough<'a, ClaimRecords>,
     /// The resource list, for a claim's scan.
     pub list: &'a ResourceList,
-    /// This node's pool name.
     pub pool: &'a str,
-    /// Where the claim files go.
     pub files: &'a Files,
     /// IOMMU groups moved at once (`--bind-jobs`): a claim of several devices is
     /// prepared, and given back, in about the slowest group's time.

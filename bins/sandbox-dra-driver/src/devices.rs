@@ -32,8 +32,8 @@ pub fn pcie_root(dev: &PciDevice) -> String {
 
 /// A selected device that is not offered, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(missing_docs)]
 pub struct Withdrawn {
-    /// The device.
     pub address: PciAddress,
     /// Why prepare could not hand it over.
     pub reason: String,

@@ -35,11 +35,8 @@ pub struct VfioDriver {
     /// For Events on claims.
     pub cluster: Cluster,
     pub driver_name: String,
-    /// The node's roots.
     pub host: Host,
-    /// The resource list.
     pub list: ResourceList,
-    /// The claims thread.
     pub worker: Worker,
     /// Calls, claims and slice writes, counted.
     pub metrics: Arc<Metrics>,

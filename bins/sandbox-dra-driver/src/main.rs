@@ -31,7 +31,6 @@ use tokio::signal::unix::{signal, SignalKind};
 
 const PROGRAM: &str = "sandbox-dra-driver";
 
-/// The default ready file.
 const DEFAULT_READY_FILE: &str = "/run/sandbox-dra-driver/ready";
 
 const LONG_ABOUT: &str = "\
@@ -78,7 +77,6 @@ otherwise) and kubelet 1.32 or newer (DRA kubelet API v1beta1; v1 from 1.34).
 Exit codes: 0 stopped by a signal (ready: ready), 1 the node or the API server could
 not be used (ready: not ready), 2 bad usage or config (nothing touched).";
 
-/// Command line.
 #[derive(Debug, Parser)]
 #[command(name = PROGRAM, version, about = "DRA driver: VFIO passthrough of whole IOMMU groups per ResourceClaim", long_about = LONG_ABOUT)]
 #[command(subcommand_negates_reqs = true)]

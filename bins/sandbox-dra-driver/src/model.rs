@@ -60,10 +60,9 @@ impl ClaimDevice {
 /// A claim the driver holds devices for.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
 pub struct ClaimRecord {
-    /// The claim's namespace.
     pub namespace: String,
-    /// The claim's name.
     pub name: String,
     /// Where it is.
     pub phase: ClaimPhase,

@@ -44,18 +44,14 @@ const STATUS_RETRY_MAX: Duration = Duration::from_secs(30);
 const GIVE_BACK_RETRY: Duration = Duration::from_secs(10);
 /// What the watcher needs.
 #[derive(Clone)]
+#[allow(missing_docs)]
 pub struct ClaimWatcher {
-    /// The API server.
     pub cluster: Cluster,
-    /// The driver name.
     pub driver: String,
-    /// This node's pool.
     pub pool: String,
-    /// The claims thread.
     pub worker: Worker,
     /// Early moves and give-backs, counted and timed.
     pub metrics: Arc<crate::metrics::Metrics>,
-    /// Which claims to watch.
     pub watch: ClaimWatch,
     /// The labeller's Lease, which `auto` reads (`None`: `auto` watches every
     /// claim).

@@ -35,18 +35,14 @@ use crate::claims::{Claims, DriverError, Files};
 use crate::metrics::Metrics;
 
 /// What the thread needs.
+#[allow(missing_docs)]
 pub struct WorkerConfig {
-    /// The node's roots.
     pub host: Host,
-    /// The resource list.
     pub list: ResourceList,
     /// The locked state file, already recovered.
     pub state: StateFile,
-    /// The running kernel's release.
     pub release: String,
-    /// This node's pool.
     pub pool: String,
-    /// Where claim files go.
     pub files: Files,
     /// IOMMU groups moved at once.
     pub jobs: std::num::NonZeroUsize,

@@ -49,11 +49,7 @@ pub enum ClaimError {
         group_nodes(groups)
     )]
     #[allow(missing_docs)]
-    InUse {
-        claim: String,
-        /// The held groups.
-        groups: Vec<u32>,
-    },
+    InUse { claim: String, groups: Vec<u32> },
     /// A step failed. What was moved is put back where possible; the claim's record
     /// stays while anything of it is still on vfio, so a retry or a restart goes on.
     #[error("claim {claim}: {step}{}", after_note(after))]
@@ -98,8 +94,8 @@ pub enum ClaimStepError {
     },
     /// A device is on vfio, but what iommufd needs for it is not there.
     #[error("{address} is configured with iommu: {iommu}, but {what}")]
+    #[allow(missing_docs)]
     NoIommufd {
-        /// The device.
         address: PciAddress,
         /// The configured interface.
         iommu: &'static str,
@@ -121,7 +117,6 @@ pub enum ClaimStepError {
     Dir {
         /// `create`, `remove`.
         action: &'static str,
-        /// The directory.
         dir: PathBuf,
         #[source]
         source: std::io::Error,
