@@ -31,6 +31,7 @@ use kubelet_plugin::{AllocatedDevice, ClaimRef};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use passthrough::{Passthrough, DEFAULT_BIND_JOBS};
+use sandbox_dra_driver::cdi::DriverName;
 use sandbox_dra_driver::StateFile;
 use sandbox_dra_driver::{device_name, Claims, Files};
 use support::error_chain;
@@ -76,7 +77,7 @@ fn prepare_and_unprepare(
     let list = ResourceList::parse(LIST).map_err(|e| error_chain(&e))?;
     let devices = addresses(args.devices)?;
     let files = Files {
-        driver: "vfio-sandbox.example.com".into(),
+        driver: DriverName::new("vfio-sandbox.example.com").map_err(|e| error_chain(&e))?,
         cdi_dir: root.join("var/run/cdi"),
         metadata_dir: root.join("var/run/dra-device-attributes"),
         iommufd: false,

@@ -180,30 +180,57 @@ pub enum CdiError {
     Encode(#[source] serde_json::Error),
 }
 
+/// A driver name that can name a claim's files: a DNS subdomain of at most 63
+/// characters (a ResourceSlice's `spec.driver`) that starts with a letter (a CDI
+/// vendor). Checked once, at start: every claim's paths and ids are made of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverName(String);
+
+impl DriverName {
+    /// `name`, checked.
+    pub fn new(name: &str) -> Result<Self, CdiError> {
+        check_driver(name)?;
+        Ok(Self(name.to_owned()))
+    }
+
+    /// The name as given.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for DriverName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// The CDI kind of a driver's specs, `<driver>/vfio`.
-pub fn cdi_kind(driver: &str) -> Result<String, CdiError> {
-    check_driver(driver)?;
-    Ok(format!("{driver}/{CDI_CLASS}"))
+pub fn cdi_kind(driver: &DriverName) -> String {
+    format!("{driver}/{CDI_CLASS}")
 }
 
 /// The claim's CDI spec file, `<cdi_dir>/<driver>-vfio_<claim uid>.json`; what
 /// unprepare deletes.
-pub fn cdi_spec_path(driver: &str, cdi_dir: &Path, claim_uid: &str) -> Result<PathBuf, CdiError> {
-    check_driver(driver)?;
+pub fn cdi_spec_path(
+    driver: &DriverName,
+    cdi_dir: &Path,
+    claim_uid: &str,
+) -> Result<PathBuf, CdiError> {
     check_uid(claim_uid)?;
-    Ok(cdi_dir.join(spec::transient_spec_name(driver, CDI_CLASS, claim_uid)))
+    let name = spec::transient_spec_name(driver.as_str(), CDI_CLASS, claim_uid);
+    Ok(cdi_dir.join(name))
 }
 
 /// The claim's metadata directory, `<metadata_dir>/<driver>/<claim uid>`; what
 /// unprepare removes with everything in it.
 pub fn metadata_claim_dir(
-    driver: &str,
+    driver: &DriverName,
     metadata_dir: &Path,
     claim_uid: &str,
 ) -> Result<PathBuf, CdiError> {
-    check_driver(driver)?;
     check_uid(claim_uid)?;
-    Ok(metadata_dir.join(driver).join(claim_uid))
+    Ok(metadata_dir.join(driver.as_str()).join(claim_uid))
 }
 
 /// One function's device nodes: `/dev/vfio/vfio` and `/dev/vfio/<group>` unless
@@ -290,7 +317,7 @@ fn container_claim_dir(claim: &ClaimRef, pod_claim_name: Option<&str>) -> Result
 /// not matter: devices and requests are written sorted by name, so the same claim
 /// always gives the same bytes.
 pub fn claim_files(
-    driver: &str,
+    driver: &DriverName,
     cdi_dir: &Path,
     metadata_dir: &Path,
     dev_root: &Path,
@@ -299,7 +326,7 @@ pub fn claim_files(
     devices: &[SpecDevice],
 ) -> Result<ClaimFiles, CdiError> {
     let mut spec = Spec {
-        kind: cdi_kind(driver)?,
+        kind: cdi_kind(driver),
         devices: Vec::new(),
     };
     let uid = claim.uid.as_str();
@@ -351,7 +378,7 @@ pub fn claim_files(
                     addresses.extend(&dev.functions);
                 }
                 devs.push(MetadataDevice {
-                    driver,
+                    driver: driver.as_str(),
                     pool: &dev.pool,
                     name: &dev.device_name,
                     attributes: attributes.clone(),

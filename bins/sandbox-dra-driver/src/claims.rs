@@ -33,7 +33,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 
-use crate::cdi::{self, AttributeValue};
+use crate::cdi::{self, AttributeValue, DriverName};
 use crate::config::{self, Iommu};
 use crate::model::{recorded_claim, DeviceName};
 use crate::model::{ClaimDevice, ClaimPhase, ClaimRecord, ClaimRecords};
@@ -60,7 +60,7 @@ pub use error::{ClaimError, ClaimStepError, DriverError, Failure};
 #[allow(missing_docs)]
 pub struct Files {
     /// The DRA driver's name (the CDI vendor).
-    pub driver: String,
+    pub driver: DriverName,
     pub cdi_dir: PathBuf,
     pub metadata_dir: PathBuf,
     /// Give containers the iommufd nodes too, where the kernel makes them, unless
@@ -618,7 +618,7 @@ impl Claims<'_> {
         configs: &[OpaqueConfig],
     ) -> Result<Vec<Option<Iommu>>, ClaimError> {
         config::iommu_per_device(
-            &self.files.driver,
+            self.files.driver.as_str(),
             configs,
             allocations.iter().map(|a| a.request_names.as_slice()),
         )

@@ -18,7 +18,7 @@ use node_agent::cluster::{Cluster, Identity, Verdict};
 use node_agent::metrics::{self as endpoint, ListenAddress};
 use passthrough::owner::DEFAULT_OWNER_LOCK;
 use passthrough::Passthrough;
-use sandbox_dra_driver::cdi::{DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
+use sandbox_dra_driver::cdi::{DriverName, DEFAULT_CDI_DIR, DEFAULT_METADATA_DIR};
 use sandbox_dra_driver::programs::{DRA_DRIVER, STATE_FILE, VFIO_MANAGER_STATE_FILE};
 use sandbox_dra_driver::{
     owner, prepared_claims, ClaimWatch, Claims, Files, HealthBoard, LeaseRef, Metrics, Mode,
@@ -260,8 +260,15 @@ fn main() -> ExitCode {
             "--prepare-timeout is not below kubelet's {KUBELET_CALL_TIMEOUT:?} call limit: kubelet may give up before our answer"
         );
     }
-    // The sockets' paths and names, judged before the API server is asked or
-    // anything on the node is touched.
+    // The driver's name, and the sockets' paths and names, judged before the API
+    // server is asked or anything on the node is touched.
+    let driver = match DriverName::new(&cli.driver_name) {
+        Ok(d) => d,
+        Err(e) => {
+            let rule = "the ResourceSlices' driver and the CDI vendor: a DNS subdomain of at most 63 characters that starts with a letter";
+            return fail_usage(PROGRAM, &format!("--driver-name: {e} ({rule})"));
+        }
+    };
     if let Err(e) = plugin_config(&cli, &node_name).check() {
         let dirs = format!(
             "--plugins-dir {}, --registry-dir {}",
@@ -281,11 +288,16 @@ fn main() -> ExitCode {
         Ok(r) => r,
         Err(e) => return fail(PROGRAM, &e, EXIT_NOT_READY),
     };
-    runtime.block_on(start(cli, node_name, list))
+    runtime.block_on(start(cli, node_name, driver, list))
 }
 
 /// Connects, takes the node, recovers what a killed predecessor left, and serves.
-async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceList) -> ExitCode {
+async fn start(
+    cli: Cli,
+    node_name: String,
+    driver: DriverName,
+    list: passthrough::config::ResourceList,
+) -> ExitCode {
     let identity = Identity {
         node: node_name.clone(),
         pod: cli.pod_namespace.clone().zip(cli.pod_name.clone()),
@@ -321,7 +333,7 @@ async fn start(cli: Cli, node_name: String, list: passthrough::config::ResourceL
     let mut host = cli.common.host();
     host.modules = cli.modules_root.clone();
     let files = Files {
-        driver: cli.driver_name.clone(),
+        driver,
         cdi_dir: cli.cdi_dir.clone(),
         metadata_dir: cli.metadata_dir.clone(),
         iommufd: cli.iommufd,

@@ -10,12 +10,16 @@ use std::path::{Path, PathBuf};
 use kubelet_plugin::ClaimRef;
 use sandbox_dra_driver::cdi::{
     cdi_spec_path, claim_files, metadata_claim_dir, AttributeValue, CdiError, ClaimFiles,
-    SpecDevice,
+    DriverName, SpecDevice,
 };
 use sandbox_dra_driver::device_name;
 use serde::Deserialize;
 
 const DRIVER: &str = "vfio-sandbox.rebellions.ai";
+
+fn driver() -> DriverName {
+    DriverName::new(DRIVER).expect("the tests' driver name")
+}
 const UID: &str = "0d6f7c2a-5b1e-4c3d-9a8b-7e6f5d4c3b2a";
 
 fn claim() -> ClaimRef {
@@ -80,7 +84,7 @@ fn two_devices() -> Vec<SpecDevice> {
 
 fn files(devices: &[SpecDevice]) -> ClaimFiles {
     claim_files(
-        DRIVER,
+        &driver(),
         Path::new("/var/run/cdi"),
         Path::new("/var/run/kubernetes.io/dra-device-attributes"),
         Path::new("/dev"),
@@ -296,7 +300,7 @@ fn a_template_claim_mounts_under_its_pod_claim_name_and_says_so() {
     devs.truncate(1);
     devs[0].request_names = vec!["nic/fast".into()];
     let f = claim_files(
-        DRIVER,
+        &driver(),
         Path::new("/var/run/cdi"),
         Path::new("/m"),
         Path::new("/dev"),
@@ -360,7 +364,7 @@ fn iommufd_adds_the_iommu_and_device_nodes_after_the_group() {
 #[test]
 fn another_dev_root_writes_host_paths_and_cdi_0_5_0() {
     let f = claim_files(
-        DRIVER,
+        &driver(),
         Path::new("/var/run/cdi"),
         Path::new("/m"),
         Path::new("/host/dev/"),
@@ -389,7 +393,7 @@ fn a_missing_pci_bus_id_is_added_and_a_wrong_one_refused() {
         AttributeValue::String("0000:01:00.1".into()),
     );
     let e = claim_files(
-        DRIVER,
+        &driver(),
         Path::new("/c"),
         Path::new("/m"),
         Path::new("/dev"),
@@ -410,7 +414,7 @@ fn hostile_claim_uids_never_make_a_path() {
         let mut c = claim();
         c.uid = uid.into();
         let e = claim_files(
-            DRIVER,
+            &driver(),
             Path::new("/c"),
             Path::new("/m"),
             Path::new("/dev"),
@@ -430,11 +434,11 @@ fn hostile_claim_uids_never_make_a_path() {
             "{uid:?}: {e}"
         );
         assert!(
-            cdi_spec_path(DRIVER, Path::new("/c"), uid).is_err(),
+            cdi_spec_path(&driver(), Path::new("/c"), uid).is_err(),
             "{uid:?}"
         );
         assert!(
-            metadata_claim_dir(DRIVER, Path::new("/m"), uid).is_err(),
+            metadata_claim_dir(&driver(), Path::new("/m"), uid).is_err(),
             "{uid:?}"
         );
         assert!(e.to_string().len() < 200, "{e}");
@@ -444,9 +448,9 @@ fn hostile_claim_uids_never_make_a_path() {
 #[test]
 fn hostile_names_are_refused_with_what_they_are() {
     let base = || (claim(), None::<&str>, two_devices());
-    let run = |c: &ClaimRef, p: Option<&str>, d: &[SpecDevice], driver: &str| {
+    let run = |c: &ClaimRef, p: Option<&str>, d: &[SpecDevice]| {
         claim_files(
-            driver,
+            &driver(),
             Path::new("/c"),
             Path::new("/m"),
             Path::new("/dev"),
@@ -469,62 +473,56 @@ fn hostile_names_are_refused_with_what_they_are() {
         "a..b",
         &"a".repeat(64),
     ] {
-        assert_eq!(what(run(&c, p, &d, driver)), "driver name", "{driver:?}");
+        let refused = DriverName::new(driver).expect_err(driver);
+        assert_eq!(what(refused), "driver name", "{driver:?}");
     }
     for name in ["", "../x", "a/b", "A", &"a".repeat(254)] {
         let mut c = claim();
         c.name = name.into();
-        assert_eq!(what(run(&c, p, &d, DRIVER)), "claim name", "{name:?}");
+        assert_eq!(what(run(&c, p, &d)), "claim name", "{name:?}");
     }
     for ns in ["", "../x", "a.b"] {
         let mut c = claim();
         c.namespace = ns.into();
-        assert_eq!(what(run(&c, p, &d, DRIVER)), "namespace", "{ns:?}");
+        assert_eq!(what(run(&c, p, &d)), "namespace", "{ns:?}");
     }
     for pod in ["", "..", "a/b", "a.b"] {
-        assert_eq!(
-            what(run(&c, Some(pod), &d, DRIVER)),
-            "pod claim name",
-            "{pod:?}"
-        );
+        assert_eq!(what(run(&c, Some(pod), &d)), "pod claim name", "{pod:?}");
     }
     for req in ["", "..", "../x", "a/b/c", "a/", "/a", "A", &"r".repeat(64)] {
         let mut d = two_devices();
         d[0].request_names = vec![req.into()];
-        assert_eq!(what(run(&c, p, &d, DRIVER)), "request name", "{req:?}");
+        assert_eq!(what(run(&c, p, &d)), "request name", "{req:?}");
     }
     for node in ["", "vfio", "vfio-1", "../../etc", "vfio1/x", "iommu"] {
         let mut d = two_devices();
         d[0].iommufd_nodes = vec![node.into()];
-        assert_eq!(what(run(&c, p, &d, DRIVER)), "iommufd node", "{node:?}");
+        assert_eq!(what(run(&c, p, &d)), "iommufd node", "{node:?}");
     }
     for name in ["", "../x", "pci-0000-01-00-0", "gpu-0"] {
         let mut d = two_devices();
         d[0].device_name = name.into(); // device 0 is 0000:02:00.0
         assert!(matches!(
-            run(&c, p, &d, DRIVER),
+            run(&c, p, &d),
             CdiError::DeviceNameMismatch { .. }
         ));
     }
     let mut dup = two_devices();
     dup.push(dup[0].clone());
-    assert!(matches!(
-        run(&c, p, &dup, DRIVER),
-        CdiError::DuplicateDevice(_)
-    ));
-    assert!(matches!(run(&c, p, &[], DRIVER), CdiError::NoDevices(_)));
+    assert!(matches!(run(&c, p, &dup), CdiError::DuplicateDevice(_)));
+    assert!(matches!(run(&c, p, &[]), CdiError::NoDevices(_)));
     let mut none = two_devices();
     none[0].request_names.clear();
-    assert!(matches!(run(&c, p, &none, DRIVER), CdiError::NoRequest(_)));
+    assert!(matches!(run(&c, p, &none), CdiError::NoRequest(_)));
     let mut subs = two_devices();
     subs[0].request_names = vec!["gpu/a".into()];
     subs[1].request_names = vec!["gpu/b".into()];
     assert!(matches!(
-        run(&c, p, &subs, DRIVER),
+        run(&c, p, &subs),
         CdiError::SubrequestConflict { .. }
     ));
     let e = claim_files(
-        DRIVER,
+        &driver(),
         Path::new("/c"),
         Path::new("m"),
         Path::new("/dev"),
@@ -534,7 +532,7 @@ fn hostile_names_are_refused_with_what_they_are() {
     );
     assert!(matches!(e, Err(CdiError::InvalidDir { .. })));
     let e = claim_files(
-        DRIVER,
+        &driver(),
         Path::new("/c"),
         Path::new("/m"),
         Path::new("dev"),
@@ -731,7 +729,7 @@ fn kubevirt_1_8_0(
 fn every_kubevirt_from_1_8_0_finds_the_pci_address() {
     for pod_claim in [None, Some("npus")] {
         let f = claim_files(
-            DRIVER,
+            &driver(),
             Path::new("/var/run/cdi"),
             Path::new("/m"),
             Path::new("/dev"),

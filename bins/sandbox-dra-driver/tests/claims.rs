@@ -20,6 +20,7 @@ use kubelet_plugin::{AllocatedDevice, ClaimRef, ConfigSource, OpaqueConfig};
 use passthrough::config::ResourceList;
 use passthrough::inventory::Inventory;
 use passthrough::Passthrough;
+use sandbox_dra_driver::cdi::DriverName;
 use sandbox_dra_driver::{device_name, ClaimError, Claims, Files};
 use sandbox_dra_driver::{ClaimPhase, StateFile};
 use support::error_chain;
@@ -76,7 +77,7 @@ kernel/drivers/vfio/vfio.ko:
     Node {
         state_path: dir.path().join("run/sandbox-dra-driver/state.json"),
         files: Files {
-            driver: "vfio-sandbox.example.com".into(),
+            driver: DriverName::new("vfio-sandbox.example.com").expect("the tests' driver name"),
             cdi_dir: dir.path().join("var/run/cdi"),
             metadata_dir: dir.path().join("var/run/dra-device-attributes"),
             iommufd: false,
@@ -534,7 +535,7 @@ fn a_claim_of_several_groups_moves_them_at_once() {
         let dir = tempfile::tempdir_in(sysfs_pci::testing::scratch_root()).unwrap();
         let kernel = FakeKernel::slow_nics(dir.path(), 4, Duration::from_millis(50), RELEASE);
         let files = Files {
-            driver: "vfio-sandbox.example.com".into(),
+            driver: DriverName::new("vfio-sandbox.example.com").expect("the tests' driver name"),
             cdi_dir: dir.path().join("var/run/cdi"),
             metadata_dir: dir.path().join("var/run/dra-device-attributes"),
             iommufd: false,

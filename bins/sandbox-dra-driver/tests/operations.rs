@@ -419,6 +419,46 @@ async fn an_api_server_before_1_34_is_refused_naming_the_release_needed() {
     assert_eq!(status.code(), Some(0), "{log}");
 }
 
+/// A driver name that cannot name the ResourceSlices and the claims' CDI specs
+/// is bad configuration: exit 2 naming the flag, the name and what is wrong with
+/// it, before the API server is asked or anything on the node is made, instead
+/// of a driver that starts and fails every publication and every prepare.
+#[test]
+fn a_driver_name_that_cannot_name_the_files_is_refused_at_start() {
+    let scene = Scene::new();
+    for (name, reason) in [
+        ("Vfio.sandbox.io", "not a DNS subdomain"),
+        ("1vfio.sandbox.io", "must start with a letter"),
+        ("vfio_sandbox.io", "not a DNS subdomain"),
+        (&"a".repeat(64), "too long"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_sandbox-dra-driver"))
+            .env_clear()
+            .env("KUBECONFIG", scene.root().join("kubeconfig"))
+            .args(["--node-name", NODE, "--driver-name", name])
+            .arg("--state-file")
+            .arg(scene.state_file())
+            .arg("--owner-lock")
+            .arg(scene.owner_lock())
+            .arg("--registry-dir")
+            .arg(scene.root().join("registry"))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{name}: {stderr}");
+        assert_contains(&stderr, &["--driver-name", "invalid driver name", reason]);
+        assert!(stderr.contains(&name[..20.min(name.len())]), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        for made in [
+            scene.state_file(),
+            scene.owner_lock(),
+            scene.root().join("registry"),
+        ] {
+            assert!(!made.exists(), "{name}: {} was made", made.display());
+        }
+    }
+}
+
 /// A socket path too long for a Unix socket (107 bytes), in either directory
 /// kubelet dials, is bad configuration: exit 2 naming the path, its length and the
 /// limit, before the API server is asked or anything on the node is made; never
