@@ -481,6 +481,22 @@ fn hostile_names_are_refused_with_what_they_are() {
         c.name = name.into();
         assert_eq!(what(run(&c, p, &d)), "claim name", "{name:?}");
     }
+    // Every name Kubernetes takes for a claim is taken: a subdomain is bounded
+    // as a whole (253), not label by label.
+    for name in ["a".repeat(64), format!("{}.vm", "b".repeat(249))] {
+        let mut c = claim();
+        c.name.clone_from(&name);
+        let files = claim_files(
+            &driver(),
+            Path::new("/c"),
+            Path::new("/m"),
+            Path::new("/dev"),
+            &c,
+            p,
+            &d,
+        );
+        assert!(files.is_ok(), "{name:?}: {files:?}");
+    }
     for ns in ["", "../x", "a.b"] {
         let mut c = claim();
         c.namespace = ns.into();

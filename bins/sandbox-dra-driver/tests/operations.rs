@@ -427,9 +427,9 @@ async fn an_api_server_before_1_34_is_refused_naming_the_release_needed() {
 fn a_driver_name_that_cannot_name_the_files_is_refused_at_start() {
     let scene = Scene::new();
     for (name, reason) in [
-        ("Vfio.sandbox.io", "not a DNS subdomain"),
+        ("Vfio.sandbox.io", "only a-z, 0-9, '-' and '.' are allowed"),
         ("1vfio.sandbox.io", "must start with a letter"),
-        ("vfio_sandbox.io", "not a DNS subdomain"),
+        ("vfio_sandbox.io", "only a-z, 0-9, '-' and '.' are allowed"),
         (&"a".repeat(64), "too long"),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_sandbox-dra-driver"))

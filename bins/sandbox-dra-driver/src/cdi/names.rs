@@ -22,31 +22,59 @@ pub(super) fn invalid(what: &'static str, value: &str, reason: &'static str) -> 
     }
 }
 
-/// A DNS label (RFC 1123): 1–63 of `a-z0-9-`, starting and ending alphanumeric.
+/// A DNS label as Kubernetes checks one (`IsDNS1123Label`, apimachinery
+/// `pkg/util/validation/validation.go`): 1–63 of `a-z0-9-`, starting and ending
+/// with a letter or digit.
 pub(super) fn check_label(what: &'static str, s: &str) -> Result<(), CdiError> {
-    let alnum = |c: u8| c.is_ascii_lowercase() || c.is_ascii_digit();
-    let b = s.as_bytes();
-    match (b.first(), b.last()) {
-        (None, _) | (_, None) => Err(invalid(what, s, "empty")),
-        _ if b.len() > 63 => Err(invalid(what, s, "longer than 63 characters")),
-        _ if !b.iter().all(|&c| alnum(c) || c == b'-') => {
-            Err(invalid(what, s, "only a-z, 0-9 and '-' are allowed"))
-        }
-        (Some(&f), Some(&l)) if !alnum(f) || !alnum(l) => {
-            Err(invalid(what, s, "must start and end with a-z or 0-9"))
-        }
-        _ => Ok(()),
-    }
+    let reason = match part(s) {
+        _ if s.len() > 63 => "longer than 63 characters",
+        Part::Fine => return Ok(()),
+        Part::Empty => "empty",
+        Part::BadCharacter => "only a-z, 0-9 and '-' are allowed",
+        Part::BadEnd => "must start and end with a-z or 0-9",
+    };
+    Err(invalid(what, s, reason))
 }
 
-/// A DNS subdomain (RFC 1123) of at most `max` characters: dot-separated labels.
+/// A DNS subdomain as Kubernetes checks one (`IsDNS1123Subdomain`, the same
+/// file) of at most `max` characters: labels joined by dots. Only the whole is
+/// bounded: an object named with a label of 64 characters or more is a valid
+/// Kubernetes name.
 pub(super) fn check_subdomain(what: &'static str, s: &str, max: usize) -> Result<(), CdiError> {
     if s.len() > max {
         return Err(invalid(what, s, "too long"));
     }
-    s.split('.').try_for_each(|label| {
-        check_label(what, label).map_err(|_| invalid(what, s, "not a DNS subdomain"))
-    })
+    let worst = s.split('.').map(part).max().unwrap_or(Part::Empty);
+    let reason = match worst {
+        Part::Fine => return Ok(()),
+        Part::Empty => "empty, or an empty part between dots",
+        Part::BadCharacter => "only a-z, 0-9, '-' and '.' are allowed",
+        Part::BadEnd => "each part between dots must start and end with a-z or 0-9",
+    };
+    Err(invalid(what, s, reason))
+}
+
+/// What is wrong with one label of either, unbounded, the gravest last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Part {
+    Fine,
+    BadEnd,
+    Empty,
+    BadCharacter,
+}
+
+fn part(s: &str) -> Part {
+    let alnum = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+    let b = s.as_bytes();
+    if b.is_empty() {
+        Part::Empty
+    } else if !b.iter().all(|c| alnum(c) || *c == b'-') {
+        Part::BadCharacter
+    } else if !b.first().is_some_and(alnum) || !b.last().is_some_and(alnum) {
+        Part::BadEnd
+    } else {
+        Part::Fine
+    }
 }
 
 /// A driver name: a DNS subdomain of at most 63 characters that is a CDI
