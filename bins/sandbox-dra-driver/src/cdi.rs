@@ -182,7 +182,9 @@ pub enum CdiError {
 
 /// A driver name that can name a claim's files: a DNS subdomain of at most 63
 /// characters (a ResourceSlice's `spec.driver`) that starts with a letter (a CDI
-/// vendor). Checked once, at start: every claim's paths and ids are made of it.
+/// vendor), in lowercase (Kubernetes takes `spec.driver` in any case, but it is
+/// also the prefix of the binding conditions' types and the claim label's key).
+/// Checked once, at start: every claim's paths and ids are made of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DriverName(String);
 

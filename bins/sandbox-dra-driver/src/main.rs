@@ -96,7 +96,9 @@ struct Cli {
     /// This pod's namespace (downward API).
     #[arg(long, env = "POD_NAMESPACE", value_name = "NAMESPACE")]
     pod_namespace: Option<String>,
-    /// The DRA driver name (a DNS subdomain) in ResourceSlices, DeviceClasses and CDI.
+    /// The DRA driver name in ResourceSlices, DeviceClasses, CDI and the claims'
+    /// binding conditions and labels: a lowercase DNS subdomain of at most 63
+    /// characters that starts with a letter.
     #[arg(long, env = "VFIO_SANDBOX_DRIVER_NAME", default_value = DEFAULT_DRIVER_NAME, value_name = "NAME")]
     driver_name: String,
     /// kubelet's plugin registration directory (the watcher finds <driver>-reg.sock here).
@@ -265,7 +267,7 @@ fn main() -> ExitCode {
     let driver = match DriverName::new(&cli.driver_name) {
         Ok(d) => d,
         Err(e) => {
-            let rule = "the ResourceSlices' driver and the CDI vendor: a DNS subdomain of at most 63 characters that starts with a letter";
+            let rule = "the ResourceSlices' driver, the CDI vendor and the prefix of its conditions and labels: a lowercase DNS subdomain of at most 63 characters that starts with a letter";
             return fail_usage(PROGRAM, &format!("--driver-name: {e} ({rule})"));
         }
     };
