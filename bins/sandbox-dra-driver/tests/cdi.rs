@@ -448,18 +448,11 @@ fn hostile_claim_uids_never_make_a_path() {
 #[test]
 fn hostile_names_are_refused_with_what_they_are() {
     let base = || (claim(), None::<&str>, two_devices());
-    let run = |c: &ClaimRef, p: Option<&str>, d: &[SpecDevice]| {
-        claim_files(
-            &driver(),
-            Path::new("/c"),
-            Path::new("/m"),
-            Path::new("/dev"),
-            c,
-            p,
-            d,
-        )
-        .expect_err("refused")
+    let made = |c: &ClaimRef, p: Option<&str>, d: &[SpecDevice]| {
+        let (cdi, metadata, dev) = (Path::new("/c"), Path::new("/m"), Path::new("/dev"));
+        claim_files(&driver(), cdi, metadata, dev, c, p, d)
     };
+    let run = |c: &ClaimRef, p: Option<&str>, d: &[SpecDevice]| made(c, p, d).expect_err("refused");
     let what = |e: CdiError| match e {
         CdiError::InvalidName { what, .. } => what.to_string(),
         other => format!("{other:?}"),
@@ -486,15 +479,7 @@ fn hostile_names_are_refused_with_what_they_are() {
     for name in ["a".repeat(64), format!("{}.vm", "b".repeat(249))] {
         let mut c = claim();
         c.name.clone_from(&name);
-        let files = claim_files(
-            &driver(),
-            Path::new("/c"),
-            Path::new("/m"),
-            Path::new("/dev"),
-            &c,
-            p,
-            &d,
-        );
+        let files = made(&c, p, &d);
         assert!(files.is_ok(), "{name:?}: {files:?}");
     }
     for ns in ["", "../x", "a.b"] {
