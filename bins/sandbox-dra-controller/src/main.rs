@@ -66,7 +66,8 @@ used, 2 bad usage.";
 struct Cli {
     #[command(flatten)]
     log: LogArgs,
-    /// The DRA driver name whose claims are labelled (the label is <driver>/node).
+    /// The DRA driver name whose claims are labelled (the label is <driver>/node):
+    /// a lowercase DNS subdomain of at most 63 characters, the node drivers' own.
     #[arg(long, env = "VFIO_SANDBOX_DRIVER_NAME", default_value = DEFAULT_DRIVER_NAME, value_name = "NAME")]
     driver_name: String,
     /// The Lease the replicas elect a leader with (the nodes' --labeller-lease).
@@ -100,6 +101,14 @@ fn main() -> ExitCode {
         if value.trim().is_empty() {
             return fail_usage(PROGRAM, &format!("{flag} is empty"));
         }
+    }
+    if let Err(reason) = claim_label::names::check_driver_name(&cli.driver_name) {
+        let rule = "the prefix of the claim label's key and of the binding conditions: a lowercase DNS subdomain of at most 63 characters";
+        let name = &cli.driver_name;
+        return fail_usage(
+            PROGRAM,
+            &format!("--driver-name {name:?}: {reason} ({rule})"),
+        );
     }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -67,6 +67,29 @@ fn an_empty_pod_name_or_namespace_is_bad_usage() {
     assert!(stderr(&o).contains("--pod-namespace"), "{}", stderr(&o));
 }
 
+/// A driver name that cannot prefix the label key and the binding conditions
+/// is bad usage at start, rather than a labeller whose every patch the API
+/// server refuses.
+#[test]
+fn a_driver_name_that_cannot_prefix_the_label_is_bad_usage() {
+    let pod = [
+        ("POD_NAMESPACE", "vfio-sandbox"),
+        ("POD_NAME", "labeller-0"),
+    ];
+    let long = "a".repeat(64);
+    for (name, reason) in [
+        ("Vfio.example", "only a-z, 0-9, '-' and '.' are allowed"),
+        ("vfio..example", "an empty part between dots"),
+        (long.as_str(), "too long"),
+    ] {
+        let o = controller(&["--driver-name", name], &pod);
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        for words in ["--driver-name", name, reason, "lowercase DNS subdomain"] {
+            assert!(stderr(&o).contains(words), "{words:?}: {}", stderr(&o));
+        }
+    }
+}
+
 #[test]
 fn a_bad_metrics_address_is_bad_usage() {
     let o = controller(

@@ -3,7 +3,7 @@
 //! driver name, the binding condition the labeller looks for, the node label on a
 //! ResourceClaim (its key, its value and the hashed form of a long node name), and
 //! the labeller's Lease (its name and the rule by which a node judges it alive,
-//! [`lease`]).
+//! [`lease`]), and Kubernetes' rules for the names both make keys of ([`names`]).
 //!
 //! # The node label
 //!
@@ -31,6 +31,7 @@
 //! two long names with one hash would cost traffic, never a wrong move.
 
 pub mod lease;
+pub mod names;
 
 /// The DRA driver name both sides use unless told otherwise (a DNS subdomain:
 /// the prefix of the label key and of the binding conditions).

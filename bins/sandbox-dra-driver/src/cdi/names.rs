@@ -3,6 +3,7 @@
 //! refused with what it is and why.
 
 use super::*;
+use claim_label::names as rules;
 
 /// A value for an error message: quoted, and cut after 64 characters.
 pub(super) fn shown(value: &str) -> String {
@@ -22,65 +23,20 @@ pub(super) fn invalid(what: &'static str, value: &str, reason: &'static str) -> 
     }
 }
 
-/// A DNS label as Kubernetes checks one (`IsDNS1123Label`, apimachinery
-/// `pkg/util/validation/validation.go`): 1–63 of `a-z0-9-`, starting and ending
-/// with a letter or digit.
+/// A DNS label ([`claim_label::names::check_label`]).
 pub(super) fn check_label(what: &'static str, s: &str) -> Result<(), CdiError> {
-    let reason = match part(s) {
-        _ if s.len() > 63 => "longer than 63 characters",
-        Part::Fine => return Ok(()),
-        Part::Empty => "empty",
-        Part::BadCharacter => "only a-z, 0-9 and '-' are allowed",
-        Part::BadEnd => "must start and end with a-z or 0-9",
-    };
-    Err(invalid(what, s, reason))
+    rules::check_label(s).map_err(|reason| invalid(what, s, reason))
 }
 
-/// A DNS subdomain as Kubernetes checks one (`IsDNS1123Subdomain`, the same
-/// file) of at most `max` characters: labels joined by dots. Only the whole is
-/// bounded: an object named with a label of 64 characters or more is a valid
-/// Kubernetes name.
+/// A DNS subdomain of at most `max` characters ([`claim_label::names::check_subdomain`]).
 pub(super) fn check_subdomain(what: &'static str, s: &str, max: usize) -> Result<(), CdiError> {
-    if s.len() > max {
-        return Err(invalid(what, s, "too long"));
-    }
-    let worst = s.split('.').map(part).max().unwrap_or(Part::Empty);
-    let reason = match worst {
-        Part::Fine => return Ok(()),
-        Part::Empty => "empty, or an empty part between dots",
-        Part::BadCharacter => "only a-z, 0-9, '-' and '.' are allowed",
-        Part::BadEnd => "each part between dots must start and end with a-z or 0-9",
-    };
-    Err(invalid(what, s, reason))
-}
-
-/// What is wrong with one label of either, unbounded, the gravest last.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Part {
-    Fine,
-    BadEnd,
-    Empty,
-    BadCharacter,
-}
-
-fn part(s: &str) -> Part {
-    let alnum = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
-    let b = s.as_bytes();
-    if b.is_empty() {
-        Part::Empty
-    } else if !b.iter().all(|c| alnum(c) || *c == b'-') {
-        Part::BadCharacter
-    } else if !b.first().is_some_and(alnum) || !b.last().is_some_and(alnum) {
-        Part::BadEnd
-    } else {
-        Part::Fine
-    }
+    rules::check_subdomain(s, max).map_err(|reason| invalid(what, s, reason))
 }
 
 /// A driver name: a DNS subdomain of at most 63 characters that is a CDI
 /// vendor too (it starts with a letter).
 pub(super) fn check_driver(driver: &str) -> Result<(), CdiError> {
-    check_subdomain("driver name", driver, 63)?;
+    rules::check_driver_name(driver).map_err(|reason| invalid("driver name", driver, reason))?;
     spec::check_vendor_or_class(driver).map_err(|e| invalid("driver name", driver, e.0))
 }
 
