@@ -33,8 +33,8 @@ pub(super) fn check_subdomain(what: &'static str, s: &str, max: usize) -> Result
     rules::check_subdomain(s, max).map_err(|reason| invalid(what, s, reason))
 }
 
-/// A driver name: a DNS subdomain of at most 63 characters that is a CDI
-/// vendor too (it starts with a letter).
+/// A driver name: the one both sides take ([`claim_label::names::check_driver_name`])
+/// that is a CDI vendor too (it starts with a letter).
 pub(super) fn check_driver(driver: &str) -> Result<(), CdiError> {
     rules::check_driver_name(driver).map_err(|reason| invalid("driver name", driver, reason))?;
     spec::check_vendor_or_class(driver).map_err(|e| invalid("driver name", driver, e.0))
