@@ -272,7 +272,7 @@ fn checked(dev: &SpecDevice) -> Result<BTreeMap<&str, AttributeValue>, CdiError>
             address: dev.address,
         });
     }
-    check_subdomain("pool name", &dev.pool, 253)?;
+    check_subdomain("pool name", &dev.pool, SUBDOMAIN_MAX)?;
     if dev.request_names.is_empty() {
         return Err(CdiError::NoRequest(dev.device_name.clone()));
     }
@@ -305,7 +305,7 @@ fn checked(dev: &SpecDevice) -> Result<BTreeMap<&str, AttributeValue>, CdiError>
 /// make the path.
 fn container_claim_dir(claim: &ClaimRef, pod_claim_name: Option<&str>) -> Result<String, CdiError> {
     check_label("namespace", &claim.namespace)?;
-    check_subdomain("claim name", &claim.name, 253)?;
+    check_subdomain("claim name", &claim.name, SUBDOMAIN_MAX)?;
     if let Some(p) = pod_claim_name {
         check_label("pod claim name", p)?;
     }

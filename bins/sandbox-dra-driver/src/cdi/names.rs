@@ -4,6 +4,7 @@
 
 use super::*;
 use claim_label::names as rules;
+pub(super) use claim_label::names::SUBDOMAIN_MAX;
 
 /// A value for an error message: quoted, and cut after 64 characters.
 pub(super) fn shown(value: &str) -> String {
