@@ -61,7 +61,7 @@ finish() {
 trap finish EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-step "cargo fmt --check, no code line rustfmt gave up on, and the import graph: no module imports one that imports it back, no crate depends on one above it in docs/layout.md"
+step "cargo fmt --check, no line rustfmt gives up on (long code or a long one-line string), and the import graph: no module imports one that imports it back, no crate depends on one above it in docs/layout.md"
 cargo fmt --all -- --check
 python3 scripts/check-code-width.py
 python3 scripts/import-graph.py

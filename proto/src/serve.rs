@@ -37,7 +37,8 @@ pub const SOCKET_PATH_MAX: usize = 107;
 
 /// A socket path longer than [`SOCKET_PATH_MAX`]: no socket can be bound there.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("the socket path {} is {len} bytes long, and a Unix socket path holds at most {max} bytes (sun_path); choose a shorter directory", path.display(), max = SOCKET_PATH_MAX)]
+#[error("the socket path {} is {len} bytes long, and a Unix socket path holds at most \
+    {max} bytes (sun_path); choose a shorter directory", path.display(), max = SOCKET_PATH_MAX)]
 pub struct SocketPathTooLong {
     /// The path.
     pub path: PathBuf,

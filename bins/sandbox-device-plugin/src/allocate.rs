@@ -73,7 +73,8 @@ impl std::fmt::Display for AllocateError {
             ),
             AllocateError::NoCdev(ids) => write!(
                 f,
-                "no iommufd device (vfio-dev/vfioN) for: {}; the kernel needs CONFIG_VFIO_DEVICE_CDEV",
+                "no iommufd device (vfio-dev/vfioN) for: {}; the kernel needs \
+                    CONFIG_VFIO_DEVICE_CDEV",
                 capped(ids.len(), ids.iter().cloned())
             ),
         }

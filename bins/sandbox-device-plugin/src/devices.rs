@@ -149,7 +149,8 @@ impl Tracker {
         }
         match &why {
             Some(w) => {
-                tracing::error!(reason = %w, "every device is Unhealthy: the node's devices are not vfio-manager's")
+                tracing::error!(reason = %w, "every device is Unhealthy: the node's \
+                    devices are not vfio-manager's")
             }
             None => tracing::info!(
                 "the node's devices are vfio-manager's again: device health as the node says"
@@ -222,7 +223,8 @@ impl Tracker {
     ) -> Vec<Changed> {
         let in_scope = |a: &PciAddress| scope.is_none_or(|s| s.contains(a));
         for s in self.note_skipped(&inv.skipped, in_scope) {
-            tracing::warn!(bdf = %s.address, reason = %s, "not advertising a device that cannot be read");
+            tracing::warn!(bdf = %s.address, reason = %s, "not advertising a device \
+                that cannot be read");
         }
         let mut seen = self.read_states(host, inv);
         // Known devices the scan covered but did not find are gone; the rest are
@@ -359,7 +361,8 @@ pub fn owner_problem(lock: &std::path::Path) -> Option<String> {
     let holder = match passthrough::owner::Owner::holder(lock) {
         Ok(h) => h?,
         Err(e) => {
-            tracing::warn!(lock = %lock.display(), error = %support::error_chain(&e), "cannot read the node's owner lock");
+            tracing::warn!(lock = %lock.display(), error = %support::error_chain(&e),
+                "cannot read the node's owner lock");
             return None;
         }
     };
@@ -367,7 +370,8 @@ pub fn owner_problem(lock: &std::path::Path) -> Option<String> {
     let manager = "vfio-manager";
     (r.owner != manager).then(|| {
         format!(
-            "the node's owner lock {} names {} (pid {}, since {}; {} device(s)), not {manager}: no VM can be given the devices through the device plugin",
+            "the node's owner lock {} names {} (pid {}, since {}; {} device(s)), not \
+                {manager}: no VM can be given the devices through the device plugin",
             lock.display(),
             r.owner,
             r.pid,

@@ -267,7 +267,8 @@ pub async fn serve_resource(
         let _ = stop_server.send(());
         // Only our own socket: a file someone put in its place is left alone.
         if let Err(e) = socket.remove_if_ours() {
-            tracing::warn!(resource = %resource, socket = %path.display(), error = %e, "cannot remove our socket");
+            tracing::warn!(resource = %resource, socket = %path.display(), error = %e,
+                "cannot remove our socket");
         }
         if let End::Stop = end {
             tracing::info!(resource = %resource, socket = %path.display(), "stopped serving");
@@ -322,14 +323,16 @@ async fn run(
                 match served.assess(dir, target) {
                     SocketChange::FreshSocket => return End::FreshSocket,
                     SocketChange::RetryNow | SocketChange::Ignore => {
-                        tracing::info!(resource = %resource, "another kubelet is serving; registering with it");
+                        tracing::info!(resource = %resource, "another kubelet is \
+                            serving; registering with it");
                         *delay = BACKOFF_FIRST;
                     }
                 }
             }
             Some(Attempt::Registered) => {
                 metrics.registered.inc();
-                tracing::info!(resource = %resource, endpoint = %served.name, "registered with kubelet");
+                tracing::info!(resource = %resource, endpoint = %served.name,
+                    "registered with kubelet");
                 served.registered_with = target;
                 *delay = BACKOFF_FIRST;
                 match watch_registration(resource, dir, served, commands).await {
@@ -364,7 +367,8 @@ async fn run(
             None => {
                 // The attempt went to a kubelet that is no longer there; the new
                 // one has not seen this socket's name.
-                tracing::info!(resource = %resource, "another kubelet is serving; registering with it");
+                tracing::info!(resource = %resource, "another kubelet is serving; \
+                    registering with it");
                 *delay = BACKOFF_FIRST;
             }
         }
@@ -388,7 +392,8 @@ async fn watch_registration(
                 Some(Command::Restart) => match served.assess(dir, served.registered_with) {
                     SocketChange::FreshSocket => return Some(End::FreshSocket),
                     _ => {
-                        tracing::debug!(resource = %resource, "still registered with the same kubelet; nothing to restart");
+                        tracing::debug!(resource = %resource, "still registered with \
+                            the same kubelet; nothing to restart");
                         continue;
                     }
                 },
@@ -415,7 +420,8 @@ async fn watch_registration(
         }
         if served.streams.active.load(Ordering::SeqCst) == 0 {
             if kubelet_id(dir) != served.registered_with {
-                tracing::warn!(resource = %resource, "ListAndWatch stream broke and kubelet is gone; waiting for it on a new socket");
+                tracing::warn!(resource = %resource, "ListAndWatch stream broke and \
+                    kubelet is gone; waiting for it on a new socket");
                 return Some(End::FreshSocket);
             }
             tracing::warn!(resource = %resource, "ListAndWatch stream broke; registering again");

@@ -41,7 +41,8 @@ Exit codes: 0 stopped by a signal, 1 the node could not be read, 2 bad usage or 
 
 /// Command line.
 #[derive(Debug, Parser)]
-#[command(name = "sandbox-device-plugin", version, about = "kubelet device plugin for VFIO-bound PCI devices", long_about = LONG_ABOUT)]
+#[command(name = "sandbox-device-plugin", version, about = "kubelet device plugin for \
+    VFIO-bound PCI devices", long_about = LONG_ABOUT)]
 struct Cli {
     #[command(flatten)]
     common: CommonArgs,
@@ -171,7 +172,8 @@ async fn run(
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
             _ = sighup.recv() => break,
-            changed = snapshot.changed() => if changed.is_err() { anyhow::bail!("the node watcher stopped") },
+            changed = snapshot.changed() => if changed.is_err() { anyhow::bail!(
+                "the node watcher stopped") },
             Some(target) = restart.recv() => {
                 for (r, (tx, _)) in &tasks {
                     if target.as_ref().is_none_or(|t| t == r) {

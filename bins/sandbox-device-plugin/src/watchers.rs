@@ -110,7 +110,8 @@ fn log_changes(changed: &[Changed]) {
                 tracing::info!(resource = %c.resource, bdf = %d.address, "device healthy")
             }
             Some(why) => {
-                tracing::warn!(resource = %c.resource, bdf = %d.address, reason = %why, "device unhealthy")
+                tracing::warn!(resource = %c.resource, bdf = %d.address, reason = %why,
+                    "device unhealthy")
             }
         }
     }
@@ -131,7 +132,8 @@ pub async fn watch_kubelet_dir(
         ) {
             Ok(events) => events,
             Err(e) => {
-                tracing::warn!(dir = %dir.display(), error = %e, "cannot watch the kubelet directory; retrying in 1 s");
+                tracing::warn!(dir = %dir.display(), error = %e,
+                    "cannot watch the kubelet directory; retrying in 1 s");
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;
             }

@@ -443,7 +443,8 @@ fn preferred_allocation_of_1024_devices_holds_up_no_other_call() {
             slowest_alloc = slowest_alloc.max(alloc.1);
         }
         eprintln!(
-            "1024 devices: GetPreferredAllocation {slowest_pref:?}, concurrent Allocate {slowest_alloc:?} (slowest of 5)"
+            "1024 devices: GetPreferredAllocation {slowest_pref:?}, concurrent \
+                Allocate {slowest_alloc:?} (slowest of 5)"
         );
         // The figures are the benchmark's (scripts/bench-device-plugin.sh,
         // alloc_racing_pref_max_us, pref_all_median_us: tens of microseconds to a
@@ -829,7 +830,8 @@ fn devices_are_unhealthy_while_another_program_owns_the_node() {
         assert_eq!(msg.devices.len(), first.devices.len(), "still listed");
         let log = bed.log();
         let said = format!(
-            "the node's owner lock {} names sandbox-dra-driver (pid {}, since 2026-01-01T00:00:00Z; 0 device(s)), not vfio-manager",
+            "the node's owner lock {} names sandbox-dra-driver (pid {}, since \
+                2026-01-01T00:00:00Z; 0 device(s)), not vfio-manager",
             lock.display(),
             std::process::id()
         );

@@ -179,7 +179,8 @@ impl Labeller {
         if !self.acquire(&mut elector, &mut stop).await {
             return Ok(());
         }
-        tracing::info!(lease = %self.lease_ref(), identity = %self.identity, "leading: labelling ResourceClaims with their node");
+        tracing::info!(lease = %self.lease_ref(), identity = %self.identity,
+            "leading: labelling ResourceClaims with their node");
         self.metrics.leading(true);
         let (quit_tx, quit_rx) = tokio::sync::oneshot::channel::<()>();
         let labelling = tokio::spawn(self.clone().label(async move {
@@ -194,10 +195,13 @@ impl Labeller {
             match released {
                 Ok(Ok(())) => tracing::info!(lease = %self.lease_ref(), "released the Lease"),
                 Ok(Err(e)) => {
-                    tracing::warn!(lease = %self.lease_ref(), error = %e, "cannot release the Lease; a standby takes it when it expires")
+                    tracing::warn!(lease = %self.lease_ref(), error = %e,
+                        "cannot release the Lease; a standby takes it when it expires")
                 }
                 Err(_) => {
-                    tracing::warn!(lease = %self.lease_ref(), "no answer to the release within {STOP_WAIT:?}; a standby takes the Lease when it expires")
+                    tracing::warn!(lease = %self.lease_ref(), "no answer to the \
+                        release within {STOP_WAIT:?}; a standby takes the Lease when \
+                        it expires")
                 }
             }
         }
@@ -215,7 +219,8 @@ impl Labeller {
             .is_err()
         {
             labelling.abort();
-            tracing::warn!(lease = %self.lease_ref(), "labelling did not stop within {STOP_WAIT:?}; stopped it");
+            tracing::warn!(lease = %self.lease_ref(), "labelling did not stop within \
+                {STOP_WAIT:?}; stopped it");
         }
     }
 
@@ -236,12 +241,14 @@ impl Labeller {
                     let holder = elector.holder().unwrap_or_default().to_owned();
                     self.health.lease_ok(false, &holder);
                     if said.as_deref() != Some(&holder) {
-                        tracing::info!(lease = %self.lease_ref(), holder = %holder, "standing by: another replica holds the Lease");
+                        tracing::info!(lease = %self.lease_ref(), holder = %holder,
+                            "standing by: another replica holds the Lease");
                         said = Some(holder);
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(lease = %self.lease_ref(), error = %e, "cannot read or take the Lease; trying again");
+                    tracing::warn!(lease = %self.lease_ref(), error = %e,
+                        "cannot read or take the Lease; trying again");
                     self.metrics.lease_failed();
                     self.health.lease_failed(e.to_string());
                     said = None;
@@ -287,7 +294,8 @@ impl Labeller {
                     last,
                 });
             }
-            tracing::warn!(lease = %self.lease_ref(), error = %last, "cannot renew the Lease; trying again");
+            tracing::warn!(lease = %self.lease_ref(), error = %last,
+                "cannot renew the Lease; trying again");
         }
     }
 

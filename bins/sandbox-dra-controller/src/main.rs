@@ -60,7 +60,8 @@ used, 2 bad usage.";
 #[command(
     name = PROGRAM,
     version,
-    about = "The claim labeller of sandbox-dra-driver: labels each ResourceClaim with its node, so each node watches only its own",
+    about = "The claim labeller of sandbox-dra-driver: labels each ResourceClaim with \
+        its node, so each node watches only its own",
     long_about = LONG_ABOUT
 )]
 struct Cli {
@@ -103,7 +104,8 @@ fn main() -> ExitCode {
         }
     }
     if let Err(reason) = claim_label::names::check_driver_name(&cli.driver_name) {
-        let rule = "the prefix of the claim label's key and of the binding conditions: a lowercase DNS subdomain of at most 63 characters";
+        let rule = "the prefix of the claim label's key and of the binding conditions: \
+            a lowercase DNS subdomain of at most 63 characters";
         let name = &cli.driver_name;
         return fail_usage(
             PROGRAM,

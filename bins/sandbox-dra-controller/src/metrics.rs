@@ -37,17 +37,21 @@ impl LabellerMetrics {
         }
         registry.register(
             "labeller_leading",
-            "1 while this replica holds the claim labeller's Lease and labels claims, 0 while it stands by",
+            "1 while this replica holds the claim labeller's Lease and labels claims, \
+                0 while it stands by",
             m.leading.clone(),
         );
         registry.register(
             "labeller_labels",
-            "Label patches of ResourceClaims, by change (set: the claim's node, remove) and result (ok, conflict: the claim changed meanwhile and is decided again, error: tried again later)",
+            "Label patches of ResourceClaims, by change (set: the claim's node, \
+                remove) and result (ok, conflict: the claim changed meanwhile and is \
+                decided again, error: tried again later)",
             m.labels.clone(),
         );
         registry.register(
             "labeller_lease_failures",
-            "Reads, takes and renewals of the Lease that failed (the API server did not answer or refused)",
+            "Reads, takes and renewals of the Lease that failed (the API server did \
+                not answer or refused)",
             m.lease_failures.clone(),
         );
         m

@@ -509,7 +509,9 @@ impl Claims<'_> {
         for a in allocations {
             if a.admin_access {
                 return Err(refuse(format!(
-                    "device {} of request {} is allocated with admin access, which this driver does not give (moving it to vfio-pci would take it from its user)",
+                    "device {} of request {} is allocated with admin access, which \
+                        this driver does not give (moving it to vfio-pci would take it \
+                        from its user)",
                     a.device,
                     a.request_names.join(", ")
                 )));
@@ -556,9 +558,15 @@ impl Claims<'_> {
                     members.sort_unstable();
                     if members.first() != Some(&address) {
                         return Err(not_ours(format!(
-                            "device {} names IOMMU group {group} after {address}, which is not the lowest function of it the resource list selects ({})",
+                            "device {} names IOMMU group {group} after {address}, \
+                                which is not the lowest function of it the resource \
+                                list selects ({})",
                             a.device,
-                            members.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+                            members
+                                .iter()
+                                .map(ToString::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", ")
                         )));
                     }
                     members.remove(0);
@@ -573,9 +581,10 @@ impl Claims<'_> {
                 return Err(ClaimError::Held {
                     claim: claim.to_string(),
                     reason: format!(
-                    "device {} ({address}) is in IOMMU group {group}, which is prepared for claim {}/{} (uid {uid})",
-                    a.device, other.namespace, other.name
-                ),
+                        "device {} ({address}) is in IOMMU group {group}, which is \
+                            prepared for claim {}/{} (uid {uid})",
+                        a.device, other.namespace, other.name
+                    ),
                 });
             }
             devices.push(ClaimDevice {
@@ -656,7 +665,9 @@ impl Claims<'_> {
             return Err(ClaimError::Refused {
                 claim: claim.to_string(),
                 reason: format!(
-                    "device {} ({}) is configured with iommu: {}, and this kernel makes no VFIO device cdev (CONFIG_VFIO_DEVICE_CDEV is unset); configure iommu: legacy",
+                    "device {} ({}) is configured with iommu: {}, and this kernel \
+                        makes no VFIO device cdev (CONFIG_VFIO_DEVICE_CDEV is unset); \
+                        configure iommu: legacy",
                     d.device,
                     d.address,
                     i.as_str()
@@ -771,7 +782,12 @@ impl Claims<'_> {
                     .into_iter()
                     .map(|(a, c)| {
                         c.ok_or_else(|| {
-                            missing(a, "the kernel made no VFIO device cdev for it (no vfio-dev/vfioN with a dev attribute)".into())
+                            missing(
+                                a,
+                                "the kernel made no VFIO device cdev for it (no \
+                                    vfio-dev/vfioN with a dev attribute)"
+                                    .into(),
+                            )
                         })
                     })
                     .collect::<Result<Vec<_>, _>>()?;

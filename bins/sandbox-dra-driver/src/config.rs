@@ -192,13 +192,30 @@ mod tests {
     #[test]
     fn every_config_is_checked_and_the_error_names_the_field() {
         let cases = [
-            (json!({"apiVersion": "vfio-sandbox.rebellions.ai/v1alpha1", "kind": "VfioConfig", "iomu": "legacy"}), "unknown field `iomu`"),
-            (vfio("iommu-fd"), "unknown variant `iommu-fd`, expected one of `legacy`, `iommufd`, `both`"),
-            (json!({"apiVersion": "gpu.nvidia.com/v1beta1", "kind": "VfioConfig"}), "apiVersion is \"gpu.nvidia.com/v1beta1\"; this driver reads \"vfio-sandbox.rebellions.ai/v1alpha1\""),
-            (json!({"apiVersion": "vfio-sandbox.rebellions.ai/v1alpha1", "kind": "GpuConfig"}), "kind is \"GpuConfig\""),
+            (
+                json!({"apiVersion": "vfio-sandbox.rebellions.ai/v1alpha1", "kind": "VfioConfig", "iomu": "legacy"}),
+                "unknown field `iomu`",
+            ),
+            (
+                vfio("iommu-fd"),
+                "unknown variant `iommu-fd`, expected one of `legacy`, \
+                    `iommufd`, `both`",
+            ),
+            (
+                json!({"apiVersion": "gpu.nvidia.com/v1beta1", "kind": "VfioConfig"}),
+                "apiVersion is \"gpu.nvidia.com/v1beta1\"; this driver \
+                    reads \"vfio-sandbox.rebellions.ai/v1alpha1\"",
+            ),
+            (
+                json!({"apiVersion": "vfio-sandbox.rebellions.ai/v1alpha1", "kind": "GpuConfig"}),
+                "kind is \"GpuConfig\"",
+            ),
             (json!({"kind": "VfioConfig"}), "missing field `apiVersion`"),
             (json!("legacy"), "invalid type: string \"legacy\""),
-            (json!({"apiVersion": "vfio-sandbox.rebellions.ai/v1alpha1", "kind": "VfioConfig", "iommu": 1}), "invalid type: integer `1`"),
+            (
+                json!({"apiVersion": "vfio-sandbox.rebellions.ai/v1alpha1", "kind": "VfioConfig", "iommu": 1}),
+                "invalid type: integer `1`",
+            ),
         ];
         for (bad, want) in cases {
             // Shadowed by a later, valid config: still refused.

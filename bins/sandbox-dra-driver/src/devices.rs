@@ -60,7 +60,8 @@ fn withdraw_reason(inv: &Inventory, entry: &Entry) -> Option<String> {
         .map(|m| {
             let vfs = m.device.sriov.map_or(0, |s| s.num_vfs);
             format!(
-                "{} in its IOMMU group {group} has {vfs} SR-IOV VFs enabled, so vfio-pci cannot take it",
+                "{} in its IOMMU group {group} has {vfs} SR-IOV VFs enabled, so \
+                    vfio-pci cannot take it",
                 m.device.address
             )
         })

@@ -31,7 +31,8 @@ pub(crate) fn post_warning(
             .event(&reference, &what, true, reason, action, &note)
             .await
         {
-            tracing::debug!(claim = %claim, error = %error_chain(&e), "cannot post an Event on the claim");
+            tracing::debug!(claim = %claim, error = %error_chain(&e),
+                "cannot post an Event on the claim");
         }
     });
 }

@@ -115,7 +115,8 @@ impl HealthBoard {
         match Inventory::scan(&self.host, &self.list) {
             Ok(inv) => self.update(&inv, None),
             Err(e) => {
-                tracing::warn!(error = %support::error_chain(&e), "cannot read the node for device health; keeping the last reports")
+                tracing::warn!(error = %support::error_chain(&e),
+                    "cannot read the node for device health; keeping the last reports")
             }
         }
     }
@@ -147,7 +148,9 @@ impl HealthBoard {
             }
             Verdict::Missing => tracing::error!(
                 fix = %found.fix(),
-                "{}: no VM can be given a device on this node, so every device is unhealthy and tainted (withdrawn from the ResourceSlice where the API server drops taints)",
+                "{}: no VM can be given a device on this node, so every device is \
+                    unhealthy and tainted (withdrawn from the ResourceSlice where the \
+                    API server drops taints)",
                 found.finding()
             ),
         }
@@ -416,7 +419,10 @@ fn assess(
     if let Some(n) = new_fatal.filter(|n| *n > 0) {
         return bad(
             reason::FATAL_PCIE_ERROR,
-            format!("{address} reported {n} fatal PCIe error(s) since the driver started (aer_dev_fatal)"),
+            format!(
+                "{address} reported {n} fatal PCIe error(s) since the driver \
+                    started (aer_dev_fatal)"
+            ),
         );
     }
     if prepared {

@@ -78,7 +78,8 @@ Exit codes: 0 stopped by a signal (ready: ready), 1 the node or the API server c
 not be used (ready: not ready), 2 bad usage or config (nothing touched).";
 
 #[derive(Debug, Parser)]
-#[command(name = PROGRAM, version, about = "DRA driver: VFIO passthrough of whole IOMMU groups per ResourceClaim", long_about = LONG_ABOUT)]
+#[command(name = PROGRAM, version, about = "DRA driver: VFIO passthrough of whole \
+    IOMMU groups per ResourceClaim", long_about = LONG_ABOUT)]
 #[command(subcommand_negates_reqs = true)]
 struct Cli {
     #[command(subcommand)]
@@ -259,7 +260,8 @@ fn main() -> ExitCode {
     if cli.prepare_timeout >= KUBELET_CALL_TIMEOUT {
         tracing::warn!(
             prepare_timeout = ?cli.prepare_timeout,
-            "--prepare-timeout is not below kubelet's {KUBELET_CALL_TIMEOUT:?} call limit: kubelet may give up before our answer"
+            "--prepare-timeout is not below kubelet's {KUBELET_CALL_TIMEOUT:?} call \
+                limit: kubelet may give up before our answer"
         );
     }
     // The driver's name, and the sockets' paths and names, judged before the API
@@ -267,7 +269,9 @@ fn main() -> ExitCode {
     let driver = match DriverName::new(&cli.driver_name) {
         Ok(d) => d,
         Err(e) => {
-            let rule = "the ResourceSlices' driver, the CDI vendor and the prefix of its conditions and labels: a lowercase DNS subdomain of at most 63 characters that starts with a letter";
+            let rule = "the ResourceSlices' driver, the CDI vendor and the prefix of \
+                its conditions and labels: a lowercase DNS subdomain of at most 63 \
+                characters that starts with a letter";
             return fail_usage(PROGRAM, &format!("--driver-name: {e} ({rule})"));
         }
     };
@@ -366,13 +370,16 @@ async fn start(
     }
     .recover();
     for c in &recovery.rolled_back {
-        tracing::warn!(claim = %c, "found half-prepared after a restart; rolled back (kubelet prepares it again)");
+        tracing::warn!(claim = %c, "found half-prepared after a restart; rolled back \
+            (kubelet prepares it again)");
     }
     for c in &recovery.finished {
         tracing::info!(claim = %c, "found half-unprepared after a restart; finished");
     }
     for c in &recovery.foreign {
-        tracing::error!(claim = %c, state_file = %cli.state_file.display(), "the state file held a claim of another node; forgot it and its device records without touching a device");
+        tracing::error!(claim = %c, state_file = %cli.state_file.display(),
+            "the state file held a claim of another node; forgot it and its device \
+                records without touching a device");
     }
     for a in &recovery.orphans {
         tracing::warn!(bdf = %a, "restored a device no claim owned");
@@ -487,7 +494,10 @@ async fn run(
         Ok(true) => {}
         Ok(false) => {
             return Err(anyhow::anyhow!(
-                "the API server does not serve {api} with ResourceSlices and ResourceClaims, which this driver reads and writes: it needs Kubernetes 1.34 or newer (kubelet 1.32 or newer, within the version skew policy)"
+                "the API server does not serve {api} with ResourceSlices and \
+                    ResourceClaims, which this driver reads and writes: it needs \
+                    Kubernetes 1.34 or newer (kubelet 1.32 or newer, within the \
+                    version skew policy)"
             ))
         }
         Err(e) => tracing::warn!(
@@ -543,20 +553,27 @@ async fn run(
     }
     let claims = prepared_claims(&cli.state_file);
     if !claims.is_empty() {
-        tracing::info!(claims = %claims.join(", "), "prepared claims keep their devices on vfio until kubelet unprepares them");
+        tracing::info!(claims = %claims.join(", "), "prepared claims keep their \
+            devices on vfio until kubelet unprepares them");
     }
     if cli.pod_name.is_none() || cli.pod_namespace.is_none() {
-        tracing::info!("POD_NAME/POD_NAMESPACE are not set, so an uninstall cannot be told from a restart; keeping this node's ResourceSlice");
+        tracing::info!(
+            "POD_NAME/POD_NAMESPACE are not set, so an uninstall cannot be \
+                told from a restart; keeping this node's ResourceSlice"
+        );
         return result;
     }
     match cluster.stop_lookup().await {
         Ok(Verdict::Keep(why)) => {
-            tracing::info!(reason = %why, "keeping this node's ResourceSlice for the next driver pod")
+            tracing::info!(reason = %why, "keeping this node's ResourceSlice for the \
+                next driver pod")
         }
         Ok(Verdict::Restore(why)) => {
-            tracing::info!(reason = %why, "the driver leaves this node; deleting its ResourceSlice");
+            tracing::info!(reason = %why, "the driver leaves this node; deleting its \
+                ResourceSlice");
             if let Err(e) = plugin.delete_slices().await {
-                tracing::warn!(error = %error_chain(&e), "could not delete this node's ResourceSlice");
+                tracing::warn!(error = %error_chain(&e), "could not delete this node's \
+                    ResourceSlice");
             }
         }
         Err(why) => tracing::warn!(

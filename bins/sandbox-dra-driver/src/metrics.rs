@@ -117,27 +117,37 @@ impl Metrics {
         }
         registry.register(
             "dra_claims",
-            "Claims kubelet asked to prepare or unprepare, and claims moved early (binding conditions) or given back after losing their allocation, by operation (prepare, unprepare, move_early, give_back) and result (ok, error)",
+            "Claims kubelet asked to prepare or unprepare, and claims moved early \
+                (binding conditions) or given back after losing their allocation, by \
+                operation (prepare, unprepare, move_early, give_back) and result (ok, \
+                error)",
             m.claims.clone(),
         );
         registry.register(
             "dra_call_seconds",
-            "Duration of NodePrepareResources and NodeUnprepareResources calls, claim reads included, and of early moves and give-backs",
+            "Duration of NodePrepareResources and NodeUnprepareResources calls, claim \
+                reads included, and of early moves and give-backs",
             m.seconds.clone(),
         );
         registry.register(
             "dra_failures",
-            "Claims that failed, by operation and reason: group_held (another claim or a VM holds an IOMMU group), not_ours (not this node's devices), timeout, api_server, unprepared (unprepared while on its way), refused, failed (a step on the node)",
+            "Claims that failed, by operation and reason: group_held (another claim or \
+                a VM holds an IOMMU group), not_ours (not this node's devices), \
+                timeout, api_server, unprepared (unprepared while on its way), \
+                refused, failed (a step on the node)",
             m.failures.clone(),
         );
         registry.register(
             "dra_devices",
-            "Devices by state: published (offered in this node's ResourceSlices), prepared (allocated to a prepared claim), on_vfio (every function this driver moved to vfio, IOMMU-group companions included)",
+            "Devices by state: published (offered in this node's ResourceSlices), \
+                prepared (allocated to a prepared claim), on_vfio (every function this \
+                driver moved to vfio, IOMMU-group companions included)",
             m.devices.clone(),
         );
         registry.register(
             "dra_slice_writes",
-            "ResourceSlice writes of this node's pool, by action (create, update, delete), and publish passes that failed (error)",
+            "ResourceSlice writes of this node's pool, by action (create, update, \
+                delete), and publish passes that failed (error)",
             m.slice_writes.clone(),
         );
         m

@@ -37,7 +37,9 @@ pub async fn take_or_wait(
         Err(e) if e.by_other_program() => error_chain(&e),
         Err(e) => return Err(e.into()),
     };
-    tracing::error!(error = %refusal, retry = ?retry, "not moving any device, not publishing ResourceSlices: every claim prepared here is refused until the node is free");
+    tracing::error!(error = %refusal, retry = ?retry, "not moving any device, not \
+        publishing ResourceSlices: every claim prepared here is refused until the node \
+        is free");
     let refusing = Arc::new(Refusing {
         refusal: Mutex::new(refusal),
         state_file: state_file.to_owned(),

@@ -108,13 +108,17 @@ pub async fn watch_claims(follow: ClaimWatcher) {
                 .await
         }
         (ClaimWatch::Labelled, _) => {
-            tracing::info!(selector = %follow.selector(), "watching only the ResourceClaims the claim labeller labels for this node");
+            tracing::info!(selector = %follow.selector(), "watching only the \
+                ResourceClaims the claim labeller labels for this node");
             follow
                 .watch_in(&seen, Scope::Labelled, std::future::pending())
                 .await;
         }
         (ClaimWatch::Auto, None) => {
-            tracing::info!("--claim-watch=auto without a namespace for the labeller's Lease (POD_NAMESPACE): watching every ResourceClaim");
+            tracing::info!(
+                "--claim-watch=auto without a namespace for the labeller's \
+                    Lease (POD_NAMESPACE): watching every ResourceClaim"
+            );
             follow
                 .watch_in(&seen, Scope::All, std::future::pending())
                 .await;
@@ -170,7 +174,9 @@ impl ClaimWatcher {
                 Ok(e) => e,
                 Err(e) => {
                     if !failing {
-                        tracing::warn!(error = %error_chain(&e), "cannot watch ResourceClaims; retrying (claims wait for prepare meanwhile)");
+                        tracing::warn!(error = %error_chain(&e),
+                            "cannot watch ResourceClaims; retrying (claims wait for \
+                                prepare meanwhile)");
                     }
                     failing = true;
                     continue;
@@ -413,7 +419,8 @@ impl ClaimWatcher {
         for c in moved.into_iter().filter(|c| !listed.contains(&c.uid)) {
             match scope {
                 Scope::All => {
-                    tracing::info!(claim = %c, "a claim moved early is no longer allocated here; giving its devices back");
+                    tracing::info!(claim = %c, "a claim moved early is no longer \
+                        allocated here; giving its devices back");
                     self.act(seen, c.uid, None);
                 }
                 Scope::Labelled => {
@@ -439,13 +446,16 @@ impl ClaimWatcher {
                         return;
                     }
                     if found.as_ref().and_then(|f| self.waiting(f)).is_none() {
-                        tracing::info!(claim = %c, "a claim moved early is no longer allocated here; giving its devices back");
+                        tracing::info!(claim = %c, "a claim moved early is no longer \
+                            allocated here; giving its devices back");
                     }
                     self.act(seen, c.uid, found);
                     return;
                 }
                 Err(e) => {
-                    tracing::warn!(claim = %c, error = %e, retry_in = ?GIVE_BACK_RETRY, "cannot read a claim moved early that the labelled list does not show");
+                    tracing::warn!(claim = %c, error = %e, retry_in = ?GIVE_BACK_RETRY,
+                        "cannot read a claim moved early that the labelled list does \
+                            not show");
                 }
             }
             tokio::time::sleep(GIVE_BACK_RETRY).await;
@@ -520,16 +530,22 @@ impl ClaimWatcher {
                 Ok(Written::Dropped) => {
                     let first = !std::mem::replace(&mut seen.lock().status_dropped, true);
                     if first {
-                        tracing::warn!(claim = %w.claim, "the API server drops ResourceClaim status.devices (its DRAResourceClaimDeviceStatus gate is off): the scheduler cannot see that devices are ready; turn the gate on, or run with --binding-conditions=off");
+                        tracing::warn!(claim = %w.claim, "the API server drops \
+                            ResourceClaim status.devices (its \
+                            DRAResourceClaimDeviceStatus gate is off): the scheduler \
+                            cannot see that devices are ready; turn the gate on, or \
+                            run with --binding-conditions=off");
                     }
                     return true;
                 }
                 Ok(Written::Gone) => {
-                    tracing::debug!(claim = %w.claim, "the claim changed before its status was written");
+                    tracing::debug!(claim = %w.claim, "the claim changed before its \
+                        status was written");
                     return false;
                 }
                 Err(e) => {
-                    tracing::warn!(claim = %w.claim, error = %e, retry_in = ?pause, "cannot write the claim's device status");
+                    tracing::warn!(claim = %w.claim, error = %e, retry_in = ?pause,
+                        "cannot write the claim's device status");
                 }
             }
             if seen.pause_unless_changed(&w.claim.uid, pause).await {

@@ -293,9 +293,11 @@ impl Worker {
                 .map_err(DriverError::from);
             match &answer {
                 Ok(()) => {
-                    tracing::info!(claim = %claim, took = ?started.elapsed(), "moved to vfio before its pod is bound")
+                    tracing::info!(claim = %claim, took = ?started.elapsed(),
+                        "moved to vfio before its pod is bound")
                 }
-                Err(e) => tracing::warn!(claim = %claim, error = %error_chain(e), "early move failed"),
+                Err(e) => tracing::warn!(claim = %claim, error = %error_chain(e),
+                    "early move failed"),
             }
             answer
         })
@@ -309,18 +311,24 @@ impl Worker {
             if node.phase(&uid).is_some_and(|p| p != ClaimPhase::Prepared) {
                 leaving(&node.setup, &uid);
             }
-            let shown = node.claims().moved_early().into_iter().find(|c| c.uid == uid);
+            let shown = node
+                .claims()
+                .moved_early()
+                .into_iter()
+                .find(|c| c.uid == uid);
             let answer = node
                 .claims()
                 .release(&uid)
                 .map(|released| released.then_some(shown).flatten());
             match &answer {
                 Ok(Some(claim)) => {
-                    tracing::info!(claim = %claim, "gave back the devices of a claim that lost its allocation before its pod started")
+                    tracing::info!(claim = %claim, "gave back the devices of a claim \
+                        that lost its allocation before its pod started")
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    tracing::warn!(uid = %uid, error = %error_chain(e), "cannot give back the devices of a claim moved early")
+                    tracing::warn!(uid = %uid, error = %error_chain(e),
+                        "cannot give back the devices of a claim moved early")
                 }
             }
             Ok(answer?)
@@ -431,7 +439,9 @@ fn check_owner(setup: &mut WorkerConfig) {
             "the node's owner lock is ours again; publishing the devices and preparing claims"
         ),
         Some(why) => {
-            tracing::error!(error = %why, "the node's owner lock is no longer ours: moving no device, every device withdrawn from the ResourceSlices, not ready; claims prepared here are refused")
+            tracing::error!(error = %why, "the node's owner lock is no longer ours: \
+                moving no device, every device withdrawn from the ResourceSlices, not \
+                ready; claims prepared here are refused")
         }
     }
     lost.clone_from(&now);

@@ -306,7 +306,10 @@ async fn a_claim_deleted_at_any_moment_of_its_move_is_always_given_back() {
             state_claims(&scene).is_empty() && state_devices(&scene).is_empty()
         })
         .await;
-    println!("{ROUNDS} rounds, {moved_before_delete} with the claim recorded before its deletion, all given back");
+    println!(
+        "{ROUNDS} rounds, {moved_before_delete} with the claim recorded before \
+            its deletion, all given back"
+    );
     assert!(
         moved_before_delete > 0,
         "no deletion landed after the move started"
@@ -388,7 +391,10 @@ async fn a_claim_reallocated_during_its_move_always_ends_on_its_new_device() {
         }
     }
     server.set_latency(None);
-    println!("{rounds} re-allocations, {while_busy} of them while the first move was under way, all ended on the new device");
+    println!(
+        "{rounds} re-allocations, {while_busy} of them while the first move was \
+            under way, all ended on the new device"
+    );
     assert!(
         while_busy > rounds / 2,
         "too few changes landed during a move"
@@ -463,5 +469,8 @@ async fn quiet_watches_stay_open_and_every_allocation_is_marked_within_three_sec
             .await;
     }
     assert_eq!(watches(&server), (1, 1), "no watch re-opened");
-    println!("{ALLOCATIONS} allocations, all marked within 3 s, slowest {slowest:?}; the watches opened once each");
+    println!(
+        "{ALLOCATIONS} allocations, all marked within 3 s, slowest {slowest:?}; \
+            the watches opened once each"
+    );
 }

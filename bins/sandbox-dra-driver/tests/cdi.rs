@@ -386,7 +386,8 @@ fn a_missing_pci_bus_id_is_added_and_a_wrong_one_refused() {
     devs[1].attributes.clear();
     let f = files(&devs);
     assert!(f.metadata[0].1.contains(
-        "\"attributes\": {\n            \"resource.kubernetes.io/pciBusID\": {\n              \"string\": \"0000:01:00.0\"\n            }\n          }"
+        "\"attributes\": \
+            {\n            \"resource.kubernetes.io/pciBusID\": {\n              \"string\": \"0000:01:00.0\"\n            }\n          }"
     ));
     devs[1].attributes.insert(
         "resource.kubernetes.io/pciBusID".into(),

@@ -99,7 +99,8 @@ fn runtime_scene() -> Scene {
 }
 
 #[tokio::test]
-#[ignore = "needs root, podman, runc and busybox-static, and writes /var/run/cdi: run by the CI step 'CDI runtime'"]
+#[ignore = "needs root, podman, runc and busybox-static, and writes /var/run/cdi: run \
+    by the CI step 'CDI runtime'"]
 async fn podman_applies_a_prepared_claims_cdi_spec() {
     let scene = runtime_scene();
     let server = cluster();
@@ -184,7 +185,8 @@ fn variables(out: &str) -> Vec<&str> {
 }
 
 #[tokio::test]
-#[ignore = "needs root, podman, runc and busybox-static, and writes /var/run/cdi: run by the CI step 'CDI runtime'"]
+#[ignore = "needs root, podman, runc and busybox-static, and writes /var/run/cdi: run \
+    by the CI step 'CDI runtime'"]
 async fn each_container_sees_the_addresses_of_exactly_its_own_devices() {
     let scene = runtime_scene();
     let server = cluster();

@@ -514,7 +514,8 @@ fn walk_every_fault(
         }
     }
     println!(
-        "{name}: {} injection points ({} writes, {} module calls, {} saves) x fail and crash; crashes {crashed}; lost: {}",
+        "{name}: {} injection points ({} writes, {} module calls, {} saves) x fail and \
+            crash; crashes {crashed}; lost: {}",
         points.len(),
         count(Point::Write),
         count(Point::Module),
@@ -842,7 +843,11 @@ fn a_bad_configuration_refuses_the_claim_naming_the_field_and_nothing_moves() {
                 .unwrap_err(),
         ] {
             assert!(
-                err.starts_with("claim vms/a (uid uid-a): its configuration is refused: status.allocation.devices.config[0].opaque.parameters (from the claim): "),
+                err.starts_with(
+                    "claim vms/a (uid uid-a): its configuration is \
+                        refused: status.allocation.devices.config[0].opaque.parameters \
+                        (from the claim): "
+                ),
                 "{err}"
             );
             assert!(err.contains(want), "{err}");
@@ -926,7 +931,10 @@ fn iommufd_asked_of_a_kernel_without_the_cdev_is_refused_and_undone() {
         .prepare_with(&n.kernel, &claim("a"), &A, &configs)
         .unwrap_err();
     assert!(
-        err.contains("0000:01:00.0 is configured with iommu: iommufd, but the kernel made no VFIO device cdev for it"),
+        err.contains(
+            "0000:01:00.0 is configured with iommu: iommufd, but the kernel \
+                made no VFIO device cdev for it"
+        ),
         "{err}"
     );
     assert!(err.contains("its devices were put back"), "{err}");

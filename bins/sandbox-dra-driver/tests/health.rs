@@ -376,9 +376,10 @@ async fn a_node_without_interrupt_isolation_taints_every_device_from_the_first_s
         })
         .await;
     assert!(
-        driver
-            .log()
-            .contains("vfio_iommu_type1.allow_unsafe_interrupts=1 lets VMs take devices without interrupt isolation"),
+        driver.log().contains(
+            "vfio_iommu_type1.allow_unsafe_interrupts=1 lets VMs take \
+                devices without interrupt isolation"
+        ),
         "{}",
         driver.log()
     );

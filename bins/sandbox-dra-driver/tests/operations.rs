@@ -75,7 +75,10 @@ async fn ready_means_registered_and_published() {
     assert_eq!(code, Some(0), "{out}");
     assert_contains(
         &out,
-        &["ready: registered with kubelet; 2 ResourceSlice(s) published (node-a-vfio-sandbox-rebellions-ai, node-a-vfio-sandbox-rebellions-ai-1)"],
+        &[
+            "ready: registered with kubelet; 2 ResourceSlice(s) published \
+                (node-a-vfio-sandbox-rebellions-ai, node-a-vfio-sandbox-rebellions-ai-1)",
+        ],
     );
 
     // kubelet refuses a registration (NotifyRegistrationStatus false): not ready

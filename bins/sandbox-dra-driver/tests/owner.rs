@@ -263,7 +263,8 @@ async fn a_deleted_or_garbled_lock_does_not_let_the_driver_take_a_node_vfio_mana
             .claims;
         let error = &answers[UID].error;
         let said = format!(
-            "vfio-manager's state file {} records 1 device(s) moved on this node; sandbox-dra-driver moves nothing while it does",
+            "vfio-manager's state file {} records 1 device(s) moved on this node; \
+                sandbox-dra-driver moves nothing while it does",
             scene.manager_state_file().display()
         );
         assert!(error.contains(&said), "{tamper}: {error}");
@@ -422,7 +423,8 @@ async fn vfio_manager_that_lost_the_node_is_not_ready_at_once_and_comes_back() {
         log().contains("the node's owner lock is no longer ours")
     });
     let said = format!(
-        "sandbox-dra-driver (pid {}, since 2026-01-01T00:00:00Z) owns the devices of this node (lock {})",
+        "sandbox-dra-driver (pid {}, since 2026-01-01T00:00:00Z) owns the devices of \
+            this node (lock {})",
         std::process::id(),
         scene.owner_lock().display()
     );

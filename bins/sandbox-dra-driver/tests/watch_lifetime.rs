@@ -94,7 +94,9 @@ async fn a_quiet_watch_lives_its_server_timeout() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     println!(
-        "the quiet watches lived {lived:.1?} (the server ends them at 290 s), the claim watch was opened again without a list ({slice_lists} slice list(s) meanwhile), and a claim allocated then was marked in {:?}",
+        "the quiet watches lived {lived:.1?} (the server ends them at 290 s), the \
+            claim watch was opened again without a list ({slice_lists} slice list(s) \
+            meanwhile), and a claim allocated then was marked in {:?}",
         started.elapsed()
     );
 }

@@ -163,12 +163,16 @@ pub fn validate(host: &Host, list: &ResourceList, allow_empty: bool) -> Report {
         .map(|p| p.display().to_string())
         .collect();
     checks.push(if missing.is_empty() {
-        pass("group-nodes", format!("{} group node(s) present", groups.len()))
+        pass(
+            "group-nodes",
+            format!("{} group node(s) present", groups.len()),
+        )
     } else {
         fail(
             "group-nodes",
             format!("missing or not a char device: {}", missing.join(", ")),
-            "a group node appears once every member is bound to vfio-pci; is the host's /dev mounted (--dev-root)?",
+            "a group node appears once every member is bound to vfio-pci; is the \
+                host's /dev mounted (--dev-root)?",
         )
     });
     checks.push(check_cdev(host, &selected));
@@ -212,7 +216,8 @@ fn check_found(inv: &Inventory, selected: usize, allow_empty: bool) -> Check {
         fail(
             "devices-found",
             format!("no usable PCI device matches the resource list{skipped}"),
-            "the skipped devices' sysfs attributes are malformed: check the device and its driver (dmesg)",
+            "the skipped devices' sysfs attributes are malformed: check the device and \
+                its driver (dmesg)",
         )
     }
 }
@@ -292,13 +297,15 @@ fn check_cdev(host: &Host, selected: &[&passthrough::inventory::Entry]) -> Check
         None => {
             return pass(
                 "vfio-cdev",
-                "skipped: no vfio device in /sys/class/vfio-dev tells whether the kernel has the VFIO device cdev",
+                "skipped: no vfio device in /sys/class/vfio-dev tells whether the \
+                    kernel has the VFIO device cdev",
             )
         }
         Some(false) => {
             return pass(
                 "vfio-cdev",
-                "skipped: the kernel has no VFIO device cdev (CONFIG_VFIO_DEVICE_CDEV unset); iommufd cannot be used, the group nodes can",
+                "skipped: the kernel has no VFIO device cdev (CONFIG_VFIO_DEVICE_CDEV \
+                    unset); iommufd cannot be used, the group nodes can",
             )
         }
         Some(true) => {}

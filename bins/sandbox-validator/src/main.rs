@@ -39,7 +39,8 @@ Exit codes: 0 all checks pass, 1 a check fails, 2 bad usage or bad configuration
 
 /// Command line.
 #[derive(Debug, Parser)]
-#[command(name = "sandbox-validator", version, about = "Prove the node is ready for VFIO passthrough", long_about = LONG_ABOUT)]
+#[command(name = "sandbox-validator", version, about = "Prove the node is ready for \
+    VFIO passthrough", long_about = LONG_ABOUT)]
 struct Cli {
     #[command(flatten)]
     common: CommonArgs,

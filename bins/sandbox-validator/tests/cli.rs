@@ -370,7 +370,8 @@ fn a_node_without_interrupt_isolation_is_not_ready() {
     let t = text(&out);
     assert_eq!(out.status.code(), Some(1), "{t}");
     for part in [
-        "interrupt-isolation  FAIL    no interrupt domain isolates device MSIs (interrupt chips: DMAR-MSI, IO-APIC, PCI-MSIX)",
+        "interrupt-isolation  FAIL    no interrupt domain isolates device MSIs \
+            (interrupt chips: DMAR-MSI, IO-APIC, PCI-MSIX)",
         "No interrupt remapping support",
         "hint: turn interrupt remapping on",
         "intremap=off",
@@ -387,7 +388,8 @@ fn a_node_without_interrupt_isolation_is_not_ready() {
     assert_eq!(out.status.code(), Some(0), "{t}");
     for part in [
         "interrupt-isolation  WARN    no interrupt domain isolates device MSIs",
-        "warning: vfio_iommu_type1.allow_unsafe_interrupts=1 lets VMs take devices without interrupt isolation",
+        "warning: vfio_iommu_type1.allow_unsafe_interrupts=1 lets VMs take devices \
+            without interrupt isolation",
         "raise interrupts on the host",
     ] {
         assert!(t.contains(part), "{part:?} missing from: {t}");

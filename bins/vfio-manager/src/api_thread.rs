@@ -257,7 +257,8 @@ async fn serve(
             label: restore_label,
         }),
         Some(Err(e)) => {
-            tracing::warn!(error = %error_chain(&e), "no API access: a stop restores every device, so each rollout of this DaemonSet bounces idle devices");
+            tracing::warn!(error = %error_chain(&e), "no API access: a stop restores \
+                every device, so each rollout of this DaemonSet bounces idle devices");
             None
         }
     };
@@ -266,8 +267,11 @@ async fn serve(
     if let Some(c) = cluster.clone() {
         posting.spawn(async move {
             match c.cluster.node().await {
-                Ok(_) => tracing::info!(node = %node, "API access: on a stop, devices stay bound while the DaemonSet still selects this node"),
-                Err(e) => tracing::warn!(node = %node, error = %error_chain(&e), "cannot read this Node now; a stop restores unless the API server answers then"),
+                Ok(_) => tracing::info!(node = %node, "API access: on a stop, devices \
+                    stay bound while the DaemonSet still selects this node"),
+                Err(e) => tracing::warn!(node = %node, error = %error_chain(&e),
+                    "cannot read this Node now; a stop restores unless the API server \
+                        answers then"),
             }
         });
     }
@@ -437,7 +441,8 @@ async fn check_periodically(
             }
             Err(e) => {
                 if last_error.as_ref() != Some(&e) {
-                    tracing::warn!(error = %e, "cannot tell now whether the node stays in VM mode; asking again next resync");
+                    tracing::warn!(error = %e, "cannot tell now whether the node stays \
+                        in VM mode; asking again next resync");
                 }
                 last_error = Some(e);
             }

@@ -46,7 +46,8 @@ Exit codes: 0 the node is in the asked state, 1 it is not (see the messages),
 
 /// Command line.
 #[derive(Debug, Parser)]
-#[command(name = "vfio-manager", version, about = "Bind selected PCI devices to vfio-pci for VM passthrough, and restore them", long_about = LONG_ABOUT)]
+#[command(name = "vfio-manager", version, about = "Bind selected PCI devices to \
+    vfio-pci for VM passthrough, and restore them", long_about = LONG_ABOUT)]
 struct Cli {
     #[command(flatten)]
     common: CommonArgs,

@@ -51,7 +51,10 @@ impl Metrics {
         }
         registry.register(
             "devices",
-            "Selected devices and their IOMMU-group companions, by state: bound (on their vfio driver), not_bound, held (skipped by the last restore because a VM holds the group), stuck (a sysfs write to it has not returned within --write-timeout: its driver is blocked in the kernel)",
+            "Selected devices and their IOMMU-group companions, by state: bound (on \
+                their vfio driver), not_bound, held (skipped by the last restore \
+                because a VM holds the group), stuck (a sysfs write to it has not \
+                returned within --write-timeout: its driver is blocked in the kernel)",
             m.devices.clone(),
         );
         registry.register(
@@ -61,12 +64,14 @@ impl Metrics {
         );
         registry.register(
             "restores",
-            "Devices put back on their native driver (ok), skipped because a VM holds their group (held), or that failed (error)",
+            "Devices put back on their native driver (ok), skipped because a VM holds \
+                their group (held), or that failed (error)",
             m.restores.clone(),
         );
         registry.register(
             "stops",
-            "Stops of run, by what was done with the devices: keep (the node stays in VM mode) or restore",
+            "Stops of run, by what was done with the devices: keep (the node stays in \
+                VM mode) or restore",
             m.stops.clone(),
         );
         m

@@ -490,7 +490,10 @@ fn a_malformed_device_is_shown_by_status_and_left_out_of_bind() {
             "{case}: {t}"
         );
         assert!(
-            t.contains("skipped 0000:01:00.0: IOMMU group 4 has a member that could not be read (0000:01:00.1)"),
+            t.contains(
+                "skipped 0000:01:00.0: IOMMU group 4 has a member that could \
+                    not be read (0000:01:00.1)"
+            ),
             "{case}: {t}"
         );
 

@@ -135,7 +135,10 @@ fn a_dry_run_shows_the_choice_and_loads_the_variant_module() {
                 .join("kernel/drivers/vfio/pci/nvgrace-gpu/nvgrace-gpu-vfio-pci.ko.xz")
                 .display()
         ),
-        format!("would write nvgrace_gpu_vfio_pci to {sys}/bus/pci/devices/0000:01:00.0/driver_override"),
+        format!(
+            "would write nvgrace_gpu_vfio_pci to \
+                {sys}/bus/pci/devices/0000:01:00.0/driver_override"
+        ),
         format!("would write vfio-pci to {sys}/bus/pci/devices/0000:02:00.0/driver_override"),
     ] {
         assert!(t.contains(&line), "missing {line:?} in\n{t}");

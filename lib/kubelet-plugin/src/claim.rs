@@ -125,7 +125,10 @@ pub enum ReadError {
         claim: String,
     },
     /// The claim under that name is another one than kubelet asked for.
-    #[error("ResourceClaim {claim} has uid {have}, kubelet asked for {want} (the claim was deleted and made again)")]
+    #[error(
+        "ResourceClaim {claim} has uid {have}, kubelet asked for {want} (the claim \
+            was deleted and made again)"
+    )]
     UidMismatch {
         /// `namespace/name`.
         claim: String,
@@ -141,7 +144,10 @@ pub enum ReadError {
         claim: String,
     },
     /// Devices of this driver were allocated from other pools (other nodes).
-    #[error("ResourceClaim {claim} has devices of driver {driver} from other pools than {pool}, so not on this node: {others}")]
+    #[error(
+        "ResourceClaim {claim} has devices of driver {driver} from other pools \
+            than {pool}, so not on this node: {others}"
+    )]
     #[allow(missing_docs)]
     OtherPool {
         /// `namespace/name`.
@@ -179,7 +185,8 @@ pub enum ReadError {
     },
     /// The call's deadline came before the read was done.
     #[error(
-        "claim {claim}: reading it from the API server took too long: not done within {after:?}; a retry reads it again"
+        "claim {claim}: reading it from the API server took too long: not done within \
+            {after:?}; a retry reads it again"
     )]
     #[allow(missing_docs)]
     Deadline {

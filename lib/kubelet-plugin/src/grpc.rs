@@ -187,13 +187,15 @@ impl Socket {
             Ok(SocketState::Ours) => false,
             Ok(SocketState::Replaced) => {
                 if !self.warned {
-                    tracing::warn!(socket = %self.path.display(), "our {} socket was replaced by another file; leaving it", self.what());
+                    tracing::warn!(socket = %self.path.display(),
+                        "our {} socket was replaced by another file; leaving it", self.what());
                     self.warned = true;
                 }
                 false
             }
             Ok(SocketState::Gone) => {
-                tracing::warn!(socket = %self.path.display(), "our {} socket was deleted; serving it again", self.what());
+                tracing::warn!(socket = %self.path.display(), "our {} socket was \
+                    deleted; serving it again", self.what());
                 match self.bind() {
                     Ok(()) => true,
                     Err(e) => {
@@ -208,7 +210,8 @@ impl Socket {
                 }
             }
             Err(e) => {
-                tracing::warn!(socket = %self.path.display(), error = %e, "cannot check our {} socket", self.what());
+                tracing::warn!(socket = %self.path.display(), error = %e,
+                    "cannot check our {} socket", self.what());
                 false
             }
         }
@@ -221,7 +224,8 @@ impl Socket {
         }
         if let Some(file) = self.bound.take() {
             if let Err(e) = file.remove_if_ours() {
-                tracing::warn!(socket = %self.path.display(), error = %e, "cannot remove our socket");
+                tracing::warn!(socket = %self.path.display(), error = %e,
+                    "cannot remove our socket");
             }
         }
         tracing::info!(socket = %self.path.display(), "stopped serving {}", self.what());
@@ -280,7 +284,8 @@ impl Registration for RegistrationService {
         if status.plugin_registered {
             tracing::info!(driver = %self.info.name, "registered with kubelet");
         } else {
-            tracing::error!(driver = %self.info.name, error = %status.error, "kubelet refused the registration");
+            tracing::error!(driver = %self.info.name, error = %status.error,
+                "kubelet refused the registration");
         }
         self.driver.registration_status(status.plugin_registered);
         Ok(Response::new(RegistrationStatusResponse {}))
@@ -377,7 +382,8 @@ fn dir_events(dirs: &[PathBuf]) -> Option<DirEvents> {
     match DirEvents::open(dirs, WatchMask::DELETE | WatchMask::MOVED_FROM) {
         Ok(events) => Some(events),
         Err(e) => {
-            tracing::warn!(dirs = ?dirs, error = %e, "cannot watch; checking our sockets by polling");
+            tracing::warn!(dirs = ?dirs, error = %e, "cannot watch; checking our \
+                sockets by polling");
             None
         }
     }

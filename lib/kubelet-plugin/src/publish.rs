@@ -118,7 +118,8 @@ impl<D: Driver> Publisher<D> {
                 Err(e) => {
                     self.readiness.published(None);
                     self.driver.published(Err(&e));
-                    tracing::warn!(error = %error_chain(&e), retry_in = ?backoff, "cannot publish this node's ResourceSlices");
+                    tracing::warn!(error = %error_chain(&e), retry_in = ?backoff,
+                        "cannot publish this node's ResourceSlices");
                     let wait = backoff;
                     backoff = (backoff * 2).min(self.max_backoff);
                     Some(wait)
@@ -126,8 +127,10 @@ impl<D: Driver> Publisher<D> {
             };
             tokio::select! {
                 () = sleep_for(retry) => {}
-                _ = self.seen.foreign.notified() => tracing::debug!("our ResourceSlices changed elsewhere; publishing again"),
-                _ = self.registered.notified() => tracing::debug!("registered with kubelet; publishing again"),
+                _ = self.seen.foreign.notified() => tracing::debug!(
+                    "our ResourceSlices changed elsewhere; publishing again"),
+                _ = self.registered.notified() => tracing::debug!(
+                    "registered with kubelet; publishing again"),
                 () = self.republish.wanted() => {}
             }
         }
@@ -150,7 +153,8 @@ impl<D: Driver> Publisher<D> {
                 Ok(Event::Init) => false,
                 Err(e) => {
                     if !failing {
-                        tracing::warn!(error = %error_chain(&e), "cannot watch this node's ResourceSlices; retrying");
+                        tracing::warn!(error = %error_chain(&e),
+                            "cannot watch this node's ResourceSlices; retrying");
                     }
                     failing = true;
                     continue;
@@ -195,11 +199,17 @@ impl<D: Driver> Publisher<D> {
             Ok(true) => false,
             Ok(false) => {
                 self.seen.counters_dropped.store(true, SeqCst);
-                tracing::warn!("the API server drops the counter sets of ResourceSlices (its DRAPartitionableDevices gate is off, or it predates them); publishing without them, as the driver offers its devices then");
+                tracing::warn!(
+                    "the API server drops the counter sets of \
+                        ResourceSlices (its DRAPartitionableDevices gate is off, or it \
+                        predates them); publishing without them, as the driver offers its \
+                        devices then"
+                );
                 true
             }
             Err(e) => {
-                tracing::warn!(error = %error_chain(&e), "cannot ask the API server whether it keeps counter sets; the first write will tell");
+                tracing::warn!(error = %error_chain(&e), "cannot ask the API server \
+                    whether it keeps counter sets; the first write will tell");
                 false
             }
         }
@@ -222,7 +232,8 @@ impl<D: Driver> Publisher<D> {
         if *said != offer.withdrawn {
             match &offer.withdrawn {
                 Some(why) => {
-                    tracing::warn!(reason = %why, "the driver withdrew its devices: publishing an empty pool, not ready")
+                    tracing::warn!(reason = %why, "the driver withdrew its devices: \
+                        publishing an empty pool, not ready")
                 }
                 None if said.is_some() => tracing::info!("the driver offers its devices again"),
                 None => {}
@@ -249,16 +260,29 @@ impl<D: Driver> Publisher<D> {
             .await?;
         let taints_lost = report.taints_dropped && !self.seen.taints_dropped.swap(true, SeqCst);
         if taints_lost {
-            tracing::warn!("the API server drops the taints of ResourceSlice devices (its DRADeviceTaints gate is off, or it predates device taints); publishing without them");
+            tracing::warn!(
+                "the API server drops the taints of ResourceSlice devices \
+                    (its DRADeviceTaints gate is off, or it predates device taints); \
+                    publishing without them"
+            );
         }
         let binding_lost = report.binding_dropped && !self.seen.binding_dropped.swap(true, SeqCst);
         if binding_lost {
-            tracing::warn!("the API server drops the binding conditions of ResourceSlice devices (its DRADeviceBindingConditions or DRAResourceClaimDeviceStatus gate is off, or it predates them); publishing without them");
+            tracing::warn!(
+                "the API server drops the binding conditions of \
+                    ResourceSlice devices (its DRADeviceBindingConditions or \
+                    DRAResourceClaimDeviceStatus gate is off, or it predates them); \
+                    publishing without them"
+            );
         }
         let counters_lost =
             report.counters_dropped && !self.seen.counters_dropped.swap(true, SeqCst);
         if counters_lost {
-            tracing::warn!("the API server dropped the counter sets of ResourceSlices (its DRAPartitionableDevices gate is off, or it predates them); publishing without them, as the driver offers its devices then");
+            tracing::warn!(
+                "the API server dropped the counter sets of ResourceSlices \
+                    (its DRAPartitionableDevices gate is off, or it predates them); \
+                    publishing without them, as the driver offers its devices then"
+            );
         }
         if taints_lost || binding_lost || counters_lost {
             drop(slices);

@@ -89,7 +89,8 @@ impl Readiness {
                     "sockets": self.sockets,
                 });
                 if let Err(e) = write_atomic(file, format!("{doc}\n").as_bytes()) {
-                    tracing::warn!(file = %file.display(), error = %e, "cannot write the ready file");
+                    tracing::warn!(file = %file.display(), error = %e,
+                        "cannot write the ready file");
                 }
             }
             _ => self.clear(),
@@ -117,7 +118,8 @@ pub fn probe(file: &Path) -> Result<String, String> {
         Ok(t) => t,
         Err(SmallFileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
             return Err(format!(
-                "{} does not exist (the driver writes it once kubelet accepted its registration and this node's ResourceSlices are published)",
+                "{} does not exist (the driver writes it once kubelet accepted its \
+                    registration and this node's ResourceSlices are published)",
                 file.display()
             ))
         }

@@ -76,7 +76,10 @@ pub enum SliceError {
         after: Duration,
     },
     /// Another writer kept changing the slices.
-    #[error("ResourceSlices of driver {driver} on node {node} kept changing under us ({attempts} attempts)")]
+    #[error(
+        "ResourceSlices of driver {driver} on node {node} kept changing under us \
+            ({attempts} attempts)"
+    )]
     #[allow(missing_docs)]
     Conflicts {
         driver: String,
@@ -450,7 +453,8 @@ impl Slices {
             .await?
             .map_err(|e| request_error(action, e))?;
         let layout = CounterLayout::for_version(&info.major, &info.minor);
-        tracing::debug!(major = %info.major, minor = %info.minor, ?layout, "counter sets laid out for this API server");
+        tracing::debug!(major = %info.major, minor = %info.minor, ?layout,
+            "counter sets laid out for this API server");
         self.layout = Some(layout);
         Ok(layout)
     }

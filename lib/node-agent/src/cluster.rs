@@ -270,9 +270,13 @@ impl Cluster {
     pub async fn stop_objects(&self) -> Result<StopObjects, String> {
         match tokio::time::timeout(STOP_LOOKUP_TIMEOUT, self.read_stop_objects()).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(format!("the API server could not tell whether the node stays in VM mode: {e}")),
+            Ok(Err(e)) => Err(format!(
+                "the API server could not tell whether the node \
+                    stays in VM mode: {e}"
+            )),
             Err(_) => Err(format!(
-                "the API server did not tell within {STOP_LOOKUP_TIMEOUT:?} whether the node stays in VM mode"
+                "the API server did not tell within {STOP_LOOKUP_TIMEOUT:?} whether \
+                    the node stays in VM mode"
             )),
         }
     }

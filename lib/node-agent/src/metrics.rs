@@ -83,7 +83,10 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The flag value is not an address to listen on.
-    #[error("invalid {FLAG} {value:?}: {reason} (use e.g. 0.0.0.0:9403, [::]:9403, 127.0.0.1:9403 or :9403)")]
+    #[error(
+        "invalid {FLAG} {value:?}: {reason} (use e.g. 0.0.0.0:9403, [::]:9403, \
+            127.0.0.1:9403 or :9403)"
+    )]
     ParseAddress {
         /// What was given.
         value: String,
@@ -288,7 +291,8 @@ async fn serve_with(listener: TcpListener, registry: Arc<Registry>, ready: Optio
                     Ok(Ok(())) | Err(_) => {}
                     Ok(Err(e)) => tracing::debug!(error = %e, "metrics: connection failed"),
                 },
-                () = open.close.notified() => tracing::debug!("metrics: closed an idle connection to make room"),
+                () = open.close.notified() => tracing::debug!("metrics: closed an idle \
+                    connection to make room"),
             }
             connections.end(id);
         });

@@ -172,7 +172,8 @@ impl<U: Holder<OwnedFd>, V: Holder<Inotify>> Sources<U, V> {
             match uevent::socket_nonblocking() {
                 Ok(fd) => U::hold(fd),
                 Err(e) => {
-                    tracing::warn!(error = %e, "no kernel uevents (needs the host network namespace); relying on the periodic resync");
+                    tracing::warn!(error = %e, "no kernel uevents (needs the host \
+                        network namespace); relying on the periodic resync");
                     None
                 }
             }
@@ -382,7 +383,8 @@ impl NodeWatch {
     pub fn open(host: &Host, options: Options) -> Self {
         let sources = Sources::open(host, options.uevents, options.owner_lock.clone());
         let resync = Resync::new(resync_period(&options, &sources));
-        tracing::info!(resync = ?resync.period, uevents = sources.has_uevents(), "watching the node");
+        tracing::info!(resync = ?resync.period, uevents = sources.has_uevents(),
+            "watching the node");
         Self { sources, resync }
     }
 

@@ -269,7 +269,9 @@ pub enum ConfigError {
         other: String,
     },
     /// Two names map to one KubeVirt variable.
-    #[error("{}: {entry} and {other} both map to KubeVirt's variable {variable} (KubeVirt upper-cases a resource name and turns `/` and `.` into `_`), which would be set for both; rename one", Origin(.file))]
+    #[error("{}: {entry} and {other} both map to KubeVirt's variable {variable} \
+        (KubeVirt upper-cases a resource name and turns `/` and `.` into `_`), which \
+        would be set for both; rename one", Origin(.file))]
     VariableClash {
         /// The file, when the list came from one.
         file: Option<PathBuf>,

@@ -279,7 +279,8 @@ impl<O: Records> Passthrough<'_, O> {
         }
         self.pin_overrides(inv, &[])?;
         if let Err(e) = self.unload_modules(unload) {
-            tracing::warn!(error = %error_chain(&e), "native module not unloaded; unbinding its devices one by one");
+            tracing::warn!(error = %error_chain(&e), "native module not unloaded; \
+                unbinding its devices one by one");
         }
         Ok(())
     }

@@ -478,7 +478,8 @@ fn read_group(
 
 /// The record of a device whose attributes could not be read.
 fn unreadable(host: &Host, address: PciAddress, error: &DeviceError) -> Skipped {
-    tracing::debug!(bdf = %address, error = %error_chain(error), "skipping a device that cannot be read");
+    tracing::debug!(bdf = %address, error = %error_chain(error),
+        "skipping a device that cannot be read");
     Skipped {
         address,
         group: iommu_group_of(host, &address).ok().flatten(),

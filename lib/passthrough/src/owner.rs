@@ -174,7 +174,8 @@ impl fmt::Display for Holder {
 #[derive(Debug, thiserror::Error)]
 pub enum OwnerError {
     /// Another program, or another instance of this one, owns the node.
-    #[error("{holder} owns the devices of this node (lock {}); {program} moves nothing while it does: {}", lock.display(), hint(program, rival, holder))]
+    #[error("{holder} owns the devices of this node (lock {}); {program} moves nothing \
+        while it does: {}", lock.display(), hint(program, rival, holder))]
     #[allow(missing_docs)]
     Owned {
         /// The program refused.
@@ -186,7 +187,9 @@ pub enum OwnerError {
         lock: PathBuf,
     },
     /// The other program's state file records devices it moved.
-    #[error("{rival}'s state file {} records {devices} device(s) moved on this node; {program} moves nothing while it does: a node runs either {program} or {rival}, not both; {}", state.display(), rival.release_hint)]
+    #[error("{rival}'s state file {} records {devices} device(s) moved on this node; \
+        {program} moves nothing while it does: a node runs either {program} or \
+        {rival}, not both; {}", state.display(), rival.release_hint)]
     Recorded {
         /// The program refused.
         program: &'static Program,
@@ -198,7 +201,9 @@ pub enum OwnerError {
         devices: usize,
     },
     /// The other program's state file cannot be read: it may record moved devices.
-    #[error("cannot tell whether {rival} has devices moved on this node: its state file {} cannot be read; {program} moves nothing while in doubt (repair the file, or remove it once no device of {rival} is on vfio-pci)", state.display())]
+    #[error("cannot tell whether {rival} has devices moved on this node: its state \
+        file {} cannot be read; {program} moves nothing while in doubt (repair the \
+        file, or remove it once no device of {rival} is on vfio-pci)", state.display())]
     InDoubt {
         /// The program refused.
         program: &'static Program,
@@ -212,7 +217,8 @@ pub enum OwnerError {
     },
     /// The lock path no longer names the file this process locked, and it could
     /// not be taken again.
-    #[error("the owner lock {} was {what} while this {program} held it (a cleanup of its directory?), and it cannot be taken again; moving no device until it can", lock.display())]
+    #[error("the owner lock {} was {what} while this {program} held it (a cleanup of \
+        its directory?), and it cannot be taken again; moving no device until it can", lock.display())]
     Lost {
         /// The program that held it.
         program: &'static Program,
@@ -225,13 +231,20 @@ pub enum OwnerError {
         source: Box<OwnerError>,
     },
     /// The lock's directory is on a read-only file system.
-    #[error("cannot create the owner lock {lock}: its file system is read-only (EROFS); mount a writable directory there (a hostPath under /run); not touching the node")]
+    #[error(
+        "cannot create the owner lock {lock}: its file system is read-only \
+            (EROFS); mount a writable directory there (a hostPath under /run); not \
+            touching the node"
+    )]
     ReadOnly {
         /// The lock file.
         lock: PathBuf,
     },
     /// The lock file is not a plain file we may open (a symlink, say).
-    #[error("cannot open the owner lock {lock} (it must be a regular file, not a symlink); not touching the node")]
+    #[error(
+        "cannot open the owner lock {lock} (it must be a regular file, not a \
+            symlink); not touching the node"
+    )]
     #[allow(missing_docs)]
     Open {
         /// The lock file.
@@ -364,7 +377,8 @@ impl Owner {
         let program = self.contender.program;
         match Self::take(&self.lock, &self.contender) {
             Ok(mut again) => {
-                tracing::warn!(lock = %self.lock.display(), "the owner lock was {what} while held; took it again");
+                tracing::warn!(lock = %self.lock.display(), "the owner lock was {what} \
+                    while held; took it again");
                 again.record.devices = self.record.devices;
                 again.write_record()?;
                 *self = again;
@@ -558,7 +572,8 @@ fn gate(lock: &Path, arg: FlockArg, create: bool) -> Result<Option<Flock<File>>,
             format!("pid {pid} ({})", comm.trim())
         },
     );
-    tracing::warn!(gate = %path.display(), holder = %holder, "waiting for the owner lock's gate, held by {holder}");
+    tracing::warn!(gate = %path.display(), holder = %holder, "waiting for the owner \
+        lock's gate, held by {holder}");
     match Flock::lock(file, arg) {
         Ok(f) => Ok(Some(f)),
         Err((_, errno)) => {
@@ -641,7 +656,8 @@ fn read_record(file: &File, lock: &Path) -> Result<Option<OwnerRecord>, OwnerErr
     match OwnerRecord::parse(&text) {
         Ok(r) => Ok(r),
         Err(e) => {
-            tracing::warn!(lock = %lock.display(), error = %e, "the owner record is garbled; the other program's state file decides whether the node is free");
+            tracing::warn!(lock = %lock.display(), error = %e, "the owner record is \
+                garbled; the other program's state file decides whether the node is free");
             Ok(None)
         }
     }

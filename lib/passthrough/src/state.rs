@@ -38,7 +38,10 @@ pub enum StateError {
         program: &'static Program,
     },
     /// The lock file is not a plain file we may open (a symlink, say).
-    #[error("cannot open lock file {lock} (it must be a regular file, not a symlink); not touching the node")]
+    #[error(
+        "cannot open lock file {lock} (it must be a regular file, not a symlink); \
+            not touching the node"
+    )]
     #[allow(missing_docs)]
     LockFile {
         /// The lock file.
@@ -50,7 +53,10 @@ pub enum StateError {
     #[error(transparent)]
     Owner(Box<OwnerError>),
     /// The file is not a state file we understand.
-    #[error("state file {path} is corrupt (move it aside only after checking which devices are on vfio-pci)")]
+    #[error(
+        "state file {path} is corrupt (move it aside only after checking which \
+            devices are on vfio-pci)"
+    )]
     Corrupt {
         /// The file.
         path: PathBuf,
@@ -59,7 +65,10 @@ pub enum StateError {
         source: serde_json::Error,
     },
     /// The state could not be turned into JSON; nothing was written.
-    #[error("cannot serialise the state for {path}; nothing written, the file keeps its previous contents")]
+    #[error(
+        "cannot serialise the state for {path}; nothing written, the file keeps \
+            its previous contents"
+    )]
     #[allow(missing_docs)]
     Serialize {
         /// The file.
@@ -68,7 +77,11 @@ pub enum StateError {
         source: serde_json::Error,
     },
     /// The file was written by a newer (or unknown) format.
-    #[error("state file {path} has format version {version}, this {program} understands only version {VERSION}; not touching the node (use the {program} that wrote it)")]
+    #[error(
+        "state file {path} has format version {version}, this {program} \
+            understands only version {VERSION}; not touching the node (use the {program} \
+            that wrote it)"
+    )]
     Version {
         /// The file.
         path: PathBuf,
@@ -78,7 +91,11 @@ pub enum StateError {
         program: &'static Program,
     },
     /// Two keys name the same device with different records.
-    #[error("state file {path} records {address} twice ({first} and {second}) with different contents; not touching the node (check which driver {address} came from and keep one record)")]
+    #[error(
+        "state file {path} records {address} twice ({first} and {second}) with \
+            different contents; not touching the node (check which driver {address} came \
+            from and keep one record)"
+    )]
     Duplicate {
         /// The file.
         path: PathBuf,
@@ -572,7 +589,8 @@ impl<R: Records> StateFile<R> {
                 if after > before {
                     return Err(e.into());
                 }
-                tracing::warn!(error = %support::error_chain(&e), devices = after, "the owner record still counts more devices than are held");
+                tracing::warn!(error = %support::error_chain(&e), devices = after,
+                    "the owner record still counts more devices than are held");
             }
         }
         self.state = next;

@@ -127,7 +127,8 @@ fn devices_left_moved_by_an_exited_owner_keep_the_other_program_out() {
     let msg = err.to_string();
     assert!(
         msg.starts_with(
-            "vfio-manager (pid 4242, since 2025-01-31T12:00:00Z; exited with 2 device(s) still moved) owns the devices of this node"
+            "vfio-manager (pid 4242, since 2025-01-31T12:00:00Z; exited with 2 \
+                device(s) still moved) owns the devices of this node"
         ),
         "{msg}"
     );
@@ -184,7 +185,8 @@ fn a_garbled_record_leaves_the_other_programs_state_file_to_decide() {
         let msg = error_chain(&err);
         assert!(
             msg.starts_with(&format!(
-                "vfio-manager's state file {} records 1 device(s) moved on this node; sandbox-dra-driver moves nothing while it does",
+                "vfio-manager's state file {} records 1 device(s) moved on this node; \
+                    sandbox-dra-driver moves nothing while it does",
                 manager_state.display()
             )),
             "{msg}"

@@ -401,7 +401,10 @@ fn vfio_modules_load_dependencies_first() {
     std::fs::remove_dir_all(b.node.host.module_dir("vfio_pci")).unwrap();
     b.node.add_modules_dep(
         "6.1.0-test",
-        "kernel/vfio-pci.ko: kernel/vfio-pci-core.ko kernel/vfio.ko\nkernel/vfio-pci-core.ko: kernel/vfio.ko\nkernel/vfio.ko:\nkernel/vfio_iommu_type1.ko: kernel/vfio.ko\n",
+        "kernel/vfio-pci.ko: kernel/vfio-pci-core.ko \
+            kernel/vfio.ko\nkernel/vfio-pci-core.ko: \
+            kernel/vfio.ko\nkernel/vfio.ko:\nkernel/vfio_iommu_type1.ko: \
+            kernel/vfio.ko\n",
     );
     b.kernel
         .module_drivers

@@ -149,7 +149,8 @@ impl<K: Kernel + Send + Sync + 'static> Bounded<K> {
         s.abandoned = true;
         tracing::error!(bdf = %address, driver = started.driver.as_deref().unwrap_or("unknown"),
             file = %path.display(), timeout_s = self.timeout.as_secs(),
-            "a sysfs write has not returned: the driver is stuck in the kernel; no other write goes to this device until it returns");
+            "a sysfs write has not returned: the driver is stuck in the kernel; no \
+                other write goes to this device until it returns");
         let err = timed_out(path, data, &started, self.timeout);
         lock(&self.stuck).insert(address, started);
         Err(err)
@@ -228,7 +229,8 @@ fn timed_out(path: &Path, data: &str, w: &StuckWrite, timeout: Duration) -> IoEr
         std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             format!(
-                "did not return within {} s: {} is stuck in the kernel; {} is left alone until the write returns",
+                "did not return within {} s: {} is stuck in the kernel; {} is left \
+                    alone until the write returns",
                 timeout.as_secs_f32(),
                 w.who(),
                 w.address
@@ -244,7 +246,8 @@ fn refused(path: &Path, data: &str, s: &StuckWrite) -> IoError {
         std::io::Error::new(
             std::io::ErrorKind::WouldBlock,
             format!(
-                "not written: an earlier write to {} (writing {} to {}) has not returned; {} is stuck in the kernel",
+                "not written: an earlier write to {} (writing {} to {}) has not \
+                    returned; {} is stuck in the kernel",
                 s.address,
                 s.data.trim_end(),
                 s.path.display(),

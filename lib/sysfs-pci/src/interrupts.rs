@@ -185,7 +185,9 @@ impl InterruptIsolation {
                 self.chips_shown()
             ),
             Verdict::UnsafeAllowed | Verdict::Missing => format!(
-                "no interrupt domain isolates device MSIs (interrupt chips: {}), so vfio_iommu_type1 and iommufd refuse to attach a device's group to a VM (EPERM, \"No interrupt remapping support\")",
+                "no interrupt domain isolates device MSIs (interrupt chips: {}), so \
+                    vfio_iommu_type1 and iommufd refuse to attach a device's group to \
+                    a VM (EPERM, \"No interrupt remapping support\")",
                 self.chips_shown()
             ),
         }
@@ -194,7 +196,8 @@ impl InterruptIsolation {
     /// How to fix a node without isolation.
     pub fn fix(&self) -> String {
         format!(
-            "{}; as a last resort, knowing what it gives up, load vfio_iommu_type1 with allow_unsafe_interrupts=1",
+            "{}; as a last resort, knowing what it gives up, load vfio_iommu_type1 \
+                with allow_unsafe_interrupts=1",
             self.hardware_fix()
         )
     }
@@ -202,11 +205,21 @@ impl InterruptIsolation {
     /// What makes the hardware isolate MSIs here.
     fn hardware_fix(&self) -> &'static str {
         if self.chips.iter().any(|c| c.starts_with("GIC")) {
-            return "the platform needs a GICv3 with an ITS for MSIs (a GICv2m frame does not isolate them): enable it in the firmware (ACPI MADT / device tree)";
+            return "the platform needs a GICv3 with an ITS for MSIs (a GICv2m frame \
+                does not isolate them): enable it in the firmware (ACPI MADT / device \
+                tree)";
         }
         match self.vtd_can_remap {
-            Some(true) => "the VT-d unit can remap interrupts but remapping is off: remove intremap=off from the kernel command line (and keep intel_iommu=on), then reboot",
-            _ => "turn interrupt remapping on: enable VT-d / AMD-Vi with interrupt remapping (and x2APIC) in the firmware, keep intremap=off and amd_iommu_intr=legacy off the kernel command line, then reboot",
+            Some(true) => {
+                "the VT-d unit can remap interrupts but remapping is off: \
+                    remove intremap=off from the kernel command line (and keep \
+                    intel_iommu=on), then reboot"
+            }
+            _ => {
+                "turn interrupt remapping on: enable VT-d / AMD-Vi with interrupt \
+                    remapping (and x2APIC) in the firmware, keep intremap=off and \
+                    amd_iommu_intr=legacy off the kernel command line, then reboot"
+            }
         }
     }
 
@@ -219,7 +232,9 @@ impl InterruptIsolation {
                 .map(|m| format!("{m}.allow_unsafe_interrupts=1"))
                 .collect();
             format!(
-                "{} lets VMs take devices without interrupt isolation: a guest's device can then write any MSI and raise interrupts on the host or in other guests; {}",
+                "{} lets VMs take devices without interrupt isolation: a guest's \
+                    device can then write any MSI and raise interrupts on the host or \
+                    in other guests; {}",
                 on.join(" and "),
                 self.hardware_fix()
             )

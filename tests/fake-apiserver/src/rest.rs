@@ -387,7 +387,9 @@ pub(crate) fn dns_subdomain(name: &str) -> Result<(), String> {
     }
     if !name.chars().all(ok_char) || !alnum(name.chars().next()) || !alnum(name.chars().last()) {
         return Err(format!(
-            "\"{name}\": a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"
+            "\"{name}\": a lowercase RFC 1123 subdomain must consist of lower case \
+                alphanumeric characters, '-' or '.', and must start and end with an \
+                alphanumeric character"
         ));
     }
     Ok(())

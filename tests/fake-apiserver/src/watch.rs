@@ -134,20 +134,31 @@ fn options(params: &[(String, String)]) -> Result<Options, Answer> {
     let mut invalid = Vec::new();
     if send_initial.is_some() && version_match != Some("NotOlderThan") {
         invalid.push(
-            "resourceVersionMatch: Forbidden: sendInitialEvents requires setting resourceVersionMatch to NotOlderThan".to_owned(),
+            "resourceVersionMatch: Forbidden: sendInitialEvents requires setting \
+                resourceVersionMatch to NotOlderThan"
+                .to_owned(),
         );
     }
     if let Some(m) = version_match {
         if send_initial.is_none() {
-            invalid.push("resourceVersionMatch: Forbidden: resourceVersionMatch is forbidden for watch unless sendInitialEvents is provided".to_owned());
+            invalid.push(
+                "resourceVersionMatch: Forbidden: resourceVersionMatch is \
+                    forbidden for watch unless sendInitialEvents is provided"
+                    .to_owned(),
+            );
         }
         if m != "NotOlderThan" {
             invalid.push(format!(
-                "resourceVersionMatch: Unsupported value: \"{m}\": supported values: \"NotOlderThan\""
+                "resourceVersionMatch: Unsupported value: \"{m}\": supported \
+                    values: \"NotOlderThan\""
             ));
         }
         if param(params, "continue").is_some_and(|c| !c.is_empty()) {
-            invalid.push("resourceVersionMatch: Forbidden: resourceVersionMatch is forbidden when continue is provided".to_owned());
+            invalid.push(
+                "resourceVersionMatch: Forbidden: resourceVersionMatch is \
+                    forbidden when continue is provided"
+                    .to_owned(),
+            );
         }
     }
     if !invalid.is_empty() {

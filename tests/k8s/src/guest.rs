@@ -220,7 +220,10 @@ impl Guest {
             .arg("-append")
             // As the bed boots (scripts/vm/run.sh): no_timer_check against the
             // early timer check that stalls under a loaded host.
-            .arg("console=ttyS0 panic=-1 quiet cryptomgr.notests no_timer_check intel_iommu=on iommu=pt")
+            .arg(
+                "console=ttyS0 panic=-1 quiet cryptomgr.notests no_timer_check \
+                    intel_iommu=on iommu=pt",
+            )
             .arg("-serial")
             .arg(format!("file:{}", console.display()));
         let qemu = Proc::spawn("qemu", cmd, &plane.logs_dir())?;
@@ -315,7 +318,8 @@ impl Guest {
     /// The driver `bdf` is bound to in the guest (`none` for none).
     pub fn driver(&self, bdf: &str) -> Result<String> {
         let out = self.check_sh(&format!(
-            "d=/sys/bus/pci/devices/{bdf}/driver; if [ -e $d ]; then basename $(readlink $d); else echo none; fi"
+            "d=/sys/bus/pci/devices/{bdf}/driver; if [ -e $d ]; then basename \
+                $(readlink $d); else echo none; fi"
         ))?;
         Ok(out.trim().to_owned())
     }

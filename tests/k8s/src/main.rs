@@ -276,14 +276,19 @@ fn run(cli: &Cli, release: Release) -> Result<bool> {
     }
     let ok = failed.is_empty();
     println!(
-        "real-k8s {label}: of {ran} scenarios {} passed, {not_applicable} do not apply, {} failed, in {:.1} s{}",
+        "real-k8s {label}: of {ran} scenarios {} passed, {not_applicable} do not \
+            apply, {} failed, in {:.1} s{}",
         ran.saturating_sub(failed.len() + not_applicable),
         failed.len(),
         start.elapsed().as_secs_f64(),
         if ok {
             String::new()
         } else {
-            format!("; failed: {}; logs in {}", failed.join(", "), dir.join("cluster/logs").display())
+            format!(
+                "; failed: {}; logs in {}",
+                failed.join(", "),
+                dir.join("cluster/logs").display()
+            )
         }
     );
     drop(ctx);

@@ -1118,17 +1118,18 @@ fn plugin_pod(ctx: &Ctx, name: &str) -> Result<String> {
         ctx.plane.apply(&manifest)?;
         match pod_output(ctx, name, Duration::from_secs(90)) {
             Ok(out) => break out,
-            Err(e) => {
-                match admission_refusal(&ctx.plane, name) {
-                    Some(why) if attempt < 3 => {
-                        println!("     (kubelet refused pod {name} at admission, attempt {attempt}: {why})");
-                        delete_pod(&ctx.plane, name)?;
-                        std::thread::sleep(Duration::from_secs(2));
-                        attempt += 1;
-                    }
-                    _ => return Err(e),
+            Err(e) => match admission_refusal(&ctx.plane, name) {
+                Some(why) if attempt < 3 => {
+                    println!(
+                        "     (kubelet refused pod {name} at admission, \
+                            attempt {attempt}: {why})"
+                    );
+                    delete_pod(&ctx.plane, name)?;
+                    std::thread::sleep(Duration::from_secs(2));
+                    attempt += 1;
                 }
-            }
+                _ => return Err(e),
+            },
         }
     };
     let address = out

@@ -194,7 +194,8 @@ impl KubeletVersion {
             Self::V1_34 => {
                 let wrap = |e: String| {
                     format!(
-                        "invalid supported gRPC versions of DRA driver plugin {name} at endpoint {endpoint}: {e}"
+                        "invalid supported gRPC versions of DRA driver plugin {name} \
+                            at endpoint {endpoint}: {e}"
                     )
                 };
                 if services.is_empty() {
@@ -206,7 +207,8 @@ impl KubeletVersion {
                     .map(Chosen::Speaks)
                     .ok_or_else(|| {
                         wrap(format!(
-                            "none of services supported by the plugin ({services:?}) are supported by the kubelet ({:?})",
+                            "none of services supported by the plugin ({services:?}) \
+                                are supported by the kubelet ({:?})",
                             Version::ALL.map(Version::service)
                         ))
                     })
@@ -319,7 +321,8 @@ async fn get_info_on(
     req.set_timeout(GET_INFO_TIMEOUT);
     let info = client.get_info(req).await.map_err(|e| {
         anyhow::anyhow!(
-            "RegisterPlugin error -- failed to get plugin info using RPC GetInfo at socket {}, err: {e}",
+            "RegisterPlugin error -- failed to get plugin info using RPC GetInfo at \
+                socket {}, err: {e}",
             socket.display()
         )
     })?;
@@ -434,7 +437,8 @@ pub async fn register_socket_as(
     match register_as(socket, kubelet, |_| Ok(())).await? {
         RegisterOutcome::Registered(r) => Ok(r),
         RegisterOutcome::RegisteredAlpha(info) => anyhow::bail!(
-            "kubelet {kubelet:?} registered {} but would call {V1ALPHA4_NODE_SERVICE} (it lists {:?}), which this peer does not speak",
+            "kubelet {kubelet:?} registered {} but would call {V1ALPHA4_NODE_SERVICE} \
+                (it lists {:?}), which this peer does not speak",
             info.name,
             info.supported_versions
         ),

@@ -504,7 +504,13 @@ mod tests {
             line.contains("-qmp unix:/tmp/q.sock,server=on,wait=off"),
             "{line}"
         );
-        assert!(line.contains("-object iommufd,id=iommufd0 -device vfio-pci,host=0000:02:00.0,id=hostdev0,rombar=0,iommufd=iommufd0"), "{line}");
+        assert!(
+            line.contains(
+                "-object iommufd,id=iommufd0 -device \
+                    vfio-pci,host=0000:02:00.0,id=hostdev0,rombar=0,iommufd=iommufd0"
+            ),
+            "{line}"
+        );
         let legacy = qemu_args(&["0000:02:00.0".into()], false, "64M", Path::new("/q")).join(" ");
         assert!(!legacy.contains("iommufd"), "{legacy}");
     }

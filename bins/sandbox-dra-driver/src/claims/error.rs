@@ -258,7 +258,10 @@ pub enum DriverError {
     #[error("cannot scan the node's PCI devices")]
     NodeScan(#[source] sysfs_pci::device::DeviceError),
     /// kubelet unprepared the claim while this prepare was on its way.
-    #[error("claim {claim}: kubelet unprepared it while this prepare was on its way; not preparing it (a new prepare will)")]
+    #[error(
+        "claim {claim}: kubelet unprepared it while this prepare was on its way; \
+            not preparing it (a new prepare will)"
+    )]
     #[allow(missing_docs)]
     Unprepared { claim: String },
     /// The call's deadline came first; the work goes on.

@@ -107,7 +107,9 @@ impl Labeller {
     /// A read or watch of the Lease failed: said once until one succeeds.
     fn failed(&mut self, e: &dyn std::error::Error) {
         if !self.failing {
-            tracing::warn!(lease = %self.lease, error = %support::error_chain(e), "cannot read the claim labeller's Lease; keeping the claim watch as it is");
+            tracing::warn!(lease = %self.lease, error = %support::error_chain(e),
+                "cannot read the claim labeller's Lease; keeping the claim watch as it \
+                    is");
         }
         self.failing = true;
     }
@@ -128,10 +130,12 @@ impl Labeller {
         if self.scope != Some(scope) {
             match scope {
                 Scope::Labelled => {
-                    tracing::info!(lease = %self.lease, "the claim labeller holds its Lease: watching only the ResourceClaims labelled for this node")
+                    tracing::info!(lease = %self.lease, "the claim labeller holds its \
+                        Lease: watching only the ResourceClaims labelled for this node")
                 }
                 Scope::All => {
-                    tracing::info!(lease = %self.lease, "no claim labeller holds and renews its Lease: watching every ResourceClaim")
+                    tracing::info!(lease = %self.lease, "no claim labeller holds and \
+                        renews its Lease: watching every ResourceClaim")
                 }
             }
         }

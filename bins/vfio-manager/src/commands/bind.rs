@@ -21,7 +21,8 @@ pub fn run(ctx: &Context, args: &ChangeArgs) -> anyhow::Result<ExitCode> {
         }
     }
     if inv.entries.is_empty() {
-        tracing::warn!(config = %super::config_source(ctx), "no devices selected by the resource list; nothing to bind");
+        tracing::warn!(config = %super::config_source(ctx), "no devices selected by \
+            the resource list; nothing to bind");
         return Ok(exit_code(skipped_ok));
     }
     print_driver_choices(&inv, &groups, args.dry_run);

@@ -25,7 +25,8 @@ pub fn run(ctx: &Context) -> anyhow::Result<ExitCode> {
         Ok(t) => t,
         Err(SmallFileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
             return not_ready(format!(
-                "{} does not exist (vfio-manager run writes it once every selected device is bound){}",
+                "{} does not exist (vfio-manager run writes it once every selected \
+                    device is bound){}",
                 path.display(),
                 stuck_note(path)
             ))

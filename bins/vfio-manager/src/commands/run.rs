@@ -118,7 +118,10 @@ fn parse_label_key(s: &str) -> Result<String, String> {
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
     {
-        return Err(format!("{s:?}: the name part must be 1-63 characters of [A-Za-z0-9._-], starting and ending with a letter or digit"));
+        return Err(format!(
+            "{s:?}: the name part must be 1-63 characters of \
+                [A-Za-z0-9._-], starting and ending with a letter or digit"
+        ));
     }
     if let Some(p) = prefix {
         let ok = !p.is_empty()
@@ -206,14 +209,17 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     let mut leave = LeaveLog::default();
     match &leaving {
         Some(reason) => {
-            tracing::info!(%reason, devices = pt.state.state().devices.len(), "the node is not in VM mode: finishing the restore, binding nothing");
+            tracing::info!(%reason, devices = pt.state.state().devices.len(),
+                "the node is not in VM mode: finishing the restore, binding nothing");
             pass.leave(ctx, &mut pt, &mut leave);
         }
         None => {
             // The label first: from now on a kill mid-restore is finished by the next pod.
             api.restore_label(true);
             if !api.label_settled(LABEL_WAIT) {
-                tracing::warn!(label = %args.restore_label, "the restore label is not on the Node yet (still trying): until it is, a kill during a restore leaves devices for a person");
+                tracing::warn!(label = %args.restore_label, "the restore label is not \
+                    on the Node yet (still trying): until it is, a kill during a \
+                    restore leaves devices for a person");
             }
             let inv = Inventory::scan(&ctx.host, &list)?;
             pt.enter_vm_mode(&inv, &args.unload_modules)?;
@@ -248,7 +254,8 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         if let Some(check) = api.checked() {
             match (check.verdict, &leaving) {
                 (Verdict::Restore(reason), None) => {
-                    tracing::info!(%reason, "the node leaves VM mode; restoring while this pod runs");
+                    tracing::info!(%reason, "the node leaves VM mode; restoring while \
+                        this pod runs");
                     leaving = Some(reason);
                     pending = Some(Instant::now());
                 }
@@ -291,12 +298,16 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
     }
     match api.stop_verdict() {
         Some(Verdict::Keep(reason)) => {
-            tracing::info!(%reason, devices = recorded, "the node stays in VM mode; leaving the devices bound for the next vfio-manager");
+            tracing::info!(%reason, devices = recorded, "the node stays in VM mode; \
+                leaving the devices bound for the next vfio-manager");
             api.event(NodeEvent {
                 warning: false,
                 reason: "DevicesKept",
                 action: "Keep",
-                note: format!("kept {recorded} device(s) on vfio for the next vfio-manager: {reason}"),
+                note: format!(
+                    "kept {recorded} device(s) on vfio for the next \
+                        vfio-manager: {reason}"
+                ),
             });
             metrics.stop("keep");
             api.finish();
@@ -305,7 +316,10 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
         Some(Verdict::Restore(reason)) => {
             tracing::info!(%reason, "the node leaves VM mode; restoring");
         }
-        None => tracing::info!("no API access; restoring (set NODE_NAME and give the pod API access to keep devices bound across rollouts)"),
+        None => tracing::info!(
+            "no API access; restoring (set NODE_NAME and give the \
+                pod API access to keep devices bound across rollouts)"
+        ),
     }
     metrics.stop("restore");
     let ok = restore_all(ctx, &mut pt, &api, &metrics, &mut leave);
@@ -327,7 +341,10 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
 /// one.
 fn identity(args: &Args) -> Option<(Identity, Option<String>)> {
     let Some(node) = args.node_name.clone().filter(|n| !n.is_empty()) else {
-        tracing::warn!("NODE_NAME is not set, so the API server is not asked: a stop restores every device, and each rollout bounces idle devices");
+        tracing::warn!(
+            "NODE_NAME is not set, so the API server is not asked: a stop \
+                restores every device, and each rollout bounces idle devices"
+        );
         return None;
     };
     let pod = match (&args.pod_namespace, &args.pod_name) {
@@ -405,7 +422,8 @@ pub fn restore_all(
             reason: "GroupHeld",
             action: "Restore",
             note: format!(
-                "IOMMU group {g} ({}) is held by a VM (/dev/vfio/{g} is open): left on vfio, record kept; {again}",
+                "IOMMU group {g} ({}) is held by a VM (/dev/vfio/{g} is open): left on \
+                    vfio, record kept; {again}",
                 listing(devices)
             ),
         });
@@ -517,7 +535,9 @@ impl RunState<'_> {
             Err(e) => {
                 let why = error_chain(&e);
                 if self.owner_lost.as_ref() != Some(&why) {
-                    tracing::error!(error = %why, "the node's owner lock is no longer ours: binding no device, not ready (the ready files are removed) until it is ours again");
+                    tracing::error!(error = %why, "the node's owner lock is no longer \
+                        ours: binding no device, not ready (the ready files are \
+                        removed) until it is ours again");
                 }
                 self.owner_lost = Some(why);
                 self.converged = false;
@@ -590,12 +610,14 @@ impl RunState<'_> {
             });
             write_atomic(self.ready_file, format!("{doc}\n").as_bytes())?;
             if !self.converged {
-                tracing::info!(file = %self.ready_file.display(), devices = devices.len(), "every selected device is bound; wrote ready file");
+                tracing::info!(file = %self.ready_file.display(), devices = devices.len(),
+                    "every selected device is bound; wrote ready file");
             }
         } else {
             remove_if_present(self.ready_file)?;
             if self.converged {
-                tracing::warn!(file = %self.ready_file.display(), "a selected device is not bound; removed ready file");
+                tracing::warn!(file = %self.ready_file.display(),
+                    "a selected device is not bound; removed ready file");
             }
         }
         self.converged = converged;
@@ -615,7 +637,8 @@ impl RunState<'_> {
                 reason: "DeviceStuck",
                 action: "Bind",
                 note: format!(
-                    "{w}; it is left alone with its record kept, the rest of the node goes on, and it is bound once the write returns"
+                    "{w}; it is left alone with its record kept, the rest of the node \
+                        goes on, and it is bound once the write returns"
                 ),
             });
         }

@@ -157,8 +157,11 @@ async fn other_paths_are_404_and_other_methods_405() {
     for method in ["POST", "PUT", "DELETE", "OPTIONS", "PATCH", "BREW"] {
         let r = exchange(
             addr,
-            format!("{method} /metrics HTTP/1.1\r\nHost: node\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-                .as_bytes(),
+            format!(
+                "{method} /metrics HTTP/1.1\r\nHost: node\r\nContent-Length: \
+                    0\r\nConnection: close\r\n\r\n"
+            )
+            .as_bytes(),
         )
         .await;
         assert!(
@@ -263,7 +266,8 @@ async fn keep_alive_serves_several_requests_on_one_connection() {
     let addr = server().await;
     let r = exchange(
         addr,
-        b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\nGET /nope HTTP/1.1\r\nHost: a\r\n\r\nGET /metrics HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\nGET /nope HTTP/1.1\r\nHost: \
+            a\r\n\r\nGET /metrics HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
     )
     .await;
     assert_eq!(r.matches("HTTP/1.1 200 OK\r\n").count(), 2, "{r}");

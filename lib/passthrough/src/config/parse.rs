@@ -326,7 +326,8 @@ fn parse_devices(value: &Json) -> Result<Vec<u16>, String> {
 fn parse_classes(value: &Json) -> Result<Vec<ClassPrefix>, String> {
     let Json::Array(items) = value else {
         return Err(format!(
-            "classes: expected a list of hex class prefixes, found {} (leave the key out to match any class)",
+            "classes: expected a list of hex class prefixes, found {} (leave the key \
+                out to match any class)",
             value.kind()
         ));
     };
@@ -350,7 +351,8 @@ fn parse_classes(value: &Json) -> Result<Vec<ClassPrefix>, String> {
 fn parse_addresses(value: &Json) -> Result<Vec<PciAddress>, String> {
     let Json::Array(items) = value else {
         return Err(format!(
-            "addresses: expected a list of PCI addresses, found {} (leave the key out to match any address)",
+            "addresses: expected a list of PCI addresses, found {} (leave the key out \
+                to match any address)",
             value.kind()
         ));
     };

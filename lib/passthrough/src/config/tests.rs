@@ -152,7 +152,8 @@ fn unknown_entry_key_names_entry_and_key() {
     ));
     assert_eq!(
         msg,
-        "resource list: resources[1] (example.com/X): unknown key \"device\" (expected name, vendor, devices, classes, addresses, driver)"
+        "resource list: resources[1] (example.com/X): unknown key \"device\" (expected \
+            name, vendor, devices, classes, addresses, driver)"
     );
 }
 
@@ -248,7 +249,8 @@ fn empty_devices_list() {
     let msg = entry_err(r#"{"name": "example.com/X", "vendor": "8086", "devices": []}"#);
     assert_eq!(
         msg,
-        "resource list: resources[0] (example.com/X): devices: the list is empty (leave the key out to match any device)"
+        "resource list: resources[0] (example.com/X): devices: the list is empty \
+            (leave the key out to match any device)"
     );
 }
 
@@ -267,7 +269,8 @@ fn odd_class_prefix() {
     let msg = entry_err(r#"{"name": "example.com/X", "vendor": "8086", "classes": ["02", "123"]}"#);
     assert_eq!(
         msg,
-        "resource list: resources[0] (example.com/X): classes[1]: \"123\" is not a class prefix of 2, 4 or 6 hex digits"
+        "resource list: resources[0] (example.com/X): classes[1]: \"123\" is not a \
+            class prefix of 2, 4 or 6 hex digits"
     );
     for bad in ["\"\"", "\"1234567\"", "\"0x1\""] {
         let msg = entry_err(&format!(
@@ -374,7 +377,8 @@ fn duplicate_name() {
         ]}"#);
     assert_eq!(
         msg,
-        "resource list: resources[2] (example.com/X): name is already used by resources[0] (example.com/X)"
+        "resource list: resources[2] (example.com/X): name is already used by \
+            resources[0] (example.com/X)"
     );
 }
 
@@ -456,7 +460,10 @@ fn name_given_by_a_preset() {
         ));
         assert_eq!(
             msg,
-            format!("resource list: resources[0] ({name}): name is already used by preset \"rebellions\"")
+            format!(
+                "resource list: resources[0] ({name}): name is already used by \
+                    preset \"rebellions\""
+            )
         );
     }
     let msg = err(
@@ -481,7 +488,8 @@ fn overlap_explicit_vs_explicit() {
         ]}"#);
     assert_eq!(
         msg,
-        "resource list: resources[1] (example.com/B) overlaps resources[0] (example.com/A): both would select vendor 8086, device 10d4, class 0200xx"
+        "resource list: resources[1] (example.com/B) overlaps resources[0] \
+            (example.com/A): both would select vendor 8086, device 10d4, class 0200xx"
     );
     let msg = err(r#"{"resources": [
             {"name": "example.com/A", "vendor": "8086"},
@@ -500,13 +508,17 @@ fn overlap_explicit_vs_preset() {
     );
     assert_eq!(
         msg,
-        "resource list: resources[0] (example.com/NPU) overlaps preset \"rebellions\": both would select vendor 1eff, device 1220, class 12xxxx"
+        "resource list: resources[0] (example.com/NPU) overlaps preset \"rebellions\": \
+            both would select vendor 1eff, device 1220, class 12xxxx"
     );
     let msg = err(
         r#"{"preset": ["rebellions", "nvidia"], "resources": [{"name": "example.com/GPU", "vendor": "10de", "classes": ["030200"]}]}"#,
     );
     assert!(
-        msg.ends_with("resources[0] (example.com/GPU) overlaps preset \"nvidia\": both would select vendor 10de, any device, class 030200"),
+        msg.ends_with(
+            "resources[0] (example.com/GPU) overlaps preset \"nvidia\": both \
+                would select vendor 10de, any device, class 030200"
+        ),
         "{msg}"
     );
 }

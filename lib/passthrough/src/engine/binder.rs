@@ -202,7 +202,8 @@ impl<'b, 's, O: Records> Binder<'b, 's, O> {
                     .contains(&module::canonical_name(d))
             });
             let hint = if unloaded {
-                "; its native module was unloaded when the node was taken and is reloaded on restore"
+                "; its native module was unloaded when the node was taken and is \
+                    reloaded on restore"
             } else {
                 ""
             };
@@ -224,7 +225,8 @@ impl<O: Records> Binder<'_, '_, O> {
             Ok(true) => {
                 for (a, _) in members {
                     // The callers say it, once per hold (vfio-manager run retries every resync).
-                    tracing::debug!(bdf = %a, group, "a VM holds /dev/vfio/{group}; not restoring it now");
+                    tracing::debug!(bdf = %a, group, "a VM holds /dev/vfio/{group}; \
+                        not restoring it now");
                     report.in_use.push((*a, group));
                 }
                 return report;
@@ -337,7 +339,8 @@ fn for_each_bounded<T: Sync, R: Send>(
             {
                 Ok(handle) => handles.push(handle),
                 Err(e) => {
-                    tracing::warn!(error = %e, threads = n, "cannot start another bind thread; going on with fewer");
+                    tracing::warn!(error = %e, threads = n, "cannot start another bind \
+                        thread; going on with fewer");
                     break;
                 }
             }

@@ -124,7 +124,8 @@ proptest! {
     /// Any pattern over the glob's special bytes agrees with the C library's fnmatch.
     #[test]
     fn glob_agrees_with_libc_fnmatch(pattern in glob_bytes(), text in text_bytes()) {
-        prop_assert_eq!(glob(&pattern, &text), libc_fnmatch(&pattern, &text), "{:?} vs {:?}", pattern, text);
+        prop_assert_eq!(glob(&pattern, &text), libc_fnmatch(&pattern, &text),
+            "{:?} vs {:?}", pattern, text);
     }
 
     /// A modalias-shaped pattern with some fields left open agrees too, and matches

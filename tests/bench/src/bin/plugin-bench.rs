@@ -209,7 +209,11 @@ async fn main() -> anyhow::Result<()> {
 
     let ms = |d: Option<&Duration>| d.map_or(-1.0, |d| d.as_secs_f64() * 1e3);
     println!(
-        "devices={:<5} start_to_first_ms={:<7.1} alloc_median_us={:<6} alloc_p99_us={:<6} pref_all_median_us={:<6} alloc_racing_pref_max_us={:<6} rss_after_allocs_mib={:<5.2} rss_idle_mib={:<5.2} idle_cpu_pct={:<6.3} health_node_median_ms={:<6.2} health_node_max_ms={:<6.2} health_uevent_median_ms={:<6.2} health_uevent_max_ms={:.2}",
+        "devices={:<5} start_to_first_ms={:<7.1} alloc_median_us={:<6} \
+            alloc_p99_us={:<6} pref_all_median_us={:<6} alloc_racing_pref_max_us={:<6} \
+            rss_after_allocs_mib={:<5.2} rss_idle_mib={:<5.2} idle_cpu_pct={:<6.3} \
+            health_node_median_ms={:<6.2} health_node_max_ms={:<6.2} \
+            health_uevent_median_ms={:<6.2} health_uevent_max_ms={:.2}",
         args.devices,
         to_first.as_secs_f64() * 1e3,
         pct(&lat, 0.5).as_micros(),

@@ -253,7 +253,8 @@ impl Objects {
         if let (Some(ns), Some(have)) = (&route.namespace, meta(obj, "namespace")) {
             if ns != have {
                 return Err(bad_request(
-                    "the namespace of the provided object does not match the namespace sent on the request",
+                    "the namespace of the provided object does not match the namespace \
+                        sent on the request",
                 ));
             }
         }
@@ -284,7 +285,11 @@ impl Objects {
                 return status(
                     StatusCode::UNPROCESSABLE_ENTITY,
                     "Invalid",
-                    &format!("{} is invalid: metadata.name: Required value: name or generateName is required", route.kind.kind),
+                    &format!(
+                        "{} is invalid: metadata.name: Required value: name or \
+                            generateName is required",
+                        route.kind.kind
+                    ),
                 )
             }
         };
@@ -382,7 +387,10 @@ impl Objects {
                 return Err(conflict(
                     kind,
                     name,
-                    &format!("Precondition failed: UID in precondition: {uid}, UID in object meta: {have}"),
+                    &format!(
+                        "Precondition failed: UID in precondition: {uid}, UID in \
+                            object meta: {have}"
+                    ),
                 ));
             }
         }
@@ -391,7 +399,8 @@ impl Objects {
                 return Err(conflict(
                     kind,
                     name,
-                    "the object has been modified; please apply your changes to the latest version and try again",
+                    "the object has been modified; please apply your changes to the \
+                        latest version and try again",
                 ));
             }
         }
@@ -490,7 +499,8 @@ impl Objects {
                 let kind = o.get("kind").and_then(Value::as_str);
                 if kind.is_some_and(|k| k != "DeleteOptions") {
                     return bad_request(&format!(
-                        "the kind in the data ({}) does not match the expected kind (DeleteOptions)",
+                        "the kind in the data ({}) does not match the expected kind \
+                            (DeleteOptions)",
                         kind.unwrap_or("")
                     ));
                 }

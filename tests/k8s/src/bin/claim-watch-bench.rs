@@ -50,7 +50,8 @@ const SEE_TIMEOUT: Duration = Duration::from_secs(60);
 #[derive(Parser, Debug)]
 #[command(
     name = "claim-watch-bench",
-    about = "Watch events and bytes the real API server sends per ResourceClaim change to N simulated nodes, without and with the claim labeller"
+    about = "Watch events and bytes the real API server sends per ResourceClaim change \
+        to N simulated nodes, without and with the claim labeller"
 )]
 struct Cli {
     /// The release's binaries (scripts/build-k8s.sh prints the directory).
@@ -426,7 +427,10 @@ async fn claim_life(
     let written = Instant::now();
     let patched = merge_patch(admin, &status, &allocation).await?;
     if patched["status"]["allocation"]["devices"]["results"][0]["bindingConditions"].is_null() {
-        bail!("the API server dropped bindingConditions (its DRADeviceBindingConditions gate is off): run with --gates features");
+        bail!(
+            "the API server dropped bindingConditions (its \
+                DRADeviceBindingConditions gate is off): run with --gates features"
+        );
     }
     let at = wait_seen(&seen.allocated, &uid, "allocated", node, |(_, at)| *at).await?;
     merge_patch(admin, &status, &json!({"status": {"allocation": null}})).await?;
@@ -513,7 +517,9 @@ fn print_row(r: &Row) {
     let mut lat = r.latency_ms.clone();
     let max = lat.iter().copied().fold(0.0, f64::max);
     println!(
-        "run: watch={} nodes={} changes={} server_events/change={:.1} server_bytes/change={:.0} node_events/change={:.1} node_bytes/change={:.0} apiserver_cpu_ms/change={:.2} latency_ms median={:.1} max={:.1}",
+        "run: watch={} nodes={} changes={} server_events/change={:.1} \
+            server_bytes/change={:.0} node_events/change={:.1} node_bytes/change={:.0} \
+            apiserver_cpu_ms/change={:.2} latency_ms median={:.1} max={:.1}",
         r.watch.name(),
         r.nodes,
         r.changes,

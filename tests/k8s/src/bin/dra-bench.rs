@@ -376,7 +376,8 @@ impl Bench<'_> {
         let class = json!({
             "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
             "metadata": {"name": CLASS},
-            "spec": {"selectors": [{"cel": {"expression": format!("device.driver == \"{NULL_DRIVER}\"")}}]},
+            "spec": {"selectors": [{"cel": {"expression": format!(
+                "device.driver == \"{NULL_DRIVER}\"")}}]},
         });
         create(
             &self.admin,

@@ -47,7 +47,8 @@ use real_k8s::proc::wait_for;
 #[derive(Parser, Debug)]
 #[command(
     name = "guest-node",
-    about = "Installs the chart on a real kubelet in the real-kernel test bed and walks a node through VM mode"
+    about = "Installs the chart on a real kubelet in the real-kernel test bed and \
+        walks a node through VM mode"
 )]
 struct Cli {
     /// The release's binaries (scripts/build-k8s.sh v1.37).
@@ -709,7 +710,8 @@ fn rollout(run: &mut Run) -> Result<String> {
     let (repo, tag) = run.image.clone();
     let next = format!("{tag}-next");
     run.guest.check_sh(&format!(
-        "ctr --address=/run/containerd/containerd.sock -n k8s.io images tag {repo}:{tag} {repo}:{next}"
+        "ctr --address=/run/containerd/containerd.sock -n k8s.io images tag \
+            {repo}:{tag} {repo}:{next}"
     ))?;
     let old_manager = run.pods("vfio-manager")?;
     let old_plugin = run.pods("sandbox-device-plugin")?;
@@ -1142,7 +1144,8 @@ fn early_move(run: &Run, pod: &str) -> Result<String> {
         .to_owned();
     ensure!(
         ready_at < bound_at,
-        "claim {claim}: the driver wrote {ready} at {ready_at}, after the scheduler bound pod {pod} at {bound_at}"
+        "claim {claim}: the driver wrote {ready} at {ready_at}, after the scheduler \
+            bound pod {pod} at {bound_at}"
     );
     Ok(format!(
         "moved before binding (claim {claim} allocated with {ready}, its status written at \

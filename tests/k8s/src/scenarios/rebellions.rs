@@ -161,7 +161,8 @@ fn kubevirt_example(ctx: &Ctx) -> Result<String> {
         "kubevirt-example",
         &format!("{ENVIRON}; {SHOW}"),
         "    resources:\n      claims:\n        - name: npu-claim\n",
-        "  resourceClaims:\n    - name: npu-claim\n      resourceClaimTemplateName: npu-passthrough\n",
+        "  resourceClaims:\n    - name: npu-claim\n      resourceClaimTemplateName: \
+            npu-passthrough\n",
     ))?;
     let out = wait_output(ctx, "kubevirt-example")?;
     let claim = generated_claim(plane, "kubevirt-example")?;

@@ -45,7 +45,8 @@ fn load_errors_name_the_file() {
     assert_eq!(
         error.to_string(),
         format!(
-            "resource list {}: unknown key \"oops\" (expected \"preset\", \"naming\" or \"resources\")",
+            "resource list {}: unknown key \"oops\" (expected \"preset\", \"naming\" \
+                or \"resources\")",
             path.display()
         )
     );

@@ -164,7 +164,8 @@ fn explicit_entries() {
             "example.com/ANY_CLASS: vendor 8086, device 1572, any class, driver vfio-pci",
             "example.com/ANY_DEVICE: vendor 15b3, any device, class 0207xx, driver vfio-pci",
             "example.com/ALL: vendor 1af4, any device, any class, driver vfio-pci",
-            "nvidia.com/GRACE_GPU: vendor 10de, device 2342, any class, driver nvgrace_gpu_vfio_pci",
+            "nvidia.com/GRACE_GPU: vendor 10de, device 2342, any class, driver \
+                nvgrace_gpu_vfio_pci",
         ]
     );
 }
@@ -190,7 +191,8 @@ fn describe_lists_classes_and_devices() {
     assert_eq!(
         list.describe(),
         [
-            "preset nvidia: vendor 10de, any device, classes 0300xx 0302xx, driver vfio-pci -> nvidia.com/<PCI ID database name>, else nvidia.com/<device>",
+            "preset nvidia: vendor 10de, any device, classes 0300xx 0302xx, driver \
+                vfio-pci -> nvidia.com/<PCI ID database name>, else nvidia.com/<device>",
             "example.com/A: vendor 8086, devices 0001 0002, classes 02xxxx 0c0330, driver vfio-pci",
         ]
     );
@@ -214,11 +216,17 @@ fn addresses_parse_errors_name_the_entry() {
     );
     assert_eq!(
         entry_err(&npu_at(r#""3b:00.0""#)),
-        format!("{entry}: addresses: expected a list of PCI addresses, found a string (leave the key out to match any address)")
+        format!(
+            "{entry}: addresses: expected a list of PCI addresses, found a string \
+                (leave the key out to match any address)"
+        )
     );
     assert_eq!(
         entry_err(&npu_at(r#"["3b:00.0", 7]"#)),
-        format!("{entry}: addresses[1]: expected a PCI address such as \"0000:3b:00.0\", found a number")
+        format!(
+            "{entry}: addresses[1]: expected a PCI address such \
+                as \"0000:3b:00.0\", found a number"
+        )
     );
     let msg = entry_err(&npu_at(r#"["3b:00.0", "3b:00"]"#));
     assert!(
@@ -251,7 +259,10 @@ fn addresses_parse_errors_name_the_entry() {
     );
     assert_eq!(
         entry_err(&npu_at("null")),
-        format!("{entry}: addresses: expected a list of PCI addresses, found null (leave the key out to match any address)")
+        format!(
+            "{entry}: addresses: expected a list of PCI addresses, found null \
+                (leave the key out to match any address)"
+        )
     );
 }
 
@@ -260,7 +271,8 @@ fn addresses_listed_twice_in_either_form() {
     let msg = entry_err(&npu_at(r#"["0000:3b:00.0", "5e:00.0", "3B:00.0"]"#));
     assert_eq!(
         msg,
-        "resource list: resources[0] (example.com/NPU_PT): addresses[2]: 0000:3b:00.0 is listed twice"
+        "resource list: resources[0] (example.com/NPU_PT): addresses[2]: 0000:3b:00.0 \
+            is listed twice"
     );
     // Another domain is another address.
     ResourceList::parse(&format!(
@@ -306,7 +318,10 @@ fn addresses_narrow_the_selection() {
     );
     assert_eq!(
         list.describe(),
-        ["example.com/NPU_PT: vendor 1eff, device 1220, any class, addresses 0000:3b:00.0 0001:5e:00.1, driver vfio-pci"]
+        [
+            "example.com/NPU_PT: vendor 1eff, device 1220, any class, addresses \
+                0000:3b:00.0 0001:5e:00.1, driver vfio-pci"
+        ]
     );
 }
 
@@ -345,7 +360,9 @@ fn addresses_in_common_overlap() {
         ]}"#);
     assert_eq!(
         msg,
-        "resource list: resources[1] (example.com/B) overlaps resources[0] (example.com/A): both would select vendor 1eff, device 1220, class 12xxxx, address 0000:3c:00.0"
+        "resource list: resources[1] (example.com/B) overlaps resources[0] \
+            (example.com/A): both would select vendor 1eff, device 1220, class 12xxxx, \
+            address 0000:3c:00.0"
     );
 }
 
@@ -357,7 +374,11 @@ fn addresses_do_not_separate_an_entry_from_one_without_them() {
             {"name": "example.com/B", "vendor": "1eff", "devices": ["1220"], "addresses": ["3b:00.0"]}
         ]}"#);
     assert!(
-        msg.ends_with("resources[1] (example.com/B) overlaps resources[0] (example.com/A): both would select vendor 1eff, device 1220, any class, address 0000:3b:00.0"),
+        msg.ends_with(
+            "resources[1] (example.com/B) overlaps resources[0] \
+                (example.com/A): both would select vendor 1eff, device 1220, any class, \
+                address 0000:3b:00.0"
+        ),
         "{msg}"
     );
     // Nor from a preset that takes the model.
@@ -367,7 +388,9 @@ fn addresses_do_not_separate_an_entry_from_one_without_them() {
     ));
     assert_eq!(
         msg,
-        "resource list: resources[0] (example.com/NPU_PT) overlaps preset \"rebellions\": both would select vendor 1eff, device 1220, class 12xxxx, address 0000:3b:00.0"
+        "resource list: resources[0] (example.com/NPU_PT) overlaps \
+            preset \"rebellions\": both would select vendor 1eff, device 1220, class \
+            12xxxx, address 0000:3b:00.0"
     );
 }
 

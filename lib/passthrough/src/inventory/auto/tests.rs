@@ -66,7 +66,8 @@ fn each_device_gets_its_most_specific_alias() {
     assert!(
         shown.starts_with("nvgrace_gpu_vfio_pci (auto: ")
             && shown.ends_with(
-                "modules.alias line 3: alias vfio_pci:v000010DEd00002342sv*sd*bc*sc*i* nvgrace_gpu_vfio_pci)"
+                "modules.alias line 3: alias vfio_pci:v000010DEd00002342sv*sd*bc*sc*i* \
+                    nvgrace_gpu_vfio_pci)"
             ),
         "{shown}"
     );
