@@ -239,7 +239,10 @@ pub fn run(ctx: &Context, args: &Args) -> anyhow::Result<ExitCode> {
             ..Options::default()
         },
     );
-    let mut pending: Option<Instant> = None;
+    // One pass as soon as the watch is open: what changed after the first pass
+    // and before the watch (a uevent, the owner lock deleted or replaced) is seen
+    // now, not at the resync.
+    let mut pending: Option<Instant> = Some(Instant::now());
     loop {
         let timeout = match pending {
             Some(at) => node
